@@ -1,0 +1,49 @@
+"""The `fuselm` command line: a thin click layer over the Python APIs."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from converter.errors import user_errors
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="fuselm")
+def cli() -> None:
+    """Turn Hugging Face decoder LLMs into fused ONNX models and run them (MLX / onnxruntime)."""
+
+
+def _register() -> None:
+    # Each command lives in the module named for its job.
+    from converter.convert_cmd import convert, demo
+    from converter.inspect_cmd import inspect
+
+    for command in (convert, inspect, demo):
+        cli.add_command(command)
+
+
+_register()
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit code 2, never a traceback."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except user_errors() as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
