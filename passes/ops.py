@@ -199,7 +199,9 @@ def fused_rope_reference(
             float(a["dynamic_factor"]),
             int(a["dynamic_max_positions"]),
         )
-    cos, sin = rope_cos_sin(position_ids, inv_freq, float(a["attention_scale"]), int(a["interleaved"]))
+    cos, sin = rope_cos_sin(
+        position_ids, inv_freq, float(a["attention_scale"]), int(a["interleaved"])
+    )
 
     def one(x: np.ndarray, norm: np.ndarray | None) -> np.ndarray:
         b, s, _ = x.shape
@@ -217,7 +219,8 @@ def fused_rope_reference(
 def dequantize_reference(
     codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, block_size: int
 ) -> np.ndarray:
-    """Blocked DequantizeLinear along axis 0: w[k, n] = (codes[k, n] - zp[k // B, n]) * s[k // B, n].
+    """Blocked DequantizeLinear along axis 0:
+    w[k, n] = (codes[k, n] - zp[k // B, n]) * s[k // B, n].
 
     Returns the scales' dtype, as ONNX DequantizeLinear does.
     """
@@ -422,8 +425,10 @@ def _rope_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
         _n("Unsqueeze", ["cos_s", "ax_2"], ["cos"]),
         _n("Unsqueeze", ["sin_s", "ax_2"], ["sin"]),
     ]
-    for x, norm_input, out in (("q", "q_norm" if has_qn else None, "q_rot"),
-                               ("k", "k_norm" if has_kn else None, "k_rot")):
+    for x, norm_input, out in (
+        ("q", "q_norm" if has_qn else None, "q_rot"),
+        ("k", "k_norm" if has_kn else None, "k_rot"),
+    ):
         p = f"{x}_"
         nodes.append(_n("Reshape", [x, "heads_shape"], [p + "heads"]))
         src = p + "heads"

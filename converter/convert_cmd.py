@@ -1,0 +1,148 @@
+"""`fuselm convert` and `fuselm demo`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from converter import pipeline
+from converter.pipeline import ConvertOptions
+from converter.progress import stage_progress, stderr
+
+BLOCK_SIZES = (32, 64, 128)
+
+
+def _passes(value: str | None) -> list[str] | None:
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+@click.command("convert")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Output directory (model.onnx, model.onnx.data, fuselm.json, tokenizer).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Graph dtype; auto keeps the checkpoint's (bf16 → float16).",
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["none", "q4"]),
+    default="none",
+    show_default=True,
+    help="q4: 4-bit block weights (DequantizeLinear + MatMul / fused ops).",
+)
+@click.option(
+    "--block-size",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Q4 block size along the reduction axis (32, 64 or 128).",
+)
+@click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
+@click.option("--quant-lm-head", is_flag=True, help="Also quantize the LM head.")
+@click.option("--quant-embeddings", is_flag=True, help="Also quantize the embedding table.")
+@click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
+@click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
+@click.option("--keep-intermediate", is_flag=True, help="Keep raw.onnx beside the output.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+def convert_command(
+    model_dir: Path,
+    out_dir: Path,
+    dtype: str,
+    quant: str,
+    block_size: int,
+    sym: bool,
+    quant_lm_head: bool,
+    quant_embeddings: bool,
+    passes: str | None,
+    no_optimize: bool,
+    keep_intermediate: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Convert an HF decoder checkpoint (MODEL_DIR) into a fused ONNX artifact."""
+    if block_size not in BLOCK_SIZES:
+        raise click.BadParameter(
+            f"{block_size} is not supported; valid values: {', '.join(map(str, BLOCK_SIZES))}",
+            param_hint="--block-size",
+        )
+    if quant == "none" and (sym or quant_lm_head or quant_embeddings):
+        raise click.UsageError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
+    opts = ConvertOptions(
+        dtype=dtype,
+        optimize=not no_optimize,
+        passes=_passes(passes),
+        quant=None if quant == "none" else quant,
+        block_size=block_size,
+        symmetric=sym,
+        quant_lm_head=quant_lm_head,
+        quant_embeddings=quant_embeddings,
+        keep_intermediate=keep_intermediate,
+    )
+    with stage_progress(not quiet and not as_json) as progress:
+        result = pipeline.convert(model_dir, out_dir, opts, progress)
+    if result.report is not None and not quiet:
+        stderr.print(result.report.render())
+    summary = {
+        "out_dir": str(result.out_dir),
+        "architecture": result.manifest.model.architecture,
+        "dtype": result.manifest.dtype,
+        "steps": result.manifest.steps,
+        "quantization": result.manifest.quantization,
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "passes": result.manifest.passes,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        stderr.print(f"[green]wrote[/] {result.out_dir} in {result.seconds['total']:.1f}s")
+
+
+convert = convert_command
+
+
+@click.command("demo")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where to put the built-in checkpoint and its conversion (default: a temp dir).",
+)
+@click.option("--prompt", default="Hello world", show_default=True)
+@click.option("-n", "max_new_tokens", type=int, default=16, show_default=True)
+def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
+    """Build a small random-weight Qwen3-style model, convert it, and generate from it."""
+    from converter.builtin import build_model
+
+    root = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-"))
+    ckpt = root / "checkpoint"
+    artifact_dir = root / "artifact"
+    stderr.print(f"building a random-weight Qwen3-style checkpoint in {ckpt}")
+    build_model(ckpt, "qwen3", seed=0)
+    with stage_progress() as progress:
+        result = pipeline.convert(ckpt, artifact_dir, ConvertOptions(), progress)
+    if result.report is not None:
+        stderr.print(result.report.render())
+    stderr.print(f"[green]converted[/] → {artifact_dir}")
+    try:
+        from runtime_metal.generate import generate_text
+    except ImportError:
+        sys.exit(0)
+    out = generate_text(artifact_dir, prompt, max_new_tokens=max_new_tokens)
+    click.echo(json.dumps(out, indent=2))

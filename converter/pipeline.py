@@ -1,0 +1,239 @@
+"""The convert pipeline: HF model dir → export → passes → (quantize) → artifact in OUT_DIR.
+
+Everything is written into a temporary sibling of OUT_DIR and moved into place at the end, so
+a failure never leaves a half-written OUT_DIR behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from converter.errors import UserError
+from export.config import DecoderSpec
+from export.onnx_export import export_model
+from export.registry import decoder_spec
+from passes import ops
+from runtime_metal import artifact
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class ConvertOptions:
+    dtype: str | None = None  # None/"auto": the checkpoint's (bf16 → float16)
+    optimize: bool = True
+    passes: list[str] | None = None  # None = the whole pipeline
+    quant: str | None = None  # None | "q4"
+    block_size: int = 32
+    symmetric: bool = False
+    quant_lm_head: bool = False
+    quant_embeddings: bool = False
+    keep_intermediate: bool = False
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    manifest: artifact.Manifest
+    seconds: dict[str, float] = field(default_factory=dict)
+    report: Any = None  # the pass manager's report, when passes ran
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in ("fuselm", "torch", "onnx", "onnxruntime", "onnxscript", "transformers", "mlx"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[pkg] = metadata.version(pkg)
+    return out
+
+
+def _prepare_out_dir(out_dir: Path) -> Path:
+    """Check OUT_DIR can be (re)written; return a fresh temp folder beside it."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"output path {out_dir} exists and is not a directory; choose another -o")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / artifact.MANIFEST).is_file():
+        raise UserError(
+            f"output directory {out_dir} is not empty and holds no fuselm artifact; "
+            "choose an empty or new directory"
+        )
+    parent = out_dir.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise UserError(
+            f"output path {out_dir} is not writable ({e.strerror}); choose another -o"
+        ) from None
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the artifact is not
+    return tmp
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    old = None
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / "prev")
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _copy_side_files(model_dir: Path, out: Path) -> list[str]:
+    copied = []
+    for name in (*artifact.TOKENIZER_FILES, artifact.GENERATION_CONFIG):
+        src = model_dir / name
+        if src.is_file():
+            shutil.copy2(src, out / name)
+            copied.append(name)
+    return copied
+
+
+def _manifest(
+    spec: DecoderSpec, dtype: str, model_dir: Path, ckpt_dtype: str, opts: ConvertOptions
+) -> artifact.Manifest:
+    r = spec.rope
+    return artifact.Manifest(
+        model=artifact.ModelInfo(
+            architecture=spec.architecture,
+            family=spec.family,
+            hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size,
+            vocab_size=spec.vocab_size,
+            rms_norm_eps=spec.rms_norm_eps,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            context_length=spec.context_length,
+            sliding_window=spec.sliding_window,
+        ),
+        rope=artifact.RopeInfo(
+            type=r.type,
+            theta=r.theta,
+            rotary_dim=r.rotary_dim,
+            attention_scale=r.attention_scale,
+            parameters=r.parameters,
+        ),
+        dtype=dtype,
+        special_tokens={
+            "bos": spec.bos_token_id,
+            "eos": spec.eos_token_ids,
+            "pad": spec.pad_token_id,
+        },
+        source={"path": str(model_dir.resolve()), "checkpoint_dtype": ckpt_dtype},
+        versions=_versions(),
+        files={"model": artifact.MODEL_FILE, "data": artifact.DATA_FILE},
+    )
+
+
+def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
+    """Run the pass pipeline (and quantization) on raw.onnx, write the fused model."""
+    from passes.manager import run_pipeline
+
+    model = onnx.load(str(raw), load_external_data=True)
+    extra = []
+    if opts.quant == "q4":
+        from passes.quantize import quantize_pass
+
+        extra.append(
+            quantize_pass(
+                block_size=opts.block_size,
+                symmetric=opts.symmetric,
+                lm_head=opts.quant_lm_head,
+                embeddings=opts.quant_embeddings,
+            )
+        )
+    model, report = run_pipeline(model, passes=opts.passes, extra=extra)
+    save_model(model, final)
+    return report
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save with every weight in `<name>.data` beside it (one file, 64-byte aligned)."""
+    ops.attach_functions(model)
+    data = path.with_name(path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data.name,
+        size_threshold=1024,
+    )
+
+
+def check_model(path: Path) -> None:
+    onnx.checker.check_model(str(path), full_check=False)
+
+
+def convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: ConvertOptions | None = None,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    opts = options or ConvertOptions()
+    src, out = Path(model_dir), Path(out_dir)
+    t0 = time.perf_counter()
+    decoder_spec(src)  # validate config and architecture before touching OUT_DIR
+    if opts.quant not in (None, "none", "q4"):
+        raise UserError(f"--quant {opts.quant} is not supported; choose none or q4")
+    tmp = _prepare_out_dir(out)
+    seconds: dict[str, float] = {}
+    try:
+        raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
+        exported = export_model(src, raw, opts.dtype, progress)
+        seconds["export"] = time.perf_counter() - t0
+        steps = ["export"]
+        report = None
+        if opts.optimize:
+            t1 = time.perf_counter()
+            if progress:
+                progress("passes", 0, 1)
+            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts)
+            seconds["passes"] = time.perf_counter() - t1
+            steps.append("passes")
+            if opts.quant == "q4":
+                steps.append("quantize")
+            if not opts.keep_intermediate:
+                raw.unlink()
+                raw.with_name(raw.name + ".data").unlink()
+        check_model(tmp / artifact.MODEL_FILE)
+        steps.append("check")
+        manifest = _manifest(exported.spec, exported.dtype, src, exported.checkpoint_dtype, opts)
+        manifest.steps = steps
+        if report is not None:
+            manifest.passes = report.to_dict()
+            quant = getattr(report, "quantization", None)
+            if quant:
+                manifest.quantization = quant
+        manifest.files["tokenizer"] = _copy_side_files(src, tmp)
+        manifest.source["converted"] = datetime.now(UTC).isoformat(timespec="seconds")
+        manifest.source["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+        artifact.write_manifest(tmp, manifest)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    seconds["total"] = time.perf_counter() - t0
+    return ConvertResult(out_dir=out, manifest=manifest, seconds=seconds, report=report)

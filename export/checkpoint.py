@@ -1,0 +1,148 @@
+"""Reading HF checkpoints: safetensors only (single file or sharded), validated before use.
+
+Pickle-based checkpoints (pytorch_model.bin, *.pt, *.ckpt) are refused, never loaded:
+unpickling a user's file runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from export.errors import ExportError
+
+INDEX = "model.safetensors.index.json"
+_PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _read_header(path: Path) -> dict:
+    """Parse a safetensors header and check that the file holds every byte it promises."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("file shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError("header length exceeds the file size")
+            header = json.loads(f.read(n))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ExportError(
+            f"{path} is not a valid safetensors file ({e}); re-download or re-save the checkpoint"
+        ) from e
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ExportError(
+            f"{path} is truncated: its header describes {8 + n + end} bytes but the file has "
+            f"{size}; re-download or re-save the checkpoint"
+        )
+    return header
+
+
+class Checkpoint:
+    """The tensors of a model directory, read lazily one at a time (memory-mapped)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.root = Path(model_dir)
+        self.files = self._find_files()
+        self.tensors: dict[str, TensorInfo] = {}
+        for file in self.files:
+            for name, meta in _read_header(file).items():
+                if name == "__metadata__":
+                    continue
+                dtype = _DTYPES.get(meta["dtype"])
+                if dtype is None:
+                    raise ExportError(
+                        f"{file}: tensor {name} has unsupported dtype {meta['dtype']}"
+                    )
+                self.tensors[name] = TensorInfo(name, file, dtype, tuple(meta["shape"]))
+        self._handles: dict[Path, object] = {}
+
+    def _find_files(self) -> list[Path]:
+        index = self.root / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ExportError(f"{index} is malformed ({e}); re-save the checkpoint") from e
+            files = sorted({self.root / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ExportError(
+                    f"{index} names shards that are missing: {', '.join(missing)}; "
+                    "copy the complete checkpoint"
+                )
+            return files
+        files = sorted(self.root.glob("*.safetensors"))
+        if files:
+            return files
+        pickles = [p.name for g in _PICKLE_GLOBS for p in self.root.glob(g)]
+        if pickles:
+            raise ExportError(
+                f"{self.root} holds only pickle checkpoints ({', '.join(sorted(pickles))}); fuselm "
+                "never unpickles user files. Convert it to safetensors first, e.g. "
+                "`model.save_pretrained(dir, safe_serialization=True)` in a trusted environment"
+            )
+        raise ExportError(f"no *.safetensors weights in {self.root}; pass an HF model directory")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dominant floating dtype of the checkpoint (by element count)."""
+        counts: dict[torch.dtype, int] = {}
+        for t in self.tensors.values():
+            if t.dtype.is_floating_point:
+                n = 1
+                for d in t.shape:
+                    n *= d
+                counts[t.dtype] = counts.get(t.dtype, 0) + n
+        return max(counts, key=counts.__getitem__) if counts else torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ExportError(
+                f"tensor {name!r} is missing from the checkpoint in {self.root}; the checkpoint "
+                "does not match its config.json"
+            ) from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, memory-mapped from its file (no copy until it is transformed)."""
+        from safetensors import safe_open
+
+        info = self.info(name)
+        handle = self._handles.get(info.file)
+        if handle is None:
+            handle = safe_open(str(info.file), framework="pt")
+            self._handles[info.file] = handle
+        return handle.get_tensor(name)  # type: ignore[attr-defined]

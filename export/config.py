@@ -1,0 +1,147 @@
+"""config.json → DecoderSpec: every number the exporter needs, validated once, with clear errors.
+
+transformers' own config classes supply the defaults (head_dim, rope_parameters from 4.x
+`rope_theta`/`rope_scaling` or 5.x `rope_parameters`), and its RoPE init functions compute the
+frequencies, so the exported model uses exactly the frequencies HF does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export.errors import ExportError
+
+REQUIRED_KEYS = (
+    "architectures",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass
+class RopeSpec:
+    type: str
+    theta: float
+    rotary_dim: int
+    inv_freq: np.ndarray  # float32 [rotary_dim / 2]
+    attention_scale: float = 1.0
+    dynamic_factor: float = 0.0  # > 0: dynamic NTK, inv_freq recomputed from the positions
+    dynamic_max_positions: int = 0
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DecoderSpec:
+    architecture: str
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    context_length: int
+    rope: RopeSpec
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # per layer: None = full attention, W = attend to the last W positions only
+    windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    @property
+    def sliding_window(self) -> int | None:
+        return next((w for w in self.windows if w is not None), None)
+
+
+def read_raw_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ExportError(f"{model_dir} is not a directory; pass an HF model directory")
+    if not path.is_file():
+        raise ExportError(f"{path} not found; pass an HF model directory (config.json + weights)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path} is not valid JSON ({e})") from e
+    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise ExportError(f"{path} is missing required keys: {', '.join(missing)}")
+    if not raw["architectures"]:
+        raise ExportError(f"{path}: `architectures` is empty; it names the model class")
+    return raw
+
+
+def load_hf_config(model_dir: Path):  # noqa: ANN201 - a transformers PretrainedConfig
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ExportError(f"transformers cannot read {model_dir}/config.json: {e}") from e
+
+
+def rope_spec(hf_config: Any, head_dim: int) -> RopeSpec:
+    """The RoPE of `hf_config`, with frequencies from transformers' own init functions."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:  # transformers 4.x attributes
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ExportError(
+            f"RoPE type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    theta = float(params.get("rope_theta", 10000.0))
+    rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    if rope_type == "default":
+        exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq, scale = 1.0 / (theta**exps), 1.0
+    else:
+        with torch.device("cpu"):
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    spec = RopeSpec(
+        type=rope_type,
+        theta=theta,
+        rotary_dim=rotary_dim,
+        inv_freq=np.asarray(inv_freq, dtype=np.float32),
+        attention_scale=float(scale),
+        parameters={k: v for k, v in params.items() if isinstance(v, (int, float, str))},
+    )
+    if rope_type == "dynamic":
+        spec.dynamic_factor = float(params["factor"])
+        spec.dynamic_max_positions = int(hf_config.max_position_embeddings)
+    return spec
+
+
+def layer_windows(hf_config: Any, family: str, num_layers: int) -> list[int | None]:
+    """Per-layer sliding windows, as HF builds its masks (5.x `layer_types`, Mistral's window)."""
+    window = getattr(hf_config, "sliding_window", None)
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        if any(t not in ("full_attention", "sliding_attention") for t in types):
+            raise ExportError(f"unsupported layer_types {sorted(set(types))}")
+        if "sliding_attention" in types and not window:
+            raise ExportError("layer_types has sliding_attention but sliding_window is not set")
+        return [window if t == "sliding_attention" else None for t in types]
+    if family == "mistral" and window:
+        return [int(window)] * num_layers
+    return [None] * num_layers

@@ -1,0 +1,180 @@
+"""The clean decoder module every family exports through.
+
+HF's modules carry dispatch, caching classes and mask utilities that trace into thousands of
+nodes; this one computes the same function with exactly the ops the graph contract wants:
+Gather, RMSNormalization, MatMul(x, W[K, N]) (+Add bias), fuselm.FusedRoPE, ONNX Attention with
+the KV concat inside, SiLU-gated MLP. Weights are parameters laid out [K, N] so that MatMul
+consumes them directly; the module is built on the meta device for export (MNN's FakeLinear
+idea: no weights in the trace) and `weight_sources()` says where each parameter comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from export import torch_ops  # noqa: F401 - registers torch.ops.fuselm.*
+from export.config import DecoderSpec
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a parameter's values come from in the HF checkpoint."""
+
+    hf_name: str
+    transpose: bool = False  # HF Linear stores [N, K]; MatMul wants [K, N]
+
+
+class Linear(nn.Module):
+    def __init__(self, k: int, n: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(k, n, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y + self.bias if self.bias is not None else y
+
+
+def _norm_weight(n: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.spec = spec
+        self.input_norm = _norm_weight(h, dtype)
+        self.q_proj = Linear(h, spec.num_heads * d, spec.qkv_bias, dtype)
+        self.k_proj = Linear(h, spec.num_kv_heads * d, spec.qkv_bias, dtype)
+        self.v_proj = Linear(h, spec.num_kv_heads * d, spec.qkv_bias, dtype)
+        self.o_proj = Linear(spec.num_heads * d, h, spec.o_bias, dtype)
+        if spec.qk_norm:
+            self.q_norm = _norm_weight(d, dtype)
+            self.k_norm = _norm_weight(d, dtype)
+        self.post_norm = _norm_weight(h, dtype)
+        self.gate_proj = Linear(h, spec.intermediate_size, spec.mlp_bias, dtype)
+        self.up_proj = Linear(h, spec.intermediate_size, spec.mlp_bias, dtype)
+        self.down_proj = Linear(spec.intermediate_size, h, spec.mlp_bias, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        past_key: torch.Tensor,
+        past_value: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        eps = s.rms_norm_eps
+        h = F.rms_norm(x, (s.hidden_size,), self.input_norm, eps)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        r = s.rope
+        q, k = torch.ops.fuselm.rope(
+            q,
+            k,
+            position_ids,
+            self.q_norm if s.qk_norm else None,
+            self.k_norm if s.qk_norm else None,
+            s.head_dim,
+            r.rotary_dim,
+            [float(f) for f in r.inv_freq],
+            r.attention_scale,
+            0,
+            eps,
+            r.dynamic_factor,
+            r.dynamic_max_positions,
+            r.theta,
+        )
+        y, present_key, present_value = torch.ops.fuselm.attention(
+            q, k, v, mask, past_key, past_value, s.num_heads, s.num_kv_heads, s.head_dim**-0.5
+        )
+        x = x + self.o_proj(y)
+        h = F.rms_norm(x, (s.hidden_size,), self.post_norm, eps)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, present_key, present_value
+
+
+def attention_mask_4d(attention_mask: torch.Tensor, seq: int, window: int | None) -> torch.Tensor:
+    """bool [batch, 1, seq, total]: causal (query i sits at absolute position total - seq + i),
+    padding from `attention_mask`, an optional sliding window, and each query sees itself
+    (so a fully padded row never turns into NaN that 0-weights would still propagate)."""
+    total = attention_mask.shape[1]
+    device = attention_mask.device
+    k_pos = torch.arange(total, device=device)[None, :]
+    q_pos = (torch.arange(seq, device=device) + (total - seq))[:, None]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    padded = attention_mask.bool()[:, None, None, :]
+    return (allowed[None, None] & padded) | (k_pos == q_pos)[None, None]
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Parameter(
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.layers = nn.ModuleList(Layer(spec, dtype) for _ in range(spec.num_layers))
+        self.norm = _norm_weight(spec.hidden_size, dtype)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(spec.hidden_size, spec.vocab_size, dtype=dtype), requires_grad=False
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        seq = input_ids.shape[1]
+        masks = {w: attention_mask_4d(attention_mask, seq, w) for w in set(self.spec.windows)}
+        x = F.embedding(input_ids, self.embed)
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            mask = masks[self.spec.windows[i]]
+            x, pk, pv = layer(x, position_ids, mask, past[2 * i], past[2 * i + 1])
+            presents += [pk, pv]
+        x = F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
+        head = self.embed.t() if self.spec.tie_word_embeddings else self.lm_head
+        return (x @ head, *presents)
+
+    def weight_sources(self) -> dict[str, Source]:
+        """Parameter name → where its values live in the HF checkpoint."""
+        out: dict[str, Source] = {"embed": Source("model.embed_tokens.weight")}
+        names = {
+            "input_norm": "input_layernorm",
+            "post_norm": "post_attention_layernorm",
+            "q_norm": "self_attn.q_norm",
+            "k_norm": "self_attn.k_norm",
+            "q_proj": "self_attn.q_proj",
+            "k_proj": "self_attn.k_proj",
+            "v_proj": "self_attn.v_proj",
+            "o_proj": "self_attn.o_proj",
+            "gate_proj": "mlp.gate_proj",
+            "up_proj": "mlp.up_proj",
+            "down_proj": "mlp.down_proj",
+        }
+        for name, _ in self.named_parameters():
+            if not name.startswith("layers."):
+                continue
+            _, i, local, *rest = name.split(".")
+            hf = f"model.layers.{i}.{names[local]}"
+            if rest == ["weight"]:
+                out[name] = Source(f"{hf}.weight", transpose=True)
+            elif rest == ["bias"]:
+                out[name] = Source(f"{hf}.bias")
+            else:
+                out[name] = Source(f"{hf}.weight")
+        out["norm"] = Source("model.norm.weight")
+        if not self.spec.tie_word_embeddings:
+            out["lm_head"] = Source("lm_head.weight", transpose=True)
+        return out

@@ -1,0 +1,1 @@
+"""One small module per architecture family; each registers its HF class names."""

@@ -1,0 +1,249 @@
+"""HF checkpoint → raw ONNX (opset 23 + fuselm), weights streamed straight to external data.
+
+The clean decoder is traced on the meta device, so tracing costs the same for 1M or 1B
+parameters; each weight is then read from the checkpoint (memory-mapped), laid out [K, N],
+cast, and appended to `<model>.data` one tensor at a time. Peak memory ≈ the largest tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import TensorProto
+
+from export.checkpoint import Checkpoint
+from export.config import DecoderSpec
+from export.decoder import Decoder
+from export.errors import ExportError
+from export.registry import decoder_spec
+from export.torch_ops import TRANSLATIONS
+from passes import ops
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+_ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
+
+
+@dataclass
+class ExportResult:
+    spec: DecoderSpec
+    dtype: str
+    checkpoint_dtype: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    weight_bytes: int = 0
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    for i in range(num_layers):
+        inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+        outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, outputs
+
+
+def resolve_dtype(requested: str | None, checkpoint_dtype: torch.dtype) -> torch.dtype:
+    """The graph dtype: as asked, else the checkpoint's (bf16 → float16, which runtimes run)."""
+    if requested in (None, "auto"):
+        return (
+            torch.float16 if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float32
+        )
+    if requested not in DTYPES:
+        raise ExportError(f"--dtype {requested} is not supported; choose float32 or float16")
+    return DTYPES[requested]
+
+
+def _trace(spec: DecoderSpec, dtype: torch.dtype) -> tuple[onnx.ModelProto, Decoder]:
+    with torch.device("meta"):
+        module = Decoder(spec, dtype).eval()
+        b, s, past = 2, 5, 3  # > 1 so that torch.export does not specialize them
+        ids = torch.zeros(b, s, dtype=torch.int64)
+        mask = torch.ones(b, past + s, dtype=torch.int64)
+        pos = torch.zeros(b, s, dtype=torch.int64)
+        kv = [
+            torch.zeros(b, spec.num_kv_heads, past, spec.head_dim, dtype=dtype)
+            for _ in range(2 * spec.num_layers)
+        ]
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    total, past_dim = torch.export.Dim("total"), torch.export.Dim("past")
+    dynamic = (
+        {0: batch, 1: seq},
+        {0: batch, 1: total},
+        {0: batch, 1: seq},
+        [{0: batch, 2: past_dim}] * (2 * spec.num_layers),
+    )
+    inputs, outputs = io_names(spec.num_layers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quiet = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        try:
+            program = torch.onnx.export(
+                module,
+                (ids, mask, pos, kv),
+                dynamo=True,
+                opset_version=ops.ONNX_OPSET,
+                custom_translation_table=TRANSLATIONS,
+                dynamic_shapes=dynamic,
+                input_names=inputs,
+                output_names=outputs,
+                optimize=False,  # its passes read initializer values, which live on meta
+                verbose=False,
+            )
+        finally:
+            for lg, level in zip(quiet, levels, strict=True):
+                lg.setLevel(level)
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    graph = program.model.graph
+    params = dict(module.named_parameters())
+    # Weights become graph inputs while onnxscript's optimizer runs (it folds constants and
+    # removes dead shape work, and must never read or fold the weights), then initializers
+    # again, without values: write_weights fills them from the checkpoint.
+    weights = [v for name, v in graph.initializers.items() if name in params]
+    for value in weights:
+        graph.initializers.pop(value.name)
+        value.const_value = None
+        graph.inputs.append(value)
+    onnxscript.optimizer.optimize_ir(program.model)
+    for value in weights:
+        graph.inputs.remove(value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = ir.serde.serialize_model(program.model)
+    _rename_dims(proto)
+    _drop_unused_outputs(proto)
+    return proto, module
+
+
+def _drop_unused_outputs(model: onnx.ModelProto) -> None:
+    """Remove trailing optional outputs nobody reads (Attention's qk_matmul_output)."""
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    for node in model.graph.node:
+        if node.op_type == "Attention":
+            while len(node.output) > 3 and node.output[-1] not in used:
+                node.output.pop()
+
+
+def _rename_dims(model: onnx.ModelProto) -> None:
+    """Name the dynamic axes as optimum does: batch, seq, past, past + seq."""
+    rename = {"batch": "batch", "seq": "seq", "past": "past", "total": "past + seq"}
+    for vi in [*model.graph.input, *model.graph.output]:
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param:
+                d.dim_param = rename.get(d.dim_param, d.dim_param.replace("s", "").strip() or "n")
+    for vi in model.graph.output:
+        if vi.name.startswith("present."):
+            dims = vi.type.tensor_type.shape.dim
+            dims[2].dim_param = "past + seq"
+        if vi.name == "logits":
+            vi.type.tensor_type.shape.dim[1].dim_param = "seq"
+
+
+def _check_weights(module: Decoder, ckpt: Checkpoint) -> None:
+    params = dict(module.named_parameters())
+    for name, src in module.weight_sources().items():
+        info = ckpt.info(src.hf_name)
+        want = tuple(params[name].shape)
+        have = info.shape[::-1] if src.transpose else info.shape
+        if tuple(have) != want:
+            raise ExportError(
+                f"tensor {src.hf_name} has shape {list(info.shape)} but config.json implies "
+                f"{list(want[::-1] if src.transpose else want)}; the checkpoint does not match "
+                "its config"
+            )
+
+
+def write_weights(
+    model: onnx.ModelProto,
+    module: Decoder,
+    ckpt: Checkpoint,
+    data_path: Path,
+    dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
+    """Stream every parameter from the checkpoint into `data_path`; add external initializers."""
+    sources = module.weight_sources()
+    params = dict(module.named_parameters())
+    existing = {t.name for t in model.graph.initializer}
+    offset = 0
+    with data_path.open("wb") as f:
+        for i, (name, src) in enumerate(sources.items()):
+            tensor = ckpt.get(src.hf_name)
+            if src.transpose:
+                tensor = tensor.t()
+            data = tensor.to(dtype).contiguous().numpy().tobytes()
+            pad = (-offset) % _ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(data)
+            if name in existing:
+                raise ExportError(f"internal: {name} already has a value")
+            proto = TensorProto(name=name, data_type=_ONNX_DTYPES[dtype])
+            proto.dims.extend(params[name].shape)
+            proto.data_location = TensorProto.EXTERNAL
+            for key, value in (
+                ("location", data_path.name),
+                ("offset", str(offset)),
+                ("length", str(len(data))),
+            ):
+                entry = proto.external_data.add()
+                entry.key, entry.value = key, value
+            model.graph.initializer.append(proto)
+            offset += len(data)
+            if progress:
+                progress(i + 1, len(sources))
+    return offset
+
+
+def export_model(
+    model_dir: str | Path,
+    onnx_path: str | Path,
+    dtype: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> ExportResult:
+    """Export `model_dir` to `onnx_path` (+ `onnx_path`.data). The caller owns atomicity."""
+    t0 = time.perf_counter()
+    spec = decoder_spec(model_dir)
+    ckpt = Checkpoint(model_dir)
+    graph_dtype = resolve_dtype(dtype, ckpt.dtype)
+    result = ExportResult(
+        spec=spec,
+        dtype=str(graph_dtype).removeprefix("torch."),
+        checkpoint_dtype=str(ckpt.dtype).removeprefix("torch."),
+    )
+    with torch.device("meta"):
+        probe = Decoder(spec, graph_dtype)
+    _check_weights(probe, ckpt)
+    if progress:
+        progress("trace", 0, 1)
+    model, module = _trace(spec, graph_dtype)
+    result.seconds["trace"] = time.perf_counter() - t0
+    if progress:
+        progress("trace", 1, 1)
+    t1 = time.perf_counter()
+    onnx_path = Path(onnx_path)
+    data_path = onnx_path.with_name(onnx_path.name + ".data")
+    result.weight_bytes = write_weights(
+        model,
+        module,
+        ckpt,
+        data_path,
+        graph_dtype,
+        (lambda i, n: progress("weights", i, n)) if progress else None,
+    )
+    result.seconds["weights"] = time.perf_counter() - t1
+    model.producer_name = "fuselm"
+    ops.attach_functions(model)
+    onnx.save(model, str(onnx_path))
+    return result
