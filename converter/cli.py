@@ -19,8 +19,9 @@ def _register() -> None:
     # Each command lives in the module named for its job.
     from converter.convert_cmd import convert, demo
     from converter.inspect_cmd import inspect
+    from converter.run_cmd import chat, run, validate
 
-    for command in (convert, inspect, demo):
+    for command in (convert, inspect, demo, run, chat, validate):
         cli.add_command(command)
 
 

@@ -1,0 +1,95 @@
+"""`fuselm optimize IN.onnx -o OUT.onnx`: run the pass pipeline on any decoder ONNX file.
+
+A lower opset is upgraded to 23 first (the fused ops are opset-23 ops). The report goes to
+stderr as a table, or to stdout as JSON with --json. The output is written to a temporary
+directory beside it and renamed into place, so a failed run never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from converter.errors import UserError
+
+# Beyond this many weight bytes (or when the input had them), weights go to OUT.onnx.data:
+# protobuf cannot serialize a model past 2 GB.
+_EXTERNAL_BYTES = 1 << 30
+
+
+def _load(path: Path):  # noqa: ANN202 - onnx.ModelProto
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    try:
+        return onnx.load(str(path), load_external_data=True)
+    except (DecodeError, ValueError, OSError) as e:
+        raise UserError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+
+
+def _weight_bytes(model) -> int:  # noqa: ANN001
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def save_atomic(model, out: Path, external: bool) -> None:  # noqa: ANN001 - onnx.ModelProto
+    """Write `out` (and `out`.data when external) via a temporary directory + rename."""
+    import onnx
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data_name = out.name + ".data"
+    tmp = Path(tempfile.mkdtemp(prefix=".fuselm-", dir=out.parent))
+    try:
+        if external:
+            onnx.save_model(model, str(tmp / out.name), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=data_name,
+                            size_threshold=1024)
+            os.replace(tmp / data_name, out.parent / data_name)
+        else:
+            onnx.save_model(model, str(tmp / out.name))
+        os.replace(tmp / out.name, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@click.command()
+@click.argument("input_path", metavar="IN.onnx", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "output_path", required=True, type=click.Path(path_type=Path),
+              help="where to write the optimized model (OUT.onnx [+ OUT.onnx.data])")
+@click.option("--passes", "pass_list", default=None, metavar="a,b,...",
+              help="run only these passes (in pipeline order; cleanup always runs)")
+@click.option("--json", "as_json", is_flag=True, help="print the pass report as JSON on stdout")
+def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json: bool) -> None:
+    """Fuse a decoder ONNX model: RMSNorm, RoPE, attention, QKV and Gate/Up pairing."""
+    from passes.manager import PipelineError, run_pipeline
+    from passes.model_io import check
+
+    names = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
+    model = _load(input_path)
+    external = any(t.data_location == 1 for t in model.graph.initializer) or \
+        _weight_bytes(model) > _EXTERNAL_BYTES
+    external = external or (input_path.with_name(input_path.name + ".data")).exists()
+    try:
+        out, report = run_pipeline(model, names)
+    except PipelineError as e:
+        raise UserError(str(e)) from e
+    except Exception as e:  # noqa: BLE001 - e.g. the version converter on an odd graph
+        raise UserError(f"{input_path}: cannot optimize ({type(e).__name__}: {e})") from e
+    try:
+        check(out)
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"the optimized model fails onnx checks ({e}); please report this") from e
+    save_atomic(out, output_path, external)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        from rich.console import Console
+
+        Console(file=sys.stderr).print(report.render())

@@ -1,0 +1,56 @@
+"""`fuselm convert` writes a complete artifact; `fuselm inspect` reads its signature."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from runtime_metal.artifact import read_manifest
+
+
+def fuselm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "converter.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_convert_writes_artifact_and_inspect_reads_it(checkpoint, tmp_path: Path) -> None:
+    src = checkpoint("qwen3")
+    out = tmp_path / "art"
+    r = fuselm("convert", str(src), "-o", str(out), "--no-optimize", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["architecture"] == "Qwen3ForCausalLM" and summary["dtype"] == "float32"
+    for name in (
+        "model.onnx",
+        "model.onnx.data",
+        "fuselm.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
+        assert (out / name).is_file(), name
+    m = read_manifest(out)
+    assert (m.model.head_dim, m.model.num_heads, m.model.num_kv_heads) == (24, 4, 2)
+    assert m.model.tie_word_embeddings and m.special_tokens["eos"] == [2, 3]
+    assert m.versions["torch"] and "export" in m.steps
+
+    r = fuselm("inspect", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["inputs"][0] == {"name": "input_ids", "type": "int64", "shape": ["batch", "seq"]}
+    assert info["outputs"][0]["shape"] == ["batch", "seq", 384]
+    assert info["ops"]["fuselm.FusedRoPE"] == 2 and info["ops"]["Attention"] == 2
+    # every weight byte is counted; only alignment padding (< 64 B per tensor) is not
+    size = (out / "model.onnx.data").stat().st_size
+    assert 0 <= size - info["weight_bytes"] < 64 * info["initializers"]
+
+    # converting again into an existing artifact replaces it in one step
+    r = fuselm(
+        "convert", str(src), "-o", str(out), "--no-optimize", "--quiet", "--dtype", "float16"
+    )
+    assert r.returncode == 0, r.stderr
+    assert read_manifest(out).dtype == "float16"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
