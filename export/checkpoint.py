@@ -35,6 +35,13 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in `file`
+    nbytes: int
+
+
+def _header_length(path: Path) -> int:
+    with path.open("rb") as f:
+        return struct.unpack("<Q", f.read(8))[0]
 
 
 def _read_header(path: Path) -> dict:
@@ -63,14 +70,16 @@ def _read_header(path: Path) -> dict:
 
 
 class Checkpoint:
-    """The tensors of a model directory, read lazily one at a time (memory-mapped)."""
+    """The tensors of a model directory, read lazily one at a time."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.root = Path(model_dir)
         self.files = self._find_files()
         self.tensors: dict[str, TensorInfo] = {}
         for file in self.files:
-            for name, meta in _read_header(file).items():
+            header = _read_header(file)
+            base = 8 + _header_length(file)
+            for name, meta in header.items():
                 if name == "__metadata__":
                     continue
                 dtype = _DTYPES.get(meta["dtype"])
@@ -78,8 +87,10 @@ class Checkpoint:
                     raise ExportError(
                         f"{file}: tensor {name} has unsupported dtype {meta['dtype']}"
                     )
-                self.tensors[name] = TensorInfo(name, file, dtype, tuple(meta["shape"]))
-        self._handles: dict[Path, object] = {}
+                begin, end = meta["data_offsets"]
+                self.tensors[name] = TensorInfo(
+                    name, file, dtype, tuple(meta["shape"]), base + begin, end - begin
+                )
 
     def _find_files(self) -> list[Path]:
         index = self.root / INDEX
@@ -137,12 +148,18 @@ class Checkpoint:
             ) from None
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, memory-mapped from its file (no copy until it is transformed)."""
-        from safetensors import safe_open
+        """One tensor, read into its own buffer.
 
+        Plain reads rather than a memory map: mapped pages count toward the process's resident
+        memory until the map goes away, so mapping a whole checkpoint makes export cost grow
+        with the model. A read buffer is freed as soon as its tensor is written out.
+        """
         info = self.info(name)
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = safe_open(str(info.file), framework="pt")
-            self._handles[info.file] = handle
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        buf = bytearray(info.nbytes)
+        with info.file.open("rb") as f:
+            f.seek(info.start)
+            if f.readinto(buf) != info.nbytes:
+                raise ExportError(f"{info.file} is truncated while reading {name}")
+        if not buf:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)

@@ -182,11 +182,12 @@ def write_weights(
             tensor = ckpt.get(src.hf_name)
             if src.transpose:
                 tensor = tensor.t()
-            data = tensor.to(dtype).contiguous().numpy().tobytes()
+            array = tensor.to(dtype).contiguous().numpy()
+            del tensor
             pad = (-offset) % _ALIGN
             f.write(b"\0" * pad)
             offset += pad
-            f.write(data)
+            f.write(memoryview(array).cast("B"))  # no extra copy of the bytes
             if name in existing:
                 raise ExportError(f"internal: {name} already has a value")
             proto = TensorProto(name=name, data_type=_ONNX_DTYPES[dtype])
@@ -195,12 +196,13 @@ def write_weights(
             for key, value in (
                 ("location", data_path.name),
                 ("offset", str(offset)),
-                ("length", str(len(data))),
+                ("length", str(array.nbytes)),
             ):
                 entry = proto.external_data.add()
                 entry.key, entry.value = key, value
             model.graph.initializer.append(proto)
-            offset += len(data)
+            offset += array.nbytes
+            del array
             if progress:
                 progress(i + 1, len(sources))
     return offset
