@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -140,9 +139,9 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
     if result.report is not None:
         stderr.print(result.report.render())
     stderr.print(f"[green]converted[/] → {artifact_dir}")
-    try:
-        from runtime_metal.generate import generate_text
-    except ImportError:
-        sys.exit(0)
-    out = generate_text(artifact_dir, prompt, max_new_tokens=max_new_tokens)
-    click.echo(json.dumps(out, indent=2))
+    from converter.run_cmd import run
+
+    stderr.print(f"generating {max_new_tokens} tokens (random weights: the text is gibberish)")
+    click.get_current_context().invoke(
+        run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens
+    )

@@ -47,7 +47,8 @@ def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise RuntimeUserError(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+        raise RuntimeUserError(
+            f"--prompt-ids wants comma-separated integers, got {text!r}") from None
     if not ids:
         raise RuntimeUserError("--prompt-ids is empty")
     return ids
@@ -85,8 +86,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         prefill_chunk: int, as_json: bool, profile: bool) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from runtime_metal.generate import generate
-    from runtime_metal.tokenizer import (eos_ids, encode_prompt, generation_config,
-                                         load_tokenizer)
+    from runtime_metal.tokenizer import encode_prompt, eos_ids, generation_config, load_tokenizer
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
@@ -143,7 +143,7 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
          system: str | None) -> None:
     """Interactive chat with OUT_DIR (history kept; /reset clears it, /quit or Ctrl-D ends)."""
     from runtime_metal.generate import generate
-    from runtime_metal.tokenizer import eos_ids, encode_prompt, generation_config, load_tokenizer
+    from runtime_metal.tokenizer import encode_prompt, eos_ids, generation_config, load_tokenizer
 
     sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
     manifest, eng, _ = _open(out_dir, engine, accuracy_level)

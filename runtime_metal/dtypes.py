@@ -1,0 +1,93 @@
+"""ONNX element types as NumPy and MLX dtypes, and moving values between host and device."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+from onnx import TensorProto
+
+from runtime_metal.errors import RuntimeUserError
+
+_NP = {
+    TensorProto.FLOAT: np.dtype(np.float32),
+    TensorProto.FLOAT16: np.dtype(np.float16),
+    TensorProto.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    TensorProto.DOUBLE: np.dtype(np.float64),
+    TensorProto.INT64: np.dtype(np.int64),
+    TensorProto.INT32: np.dtype(np.int32),
+    TensorProto.INT16: np.dtype(np.int16),
+    TensorProto.INT8: np.dtype(np.int8),
+    TensorProto.UINT64: np.dtype(np.uint64),
+    TensorProto.UINT32: np.dtype(np.uint32),
+    TensorProto.UINT16: np.dtype(np.uint16),
+    TensorProto.UINT8: np.dtype(np.uint8),
+    TensorProto.BOOL: np.dtype(np.bool_),
+    TensorProto.UINT4: np.dtype(ml_dtypes.uint4),
+    TensorProto.INT4: np.dtype(ml_dtypes.int4),
+}
+_MX = {
+    TensorProto.FLOAT: mx.float32,
+    TensorProto.FLOAT16: mx.float16,
+    TensorProto.BFLOAT16: mx.bfloat16,
+    # MLX has no float64 on the GPU; ONNX doubles (rare in LLM graphs) compute in float32.
+    TensorProto.DOUBLE: mx.float32,
+    TensorProto.INT64: mx.int64,
+    TensorProto.INT32: mx.int32,
+    TensorProto.INT16: mx.int16,
+    TensorProto.INT8: mx.int8,
+    TensorProto.UINT64: mx.uint64,
+    TensorProto.UINT32: mx.uint32,
+    TensorProto.UINT16: mx.uint16,
+    TensorProto.UINT8: mx.uint8,
+    TensorProto.BOOL: mx.bool_,
+}
+_NP_TO_MX = {np.dtype(k): v for k, v in (
+    (np.float32, mx.float32), (np.float16, mx.float16), (ml_dtypes.bfloat16, mx.bfloat16),
+    (np.float64, mx.float32), (np.int64, mx.int64), (np.int32, mx.int32), (np.int16, mx.int16),
+    (np.int8, mx.int8), (np.uint64, mx.uint64), (np.uint32, mx.uint32), (np.uint16, mx.uint16),
+    (np.uint8, mx.uint8), (np.bool_, mx.bool_),
+)}
+_MX_TO_NP = {v: k for k, v in _NP_TO_MX.items() if k != np.dtype(np.float64)}
+
+
+def onnx_dtype(xp: ModuleType, elem_type: int):  # noqa: ANN201 - np.dtype or mx.Dtype
+    table = _NP if xp is np else _MX
+    if elem_type not in table:
+        name = TensorProto.DataType.Name(elem_type)
+        raise RuntimeUserError(f"element type {name} is not supported by fuselm's runtime")
+    return table[elem_type]
+
+
+def like_dtype(xp: ModuleType, like: object):  # noqa: ANN201
+    """The dtype of `like` expressed in `xp`'s terms."""
+    d = like.dtype  # type: ignore[attr-defined]
+    if xp is np:
+        return d if isinstance(d, np.dtype) else _MX_TO_NP[d]
+    return _NP_TO_MX[np.dtype(d)] if isinstance(d, np.dtype) else d
+
+
+def to_device(value: object) -> object:
+    """NumPy -> MLX (other values unchanged). bfloat16 goes through float32 (no buffer support)."""
+    if isinstance(value, np.ndarray | np.generic):
+        arr = np.asarray(value)
+        if arr.dtype == ml_dtypes.bfloat16:
+            return mx.array(arr.astype(np.float32)).astype(mx.bfloat16)
+        if arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
+        elif arr.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4)):
+            # MLX has no 4-bit element type; the general DequantizeLinear reads bytes.
+            arr = arr.astype(np.uint8 if arr.dtype == np.dtype(ml_dtypes.uint4) else np.int8)
+        return mx.array(arr)
+    return value
+
+
+def to_host(value: object) -> np.ndarray:
+    """MLX -> NumPy (forces evaluation: used only for small shape-like values and results)."""
+    if isinstance(value, mx.array):
+        if value.dtype == mx.bfloat16:
+            return np.array(value.astype(mx.float32)).astype(ml_dtypes.bfloat16)
+        return np.array(value)
+    return np.asarray(value)

@@ -1,0 +1,64 @@
+"""The engine interface the generation loop drives, and `make_engine` (auto: MLX on a GPU,
+onnxruntime on CPU-only hosts, where MLX's CPU backend is single-threaded and slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from runtime_metal.errors import RuntimeUserError
+
+ENGINES = ("auto", "mlx", "onnxruntime")
+
+
+class Engine(Protocol):
+    name: str
+
+    @property
+    def offset(self) -> int:
+        """Positions already in the KV cache."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Feed ids [1, s] after the cached positions; return float32 logits of the last
+        position [vocab] (or of all positions [s, vocab])."""
+        ...
+
+    def describe(self) -> dict[str, object]: ...
+
+
+def mlx_has_gpu() -> bool:
+    import mlx.core as mx
+
+    try:
+        return bool(mx.metal.is_available()) or bool(getattr(mx, "cuda", None)
+                                                      and mx.cuda.is_available())
+    except Exception:  # an MLX build without a GPU backend module
+        return False
+
+
+def resolve_engine(name: str) -> str:
+    if name not in ENGINES:
+        raise RuntimeUserError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    if name == "auto":
+        return "mlx" if mlx_has_gpu() else "onnxruntime"
+    return name
+
+
+def make_engine(out_dir: str | Path, name: str = "auto", **options: object) -> Engine:
+    """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level)."""
+    from runtime_metal.artifact import read_manifest
+
+    manifest = read_manifest(out_dir)
+    resolved = resolve_engine(name)
+    if resolved == "mlx":
+        from runtime_metal.engine_mlx import MLXEngine
+
+        return MLXEngine(out_dir, manifest, **options)  # type: ignore[arg-type]
+    from runtime_metal.engine_ort import OrtEngine
+
+    return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

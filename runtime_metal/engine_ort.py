@@ -1,0 +1,101 @@
+"""The onnxruntime engine: the same artifact through an ORT session with past/present feeds.
+
+The reference for the MLX engine, and the fast path on CPU-only hosts. The Q4 activation
+precision is chosen here, explicitly: ORT fuses DequantizeLinear + MatMul into MatMulNBits and
+`session.qdq_matmulnbits_accuracy_level` picks its compute (4 = int8 activations, fast, ~5e-3
+per matmul; 0 = float, exact).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from runtime_metal.artifact import Manifest, model_path
+from runtime_metal.errors import RuntimeUserError
+from runtime_metal.graph_io import PAST, present_for
+
+_OPT_LEVELS = {
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+}
+
+
+class OrtEngine:
+    name = "onnxruntime"
+
+    def __init__(self, out_dir: str | Path, manifest: Manifest, accuracy_level: int = 4,
+                 optimization: str = "all", threads: int | None = None,
+                 profile_dir: str | None = None) -> None:
+        if accuracy_level not in (0, 1, 2, 3, 4):
+            raise RuntimeUserError(f"accuracy_level must be 0..4, got {accuracy_level}")
+        if optimization not in _OPT_LEVELS:
+            raise RuntimeUserError(f"optimization must be one of {', '.join(_OPT_LEVELS)}")
+        self.manifest = manifest
+        self.accuracy_level = accuracy_level
+        self.optimization = optimization
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = _OPT_LEVELS[optimization]
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                      str(accuracy_level))
+        if threads:
+            opts.intra_op_num_threads = threads
+        if profile_dir:
+            opts.enable_profiling = True
+            opts.profile_file_prefix = str(Path(profile_dir) / "ort_profile")
+        path = model_path(out_dir)
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types for unreadable models
+            raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        self._outputs = [o.name for o in self.session.get_outputs()]
+        self._past_names = sorted((n for n in self._inputs if PAST.match(n)),
+                                  key=lambda n: (int(PAST.match(n).group(1)), n))
+        self._float = np.float16 if manifest.dtype == "float16" else np.float32
+        self.reset()
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def reset(self) -> None:
+        m = self.manifest.model
+        empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), self._float)
+        self._past = {n: empty for n in self._past_names}
+        self._offset = 0
+
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        s, start = ids.shape[1], self._offset
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, start + s), np.int64),
+            "position_ids": np.arange(start, start + s, dtype=np.int64)[None, :],
+            **self._past,
+        }
+        values = dict(zip(self._outputs, self.session.run(None, feeds), strict=True))
+        for name in self._past_names:
+            self._past[name] = values[present_for(name)]
+        self._offset += s
+        logits = values["logits"][0]
+        return (logits if all_logits else logits[-1]).astype(np.float32)
+
+    def end_profiling(self) -> str | None:
+        try:
+            return self.session.end_profiling()
+        except Exception:  # profiling was not enabled
+            return None
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine": self.name,
+            "providers": self.session.get_providers(),
+            "accuracy_level": self.accuracy_level,
+            "graph_optimization": self.optimization,
+            "threads": self.session.get_session_options().intra_op_num_threads,
+        }

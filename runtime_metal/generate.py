@@ -1,0 +1,134 @@
+"""One generation loop over either engine: chunked prefill, sampling, stop rules, streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime_metal.engine import Engine
+from runtime_metal.errors import RuntimeUserError
+from runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    stop_reason: str  # eos | stop_string | length
+    prefill_seconds: float
+    decode_seconds: float
+    engine: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def pp(self) -> float:
+        """Prefill tokens/s."""
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def tg(self) -> float:
+        """Decode tokens/s: the first new token comes from the prefill, so n - 1 steps."""
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds and steps else 0.0
+
+
+def prefill(engine: Engine, prompt: Sequence[int], chunk: int) -> np.ndarray:
+    """Feed the prompt in chunks of `chunk` tokens (bounded activation memory for long
+    prompts); return the last position's logits."""
+    if chunk <= 0:
+        raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
+    ids = np.asarray(prompt, np.int64)
+    logits = None
+    for start in range(0, ids.size, chunk):
+        logits = engine.forward(ids[None, start:start + chunk])
+    assert logits is not None
+    return logits
+
+
+def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
+                   sampler: Sampler, prefill_chunk: int = 512,
+                   timings: dict[str, float] | None = None) -> Iterator[int]:
+    """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes."""
+    if not len(prompt):
+        raise RuntimeUserError("the prompt is empty; give at least one token")
+    history = list(prompt)
+    t0 = time.perf_counter()
+    logits = prefill(engine, prompt, prefill_chunk)
+    token = sampler(logits, history)
+    t1 = time.perf_counter()
+    if timings is not None:
+        timings["prefill"] = t1 - t0
+    for i in range(max_new_tokens):
+        yield token
+        history.append(token)
+        if i + 1 == max_new_tokens:
+            break
+        logits = engine.forward(np.array([[token]], np.int64))
+        token = sampler(logits, history)
+        if timings is not None:
+            timings["decode"] = time.perf_counter() - t1
+
+
+def check_context(prompt_len: int, max_new_tokens: int, context_length: int) -> int:
+    """Refuse prompts that do not fit; cap new tokens at what the context leaves."""
+    if prompt_len >= context_length:
+        raise RuntimeUserError(
+            f"the prompt has {prompt_len} tokens but the model's context is {context_length}; "
+            "shorten the prompt")
+    return min(max_new_tokens, context_length - prompt_len)
+
+
+def generate(
+    engine: Engine,
+    prompt: Sequence[int],
+    *,
+    max_new_tokens: int = 64,
+    sampling: SamplingOptions | None = None,
+    eos_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
+    on_text: Callable[[str], None] | None = None,
+    prefill_chunk: int = 512,
+    context_length: int | None = None,
+    reset: bool = True,
+) -> GenerationResult:
+    """Generate after `prompt` (ids). With `decode`, text is produced, streamed to `on_text`
+    piece by piece and checked against `stop_strings`."""
+    if reset:
+        engine.reset()
+    if context_length is not None:
+        max_new_tokens = check_context(engine.offset + len(prompt), max_new_tokens,
+                                       context_length)
+    sampler = make_sampler(sampling or SamplingOptions())
+    timings: dict[str, float] = {}
+    tokens: list[int] = []
+    stop_reason = "length"
+    text, emitted = "", 0
+    eos = set(int(e) for e in eos_ids)
+    for token in generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
+                                prefill_chunk=prefill_chunk, timings=timings):
+        if token in eos:
+            stop_reason = "eos"
+            break
+        tokens.append(token)
+        if decode is None:
+            continue
+        text = decode(tokens)
+        hit = next((s for s in stop_strings if s and s in text), None)
+        if hit is not None:
+            text = text[: text.index(hit)]
+            stop_reason = "stop_string"
+        # Hold back a trailing replacement char (a partial UTF-8 sequence) until complete.
+        ready = len(text) if hit or not text.endswith("\ufffd") else len(text) - 1
+        if on_text is not None and ready > emitted:
+            on_text(text[emitted:ready])
+            emitted = ready
+        if hit is not None:
+            break
+    if decode is not None and on_text is not None and len(text) > emitted:
+        on_text(text[emitted:])
+    return GenerationResult(tokens, text, len(prompt), stop_reason, timings.get("prefill", 0.0),
+                            timings.get("decode", 0.0), engine.describe())

@@ -1,0 +1,104 @@
+"""Load an artifact's graph and weights: model.onnx + external data confined to the model dir.
+
+Weights are read straight from model.onnx.data with one slice per tensor (no protobuf copy of
+the whole file), so loading a 0.6B model costs its size once.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from runtime_metal.dtypes import onnx_dtype
+from runtime_metal.errors import RuntimeUserError
+
+_FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+
+
+@dataclass
+class LoadedGraph:
+    model: onnx.ModelProto  # initializers stripped of data: `weights` holds them
+    weights: dict[str, np.ndarray]
+    path: Path
+
+
+def _external_info(t: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _confined(root: Path, location: str, tensor: str) -> Path:
+    """The data file of `tensor`, refusing anything that resolves outside the model folder."""
+    candidate = (root / location).resolve()
+    if Path(location).is_absolute() or not candidate.is_relative_to(root.resolve()):
+        raise RuntimeUserError(
+            f"tensor {tensor!r} points at external data {location!r} outside the model folder "
+            f"{root}; refusing to read it (an artifact keeps its weights beside model.onnx)"
+        )
+    if not candidate.is_file():
+        raise RuntimeUserError(
+            f"external data file {candidate} (for tensor {tensor!r}) is missing; copy the whole "
+            "output folder, or re-run `fuselm convert`"
+        )
+    return candidate
+
+
+def _from_bytes(buf: memoryview | bytes, t: TensorProto) -> np.ndarray:
+    shape = tuple(t.dims)
+    n = int(np.prod(shape)) if shape else 1
+    if t.data_type in _FOUR_BIT:
+        # Two 4-bit elements per byte, the first in the low nibble (ONNX's packing).
+        raw = np.frombuffer(buf, dtype=np.uint8, count=(n + 1) // 2)
+        codes = np.empty(raw.size * 2, np.uint8)
+        codes[0::2] = raw & 0x0F
+        codes[1::2] = raw >> 4
+        return codes[:n].astype(onnx_dtype(np, t.data_type)).reshape(shape)
+    dtype = onnx_dtype(np, t.data_type)
+    if len(buf) < n * dtype.itemsize:
+        raise RuntimeUserError(f"tensor {t.name!r}: external data is truncated")
+    return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape).copy()
+
+
+def load_graph(model_file: str | Path) -> LoadedGraph:
+    path = Path(model_file)
+    root = path.parent
+    if not path.is_file():
+        raise RuntimeUserError(f"{path} not found; pass the folder `fuselm convert` wrote")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises several unrelated types for a corrupt file
+        raise RuntimeUserError(f"{path} is not a readable ONNX model ({e}); re-convert") from e
+    if not model.graph.node:
+        raise RuntimeUserError(f"{path} has an empty graph; it is not a fuselm model")
+    weights: dict[str, np.ndarray] = {}
+    maps: dict[Path, mmap.mmap] = {}
+    try:
+        for t in model.graph.initializer:
+            if t.data_location == TensorProto.EXTERNAL:
+                info = _external_info(t)
+                file = _confined(root, info.get("location", ""), t.name)
+                if file not in maps:
+                    with open(file, "rb") as f:
+                        maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                offset = int(info.get("offset", 0))
+                length = int(info.get("length", len(maps[file]) - offset))
+                if offset + length > len(maps[file]):
+                    raise RuntimeUserError(
+                        f"tensor {t.name!r}: external data {file.name} is shorter than the "
+                        "model says (truncated copy?); re-convert or copy it again")
+                weights[t.name] = _from_bytes(memoryview(maps[file])[offset:offset + length], t)
+            else:
+                weights[t.name] = numpy_helper.to_array(t)
+            # Drop the payload from the proto: the graph keeps only names and shapes.
+            t.ClearField("raw_data")
+    finally:
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view is still alive; the OS frees it with the process
+                pass
+    return LoadedGraph(model, weights, path)

@@ -1,0 +1,122 @@
+"""Q4 weights in MLX's affine form, taken from ONNX blocked DequantizeLinear without re-quantizing.
+
+ONNX: w[k, n] = (codes[k, n] - zp[k // B, n]) * scale[k // B, n]   (blocks along the reduction
+axis K; axis 0 for a [K, N] MatMul weight, axis 1 for a tied [V, H] embedding).
+MLX:  w = scale * q + bias, codes packed 8 per uint32 along the grouped (last) axis.
+So q = codes, scale = scale, bias = -zp * scale: the same weights, bit for bit. Computing the bias
+in float32 keeps it exact (a float16 scale has 11 significant bits, zp < 16 adds 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+
+from runtime_metal.dtypes import to_device
+
+MLX_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(eq=False)
+class QWeight:
+    """A logical 2-D weight W: `packed` holds M [R, C] grouped along C; W = M.T if transposed."""
+
+    packed: mx.array  # uint32 [R, C / 8]
+    scales: mx.array  # [R, C / group]
+    biases: mx.array  # [R, C / group]
+    group_size: int
+    transposed: bool
+    dtype: object = mx.float32  # the dtype DequantizeLinear (+ Cast) would produce
+    _cast: dict = field(default_factory=dict, repr=False)
+
+    bits = 4
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        r, c = self.packed.shape[0], self.packed.shape[1] * 8
+        return (c, r) if self.transposed else (r, c)
+
+    def T(self) -> QWeight:  # noqa: N802 - mirrors array.T
+        return QWeight(self.packed, self.scales, self.biases, self.group_size,
+                       not self.transposed, self.dtype, self._cast)
+
+    def astype(self, dtype: object) -> QWeight:
+        return QWeight(self.packed, self.scales, self.biases, self.group_size,
+                       self.transposed, dtype, self._cast)
+
+    def affine(self, dtype: object) -> tuple[mx.array, mx.array]:
+        """Scales and biases in the activation dtype (cast once, cached)."""
+        if self.scales.dtype == dtype:
+            return self.scales, self.biases
+        if dtype not in self._cast:
+            self._cast[dtype] = (self.scales.astype(dtype), self.biases.astype(dtype))
+        return self._cast[dtype]
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x @ W as ONE quantized matmul."""
+        s, b = self.affine(x.dtype)
+        # W = M.T  ->  x @ M.T is MLX's transpose=True form (groups along the reduction axis).
+        return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
+                                   group_size=self.group_size, bits=self.bits)
+
+    def take_rows(self, indices: mx.array) -> mx.array:
+        """W[indices] for an untransposed W (a quantized embedding): dequantize only those rows."""
+        assert not self.transposed
+        rows = mx.dequantize(self.packed[indices], self.scales[indices], self.biases[indices],
+                             group_size=self.group_size, bits=self.bits)
+        return rows.astype(self.dtype)
+
+    def dense(self) -> mx.array:
+        m = mx.dequantize(self.packed, self.scales, self.biases, group_size=self.group_size,
+                          bits=self.bits).astype(self.dtype)
+        return m.T if self.transposed else m
+
+
+def _pack_rows(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes [R, C] (C % 8 == 0) -> uint32 [R, C/8], element j of a word at bits 4j."""
+    r, c = codes.shape
+    c8 = codes.reshape(r, c // 8, 8)
+    out = c8[..., 0].astype(np.uint32)
+    for j in range(1, 8):
+        out |= c8[..., j].astype(np.uint32) << np.uint32(4 * j)
+    return out
+
+
+def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) -> bool:
+    """True when the blocked DequantizeLinear maps 1:1 onto MLX's affine groups."""
+    return (
+        codes.ndim == 2
+        and codes.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4))
+        and axis in (0, 1, -1, -2)
+        and block_size in MLX_GROUP_SIZES
+        and codes.shape[axis % 2] % block_size == 0
+        and scales.ndim == 2
+    )
+
+
+def from_dequantize_linear(
+    codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, axis: int,
+    block_size: int,
+) -> QWeight:
+    """Repack a constant blocked DequantizeLinear (see can_pack) into a QWeight."""
+    signed = codes.dtype == np.dtype(ml_dtypes.int4)
+    # int4 codes c and zero points z: (c - z) = ((c + 8) - (z + 8)), so shift both to uint4.
+    q = codes.astype(np.int16) + (8 if signed else 0)
+    if zero_points is None:
+        z = np.full(scales.shape, 8 if signed else 0, np.int16)
+    else:
+        z = zero_points.astype(np.int16) + (8 if signed else 0)
+    transposed = axis % 2 == 0
+    if transposed:  # blocks along rows: MLX groups along the last axis, so store W.T
+        q, s, z = q.T, scales.T, z.T
+    else:
+        s = scales
+    s32 = np.ascontiguousarray(s).astype(np.float32)
+    bias = -(z.astype(np.float32) * s32)
+    packed = _pack_rows(np.ascontiguousarray(q.astype(np.uint8)))
+    out_dtype = to_device(np.zeros((), scales.dtype)).dtype  # type: ignore[union-attr]
+    return QWeight(mx.array(packed), to_device(s32), to_device(bias),  # type: ignore[arg-type]
+                   block_size, transposed, out_dtype)

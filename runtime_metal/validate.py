@@ -1,0 +1,112 @@
+"""The verification ladder (DESIGN.md): HF transformers -> onnxruntime -> MLX, on a few prompts.
+
+Each rung reports the logits error (rel = max|a - b| / max|b|) against the rung above and
+greedy agreement with HF over n tokens. Users check their own conversions with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime_metal.engine import make_engine
+from runtime_metal.generate import generate
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.abs(a.astype(np.float64) - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def hf_model(model_dir: str | Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.eval()
+
+
+def hf_logits(model: Any, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """Greedy with HF's own KV cache, ignoring EOS (we compare n tokens exactly)."""
+    import torch
+
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values,
+                        use_cache=True)
+    return out
+
+
+def engine_logits(engine: Any, ids: list[int], chunk: int) -> np.ndarray:
+    engine.reset()
+    parts = [engine.forward(np.asarray(ids[i:i + chunk])[None], all_logits=True)
+             for i in range(0, len(ids), chunk)]
+    return np.concatenate(parts, axis=0)
+
+
+@dataclass
+class Rung:
+    name: str
+    logits_rel: list[float] = field(default_factory=list)  # vs the rung above
+    logits_rel_hf: list[float] = field(default_factory=list)
+    greedy_agree: list[int] = field(default_factory=list)  # leading tokens identical to HF
+
+
+@dataclass
+class Report:
+    n_tokens: int
+    prompts: list[list[int]]
+    rungs: list[Rung]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"n_tokens": self.n_tokens, "prompts": len(self.prompts),
+                "rungs": [r.__dict__ for r in self.rungs]}
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
+             n_tokens: int = 32, prefill_chunk: int = 512,
+             engines: tuple[str, ...] = ("onnxruntime", "mlx")) -> Report:
+    model = hf_model(model_dir)
+    rungs = [Rung("hf")]
+    opened = {}
+    for name in engines:
+        # accuracy_level 0: float compute, so Q4 differences are the weights', not ORT's.
+        opts = {"accuracy_level": 0} if name == "onnxruntime" else {}
+        opened[name] = make_engine(out_dir, name, **opts)
+        rungs.append(Rung(name))
+    for ids in prompts:
+        ref = hf_logits(model, ids)
+        ref_tokens = hf_greedy(model, ids, n_tokens)
+        rungs[0].greedy_agree.append(n_tokens)
+        above = ref
+        for rung in rungs[1:]:
+            eng = opened[rung.name]
+            got = engine_logits(eng, ids, prefill_chunk)
+            rung.logits_rel.append(rel(got, above))
+            rung.logits_rel_hf.append(rel(got, ref))
+            res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
+            rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
+            above = got
+    return Report(n_tokens, prompts, rungs)

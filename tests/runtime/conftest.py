@@ -1,0 +1,61 @@
+"""Session-scoped tiny models: one HF checkpoint and one converted artifact per family."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from converter.builtin import FAMILIES, build_model
+
+# Per family: what makes its checkpoint different (Qwen2: q/k/v biases; Qwen3: q/k-norm and
+# tied embeddings; Mistral: head_dim == hidden/heads is exercised through Llama's default).
+FAMILY_OVERRIDES = {
+    "qwen3": {},
+    "qwen2": {"num_key_value_heads": 1},  # GQA 4:1
+    "llama": {"head_dim": 16},  # head_dim == hidden / heads
+    "mistral": {"head_dim": 32},
+}
+
+
+def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
+    from converter.pipeline import ConvertOptions
+    from converter.pipeline import convert as run_convert
+
+    run_convert(model_dir, out_dir, ConvertOptions(dtype="float32", **options))  # type: ignore[arg-type]
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """family -> (HF dir, converted float32 artifact dir)."""
+    root = tmp_path_factory.mktemp("runtime_models")
+    out: dict[str, tuple[Path, Path]] = {}
+    for family in FAMILIES:
+        hf = build_model(root / f"{family}_hf", family, seed=3, **FAMILY_OVERRIDES[family])
+        out[family] = (hf, convert(hf, root / f"{family}_out"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen3_artifact(family_models: dict[str, tuple[Path, Path]]) -> Path:
+    return family_models["qwen3"][1]
+
+
+@pytest.fixture(scope="session")
+def q4_artifact(qwen3_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The qwen3 artifact with every weight (tied embedding included) in blocked Q4, made by the
+    Q4 pass (passes/quantize.py) on the converted float model."""
+    import onnx
+
+    from passes.quantize import quantize_q4
+
+    out = tmp_path_factory.mktemp("q4") / "out"
+    shutil.copytree(qwen3_artifact, out)
+    model = onnx.load(str(out / "model.onnx"))
+    model, _ = quantize_q4(model, lm_head=True, embeddings=True)
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data", all_tensors_to_one_file=True)
+    return out
