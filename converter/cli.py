@@ -17,11 +17,13 @@ def cli() -> None:
 
 def _register() -> None:
     # Each command lives in the module named for its job.
+    from converter.bench_cmd import bench
     from converter.convert_cmd import convert, demo
     from converter.inspect_cmd import inspect
+    from converter.optimize_cmd import optimize
     from converter.run_cmd import chat, run, validate
 
-    for command in (convert, inspect, demo, run, chat, validate):
+    for command in (convert, inspect, optimize, demo, run, chat, validate, bench):
         cli.add_command(command)
 
 

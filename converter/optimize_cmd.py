@@ -46,15 +46,20 @@ def save_atomic(model, out: Path, external: bool) -> None:  # noqa: ANN001 - onn
     out.parent.mkdir(parents=True, exist_ok=True)
     data_name = out.name + ".data"
     tmp = Path(tempfile.mkdtemp(prefix=".fuselm-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        names = [out.name]
         if external:
             onnx.save_model(model, str(tmp / out.name), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=data_name,
                             size_threshold=1024)
-            os.replace(tmp / data_name, out.parent / data_name)
+            names.insert(0, data_name)  # the data first: the model never points at nothing
         else:
             onnx.save_model(model, str(tmp / out.name))
-        os.replace(tmp / out.name, out)
+        for name in names:
+            os.chmod(tmp / name, 0o666 & ~umask)  # temp files are private; outputs are not
+            os.replace(tmp / name, out.parent / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

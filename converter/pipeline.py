@@ -167,6 +167,14 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
     return report
 
 
+def _quantization_record(report: Any) -> dict[str, Any] | None:
+    """The quantize pass's record (bits, block, scheme, tensors) for fuselm.json."""
+    for entry in report.entries:
+        if "quantization" in entry.extra:
+            return dict(entry.extra["quantization"])
+    return None
+
+
 def save_model(model: onnx.ModelProto, path: Path) -> None:
     """Save with every weight in `<name>.data` beside it (one file, 64-byte aligned)."""
     ops.attach_functions(model)
@@ -224,9 +232,7 @@ def convert(
         manifest.steps = steps
         if report is not None:
             manifest.passes = report.to_dict()
-            quant = getattr(report, "quantization", None)
-            if quant:
-                manifest.quantization = quant
+            manifest.quantization = _quantization_record(report)
         manifest.files["tokenizer"] = _copy_side_files(src, tmp)
         manifest.source["converted"] = datetime.now(UTC).isoformat(timespec="seconds")
         manifest.source["seconds"] = {k: round(v, 3) for k, v in seconds.items()}

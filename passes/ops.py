@@ -120,10 +120,61 @@ def _schemas() -> list[defs.OpSchema]:
     return [rope, qkv, gate_up]
 
 
+def _last_dim_as(ctx: onnx.shape_inference.InferenceContext, out: int, size: int | None) -> None:
+    """Output `out` has x's (input 0's) element type and shape, last axis `size` (None: unknown)."""
+    x = ctx.get_input_type(0)
+    if x is None or not x.HasField("tensor_type"):
+        return
+    t = onnx.TypeProto()
+    t.tensor_type.elem_type = x.tensor_type.elem_type
+    if x.tensor_type.HasField("shape") and len(x.tensor_type.shape.dim):
+        dims = list(x.tensor_type.shape.dim)
+        for d in dims[:-1]:
+            t.tensor_type.shape.dim.add().CopyFrom(d)
+        last = t.tensor_type.shape.dim.add()
+        if size is not None:
+            last.dim_value = size
+    ctx.set_output_type(out, t)
+
+
+def _int_attr(ctx: onnx.shape_inference.InferenceContext, name: str) -> int | None:
+    a = ctx.get_attribute(name)
+    return None if a is None else int(a.i)
+
+
+def _infer_rope(ctx: onnx.shape_inference.InferenceContext) -> None:
+    for i in (0, 1):  # q_rot, k_rot: exactly the type and shape of q, k
+        t = ctx.get_input_type(i)
+        if t is not None:
+            ctx.set_output_type(i, t)
+
+
+def _infer_qkv(ctx: onnx.shape_inference.InferenceContext) -> None:
+    for i, name in enumerate(("q_size", "k_size", "v_size")):
+        _last_dim_as(ctx, i, _int_attr(ctx, name))
+
+
+def _infer_gate_up(ctx: onnx.shape_inference.InferenceContext) -> None:
+    w = ctx.get_input_type(1)
+    n = None
+    if w is not None and w.tensor_type.HasField("shape") and len(w.tensor_type.shape.dim) == 2:
+        d = w.tensor_type.shape.dim[1]
+        n = d.dim_value // 2 if d.HasField("dim_value") else None
+    _last_dim_as(ctx, 0, n)
+
+
+_INFER = {"FusedRoPE": _infer_rope, "FusedQKV": _infer_qkv, "FusedGateUp": _infer_gate_up}
+
+
 def register_schemas() -> None:
-    """Make the fuselm ops known to onnx (checker, shape inference, torch's exporter)."""
+    """Make the fuselm ops known to onnx (checker, shape inference, torch's exporter).
+
+    Each schema carries a type/shape inference function: without one, strict shape inference
+    leaves every fuselm output untyped and fails on the first standard op that reads it.
+    """
     for schema in _schemas():
         if not defs.has(schema.name, schema.domain):
+            schema.set_type_and_shape_inference_function(_INFER[schema.name])
             defs.register_schema(schema)
 
 

@@ -76,7 +76,7 @@ class Manifest:
     source: dict[str, Any]  # path, checkpoint dtype, shards
     versions: dict[str, str]
     quantization: dict[str, Any] | None = None
-    passes: list[dict[str, Any]] = field(default_factory=list)
+    passes: dict[str, Any] = field(default_factory=dict)  # the pass manager's report
     steps: list[str] = field(default_factory=list)  # what was done, in order
     files: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT
@@ -145,7 +145,7 @@ def read_manifest(out_dir: str | Path) -> Manifest:
             source=raw.get("source", {}),
             versions=raw.get("versions", {}),
             quantization=raw.get("quantization"),
-            passes=raw.get("passes", []),
+            passes=raw.get("passes", {}),
             steps=raw.get("steps", []),
             files=raw.get("files", {}),
         )

@@ -1,0 +1,229 @@
+"""Q4 side by side on this machine: fuselm `convert --quant q4` vs onnxruntime-genai's builder.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quant_bench.py [--shape qwen3-0.6b|tiny] [--work DIR]
+
+One random-weight checkpoint (Qwen3-0.6B's shapes, bf16) is converted twice:
+  fuselm:  converter.pipeline.convert(quant="q4", dtype float16, LM head quantized)
+  builder: python -m onnxruntime_genai.models.builder -p int4 -e cpu  (int4 LM head, int8 act.)
+and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
+fuselm's model runs through onnxruntime with a plain past/present loop at accuracy level 4
+(int8 activations, what the builder's int4 CPU model uses); the builder's through
+onnxruntime-genai. Each figure is the median of `-r` runs after one warm-up. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(code: str, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run Python `code` in a child; its wall time and peak RSS (the child's own)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    wrapper = (
+        "import resource, time, json, sys\n"
+        "t0 = time.perf_counter()\n"
+        f"{code}\n"
+        "print('@@' + json.dumps({'seconds': time.perf_counter() - t0, "
+        "'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+        "**globals().get('EXTRA', {})}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    line = next(x for x in out.stdout.splitlines()[::-1] if x.startswith("@@"))
+    return json.loads(line[2:])
+
+
+def _dir_mb(path: Path, suffixes: tuple[str, ...] = (".onnx", ".data")) -> float:
+    return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(suffixes)) / 2**20
+
+
+def build_checkpoint(work: Path, shape: str) -> Path:
+    ckpt = work / "ckpt"
+    if (ckpt / "config.json").exists():
+        return ckpt
+    # tiny: head_dim 32, as onnxruntime's GroupQueryAttention needs a multiple of 16.
+    overrides = "QWEN3_0_6B" if shape == "qwen3-0.6b" else "{'head_dim': 32}"
+    _child(
+        "from converter.builtin import build_model, QWEN3_0_6B\n"
+        f"build_model({str(ckpt)!r}, 'qwen3', dtype='bfloat16', **{overrides})"
+    )
+    return ckpt
+
+
+def convert_fuselm(ckpt: Path, out: Path, block: int) -> dict[str, Any]:
+    res = _child(
+        "from converter.pipeline import convert, ConvertOptions\n"
+        f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(dtype='float16', quant='q4', "
+        f"block_size={block}, quant_lm_head=True))\n"
+        "q = [e for e in r.report.entries if e.name == 'quantize_q4'][0]\n"
+        "EXTRA = {'quantize_seconds': q.seconds, 'quantization': q.extra['quantization'],\n"
+        "         'stage_seconds': r.seconds}\n"
+    )
+    info = res.pop("quantization")
+    linear = [t for t in info["tensors"] if t["role"] != "embedding"]
+    res["bits_per_linear_weight"] = info["bits_per_weight"]
+    res["quantized_tensors"] = len(linear)
+    res["tied"] = info["tied"]
+    res["artifact_mb"] = round(_dir_mb(out), 1)
+    return res
+
+
+def convert_builder(ckpt: Path, out: Path) -> dict[str, Any]:
+    cache = out.parent / "builder_cache"
+    res = _child(
+        "import runpy, sys\n"
+        f"sys.argv = ['builder', '-i', {str(ckpt)!r}, '-o', {str(out)!r}, '-p', 'int4', "
+        f"'-e', 'cpu', '-c', {str(cache)!r}]\n"
+        "runpy.run_module('onnxruntime_genai.models.builder', run_name='__main__')\n"
+    )
+    res["artifact_mb"] = round(_dir_mb(out), 1)
+    return res
+
+
+def _timed_runs(fn: Any, runs: int) -> list[tuple[float, float]]:
+    fn()  # warm-up
+    return [fn() for _ in range(runs)]
+
+
+def bench_fuselm(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[str, Any]:
+    from runtime_metal.ort_session import make_session
+
+    sess, info = make_session(out / "model.onnx", accuracy_level=4)
+    inputs = {i.name: i for i in sess.get_inputs()}
+    past_names = [n for n in inputs if n.startswith("past_key_values.")]
+    np_type = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+    outputs = ["logits"] + [n.replace("past_key_values.", "present.") for n in past_names]
+
+    def once() -> tuple[float, float]:
+        feed: dict[str, np.ndarray] = {}
+        for n in past_names:
+            _, heads, _, dim = inputs[n].shape
+            feed[n] = np.zeros((1, heads, 0, dim), np_type[inputs[n].type])
+        ids = prompt[None, :]
+        total = ids.shape[1]
+        t0 = time.perf_counter()
+        prefill_s = 0.0
+        for step in range(n_new + 1):
+            seq = ids.shape[1]
+            feed["input_ids"] = ids
+            feed["attention_mask"] = np.ones((1, total), np.int64)
+            feed["position_ids"] = np.arange(total - seq, total, dtype=np.int64)[None, :]
+            res = sess.run(outputs, feed)
+            nxt = int(np.argmax(res[0][0, -1]))
+            for n, v in zip(past_names, res[1:], strict=True):
+                feed[n] = v
+            if step == 0:
+                prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            if step == n_new:
+                break
+            ids = np.array([[nxt]], np.int64)
+            total += 1
+        return prefill_s, time.perf_counter() - t0
+
+    times = _timed_runs(once, runs)
+    return {**_rates(times, len(prompt), n_new), "session": info}
+
+
+def bench_builder(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[str, Any]:
+    import onnxruntime_genai as og
+
+    model = og.Model(str(out))
+
+    def once() -> tuple[float, float]:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + n_new, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(prompt[None, :].astype(np.int32))
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n_new):
+            gen.generate_next_token()
+        return prefill_s, time.perf_counter() - t0
+
+    times = _timed_runs(once, runs)
+    return {**_rates(times, len(prompt), n_new), "version": og.__version__}
+
+
+def _rates(times: list[tuple[float, float]], n_prompt: int, n_new: int) -> dict[str, float]:
+    pre = statistics.median(t[0] for t in times)
+    dec = statistics.median(t[1] for t in times)
+    return {"prefill_tok_s": round(n_prompt / pre, 1), "decode_tok_s": round(n_new / dec, 1)}
+
+
+def _bench_child(kind: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Each engine runs in its own process, so one's memory and threads do not touch the other."""
+    code = (
+        "import numpy as np\n"
+        "from benchmarks.quant_bench import bench_fuselm, bench_builder\n"
+        f"prompt = np.random.default_rng(0).integers(10, {args.vocab}, {args.prompt})\n"
+        f"EXTRA = bench_{kind}(__import__('pathlib').Path({str(out)!r}), prompt, {args.new}, "
+        f"{args.runs})\n"
+    )
+    res = _child(code)
+    res.pop("seconds", None)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=["qwen3-0.6b", "tiny"], default="qwen3-0.6b")
+    ap.add_argument("--work", type=Path, default=None, help="reuse this folder (checkpoint etc.)")
+    ap.add_argument("-p", "--prompt", type=int, default=128)
+    ap.add_argument("-n", "--new", type=int, default=64)
+    ap.add_argument("-r", "--runs", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=32)
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="quant_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = build_checkpoint(work, args.shape)
+    args.vocab = min(json.loads((ckpt / "config.json").read_text())["vocab_size"], 30000)
+    ours, theirs = work / "fuselm_q4", work / "builder_int4"
+    report: dict[str, Any] = {
+        "checkpoint": {
+            "shape": args.shape,
+            "dtype": "bfloat16",
+            "size_mb": round(_dir_mb(ckpt, (".safetensors",)), 1),
+        },
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "runs": args.runs,
+        "cpu_count": os.cpu_count(),
+    }
+    import shutil
+
+    shutil.rmtree(ours, ignore_errors=True)
+    shutil.rmtree(theirs, ignore_errors=True)
+    report["convert"] = {
+        "fuselm": convert_fuselm(ckpt, ours, args.block_size),
+        "builder": convert_builder(ckpt, theirs),
+    }
+    report["speed"] = {
+        "fuselm": _bench_child("fuselm", ours, args),
+        "builder": _bench_child("builder", theirs, args),
+    }
+    f, b = report["speed"]["fuselm"], report["speed"]["builder"]
+    report["ratio_fuselm_over_builder"] = {
+        "prefill": round(f["prefill_tok_s"] / b["prefill_tok_s"], 2),
+        "decode": round(f["decode_tok_s"] / b["decode_tok_s"], 2),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

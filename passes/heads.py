@@ -1,0 +1,99 @@
+"""Shared matchers for the attention block: head views, rotations' frequencies, widths.
+
+A *head view* is how every exporter turns a projection [b, s, H*D] into heads [b, H, s, D]:
+Transpose(0, 2, 1, 3)(Reshape(x, [b, s, -1 | H, D])), with Qwen3's per-head RMSNorm between
+the two. RoPE and attention fusion both peel it to get back to the 3-D tensor the contract uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from passes.graph import NoMatch, axes_of, const, last_const, maybe_producer, producer
+
+
+@dataclass
+class HeadView:
+    x3: gs.Tensor  # [b, s, H*D]
+    head_dim: int
+    norm: gs.Node | None  # per-head RMSNormalization between reshape and transpose
+
+
+def head_view(x4: gs.Tensor) -> HeadView:
+    tr = producer(x4, "Transpose")
+    if list(tr.attrs.get("perm", [])) != [0, 2, 1, 3]:
+        raise NoMatch
+    y = tr.inputs[0]
+    norm = maybe_producer(y, "RMSNormalization")
+    if norm is not None:
+        if int(norm.attrs.get("axis", -1)) not in (-1, 3):
+            raise NoMatch
+        y = norm.inputs[0]
+    r = producer(y, "Reshape")
+    d = last_const(r.inputs[1])
+    if d is None or d <= 0:
+        raise NoMatch
+    x3 = r.inputs[0]
+    if x3.shape is not None and len(x3.shape) != 3:
+        raise NoMatch
+    return HeadView(x3, d, norm)
+
+
+def width(t: gs.Tensor, depth: int = 4) -> int | None:
+    """Static size of the last axis of `t`, from inference or from the producing weights."""
+    if t.shape is not None and len(t.shape) and isinstance(t.shape[-1], int) and t.shape[-1] >= 0:
+        return int(t.shape[-1])
+    if depth == 0 or not t.inputs:
+        return None
+    node = t.inputs[0]
+    if node.op == "MatMul" and isinstance(node.inputs[1], gs.Constant):
+        return int(node.inputs[1].shape[-1])
+    if node.op == "MatMul":
+        dq = maybe_producer(node.inputs[1], "DequantizeLinear")
+        if dq is not None and isinstance(dq.inputs[0], gs.Constant):
+            return int(dq.inputs[0].shape[-1])
+    if node.op in ("Add", "Mul", "Cast", "Identity", "RMSNormalization"):
+        for i in node.inputs:
+            if not isinstance(i, gs.Constant):
+                w = width(i, depth - 1)
+                if w is not None:
+                    return w
+    if node.domain == "fuselm" and node.op == "FusedRoPE":
+        k = next(j for j, o in enumerate(node.outputs) if o is t)
+        return width(node.inputs[k], depth - 1)
+    if node.domain == "fuselm" and node.op == "FusedQKV":
+        k = next(j for j, o in enumerate(node.outputs) if o is t)
+        return int(node.attrs[("q_size", "k_size", "v_size")[k]])
+    return None
+
+
+@dataclass
+class Freqs:
+    position_ids: gs.Tensor  # int [b, s]
+    inv_freq: np.ndarray  # [rotary_dim / 2]
+
+
+def freqs_of(f: gs.Tensor) -> Freqs:
+    """position_ids and inv_freq from `freqs = position_ids[..., None].float() * inv_freq`."""
+    mul = producer(f, "Mul")
+    for p, inv in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        v = const(inv)
+        if v is None or v.size < 1:
+            continue
+        pos = p
+        for _ in range(3):  # Cast and Unsqueeze(-1), in either order
+            node = maybe_producer(pos, ("Cast", "Unsqueeze"))
+            if node is None:
+                break
+            if node.op == "Unsqueeze":
+                axes = axes_of(node)
+                if axes not in ([2], [-1]):
+                    raise NoMatch
+            pos = node.inputs[0]
+        if pos.dtype is not None and np.dtype(pos.dtype).kind not in "iu":
+            raise NoMatch
+        return Freqs(pos, v.reshape(-1).astype(np.float32))
+    raise NoMatch

@@ -1,0 +1,139 @@
+"""The pass manager: an ordered, written-out pipeline and a report of what each pass did.
+
+    model_out, report = run_pipeline(model)                # the full PIPELINE
+    model_out, report = run_pipeline(model, ["rmsnorm"])    # a subset (cleanup always runs)
+    model_out, report = run_pipeline(model, extra=[quantize_pass])   # after pairing
+
+Weights are never read except where a pass must (packing paired projections); large
+initializers pass through untouched (onnx-graphsurgeon keeps them lazy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from passes.attention import AttentionFusion
+from passes.cleanup import Cleanup
+from passes.dead_shape import RemoveDeadShapeOp
+from passes.graph import PassResult, histogram
+from passes.model_io import to_graph, to_model
+from passes.pair_gate_up import GateUpPairing
+from passes.pair_qkv import QKVPairing
+from passes.reorder import ReorderQKVProjections
+from passes.rmsnorm import RMSNormFusion
+from passes.rope import RoPEFusion
+
+
+class Pass(Protocol):
+    name: str
+
+    def run(self, graph: gs.Graph) -> PassResult: ...
+
+
+# The order is the contract; each line says what it must come after.
+PIPELINE: list[Pass] = [
+    RemoveDeadShapeOp(),  # first: later patterns see static shapes as constants
+    RMSNormFusion(),  # before RoPE: q/k-norm must be RMSNormalization to fold into FusedRoPE
+    RoPEFusion(),  # before attention: attention peels the head views FusedRoPE leaves
+    AttentionFusion(),  # makes q/k/v 3-D and drops repeat_kv, so projections become pairable
+    RemoveDeadShapeOp(),  # the shape chains the old attention needed are dead now
+    ReorderQKVProjections(),  # before QKV pairing: the paired op takes the place of the first
+    QKVPairing(),  # needs FusedRoPE/Attention downstream to tell q, k and v apart
+    GateUpPairing(),
+    # <- `extra` passes go here: fuselm's 4-bit quantization runs after pairing, on packed
+    #    weights (passes/quantize.py).
+    Cleanup(),  # last: toposort, unused initializers/functions/opsets dropped
+]
+PASS_NAMES = tuple(dict.fromkeys(p.name for p in PIPELINE))
+
+
+class PipelineError(ValueError):
+    """Bad pipeline request (an unknown pass name)."""
+
+
+@dataclass
+class PassEntry:
+    name: str
+    matches: int
+    nodes_before: int
+    nodes_after: int
+    op_delta: dict[str, int]
+    seconds: float
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    entries: list[PassEntry] = field(default_factory=list)
+    opset_upgraded_from: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "opset_upgraded_from": self.opset_upgraded_from,
+            "passes": [
+                {**asdict(e), "refused": [list(r) for r in e.refused]} for e in self.entries
+            ],
+        }
+
+    def render(self):  # noqa: ANN201 - a rich Table (rich is imported lazily)
+        from rich.table import Table
+
+        table = Table(title="fuselm passes")
+        for col in ("pass", "matches", "nodes", "ops +/-", "refused", "s"):
+            table.add_column(col, justify="right" if col in ("matches", "s") else "left")
+        for e in self.entries:
+            delta = " ".join(f"{k}{v:+d}" for k, v in e.op_delta.items())
+            refused = "\n".join(f"{n}: {r}" for n, r in e.refused[:5])
+            if len(e.refused) > 5:
+                refused += f"\n(+{len(e.refused) - 5} more)"
+            if "peak_live_before" in e.extra:
+                before, after = e.extra["peak_live_before"], e.extra["peak_live_after"]
+                delta += f"\npeak live {before} -> {after}"
+            table.add_row(e.name, str(e.matches), f"{e.nodes_before} -> {e.nodes_after}", delta,
+                          refused, f"{e.seconds:.2f}")
+        return table
+
+
+def select(passes: Sequence[str] | None, extra: Sequence[Pass] = ()) -> list[Pass]:
+    """The passes to run, in pipeline order; cleanup always last, `extra` right before it."""
+    if passes is None:
+        chosen = [p for p in PIPELINE if p.name != "cleanup"]
+    else:
+        unknown = [n for n in passes if n not in PASS_NAMES]
+        if unknown:
+            raise PipelineError(f"unknown pass {unknown[0]!r}; passes: {', '.join(PASS_NAMES)}")
+        wanted = set(passes)
+        chosen, seen = [], set()
+        for p in PIPELINE:
+            if p.name in wanted and p.name != "cleanup" and p.name not in seen:
+                chosen.append(p)
+                seen.add(p.name)
+    return [*chosen, *extra, PIPELINE[-1]]
+
+
+def run_pipeline(
+    model: onnx.ModelProto, passes: Sequence[str] | None = None, extra: Sequence[Pass] = ()
+) -> tuple[onnx.ModelProto, Report]:
+    chosen = select(passes, extra)
+    graph = to_graph(model)  # upgrades a lower opset to 23 first
+    report = Report(opset_upgraded_from=graph.upgraded_from)
+    for p in chosen:
+        before = histogram(graph)
+        n_before = len(graph.nodes)
+        t0 = time.perf_counter()
+        result = p.run(graph)
+        seconds = time.perf_counter() - t0
+        after = histogram(graph)
+        delta = {k: after[k] - before[k] for k in sorted(set(before) | set(after))
+                 if after[k] != before[k]}
+        report.entries.append(PassEntry(p.name, result.count, n_before, len(graph.nodes), delta,
+                                        round(seconds, 4), list(result.refused),
+                                        dict(result.extra)))
+    return to_model(graph, template=model), report

@@ -1,0 +1,680 @@
+"""4-bit block quantization of linear weights (issue 4): W4, blocks of 32 along the reduction axis.
+
+The stored form is the standard one fixed by DESIGN.md, so every ONNX runtime runs it and
+onnxruntime fuses it into `MatMulNBits`:
+
+    plain projection   MatMul(x, W)            -> MatMul(x, DequantizeLinear(codes, scales, zp,
+                                                                 axis=0, block_size=B))
+    fused projection   FusedQKV / FusedGateUp  -> inputs 1/2/3 = codes, scales, zp; attr block_size
+    embedding (opt-in) Gather(E, ids)          -> Gather(DequantizeLinear(E codes, axis=1), ids)
+    LM head (opt-in)   MatMul(h, W_head)       -> as a plain projection
+
+Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
+dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
+float16-representable, so MLX's affine form `w = q*s + b` with `b = -zp*s` reproduces the ONNX
+weights exactly at float32 compute.
+
+The formula, per block of B weights w along K (rows k .. k+B-1 of one column n):
+
+    asymmetric:  lo = min(w, 0), hi = max(w, 0)         # the range always holds 0
+                 s  = fp16(( hi - lo) / 15)             # round-to-nearest-even to float16
+                 zp = clip(rint(-lo / s), 0, 15)
+    symmetric:   s  = fp16(max|w| / 7), zp = 8          # q - 8 in [-7, 7]: nothing clips
+    codes = clip(rint(w / s) + zp, 0, 15)               # ONNX QuantizeLinear's formula
+    w'    = (codes - zp) * s                            # ONNX DequantizeLinear
+
+`rint` is round-half-to-even (NumPy's and ONNX QuantizeLinear's rule), division is float32
+division (not a multiply by the reciprocal), so the result is deterministic and bit-reproducible.
+A block whose scale is 0 (all zeros) gets s = 0, zp = 0 (asymmetric), codes = zp: it
+dequantizes to exact zeros. A weight lying on a 4-bit grid `(q - zp) * s` with q spanning 0..15 and
+s a power of two is reproduced exactly (hi - lo = 15 s exactly, so s, zp and q come back).
+
+Symmetric keeps uint4 codes with a fixed zero point of 8 (rather than int4 codes with no zero
+point): one storage format for both modes, the same fused-op function-body variant (the zero-point
+input stays present), and it is exactly what `MatMulNBits` and MLX's affine kernels expect.
+
+A reduction size K that is not a multiple of B is stored with a partial last block: ONNX blocked
+DequantizeLinear defines scales of shape ceil(K/B) along the axis, and the partial block is
+quantized from its own values only (no padding values enter its min/max). Such tensors are
+listed with `partial_block: true` in the info so a runtime that needs whole groups (MLX) pads
+the codes itself.
+
+A tied embedding / LM head (Gather(E) and MatMul(h, Transpose(E)) on one initializer E [V, H])
+is quantized as ONE tensor, blocks along H (axis 1 of E, i.e. the LM head's reduction axis): one
+DequantizeLinear feeds both uses. Tied, the two flags name the same tensor, so either one
+quantizes it (the info records that).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from passes import ops
+
+BITS = 4
+BLOCK_SIZES = (32, 64, 128)
+QUANT_CHOICES = ("none", "q4")
+DEFAULT_BLOCK_SIZE = 32
+SYMMETRIC_ZERO_POINT = 8
+FUSED_OPS = ("FusedQKV", "FusedGateUp")
+_FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_FP16_MAX = float(np.finfo(np.float16).max)
+_SLAB = 1024  # columns per slab in quantize_array
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and their validation (the CLI's `--quant q4 --block-size --sym ...`)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    symmetric: bool = False
+    lm_head: bool = False
+    embeddings: bool = False
+
+
+def validate_options(
+    quant: str | None = "q4",
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    symmetric: bool = False,
+    lm_head: bool = False,
+    embeddings: bool = False,
+) -> QuantOptions | None:
+    """Check the CLI's quantization options; None means "no quantization".
+
+    Raises converter.errors.UserError naming the valid values.
+    """
+    from converter.errors import UserError
+
+    q = (quant or "none").lower()
+    if q not in QUANT_CHOICES:
+        raise UserError(
+            f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
+        )
+    if block_size not in BLOCK_SIZES:
+        raise UserError(
+            f"--block-size {block_size} is not supported; valid values: "
+            f"{', '.join(str(b) for b in BLOCK_SIZES)}"
+        )
+    if q == "none":
+        if symmetric or lm_head or embeddings:
+            raise UserError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
+        return None
+    return QuantOptions(block_size, symmetric, lm_head, embeddings)
+
+
+# ---------------------------------------------------------------------------------------------
+# The NumPy core
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Q4Tensor:
+    """A [K, N] weight quantized along axis 0 (codes uint8 in 0..15 until written)."""
+
+    codes: np.ndarray  # uint8 [K, N], values 0..15
+    scales: np.ndarray  # float16 [ceil(K/B), N]
+    zero_points: np.ndarray  # uint8 [ceil(K/B), N], values 0..15
+    block_size: int
+
+    def dequantize(self, dtype: np.dtype | type = np.float32) -> np.ndarray:
+        return ops.dequantize_reference(
+            self.codes, self.scales.astype(dtype), self.zero_points, self.block_size
+        )
+
+
+def _blocks(w: np.ndarray, block_size: int) -> tuple[np.ndarray, int]:
+    """[K, N] -> [nb, B, N] with the partial last block padded by repeating its first row.
+
+    Repeating a real value of the block leaves that block's min and max unchanged, so the
+    padding never influences any scale or zero point; padded rows are dropped afterwards.
+    """
+    k, n = w.shape
+    nb = -(-k // block_size)
+    pad = nb * block_size - k
+    if pad:
+        first = w[(nb - 1) * block_size : (nb - 1) * block_size + 1]
+        w = np.concatenate([w, np.repeat(first, pad, axis=0)], axis=0)
+    return w.reshape(nb, block_size, n), pad
+
+
+def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False) -> Q4Tensor:
+    """Quantize a [K, N] float weight along K in blocks of `block_size` (see module doc).
+
+    Works on slabs of columns so the float32 temporaries stay in cache (about 4x faster than
+    whole-tensor NumPy on a [1024, 151936] table); columns are independent, so the result is
+    the same for any slab width.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D [K, N] weight, got shape {w.shape}")
+    k, n = w.shape
+    nb = -(-k // block_size)
+    codes = np.empty((k, n), np.uint8)
+    scales = np.empty((nb, n), np.float16)
+    zps = np.empty((nb, n), np.uint8)
+    for c0 in range(0, n, _SLAB):
+        c1 = min(n, c0 + _SLAB)
+        # C order per slab: a transposed view (tied or Transpose-fed weights) is re-laid out
+        # one cache-sized slab at a time instead of as one slow whole-table transpose.
+        wf = np.ascontiguousarray(w[:, c0:c1], dtype=np.float32)
+        if not np.isfinite(wf).all():
+            raise ValueError("weight has NaN or Inf values; refusing to quantize")
+        blocks, _ = _blocks(wf, block_size)
+        if symmetric:
+            step = np.abs(blocks).max(axis=1) / np.float32(7)
+        else:
+            lo = np.minimum(blocks.min(axis=1), 0)
+            step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(15)
+        if float(step.max(initial=0.0)) > _FP16_MAX:
+            raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
+        s16 = step.astype(np.float16)  # round-to-nearest-even onto the float16 grid
+        s = s16.astype(np.float32)
+        zero = s == 0
+        safe = np.where(zero, np.float32(1), s)
+        if symmetric:
+            zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
+        else:
+            zp = np.rint(-lo / safe)
+            np.clip(zp, 0, 15, out=zp)
+            zp[zero] = 0
+        q = np.divide(blocks, safe[:, None, :])  # true division, not a reciprocal multiply
+        np.rint(q, out=q)  # round half to even
+        q += zp[:, None, :]
+        if zero.any():  # a zero scale: every code is the zero point (dequantizes to 0)
+            mask = np.broadcast_to(zero[:, None, :], q.shape)
+            q[mask] = np.broadcast_to(zp[:, None, :], q.shape)[mask]
+        np.clip(q, 0, 15, out=q)
+        codes[:, c0:c1] = q.reshape(-1, c1 - c0)[:k]
+        scales[:, c0:c1] = s16
+        zps[:, c0:c1] = zp
+    return Q4Tensor(codes, scales, zps, block_size)
+
+
+def to_uint4(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.uint4)
+
+
+def uint4_tensor(codes: np.ndarray, name: str) -> TensorProto:
+    """A UINT4 initializer from uint8 values 0..15, packed as onnx packs it (first element in
+    the low nibble, odd counts padded with a zero nibble); ~10x faster than numpy_helper's
+    element-wise path on a 155M-entry table, and byte-identical to it."""
+    flat = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
+    packed = flat[0::2] | (flat[1::2] << 4)
+    t = TensorProto(name=name, data_type=TensorProto.UINT4, dims=list(codes.shape))
+    t.raw_data = packed.tobytes()
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph pass
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PassResult:
+    """What the pass manager records in fuselm.json's pass report."""
+
+    name: str
+    changed: int
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "changed": self.changed,
+            "seconds": round(self.seconds, 3),
+            **self.info,
+        }
+
+
+@dataclass
+class _Graph:
+    """Producer/consumer indexes over the top-level graph."""
+
+    model: onnx.ModelProto
+    base_dir: str | None
+
+    def __post_init__(self) -> None:
+        g = self.model.graph
+        self.inits = {t.name: t for t in g.initializer}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        self.producer: dict[str, onnx.NodeProto] = {}
+        for node in g.node:
+            for i in node.input:
+                if i:
+                    self.consumers.setdefault(i, []).append(node)
+            for o in node.output:
+                self.producer[o] = node
+        self.graph_outputs = {o.name for o in g.output}
+        self.inits_dtype: dict[str, int] = {}
+
+    def float_init(self, name: str) -> TensorProto | None:
+        t = self.inits.get(name)
+        if t is None or t.data_type not in _FLOAT_TYPES or len(t.dims) != 2:
+            return None
+        return t
+
+    def array(self, t: TensorProto) -> np.ndarray:
+        return numpy_helper.to_array(t, self.base_dir or "")
+
+    def used_only_by(self, name: str, nodes: list[onnx.NodeProto]) -> bool:
+        ids = {id(n) for n in nodes}
+        return name not in self.graph_outputs and all(
+            id(c) in ids for c in self.consumers.get(name, [])
+        )
+
+
+def _transpose_of_init(g: _Graph, name: str) -> tuple[onnx.NodeProto, TensorProto] | None:
+    """If `name` is Transpose(perm=[1, 0]) of a 2-D float initializer, that node and tensor."""
+    node = g.producer.get(name)
+    if node is None or node.op_type != "Transpose":
+        return None
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+    t = g.float_init(node.input[0])
+    if t is None or perm != [1, 0]:
+        return None
+    return node, t
+
+
+def _scale_dtype(data_type: int) -> tuple[np.dtype, int | None]:
+    """Scales' storage dtype for a weight of `data_type`, and a Cast target if one is needed.
+
+    float16 graph -> float16 scales (4.625 bits/weight); float32 graph -> float32 scales holding
+    float16-representable values (onnxruntime's MatMulNBits takes scales in the activation
+    type, and DequantizeLinear outputs the scales' type, so this keeps MatMul's types matched);
+    bfloat16 -> float32 scales and a Cast back, since float16 values need not be bf16 values.
+    """
+    if data_type == TensorProto.FLOAT16:
+        return np.dtype(np.float16), None
+    if data_type == TensorProto.BFLOAT16:
+        return np.dtype(np.float32), TensorProto.BFLOAT16
+    return np.dtype(np.float32), None
+
+
+class _Writer:
+    def __init__(self, g: _Graph, block_size: int, symmetric: bool) -> None:
+        self.g = g
+        self.block_size = block_size
+        self.symmetric = symmetric
+        self.new_inits: list[TensorProto] = []
+        self.new_nodes: list[list[onnx.NodeProto]] = []
+        self.dead: set[str] = set()  # initializers no longer used
+        self.dead_nodes: set[int] = set()  # ids of replaced nodes
+        self.tensors: list[dict[str, Any]] = []
+        self.original_bytes = 0
+        self.quantized_bytes = 0
+        self.weights = 0
+
+    def _unique(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.g.inits or name in self.g.producer or name in self.g.consumers:
+            name, i = f"{base}_{i}", i + 1
+        self.g.inits[name] = TensorProto()  # reserve
+        return name
+
+    def quantize(
+        self, src: TensorProto, w_kn: np.ndarray, role: str, axis: int
+    ) -> tuple[str, str, str, int | None]:
+        """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) and add its initializers."""
+        q = quantize_array(w_kn, self.block_size, self.symmetric)
+        sdtype, cast_to = _scale_dtype(src.data_type)
+        codes, scales, zps = q.codes, q.scales.astype(sdtype), q.zero_points
+        if axis == 1:  # stored in the source's own [N, K] layout, blocks along its axis 1
+            codes, scales, zps = codes.T, scales.T, zps.T
+        base = src.name
+        names = (
+            self._unique(base + "_q4"),
+            self._unique(base + "_scale"),
+            self._unique(base + "_zp"),
+        )
+        self.new_inits += [
+            uint4_tensor(codes, names[0]),
+            numpy_helper.from_array(np.ascontiguousarray(scales), names[1]),
+            uint4_tensor(zps, names[2]),
+        ]
+        self.g.inits_dtype[names[1]] = helper.np_dtype_to_tensor_dtype(sdtype)
+        k, n = w_kn.shape
+        nbytes = (codes.size + zps.size + 1) // 2 + scales.nbytes
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(src.data_type)).itemsize
+        self.original_bytes += w_kn.size * itemsize
+        self.quantized_bytes += nbytes
+        self.weights += w_kn.size
+        self.tensors.append(
+            {
+                "name": src.name,
+                "role": role,
+                "shape": [int(d) for d in src.dims],
+                "axis": axis,
+                "codes": names[0],
+                "scales": names[1],
+                "zero_points": names[2],
+                "partial_block": k % self.block_size != 0,
+                "bits_per_weight": round(8 * nbytes / w_kn.size, 4),
+            }
+        )
+        return (*names, cast_to)
+
+    def dq_node(
+        self, names: tuple[str, str, str, int | None], out: str, axis: int
+    ) -> list[onnx.NodeProto]:
+        codes, scales, zps, cast_to = names
+        dq_out = out if cast_to is None else out + "_f32"
+        nodes = [
+            helper.make_node(
+                "DequantizeLinear",
+                [codes, scales, zps],
+                [dq_out],
+                name=out + "_DequantizeLinear",
+                axis=axis,
+                block_size=self.block_size,
+            )
+        ]
+        if cast_to is not None:
+            nodes.append(helper.make_node("Cast", [dq_out], [out], name=out + "_Cast", to=cast_to))
+        return nodes
+
+    def gather_nodes(
+        self, names: tuple[str, str, str, int | None], gather: onnx.NodeProto, stored_kn: bool
+    ) -> list[onnx.NodeProto]:
+        """Replace Gather(E, ids) by a gather of rows of codes/scales/zero points + dequantize.
+
+        Standard Gather takes no 4-bit tensors, so codes and zero points are Cast to uint8 first
+        (constant-folded once at session creation; the artifact keeps uint4). When the tensor is
+        stored as the tied LM head's [H, V], a Transpose (also folded) gives rows again.
+        The scales take a lossless round trip through the other float type (their values are
+        float16-representable): it gives the lookup its own constant, because onnxruntime
+        does not fuse a DequantizeLinear into MatMulNBits when its scales have another consumer.
+        Gathered rows dequantize along the last axis, blocks of B, to exactly the head's values.
+        """
+        codes, scales, zps, cast_to = names
+        out, ids = gather.output[0], gather.input[1]
+        base = self._unique(out + "_q4")
+        sdt = self.g.inits_dtype[scales]
+        other = TensorProto.FLOAT16 if sdt == TensorProto.FLOAT else TensorProto.FLOAT
+        nodes: list[onnx.NodeProto] = []
+
+        def table(src: str, tag: str, to: int) -> str:
+            nodes.append(helper.make_node("Cast", [src], [f"{base}_{tag}_cast"], to=to))
+            cur = f"{base}_{tag}_cast"
+            if stored_kn:
+                nodes.append(
+                    helper.make_node("Transpose", [cur], [f"{base}_{tag}_rows"], perm=[1, 0])
+                )
+                cur = f"{base}_{tag}_rows"
+            nodes.append(helper.make_node("Gather", [cur, ids], [f"{base}_{tag}_g"], axis=0))
+            return f"{base}_{tag}_g"
+
+        cg = table(codes, "codes", TensorProto.UINT8)
+        zg = table(zps, "zp", TensorProto.UINT8)
+        sg = table(scales, "scale", other)
+        nodes.append(helper.make_node("Cast", [sg], [f"{base}_scale_back"], to=sdt))
+        dq_out = out if cast_to is None else f"{base}_dq"
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear",
+                [cg, f"{base}_scale_back", zg],
+                [dq_out],
+                name=f"{base}_DequantizeLinear",
+                axis=-1,
+                block_size=self.block_size,
+            )
+        )
+        if cast_to is not None:
+            nodes.append(helper.make_node("Cast", [dq_out], [out], to=cast_to))
+        return nodes
+
+
+def quantize_q4(
+    model: onnx.ModelProto,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    symmetric: bool = False,
+    lm_head: bool = False,
+    embeddings: bool = False,
+    base_dir: str | Path | None = None,
+) -> tuple[onnx.ModelProto, PassResult]:
+    """Quantize every linear weight of `model` to 4 bits in place; returns (model, result).
+
+    Linear weights are 2-D float initializers that are input 1 of a MatMul (directly, or through
+    Transpose(perm=[1,0])) or input 1 of FusedQKV / FusedGateUp (packed [K, N]). The LM head (the
+    MatMul whose output width is the vocabulary, or that produces `logits`) and the
+    embedding table (input 0 of a Gather) are quantized only when asked. `base_dir` is where the
+    model's external data lives, if its weights are not loaded yet.
+    """
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
+    _ensure_opset(model)
+    t0 = time.perf_counter()
+    g = _Graph(model, None if base_dir is None else str(base_dir))
+    w = _Writer(g, block_size, symmetric)
+
+    # Embedding tables: Gather(E, ids) with E a 2-D float initializer, gathered along axis 0.
+    gathers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and g.float_init(node.input[0]) is not None:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if axis == 0:
+                gathers.setdefault(node.input[0], []).append(node)
+    vocab = {int(g.inits[name].dims[0]) for name in gathers}
+
+    def is_head(node: onnx.NodeProto, n_out: int) -> bool:
+        # The LM head maps to the vocabulary: as wide as an embedding table has rows. Without
+        # any embedding table, only a MatMul producing the `logits` output counts.
+        return n_out in vocab or (not vocab and node.output[0] == "logits")
+
+    tied_names: list[str] = []
+    edits = 0
+    for node in list(model.graph.node):
+        if node.op_type == "MatMul" or (node.domain == ops.DOMAIN and node.op_type in FUSED_OPS):
+            fused = node.op_type != "MatMul"
+            if fused and len(node.input) > 2 and node.input[2]:
+                continue  # already quantized
+            wname = node.input[1]
+            t = g.float_init(wname)
+            trans = None
+            if t is None and not fused:
+                found = _transpose_of_init(g, wname)
+                if found is None:
+                    continue
+                trans, t = found
+            if t is None:
+                continue
+            n_out = int(t.dims[0] if trans is not None else t.dims[1])
+            head = not fused and is_head(node, n_out)
+            tied = trans is not None and t.name in gathers
+            if tied:
+                # One tensor for both uses; either flag asks for it (they name the same tensor).
+                if not (lm_head or embeddings):
+                    continue
+                users = [*gathers[t.name], trans]
+                if not g.used_only_by(t.name, users) or not g.used_only_by(trans.output[0], [node]):
+                    continue
+                # Stored as the LM head's [K=H, N=V] (blocks along H, axis 1 of E): the head is
+                # then the plain DequantizeLinear + MatMul that onnxruntime fuses into
+                # MatMulNBits; the lookups gather rows from the same codes (see _gather_nodes).
+                names = w.quantize(t, g.array(t).T, "tied_embedding_lm_head", axis=0)
+                dq_out = w._unique(t.name + "_dq")
+                w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
+                node.input[1] = dq_out
+                w.dead_nodes.add(id(trans))
+                for gather in gathers.pop(t.name):
+                    w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=True))
+                    w.dead_nodes.add(id(gather))
+                w.dead.add(t.name)
+                tied_names.append(t.name)
+                edits += 1
+                continue
+            if head and not lm_head:
+                continue
+            if trans is not None:
+                if not g.used_only_by(trans.output[0], [node]) or not g.used_only_by(
+                    t.name, [trans]
+                ):
+                    continue
+                arr = g.array(t).T
+            else:
+                if not g.used_only_by(t.name, [node]):
+                    continue
+                arr = g.array(t)
+            role = "lm_head" if head else ("fused:" + node.op_type if fused else "linear")
+            names = w.quantize(t, arr, role, axis=0)
+            if fused:
+                codes, scales, zps, _ = names
+                bias = node.input[4] if len(node.input) > 4 else ""
+                x = node.input[0]
+                del node.input[:]
+                node.input.extend([x, codes, scales, zps] + ([bias] if bias else []))
+                kept = [a for a in node.attribute if a.name != "block_size"]
+                del node.attribute[:]
+                node.attribute.extend([*kept, helper.make_attribute("block_size", block_size)])
+            else:
+                dq_out = w._unique(t.name + "_dq")
+                w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
+                node.input[1] = dq_out
+                if trans is not None:
+                    w.dead_nodes.add(id(trans))
+            w.dead.add(t.name)
+            edits += 1
+
+    # Untied embedding tables: quantized [V, H] along H, rows gathered then dequantized.
+    if embeddings:
+        for name, users in gathers.items():
+            t = g.inits[name]
+            if not g.used_only_by(name, users):
+                continue
+            names = w.quantize(t, g.array(t).T, "embedding", axis=1)
+            for gather in users:
+                w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=False))
+                w.dead_nodes.add(id(gather))
+            w.dead.add(name)
+            edits += 1
+
+    _rewrite(model, w)
+    if any(n.domain == ops.DOMAIN for n in model.graph.node):
+        ops.attach_functions(model)
+    info = {
+        "bits": BITS,
+        "block_size": block_size,
+        "symmetric": symmetric,
+        "zero_point": "fixed 8 (uint4)" if symmetric else "uint4 per block",
+        "scale_dtype": "float16 values (stored in the graph's float type)",
+        "rounding": "scale: float16 round-to-nearest-even; codes: round-half-to-even of w/s, + zp",
+        "tensors": w.tensors,
+        "lm_head": bool(lm_head or tied_names),
+        "embeddings": bool(embeddings or tied_names),
+        "tied": tied_names,
+        "weights": w.weights,
+        "bits_per_weight": round(8 * w.quantized_bytes / w.weights, 4) if w.weights else None,
+        "bytes_before": w.original_bytes,
+        "bytes_after": w.quantized_bytes,
+    }
+    return model, PassResult("quantize_q4", edits, time.perf_counter() - t0, info)
+
+
+def _rewrite(model: onnx.ModelProto, w: _Writer) -> None:
+    """Insert each DequantizeLinear group before its first consumer; drop dead tensors/nodes."""
+    g = model.graph
+    pending = {nodes[-1].output[0]: nodes for nodes in w.new_nodes}
+    order: list[onnx.NodeProto] = []
+    for node in g.node:
+        if id(node) in w.dead_nodes:
+            continue
+        for name in node.input:
+            if name in pending:
+                order.extend(pending.pop(name))
+        order.append(node)
+    del g.node[:]
+    g.node.extend(order)
+    kept = [t for t in g.initializer if t.name not in w.dead]
+    del g.initializer[:]
+    g.initializer.extend(kept + w.new_inits)
+    # Stale value_info for removed tensors would contradict the new types.
+    vi = [v for v in g.value_info if v.name not in w.dead]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+
+
+def _ensure_opset(model: onnx.ModelProto) -> None:
+    """Blocked DequantizeLinear with uint4 needs opset >= 21."""
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and o.version < 21:
+            raise ValueError(
+                f"blocked 4-bit DequantizeLinear needs opset >= 21; model has {o.version} "
+                "(upgrade it with onnx.version_converter first)"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The pass manager's interface (onnx-graphsurgeon graphs)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class QuantizeQ4:
+    """`quantize_q4` as a pipeline pass: `run(graph)` rewrites the gs.Graph in place.
+
+    The rewrite itself works on ModelProto + NumPy (one implementation, tested on its own); the
+    graph goes out through onnx-graphsurgeon's exporter and the result is imported back. The
+    returned PassResult carries the fuselm.json quantization record in `extra["quantization"]`.
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    symmetric: bool = False
+    lm_head: bool = False
+    embeddings: bool = False
+    name: str = "quantize_q4"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, graph: Any) -> Any:
+        import onnx_graphsurgeon as gs
+
+        from passes.graph import PassResult as GraphPassResult
+        from passes.model_io import infer_shapes
+
+        model = gs.export_onnx(graph, do_type_check=False)
+        if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid("", ops.ONNX_OPSET))
+        model, res = quantize_q4(
+            model,
+            block_size=self.block_size,
+            symmetric=self.symmetric,
+            lm_head=self.lm_head,
+            embeddings=self.embeddings,
+        )
+        infer_shapes(model)
+        new = gs.import_onnx(model)
+        graph.nodes = new.nodes
+        graph.inputs = new.inputs
+        graph.outputs = new.outputs
+        if hasattr(new, "functions"):
+            graph.functions = new.functions
+        self.info = res.info
+        return GraphPassResult(count=res.changed, extra={"quantization": res.info})
+
+
+def quantize_pass(
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    symmetric: bool = False,
+    lm_head: bool = False,
+    embeddings: bool = False,
+) -> QuantizeQ4:
+    """The pass for `run_pipeline(..., extra=[quantize_pass(...)])`; options as validated by
+    `validate_options` (raises ValueError on a block size outside BLOCK_SIZES)."""
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
+    return QuantizeQ4(block_size, symmetric, lm_head, embeddings)

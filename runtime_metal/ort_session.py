@@ -1,0 +1,67 @@
+"""onnxruntime sessions for fuselm models, with the Q4 activation precision set explicitly.
+
+onnxruntime fuses our DequantizeLinear(uint4, blocked) + MatMul into `MatMulNBits` when it
+creates the session; how that kernel computes is a session option,
+`session.qdq_matmulnbits_accuracy_level`. Left unset, onnxruntime picks 4 (int8 activations,
+~5e-3 relative error per matmul), so every session we make sets it and reports it:
+
+    0  float compute in the activation type (exact up to summation order; for comparisons)
+    1  float32   2  float16   3  bfloat16   4  int8 activations (the fast CPU path)
+
+With `optimize=False` no graph optimization runs: DequantizeLinear + MatMul execute as written
+(exact, slow) and the accuracy level has no effect.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+ACCURACY_LEVELS = {0: "unset (float, activation type)", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
+ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
+
+
+def make_session(
+    model_path: str | Path,
+    *,
+    accuracy_level: int = 4,
+    optimize: bool = True,
+    threads: int | None = None,
+    providers: list[str] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Create an `onnxruntime.InferenceSession` and say how it will compute.
+
+    Returns (session, info) where info has accuracy_level, activation_precision, optimize,
+    threads, providers and onnxruntime's version.
+    """
+    import onnxruntime as ort
+
+    if accuracy_level not in ACCURACY_LEVELS:
+        raise ValueError(
+            f"accuracy_level {accuracy_level} not supported; valid values: "
+            + ", ".join(f"{k} ({v})" for k, v in ACCURACY_LEVELS.items())
+        )
+    so = ort.SessionOptions()
+    so.add_session_config_entry(ACCURACY_KEY, str(accuracy_level))
+    so.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    if threads is not None:
+        so.intra_op_num_threads = int(threads)
+    so.log_severity_level = 3  # the fp16 "Cast inserted" / serialization notices are noise here
+    providers = providers or ["CPUExecutionProvider"]
+    session = ort.InferenceSession(os.fspath(model_path), so, providers=providers)
+    info = {
+        "engine": "onnxruntime",
+        "version": ort.__version__,
+        "accuracy_level": accuracy_level,
+        # Without graph optimizations no MatMulNBits exists, so the level does not apply.
+        "activation_precision": ACCURACY_LEVELS[accuracy_level] if optimize else "as written",
+        "optimize": optimize,
+        "threads": threads,
+        "providers": session.get_providers(),
+    }
+    return session, info
