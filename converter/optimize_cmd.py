@@ -3,6 +3,9 @@
 A lower opset is upgraded to 23 first (the fused ops are opset-23 ops). The report goes to
 stderr as a table, or to stdout as JSON with --json. The output is written to a temporary
 directory beside it and renamed into place, so a failed run never leaves a half-written model.
+
+A model with external data is read without it: its weights stay on disk through the passes and
+are streamed into OUT.onnx.data (passes/writer.py), so memory does not grow with the weights.
 """
 
 from __future__ import annotations
@@ -29,19 +32,32 @@ def _load(path: Path):  # noqa: ANN202 - onnx.ModelProto
 
     if not path.is_file():
         raise UserError(f"{path}: no such file")
+    from passes.weights import check_external
+
     try:
-        return onnx.load(str(path), load_external_data=True)
+        model = onnx.load(str(path), load_external_data=False)
+        check_external(model, path.parent)  # the weights are read later, but must be there
     except (DecodeError, ValueError, OSError) as e:
         raise UserError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+    return model
 
 
 def _weight_bytes(model) -> int:  # noqa: ANN001
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
-def save_atomic(model, out: Path, external: bool) -> None:  # noqa: ANN001 - onnx.ModelProto
-    """Write `out` (and `out`.data when external) via a temporary directory + rename."""
+def save_atomic(  # noqa: ANN001 - model: onnx.ModelProto
+    model, out: Path, external: bool, base_dir: Path | None = None,
+    deferred: dict | None = None,
+) -> None:
+    """Write `out` (and `out`.data when external) via a temporary directory + rename.
+
+    External: weights are streamed from `base_dir`'s data file and `deferred` values, as
+    run_pipeline left them (passes/writer.py).
+    """
     import onnx
+
+    from passes.writer import write_model
 
     out.parent.mkdir(parents=True, exist_ok=True)
     data_name = out.name + ".data"
@@ -51,9 +67,8 @@ def save_atomic(model, out: Path, external: bool) -> None:  # noqa: ANN001 - onn
     try:
         names = [out.name]
         if external:
-            onnx.save_model(model, str(tmp / out.name), save_as_external_data=True,
-                            all_tensors_to_one_file=True, location=data_name,
-                            size_threshold=1024)
+            write_model(model, tmp / out.name, base_dir=base_dir, deferred=deferred,
+                        location=data_name)
             names.insert(0, data_name)  # the data first: the model never points at nothing
         else:
             onnx.save_model(model, str(tmp / out.name))
@@ -81,8 +96,11 @@ def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json
     external = any(t.data_location == 1 for t in model.graph.initializer) or \
         _weight_bytes(model) > _EXTERNAL_BYTES
     external = external or (input_path.with_name(input_path.name + ".data")).exists()
+    # External output: weights stay lazy (deferred) until the writer streams them.
+    deferred: dict | None = {} if external else None
+    base_dir = input_path.parent
     try:
-        out, report = run_pipeline(model, names)
+        out, report = run_pipeline(model, names, base_dir=base_dir, deferred=deferred)
     except PipelineError as e:
         raise UserError(str(e)) from e
     except Exception as e:  # noqa: BLE001 - e.g. the version converter on an odd graph
@@ -91,7 +109,7 @@ def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json
         check(out)
     except Exception as e:  # noqa: BLE001
         raise UserError(f"the optimized model fails onnx checks ({e}); please report this") from e
-    save_atomic(out, output_path, external)
+    save_atomic(out, output_path, external, base_dir, deferred)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

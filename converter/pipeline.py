@@ -146,10 +146,14 @@ def _manifest(
 
 
 def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
-    """Run the pass pipeline (and quantization) on raw.onnx, write the fused model."""
+    """Run the pass pipeline (and quantization) on raw.onnx, write the fused model.
+
+    The weights stay in raw.onnx.data: the passes see references, quantization reads one
+    weight at a time, and the writer streams the final data file (passes/weights.py).
+    """
     from passes.manager import run_pipeline
 
-    model = onnx.load(str(raw), load_external_data=True)
+    model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
         from passes.quantize import quantize_pass
@@ -162,8 +166,11 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
                 embeddings=opts.quant_embeddings,
             )
         )
-    model, report = run_pipeline(model, passes=opts.passes, extra=extra)
-    save_model(model, final)
+    deferred: dict[str, Any] = {}
+    model, report = run_pipeline(
+        model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred
+    )
+    save_model(model, final, base_dir=raw.parent, deferred=deferred)
     return report
 
 
@@ -175,19 +182,18 @@ def _quantization_record(report: Any) -> dict[str, Any] | None:
     return None
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Save with every weight in `<name>.data` beside it (one file, 64-byte aligned)."""
+def save_model(
+    model: onnx.ModelProto,
+    path: Path,
+    base_dir: Path | None = None,
+    deferred: dict[str, Any] | None = None,
+) -> None:
+    """Save with every weight in `<name>.data` beside it (one file, 64-byte aligned), streamed
+    from `base_dir`'s external data and `deferred` values (passes/writer.py)."""
+    from passes.writer import write_model
+
     ops.attach_functions(model)
-    data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)
-    onnx.save_model(
-        model,
-        str(path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=data.name,
-        size_threshold=1024,
-    )
+    write_model(model, path, base_dir=base_dir, deferred=deferred)
 
 
 def check_model(path: Path) -> None:

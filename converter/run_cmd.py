@@ -80,10 +80,12 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
+@click.option("--device-sampling", is_flag=True,
+              help="MLX: sample on device with MLX's generator (greedy always runs on device)")
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, repetition_penalty: float,
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
-        prefill_chunk: int, as_json: bool, profile: bool) -> None:
+        prefill_chunk: int, as_json: bool, profile: bool, device_sampling: bool) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from runtime_metal.generate import generate
     from runtime_metal.tokenizer import encode_prompt, eos_ids, generation_config, load_tokenizer
@@ -114,7 +116,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     result = generate(eng, ids, max_new_tokens=max_new_tokens, sampling=sampling,
                       eos_ids=eos_ids(manifest, gen_cfg, tok), stop_strings=stop,
                       decode=decode, on_text=on_text, prefill_chunk=prefill_chunk,
-                      context_length=manifest.model.context_length)
+                      context_length=manifest.model.context_length,
+                      device_sampling=True if device_sampling else None)
     stream.write("\n")
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,

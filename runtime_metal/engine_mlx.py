@@ -1,13 +1,22 @@
-"""The MLX engine: the planned graph run by the executor, KV cache preallocated and in place."""
+"""The MLX engine: the planned graph run by the executor, KV cache preallocated and in place.
+
+Two ways through the graph:
+- `forward` (prefill, and any use that wants host logits): the executor walks the plan's steps;
+- `decode_step` (one token at a time, device in and device out): the compiled decode program
+  (decode.py), traced once per cache capacity and replayed; `fast=False` or a graph the program
+  refuses keeps decoding through `forward` (the reason is in `describe()`).
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from runtime_metal.artifact import Manifest, model_path
+from runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDecoder
 from runtime_metal.executor import Executor
 from runtime_metal.kv_cache import KVCache
 from runtime_metal.loader import load_graph
@@ -19,12 +28,25 @@ class MLXEngine:
     name = "mlx"
 
     def __init__(self, out_dir: str | Path, manifest: Manifest,
-                 profiler: Profiler | None = None) -> None:
+                 profiler: Profiler | None = None, fast: bool | None = None,
+                 compiled: bool = True) -> None:
+        if fast is None:  # FUSELM_FAST_DECODE=0 turns the compiled decode step off everywhere
+            fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
         self.manifest = manifest
         self.plan = build_plan(load_graph(model_path(out_dir)))
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
+        self.fast: FastDecoder | None = None
+        self.fast_reason = "off (fast=False)" if not fast else (
+            "off (profiling times the executor's nodes)" if profiler is not None else "")
+        if fast and profiler is None:
+            try:
+                program = DecodeProgram.build(self.plan)
+                self.fast = FastDecoder(program, self.caches, compiled=compiled)
+                self.fast_reason = "compiled" if compiled else "program (not compiled)"
+            except DecodeUnsupported as e:
+                self.fast_reason = f"off ({e})"
 
     @property
     def offset(self) -> int:
@@ -34,7 +56,13 @@ class MLXEngine:
         for c in self.caches:
             c.reset()
 
-    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        for c in self.caches:
+            c.trim(n)
+
+    def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> mx.array:
+        """Like `forward`, but the logits stay a lazy float32 device array."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         s, start = ids.shape[1], self.offset
         feeds = {
@@ -45,14 +73,23 @@ class MLXEngine:
         prof = self.executor.profiler
         if prof is not None:
             prof.begin_pass()
-        out = self.executor.run(feeds, self.caches)
+        out = self.executor.run(feeds, self.caches, last_logits_only=not all_logits)
         logits = out["logits"]
         logits = logits[0] if all_logits else logits[0, -1]  # type: ignore[index]
-        logits = mx.array(logits).astype(mx.float32)
+        return mx.array(logits).astype(mx.float32)
+
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        logits = self.forward_device(ids, all_logits)
         # Evaluate logits and the cache writes together (they share the graph).
         mx.eval(logits, *[c.keys for c in self.caches if c.keys is not None],
                 *[c.values for c in self.caches if c.values is not None])
         return np.array(logits)
+
+    def decode_step(self, token: mx.array) -> mx.array:
+        """One token (device scalar, may be lazy) -> its logits [vocab], lazy float32."""
+        if self.fast is not None and self.offset > 0:
+            return self.fast.step(token)
+        return mx.array(self.forward(np.array(token, np.int64).reshape(1, 1)))
 
     def describe(self) -> dict[str, object]:
         return {
@@ -61,4 +98,5 @@ class MLXEngine:
             "steps": len(self.plan.steps),
             "graph_nodes": self.plan.stats.get("nodes"),
             "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
+            "decode": self.fast_reason,
         }

@@ -58,11 +58,14 @@ class Executor:
         self.plan = plan
         self.profiler: Profiler | None = None
 
-    def run(self, feeds: Mapping[str, object], caches: list[KVCache] | None = None
-            ) -> dict[str, object]:
+    def run(self, feeds: Mapping[str, object], caches: list[KVCache] | None = None,
+            last_logits_only: bool = False) -> dict[str, object]:
         """Execute the plan. With `caches` (one per layer), past/present KV live in the caches:
         bound Attention nodes update them in place; otherwise past is fed from the cache and
-        present written back to it after the pass (the same meaning, a slower path)."""
+        present written back to it after the pass (the same meaning, a slower path).
+
+        last_logits_only: a MatMul that produces `logits` (the LM head; rows are independent)
+        gets only the last position, so a prefill skips the head for the rest of the prompt."""
         plan = self.plan
         env: dict[str, object] = dict(plan.constants)
         env.update(feeds)
@@ -85,6 +88,9 @@ class Executor:
                 raise RuntimeUserError(
                     f"node {step.name!r} needs {e.args[0]!r}, which was not fed or computed") from e
             extra = {"_cache": caches[step.layer]} if bound else None  # type: ignore[index]
+            if (last_logits_only and step.op_type == "MatMul" and "logits" in step.outputs
+                    and getattr(args[0], "ndim", 0) == 3 and args[0].shape[1] > 1):  # type: ignore[union-attr]
+                args[0] = args[0][:, -1:, :]  # type: ignore[index]
             t0 = time.perf_counter() if prof else 0.0
             values = call_step(step, args, extra)
             if prof:

@@ -5,12 +5,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from runtime_metal.engine import Engine
 from runtime_metal.errors import RuntimeUserError
-from runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
+from runtime_metal.sampling import (
+    DeviceSampler,
+    Sampler,
+    SamplingOptions,
+    make_device_sampler,
+    make_sampler,
+)
 
 
 @dataclass
@@ -50,10 +57,20 @@ def prefill(engine: Engine, prompt: Sequence[int], chunk: int) -> np.ndarray:
 
 def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
                    sampler: Sampler, prefill_chunk: int = 512,
-                   timings: dict[str, float] | None = None) -> Iterator[int]:
-    """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes."""
+                   timings: dict[str, float] | None = None,
+                   device_sampler: DeviceSampler | None = None) -> Iterator[int]:
+    """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
+
+    An engine with a device decode step (MLX) and a `device_sampler` runs the pipelined loop:
+    token i+1 is queued (`mx.async_eval`) before token i is handed to the caller, so the device
+    never waits for Python. Otherwise each step returns host logits to `sampler`."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
+    if device_sampler is not None and hasattr(engine, "decode_step"):
+        yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
+                                    prefill_chunk, timings)
+        return
+    step = getattr(engine, "decode_step", None)
     history = list(prompt)
     t0 = time.perf_counter()
     logits = prefill(engine, prompt, prefill_chunk)
@@ -66,10 +83,54 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
         history.append(token)
         if i + 1 == max_new_tokens:
             break
-        logits = engine.forward(np.array([[token]], np.int64))
+        if step is not None:
+            import mlx.core as mx
+
+            logits = np.array(step(mx.array(token, mx.int32)))
+        else:
+            logits = engine.forward(np.array([[token]], np.int64))
         token = sampler(logits, history)
         if timings is not None:
             timings["decode"] = time.perf_counter() - t1
+
+
+def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
+                     sample: DeviceSampler, chunk: int, timings: dict[str, float] | None
+                     ) -> Iterator[int]:
+    import mlx.core as mx
+
+    if chunk <= 0:
+        raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
+    ids = np.asarray(prompt, np.int64)
+    t0 = time.perf_counter()
+    last = (ids.size - 1) // chunk * chunk
+    for start in range(0, last, chunk):
+        engine.forward(ids[None, start:start + chunk])
+    y = sample(engine.forward_device(ids[None, last:]))
+    mx.async_eval(y)
+    t1 = t0
+    fed_ahead = 0  # tokens fed to the cache but not yet handed to the caller
+    try:
+        for i in range(max_new_tokens):
+            nxt = None
+            if i + 1 < max_new_tokens:
+                nxt = sample(engine.decode_step(y))
+                mx.async_eval(nxt)
+                fed_ahead = 1
+            token = int(y.item())
+            now = time.perf_counter()
+            if timings is not None:
+                if i == 0:
+                    timings["prefill"] = now - t0
+                    t1 = now
+                else:
+                    timings["decode"] = now - t1
+            yield token
+            fed_ahead = 0
+            y = nxt
+    finally:
+        if fed_ahead:  # the caller stopped early: forget the token it never saw
+            engine.trim(fed_ahead)
 
 
 def check_context(prompt_len: int, max_new_tokens: int, context_length: int) -> int:
@@ -94,22 +155,33 @@ def generate(
     prefill_chunk: int = 512,
     context_length: int | None = None,
     reset: bool = True,
+    device_sampling: bool | None = None,
 ) -> GenerationResult:
     """Generate after `prompt` (ids). With `decode`, text is produced, streamed to `on_text`
-    piece by piece and checked against `stop_strings`."""
+    piece by piece and checked against `stop_strings`.
+
+    device_sampling (engines with a device decode step, i.e. MLX): None = on device when greedy
+    (the same tokens as the host, pipelined); True = also random sampling on device (MLX's
+    generator: draws differ from the host's); False = always on the host."""
     if reset:
         engine.reset()
     if context_length is not None:
         max_new_tokens = check_context(engine.offset + len(prompt), max_new_tokens,
                                        context_length)
-    sampler = make_sampler(sampling or SamplingOptions())
+    opts = sampling or SamplingOptions()
+    sampler = make_sampler(opts)
+    device_sampler = None
+    if hasattr(engine, "decode_step") and device_sampling is not False and (
+            device_sampling or opts.temperature == 0):
+        device_sampler = make_device_sampler(opts)
     timings: dict[str, float] = {}
     tokens: list[int] = []
     stop_reason = "length"
     text, emitted = "", 0
     eos = set(int(e) for e in eos_ids)
     for token in generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
-                                prefill_chunk=prefill_chunk, timings=timings):
+                                prefill_chunk=prefill_chunk, timings=timings,
+                                device_sampler=device_sampler):
         if token in eos:
             stop_reason = "eos"
             break

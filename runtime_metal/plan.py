@@ -23,6 +23,7 @@ from runtime_metal.ops import OpImpl, lookup
 
 # Integer/bool constants up to this size stay on the host: they are shapes, axes and indices.
 _HOST_CONST_MAX = 4096
+_FOUR_BIT = (np.dtype(qweight.ml_dtypes.uint4), np.dtype(qweight.ml_dtypes.int4))
 
 
 @dataclass
@@ -222,5 +223,5 @@ def _send_weights_to_device(steps: list[Step], consts: dict[str, object]) -> Non
             continue
         for i, n in enumerate(s.inputs):
             if n in consts and i not in s.impl.static and isinstance(consts[n], np.ndarray):
-                if consts[n].dtype.kind in "iubf":
-                    consts[n] = to_device(consts[n])
+                if consts[n].dtype.kind in "iubf" or consts[n].dtype in _FOUR_BIT:
+                    consts[n] = to_device(consts[n])  # 4-bit codes: as uint8/int8, once

@@ -9,6 +9,8 @@ in float32 keeps it exact (a float16 scale has 11 significant bits, zp < 16 adds
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import ml_dtypes
@@ -18,6 +20,18 @@ import numpy as np
 from runtime_metal.dtypes import to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
+_tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
+
+
+@contextmanager
+def tracing() -> Iterator[None]:
+    """Inside, QWeight casts are not cached (a traced placeholder must not outlive the trace)."""
+    global _tracing
+    _tracing += 1
+    try:
+        yield
+    finally:
+        _tracing -= 1
 
 
 @dataclass(eq=False)
@@ -52,7 +66,10 @@ class QWeight:
         if self.scales.dtype == dtype:
             return self.scales, self.biases
         if dtype not in self._cast:
-            self._cast[dtype] = (self.scales.astype(dtype), self.biases.astype(dtype))
+            pair = (self.scales.astype(dtype), self.biases.astype(dtype))
+            if _tracing:
+                return pair
+            self._cast[dtype] = pair
         return self._cast[dtype]
 
     def matmul(self, x: mx.array) -> mx.array:

@@ -68,3 +68,43 @@ def make_sampler(opts: SamplingOptions) -> Sampler:
         return int(rng.choice(p.size, p=p))
 
     return sample
+
+
+DeviceSampler = Callable[[object], object]  # mx.array logits [vocab] -> mx.array token id
+
+
+def make_device_sampler(opts: SamplingOptions) -> DeviceSampler | None:
+    """The same selection as `make_sampler`, on device (MLX), so decode never waits on the host.
+
+    Greedy picks the same token as the host sampler. Random draws come from MLX's generator
+    (seeded by opts.seed), so sampled tokens differ from the host sampler's numpy draws. The
+    repetition penalty needs the history on the host: None is returned for it."""
+    import mlx.core as mx
+
+    opts.validate()
+    if opts.repetition_penalty != 1.0:
+        return None
+    if opts.temperature == 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    state = {"key": mx.random.key(opts.seed if opts.seed is not None else
+                                  int(np.random.default_rng().integers(2**31)))}
+    inv_t = 1.0 / opts.temperature
+
+    def sample(logits):  # noqa: ANN001, ANN202
+        z = logits * inv_t
+        if opts.top_k and opts.top_k < z.shape[-1]:
+            kth = mx.topk(z, opts.top_k, axis=-1).min(axis=-1, keepdims=True)
+            z = mx.where(z < kth, -mx.inf, z)
+        if opts.top_p < 1.0:
+            order = mx.argsort(-z, axis=-1)
+            p = mx.softmax(mx.take_along_axis(z, order, axis=-1), axis=-1)
+            cum = mx.cumsum(p, axis=-1)
+            # keep the smallest prefix whose mass reaches top_p (the host rule: searchsorted)
+            keep_sorted = (cum - p) < opts.top_p
+            keep = mx.zeros_like(keep_sorted)
+            keep = mx.put_along_axis(keep, order, keep_sorted, axis=-1)
+            z = mx.where(keep, z, -mx.inf)
+        state["key"], sub = mx.random.split(state["key"])
+        return mx.random.categorical(z, axis=-1, key=sub)
+
+    return sample

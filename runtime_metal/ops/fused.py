@@ -52,14 +52,21 @@ def fused_rope(  # noqa: ANN201
     head_dim: int, rotary_dim: int = 0, inv_freq: list[float] | None = None,
     attention_scale: float = 1.0, interleaved: int = 0, norm_eps: float = 1e-6,
     dynamic_factor: float = 0.0, dynamic_max_positions: int = 0, rope_theta: float = 10000.0,
+    _offset: mx.array | None = None,
 ):
+    """`_offset` (the compiled decode step, runtime_metal/decode.py): the device-side start
+    position of contiguous rows, given instead of host `position_ids`, so one trace serves every
+    step. The decode program refuses dynamic NTK, whose frequencies depend on host positions."""
     rotary_dim = rotary_dim or head_dim
-    pos = np.asarray(position_ids)
     freqs_inv = np.asarray(inv_freq or [], np.float32)
-    if dynamic_factor > 0:
-        freqs_inv = contract.dynamic_inv_freq(int(pos.max()) + 1, rope_theta, rotary_dim,
-                                              dynamic_factor, dynamic_max_positions)
-    offset = _offsets(pos)
+    if _offset is not None:
+        pos, offset = None, _offset
+    else:
+        pos = np.asarray(position_ids)
+        if dynamic_factor > 0:
+            freqs_inv = contract.dynamic_inv_freq(int(pos.max()) + 1, rope_theta, rotary_dim,
+                                                  dynamic_factor, dynamic_max_positions)
+        offset = _offsets(pos)
     # MLX wants periods, not inverse frequencies (inv_freq itself gives garbage).
     periods = mx.array((1.0 / freqs_inv.astype(np.float64)).astype(np.float32))
 

@@ -1,0 +1,102 @@
+"""The compiled decode step (runtime_metal/decode.py) against the node-by-node executor and
+onnxruntime: 64 greedy tokens identical, every step's logits within rel 1e-5, for the tiny
+families (Qwen3: head_dim != hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases)
+and a Q4 artifact, across the 256-position cache-capacity boundary."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runtime_metal.engine import make_engine
+from runtime_metal.generate import generate
+from runtime_metal.validate import rel
+
+N_STEPS = 64
+
+
+def _decode(engine, prompt: list[int], steps: int, chunk: int = 16) -> tuple[list[int], list]:  # noqa: ANN001
+    """Greedy: chunked prefill, then `steps` tokens through decode_step (the fast path) or
+    forward (executor / onnxruntime). Returns tokens and each step's logits."""
+    engine.reset()
+    ids = np.asarray(prompt, np.int64)
+    for s in range(0, ids.size, chunk):
+        logits = engine.forward(ids[None, s:s + chunk])
+    tokens, all_logits = [int(np.argmax(logits))], [logits]
+    for _ in range(steps - 1):
+        if getattr(engine, "fast", None) is not None:
+            logits = np.array(engine.decode_step(mx.array(tokens[-1], mx.int32)))
+        else:
+            logits = engine.forward(np.array([[tokens[-1]]], np.int64))
+        tokens.append(int(np.argmax(logits)))
+        all_logits.append(logits)
+    return tokens, all_logits
+
+
+def _prompt(n: int, vocab: int = 384, seed: int = 11) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(4, vocab, size=n)]
+
+
+def _compare(out_dir, prompt, ort_tol: float, **ort_options) -> None:  # noqa: ANN001
+    fast = make_engine(out_dir, "mlx")
+    assert fast.fast is not None and fast.describe()["decode"] == "compiled"
+    program = make_engine(out_dir, "mlx", compiled=False)
+    assert program.fast is not None and not program.fast.compiled
+    plain = make_engine(out_dir, "mlx", fast=False)
+    assert plain.fast is None
+    ort = make_engine(out_dir, "onnxruntime", **ort_options)
+    runs = {name: _decode(e, prompt, N_STEPS)
+            for name, e in (("fast", fast), ("program", program), ("plain", plain), ("ort", ort))}
+    want_tokens, want_logits = runs["plain"]
+    for name, tol in (("fast", 1e-5), ("program", 1e-5), ("ort", ort_tol)):
+        tokens, logits = runs[name]
+        assert tokens == want_tokens, name
+        worst = max(rel(a, b) for a, b in zip(logits, want_logits, strict=True))
+        assert worst <= tol, (name, worst)
+    assert fast.offset == plain.offset == len(prompt) + N_STEPS - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_compiled_decode_matches_executor_and_onnxruntime(family: str, family_models) -> None:  # noqa: ANN001
+    _compare(family_models[family][1], _prompt(40), 1e-5)
+
+
+def test_compiled_decode_q4_across_capacity_boundary(q4_artifact) -> None:  # noqa: ANN001
+    # 230 + 64 positions: the cache grows past 256 during decode (a second compiled shape)
+    _compare(q4_artifact, _prompt(230, seed=4), 1e-5, accuracy_level=0)
+
+
+def test_pipelined_generate_equals_host_loop_and_trims_on_stop(qwen3_artifact) -> None:  # noqa: ANN001
+    engine = make_engine(qwen3_artifact, "mlx")
+    prompt = _prompt(20)
+    device = generate(engine, prompt, max_new_tokens=24, prefill_chunk=8)
+    host = generate(engine, prompt, max_new_tokens=24, prefill_chunk=8, device_sampling=False)
+    ort = generate(make_engine(qwen3_artifact, "onnxruntime"), prompt, max_new_tokens=24,
+                   prefill_chunk=8)
+    assert device.tokens == host.tokens == ort.tokens
+    assert engine.offset == len(prompt) + 23  # the last token is never fed
+    stopped = generate(engine, prompt, max_new_tokens=24, eos_ids=[device.tokens[5]])
+    assert stopped.tokens == device.tokens[:device.tokens.index(device.tokens[5])]
+    # the token fed ahead of the stop was forgotten: the cache holds what the caller saw
+    assert engine.offset == len(prompt) + len(stopped.tokens)
+    cont = generate(engine, [device.tokens[len(stopped.tokens)]], max_new_tokens=4, reset=False)
+    assert cont.tokens == device.tokens[len(stopped.tokens) + 1:len(stopped.tokens) + 5]
+
+
+def test_device_sampling_is_seeded(qwen3_artifact) -> None:  # noqa: ANN001
+    from runtime_metal.sampling import SamplingOptions
+
+    engine = make_engine(qwen3_artifact, "mlx")
+    opts = SamplingOptions(temperature=0.9, top_k=40, top_p=0.9, seed=3)
+    a = generate(engine, [5, 6, 7], max_new_tokens=16, sampling=opts, device_sampling=True)
+    b = generate(engine, [5, 6, 7], max_new_tokens=16, sampling=opts, device_sampling=True)
+    greedy = generate(engine, [5, 6, 7], max_new_tokens=16)
+    assert a.tokens == b.tokens != greedy.tokens
+
+
+def test_profiling_keeps_the_executor(qwen3_artifact) -> None:  # noqa: ANN001
+    from runtime_metal.profile import Profiler
+
+    engine = make_engine(qwen3_artifact, "mlx", profiler=Profiler())
+    assert engine.fast is None and "profil" in str(engine.describe()["decode"])
