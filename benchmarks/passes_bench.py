@@ -10,7 +10,9 @@
 
 Nodes per layer are *marginal*: (nodes(L2) - nodes(L1)) / (L2 - L1) for two depths, so the
 shared mask/embedding/head nodes do not count. Pipeline wall time and peak RSS are measured in
-a fresh process that loads the 28-layer model (weights included) and runs the pipeline on it.
+a fresh process that loads the 28-layer model (weights included) and runs the pipeline on it;
+`pipeline_lazy` is the convert's own path: loaded without its weights, pipeline, then the
+streaming writer (passes/writer.py) writes model.onnx + model.onnx.data.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def _foreign(work: Path, layers: int) -> Path:
     return path
 
 
-def measure_pipeline(path: Path) -> dict:
-    """In this process: load with weights, run the pipeline; nodes after each pass, time, RSS."""
+def measure_pipeline(path: Path, lazy: bool = False) -> dict:
+    """In this process: load (with weights unless lazy), run the pipeline (lazy: and write the
+    result); nodes after each pass, time, RSS."""
     from collections import Counter
 
     import onnx
@@ -77,21 +80,30 @@ def measure_pipeline(path: Path) -> dict:
     from passes.manager import run_pipeline
 
     t0 = time.perf_counter()
-    model = onnx.load(str(path), load_external_data=True)
+    model = onnx.load(str(path), load_external_data=not lazy)
     t1 = time.perf_counter()
-    out, report = run_pipeline(model)
+    deferred: dict | None = {} if lazy else None
+    out, report = run_pipeline(model, base_dir=path.parent if lazy else None, deferred=deferred)
     t2 = time.perf_counter()
+    extra = {}
+    if lazy:
+        from passes.writer import write_model
+
+        with tempfile.TemporaryDirectory() as d:
+            write_model(out, Path(d) / "model.onnx", base_dir=path.parent, deferred=deferred)
+        extra["write_s"] = round(time.perf_counter() - t2, 2)
     steps = [("raw", report.entries[0].nodes_before)]
     steps += [(e.name, e.nodes_after) for e in report.entries]
-    return {"load_s": round(t1 - t0, 2), "pipeline_s": round(t2 - t1, 2),
+    return {"load_s": round(t1 - t0, 2), "pipeline_s": round(t2 - t1, 2), **extra,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             "per_pass_s": [(e.name, e.seconds) for e in report.entries],
             "steps": steps, "final_counts": dict(Counter(n.op_type for n in out.graph.node))}
 
 
-def _measure(path: Path) -> dict:
+def _measure(path: Path, lazy: bool = False) -> dict:
     """measure_pipeline in a fresh process, so peak RSS is the pipeline's own."""
-    proc = subprocess.run([sys.executable, __file__, "--measure", str(path)],
+    flag = ["--lazy"] if lazy else []
+    proc = subprocess.run([sys.executable, __file__, "--measure", str(path), *flag],
                           capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -102,9 +114,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lazy", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure_pipeline(args.measure)))
+        print(json.dumps(measure_pipeline(args.measure, args.lazy)))
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fuselm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -117,6 +130,8 @@ def main() -> None:
         "fused_ops_per_layer": {k: final.get(k, 0) / args.layers for k in FUSED},
         "final_op_counts": final,
         "pipeline": big,
+        "pipeline_lazy": {k: v for k, v in _measure(_ours(work, args.layers), lazy=True).items()
+                          if k in ("load_s", "pipeline_s", "write_s", "peak_rss_mb")},
     }
     small, big = _measure(_foreign(work, 2)), _measure(_foreign(work, 4))
     final = big.pop("final_counts")

@@ -20,6 +20,7 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 
 from passes.graph import PassResult, const, is_graph_output, replace_all_uses
+from passes.weights import stored
 
 SMALL = 1024  # elements: shape arithmetic is tiny, weights are not
 _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
@@ -27,7 +28,9 @@ _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "Rando
 
 
 def _small_const(t: gs.Tensor) -> bool:
-    return isinstance(t, gs.Constant) and int(np.prod(t.shape)) <= SMALL
+    # A stored weight is never shape arithmetic, however small (a [head_dim] norm weight):
+    # folding or de-duplicating by value would read it from disk.
+    return isinstance(t, gs.Constant) and int(np.prod(t.shape)) <= SMALL and not stored(t)
 
 
 def _lift_constants(graph: gs.Graph) -> int:

@@ -66,15 +66,22 @@ def const(t: gs.Tensor | None) -> np.ndarray | None:
 
 def scalar(t: gs.Tensor | None) -> float | None:
     """A constant holding one number (any rank), as a float; else None."""
+    if isinstance(t, gs.Constant) and int(np.prod(t.shape)) != 1:
+        return None  # decided by the shape: a weight's values are never read to find out
     v = const(t)
     if v is None or v.size != 1:
         return None
     return float(v.reshape(()))
 
 
-def const_shape(t: gs.Tensor) -> tuple[int, ...] | None:
+def const_shape(t: gs.Tensor | None) -> tuple[int, ...] | None:
+    """The shape of a constant (initializer or Constant node output), without its values."""
     if isinstance(t, gs.Constant):
         return tuple(int(d) for d in t.shape)
+    if t is not None and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
+        value = t.inputs[0].attrs.get("value")
+        if isinstance(value, gs.Constant):
+            return tuple(int(d) for d in value.shape)
     return None
 
 

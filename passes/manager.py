@@ -4,8 +4,14 @@
     model_out, report = run_pipeline(model, ["rmsnorm"])    # a subset (cleanup always runs)
     model_out, report = run_pipeline(model, extra=[quantize_pass])   # after pairing
 
-Weights are never read except where a pass must (packing paired projections); large
-initializers pass through untouched (onnx-graphsurgeon keeps them lazy).
+Weights are never read except where a pass must (quantization); large initializers pass
+through untouched (onnx-graphsurgeon keeps them lazy) and pairing packs them as recipes
+(passes/weights.py). For a model loaded without its external data, pass `base_dir` (the
+model file's folder) and a `deferred` dict, and write the result with passes/writer.py:
+
+    deferred = {}
+    out, report = run_pipeline(model, base_dir=raw.parent, deferred=deferred)
+    write_model(out, path, base_dir=raw.parent, deferred=deferred)
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from passes.attention import AttentionFusion
 from passes.cleanup import Cleanup
@@ -119,10 +127,16 @@ def select(passes: Sequence[str] | None, extra: Sequence[Pass] = ()) -> list[Pas
 
 
 def run_pipeline(
-    model: onnx.ModelProto, passes: Sequence[str] | None = None, extra: Sequence[Pass] = ()
+    model: onnx.ModelProto,
+    passes: Sequence[str] | None = None,
+    extra: Sequence[Pass] = (),
+    *,
+    base_dir: str | Path | None = None,
+    deferred: dict[str, LazyValues] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
+    """Run the chosen passes; `base_dir` and `deferred` as in model_io.to_graph / to_model."""
     chosen = select(passes, extra)
-    graph = to_graph(model)  # upgrades a lower opset to 23 first
+    graph = to_graph(model, base_dir=base_dir)  # upgrades a lower opset to 23 first
     report = Report(opset_upgraded_from=graph.upgraded_from)
     for p in chosen:
         before = histogram(graph)
@@ -136,4 +150,4 @@ def run_pipeline(
         report.entries.append(PassEntry(p.name, result.count, n_before, len(graph.nodes), delta,
                                         round(seconds, 4), list(result.refused),
                                         dict(result.extra)))
-    return to_model(graph, template=model), report
+    return to_model(graph, template=model, deferred=deferred), report

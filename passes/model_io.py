@@ -3,16 +3,24 @@
 Shape inference and the checker serialize the model, which fails past 2 GB and costs a copy of
 every weight; both run here on a *light* copy in which large initializers are replaced by typed
 graph inputs (their shapes are all inference needs).
+
+A model loaded without its external data goes through as references: `to_graph(model,
+base_dir=...)` makes its external initializers lazy (passes/weights.py), and `to_model(graph,
+deferred={})` leaves every weight that is not in memory (or is large) out of the ModelProto, for
+passes/writer.py to stream into the data file.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper
+from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from passes import ops
+from passes.weights import ExternalValues, PackedValues, is_external
 
 # Initializers up to this many elements stay in the light copy: shape constants must, so that
 # inference can propagate their values (data_prop); weights need not.
@@ -75,13 +83,17 @@ def upgrade(light: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
     return version_converter.convert_version(light, ops.ONNX_OPSET), version
 
 
-def to_graph(model: onnx.ModelProto, upgrade_opset: bool = True) -> gs.Graph:
+def to_graph(
+    model: onnx.ModelProto, upgrade_opset: bool = True, base_dir: str | Path | None = None
+) -> gs.Graph:
     """Import for the passes: upgraded to opset 23, shape-inferred (tensors carry dtypes and
     static dims), large weights referenced in place (never copied, never decoded).
 
     Shape inference and the version converter run on the light copy; the large initializers
     come back as lazy constants over the caller's own TensorProtos. `graph.upgraded_from` is
-    the original opset when it was upgraded. The caller's model is not modified.
+    the original opset when it was upgraded. The caller's model is not modified. Initializers
+    stored externally become ExternalValues read from `base_dir` (the model file's folder) only
+    if a pass asks for their values.
     """
     light = light_copy(model)
     upgraded = None
@@ -97,7 +109,9 @@ def to_graph(model: onnx.ModelProto, upgrade_opset: bool = True) -> gs.Graph:
         real = big.get(t.name)
         if real is None:
             continue
-        c = gs.Constant(t.name, values=LazyValues(real))
+        lazy = (ExternalValues(real, base_dir) if base_dir is not None and is_external(real)
+                else LazyValues(real))
+        c = gs.Constant(t.name, values=lazy)
         for node in list(t.outputs):
             for k, u in enumerate(node.inputs):
                 if u is t:
@@ -107,20 +121,40 @@ def to_graph(model: onnx.ModelProto, upgrade_opset: bool = True) -> gs.Graph:
     return graph
 
 
-def to_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.ModelProto:
-    """Export a graph as an opset-23 model with the fuselm function bodies it needs."""
+def to_model(
+    graph: gs.Graph,
+    template: onnx.ModelProto | None = None,
+    deferred: dict[str, LazyValues] | None = None,
+) -> onnx.ModelProto:
+    """Export a graph as an opset-23 model with the fuselm function bodies it needs.
+
+    External weights stay references to their file. Without `deferred`, packed weights are
+    computed into the model (an in-memory model comes out whole). With it, every large weight
+    whose bytes are in memory or still to be computed is exported as a data-less stand-in and
+    recorded in `deferred` by name, for passes/writer.py: nothing large is copied.
+    """
     # gs's export copies every initializer twice (make_graph, then make_model): export with
     # data-less stand-ins for the large ones and copy each real tensor in exactly once.
     stash: dict[str, onnx.TensorProto] = {}
     swapped: list[tuple[gs.Constant, LazyValues]] = []
     for t in graph.tensors().values():
         lazy = t._values if isinstance(t, gs.Constant) else None
-        if isinstance(lazy, LazyValues) and _numel(lazy.tensor) > _SMALL:
-            stub = onnx.TensorProto(name=t.name, data_type=lazy.tensor.data_type)
-            stub.dims.extend(lazy.tensor.dims)
+        if not isinstance(lazy, LazyValues) or _numel(lazy.tensor) <= _SMALL:
+            if isinstance(lazy, PackedValues):  # small: computed now, stored inline
+                t._values = LazyValues(numpy_helper.from_array(lazy.load(), t.name))
+            continue
+        stub = onnx.TensorProto(name=t.name, data_type=lazy.tensor.data_type)
+        stub.dims.extend(lazy.tensor.dims)
+        if deferred is not None and not is_external(lazy.tensor) and (
+            isinstance(lazy, PackedValues) or lazy.tensor.HasField("raw_data")
+        ):
+            deferred[t.name] = lazy
+        elif isinstance(lazy, PackedValues):
+            stash[t.name] = numpy_helper.from_array(lazy.load(), t.name)
+        else:
             stash[t.name] = lazy.tensor
-            swapped.append((t, lazy))
-            t._values = LazyValues(stub)
+        swapped.append((t, lazy))
+        t._values = LazyValues(stub)
     try:
         model = gs.export_onnx(graph, do_type_check=False)
     finally:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from passes.graph import const, is_graph_output, maybe_producer
+from passes import weights
+from passes.graph import is_graph_output, maybe_producer
+from passes.weights import PackedValues
 
 
 @dataclass
@@ -77,8 +77,8 @@ def projection(graph: gs.Graph, mm: gs.Node) -> Projection | None:
     if len(out.outputs) == 1 and not is_graph_output(graph, out) and out.outputs[0].op == "Add":
         add = out.outputs[0]
         other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
-        v = const(other)
-        if isinstance(other, gs.Constant) and v is not None and v.shape == (weight.shape[1],):
+        # The shape alone decides: reading a bias's values here would load stored weights.
+        if isinstance(other, gs.Constant) and tuple(other.shape) == (weight.shape[1],):
             bias_add, bias = add, other
     return Projection(mm, weight, scales, zps, block, bias_add, bias)
 
@@ -94,34 +94,31 @@ def projections_of(graph: gs.Graph, x: gs.Tensor) -> list[Projection]:
     return found
 
 
-def _array(c: gs.Constant) -> np.ndarray:
-    """Values in ONNX's own numpy form (ml_dtypes for bfloat16 / 4-bit), without a cast."""
-    if isinstance(c._values, LazyValues):
-        return numpy_helper.to_array(c._values.tensor)
-    return np.asarray(c.values)
+def _packed(name: str, parts: list[gs.Constant], axis: int) -> gs.Constant:
+    """The parts' concatenation as a lazy constant: a recipe, read only when its values are
+    needed (quantization) or written (passes/writer.py), so pairing reads no weights."""
+    return gs.Constant(name, values=PackedValues(name, [weights.source(p) for p in parts], axis))
 
 
-def _packed(name: str, parts: list[np.ndarray], axis: int) -> gs.Constant:
-    """A constant built as a TensorProto, so 4-bit and bfloat16 data keep their exact type."""
-    proto = numpy_helper.from_array(np.concatenate(parts, axis), name)
-    return gs.Constant(name, values=LazyValues(proto))
+def _zeros(n: int, like: gs.Constant) -> gs.Constant:
+    return gs.Constant(like.name + "_zeros", values=np.zeros(n, weights.np_dtype(like)))
 
 
 def pack(namer, parts: list[Projection]) -> list[gs.Tensor]:  # noqa: ANN001 - graph.Namer
     """Packed [K, sum N] weight (and scales, zero points, bias) for one fused node's inputs.
 
-    This is the one place the pipeline reads weight values: concatenation along N.
+    Concatenation along N, deferred: no weight value is read here.
     """
     first = parts[0]
-    inputs: list[gs.Tensor] = [_packed(namer("weight"), [_array(p.weight) for p in parts], 1)]
+    inputs: list[gs.Tensor] = [_packed(namer("weight"), [p.weight for p in parts], 1)]
     if first.scales is not None:
-        inputs.append(_packed(namer("scales"), [_array(p.scales) for p in parts], 1))
-        inputs.append(_packed(namer("zero_points"), [_array(p.zero_points) for p in parts], 1))
+        inputs.append(_packed(namer("scales"), [p.scales for p in parts], 1))
+        inputs.append(_packed(namer("zero_points"), [p.zero_points for p in parts], 1))
     else:
         inputs += [gs.Variable.empty(), gs.Variable.empty()]
     if any(p.bias is not None for p in parts):
-        dtype = next(_array(p.bias).dtype for p in parts if p.bias is not None)
-        biases = [_array(p.bias) if p.bias is not None else np.zeros(p.n, dtype) for p in parts]
+        like = next(p.bias for p in parts if p.bias is not None)
+        biases = [p.bias if p.bias is not None else _zeros(p.n, like) for p in parts]
         inputs.append(_packed(namer("bias"), biases, 0))
     while not inputs[-1].name:
         inputs.pop()

@@ -48,6 +48,7 @@ quantizes it (the info records that).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from passes import ops
+from passes import ops, weights
 
 BITS = 4
 BLOCK_SIZES = (32, 64, 128)
@@ -247,6 +248,7 @@ class _Graph:
 
     model: onnx.ModelProto
     base_dir: str | None
+    load: Callable[[TensorProto], np.ndarray] | None = None  # values of data-less tensors
 
     def __post_init__(self) -> None:
         g = self.model.graph
@@ -269,7 +271,12 @@ class _Graph:
         return t
 
     def array(self, t: TensorProto) -> np.ndarray:
-        return numpy_helper.to_array(t, self.base_dir or "")
+        """One weight's values, read only now (the caller quantizes, then drops them)."""
+        if self.load is not None:
+            return self.load(t)
+        if self.base_dir is not None and weights.is_external(t):
+            return weights.read_array(t, self.base_dir)
+        return numpy_helper.to_array(t)
 
     def used_only_by(self, name: str, nodes: list[onnx.NodeProto]) -> bool:
         ids = {id(n) for n in nodes}
@@ -310,7 +317,6 @@ class _Writer:
         self.g = g
         self.block_size = block_size
         self.symmetric = symmetric
-        self.new_inits: list[TensorProto] = []
         self.new_nodes: list[list[onnx.NodeProto]] = []
         self.dead: set[str] = set()  # initializers no longer used
         self.dead_nodes: set[int] = set()  # ids of replaced nodes
@@ -341,11 +347,12 @@ class _Writer:
             self._unique(base + "_scale"),
             self._unique(base + "_zp"),
         )
-        self.new_inits += [
-            uint4_tensor(codes, names[0]),
-            numpy_helper.from_array(np.ascontiguousarray(scales), names[1]),
-            uint4_tensor(zps, names[2]),
-        ]
+        # Appended straight to the model (after every original initializer, where _rewrite
+        # keeps them): one copy of the codes in memory, not a second one on the way in.
+        inits = self.g.model.graph.initializer
+        inits.append(uint4_tensor(codes, names[0]))
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(scales), names[1]))
+        inits.append(uint4_tensor(zps, names[2]))
         self.g.inits_dtype[names[1]] = helper.np_dtype_to_tensor_dtype(sdtype)
         k, n = w_kn.shape
         nbytes = (codes.size + zps.size + 1) // 2 + scales.nbytes
@@ -446,6 +453,7 @@ def quantize_q4(
     lm_head: bool = False,
     embeddings: bool = False,
     base_dir: str | Path | None = None,
+    load: Callable[[TensorProto], np.ndarray] | None = None,
 ) -> tuple[onnx.ModelProto, PassResult]:
     """Quantize every linear weight of `model` to 4 bits in place; returns (model, result).
 
@@ -453,13 +461,15 @@ def quantize_q4(
     Transpose(perm=[1,0])) or input 1 of FusedQKV / FusedGateUp (packed [K, N]). The LM head (the
     MatMul whose output width is the vocabulary, or that produces `logits`) and the
     embedding table (input 0 of a Gather) are quantized only when asked. `base_dir` is where the
-    model's external data lives, if its weights are not loaded yet.
+    model's external data lives, if its weights are not loaded yet; `load`, if given, reads a
+    weight's values instead (for stand-ins whose values come from elsewhere). Weights are read
+    one at a time, each dropped once quantized.
     """
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
     _ensure_opset(model)
     t0 = time.perf_counter()
-    g = _Graph(model, None if base_dir is None else str(base_dir))
+    g = _Graph(model, None if base_dir is None else str(base_dir), load)
     w = _Writer(g, block_size, symmetric)
 
     # Embedding tables: Gather(E, ids) with E a 2-D float initializer, gathered along axis 0.
@@ -532,6 +542,7 @@ def quantize_q4(
                 arr = g.array(t)
             role = "lm_head" if head else ("fused:" + node.op_type if fused else "linear")
             names = w.quantize(t, arr, role, axis=0)
+            del arr  # the float copy goes before the next weight is read
             if fused:
                 codes, scales, zps, _ = names
                 bias = node.input[4] if len(node.input) > 4 else ""
@@ -599,9 +610,10 @@ def _rewrite(model: onnx.ModelProto, w: _Writer) -> None:
         order.append(node)
     del g.node[:]
     g.node.extend(order)
-    kept = [t for t in g.initializer if t.name not in w.dead]
-    del g.initializer[:]
-    g.initializer.extend(kept + w.new_inits)
+    # In place: rebuilding the list would copy every initializer, the new codes included.
+    for i in reversed(range(len(g.initializer))):
+        if g.initializer[i].name in w.dead:
+            del g.initializer[i]
     # Stale value_info for removed tensors would contradict the new types.
     vi = [v for v in g.value_info if v.name not in w.dead]
     del g.value_info[:]
@@ -628,8 +640,10 @@ class QuantizeQ4:
     """`quantize_q4` as a pipeline pass: `run(graph)` rewrites the gs.Graph in place.
 
     The rewrite itself works on ModelProto + NumPy (one implementation, tested on its own); the
-    graph goes out through onnx-graphsurgeon's exporter and the result is imported back. The
-    returned PassResult carries the fuselm.json quantization record in `extra["quantization"]`.
+    graph goes out through onnx-graphsurgeon's exporter and the result is imported back. Weights
+    go out as data-less stand-ins and come back as the same lazy values (passes/weights.py):
+    only the weights being quantized are read, one at a time. The returned PassResult carries
+    the fuselm.json quantization record in `extra["quantization"]`.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -645,18 +659,33 @@ class QuantizeQ4:
         from passes.graph import PassResult as GraphPassResult
         from passes.model_io import infer_shapes
 
-        model = gs.export_onnx(graph, do_type_check=False)
+        sources = _stand_ins(graph)
+        try:
+            model = gs.export_onnx(graph, do_type_check=False)
+        finally:
+            for t, lazy in sources.values():
+                t._values = lazy  # noqa: SLF001 - back to the real values
         if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid("", ops.ONNX_OPSET))
+
+        def load(t: TensorProto) -> np.ndarray:
+            found = sources.get(t.name)
+            return weights.array(found[1]) if found is not None else numpy_helper.to_array(t)
+
         model, res = quantize_q4(
             model,
             block_size=self.block_size,
             symmetric=self.symmetric,
             lm_head=self.lm_head,
             embeddings=self.embeddings,
+            load=load,
         )
         infer_shapes(model)
         new = gs.import_onnx(model)
+        for t in new.tensors().values():  # untouched weights: their lazy values again
+            found = sources.get(t.name)
+            if isinstance(t, gs.Constant) and found is not None:
+                t._values = found[1]  # noqa: SLF001
         graph.nodes = new.nodes
         graph.inputs = new.inputs
         graph.outputs = new.outputs
@@ -664,6 +693,31 @@ class QuantizeQ4:
             graph.functions = new.functions
         self.info = res.info
         return GraphPassResult(count=res.changed, extra={"quantization": res.info})
+
+
+def _stand_ins(graph: Any) -> dict[str, tuple[Any, Any]]:
+    """Swap every weight whose values are not loaded for a data-less TensorProto (name, type,
+    dims: all quantize_q4 reads until it quantizes one); name -> (constant, real values)."""
+    import onnx_graphsurgeon as gs
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    swapped: dict[str, tuple[Any, Any]] = {}
+    for t in graph.tensors().values():
+        lazy = t._values if isinstance(t, gs.Constant) else None  # noqa: SLF001
+        if not isinstance(lazy, LazyValues):
+            continue
+        if weights.is_external(lazy.tensor):  # a reference already: exported as it is
+            swapped[t.name] = (t, lazy)
+            continue
+        if not isinstance(lazy, weights.PackedValues) and weights.numel(lazy.tensor) <= 1024:
+            continue  # small constants go out with their values (shape inference uses them)
+        stub = TensorProto(name=t.name, data_type=lazy.tensor.data_type)
+        stub.dims.extend(lazy.tensor.dims)
+        # Marked external so shape inference treats it as a typed input, not an empty value.
+        stub.data_location = TensorProto.EXTERNAL
+        swapped[t.name] = (t, lazy)
+        t._values = LazyValues(stub)  # noqa: SLF001
+    return swapped
 
 
 def quantize_pass(

@@ -24,7 +24,7 @@ from passes.graph import (
     PassResult,
     Refused,
     axes_of,
-    const,
+    const_shape,
     insert_before,
     maybe_producer,
     only_consumer,
@@ -88,9 +88,9 @@ def _match(graph: gs.Graph, mean: gs.Node) -> tuple[gs.Tensor, float, gs.Node, g
     if nxt is not None and nxt.op == "Mul":
         src = (cast or out_node).outputs[0]
         w = other_input(nxt, src)
-        wv = const(w)
-        if wv is not None and wv.ndim == 1 and x.shape is not None and \
-                isinstance(x.shape[-1], int) and wv.shape[0] == x.shape[-1]:
+        ws = const_shape(w)  # the shape decides; the weight's values stay unread
+        if ws is not None and len(ws) == 1 and x.shape is not None and \
+                isinstance(x.shape[-1], int) and ws[0] == x.shape[-1]:
             weight, out_node = w, nxt
     if weight is None and cast is not None:
         out_node = cast

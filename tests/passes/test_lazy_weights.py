@@ -1,0 +1,133 @@
+"""Weights stay on disk: the pipeline reads only the weights it packs or quantizes, once each.
+
+Every decode of external bytes goes through passes.weights (a model loaded without its external
+data has no other way to its values: onnx's own reader is never pointed at the data), and
+`weights.recording()` logs each one. The lazy path must give exactly what the in-memory path
+gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from converter.errors import UserError
+from converter.optimize_cmd import optimize
+from passes import weights
+from passes.manager import run_pipeline
+from passes.quantize import quantize_pass
+from passes.writer import ALIGN, write_model
+
+
+@pytest.fixture(scope="module")
+def raw(model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
+    """Our exporter's raw.onnx for qwen2 (q/k/v biases, so packing covers biases too)."""
+    from export.onnx_export import export_model
+
+    path = tmp_path_factory.mktemp("lazy") / "raw.onnx"
+    export_model(model_dir("qwen2"), path)
+    return path
+
+
+def _values(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path), load_external_data=True)
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _same(lazy: Path, eager: onnx.ModelProto) -> None:
+    got = onnx.load(str(lazy), load_external_data=True)
+    assert [n.SerializeToString() for n in got.graph.node] == \
+        [n.SerializeToString() for n in eager.graph.node]
+    want = {t.name: numpy_helper.to_array(t) for t in eager.graph.initializer}
+    have = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
+    assert list(have) == list(want)
+    for name, v in want.items():
+        assert have[name].dtype == v.dtype and have[name].tobytes() == v.tobytes(), name
+
+
+def _lazy_run(raw: Path, out: Path, extra: list) -> tuple[list[str], list[str]]:
+    """(weights read by the passes, weights read while writing) for one lazy conversion."""
+    model = onnx.load(str(raw), load_external_data=False)
+    deferred: dict = {}
+    with weights.recording() as in_passes:
+        result, _ = run_pipeline(model, extra=extra, base_dir=raw.parent, deferred=deferred)
+    with weights.recording() as in_writer:
+        write_model(result, out, base_dir=raw.parent, deferred=deferred)
+    return in_passes, in_writer
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_only_packed_or_quantized_weights_are_read(raw: Path, tmp_path: Path, quant: bool) -> None:
+    extra = [quantize_pass()] if quant else []
+    out = tmp_path / "model.onnx"
+    in_passes, in_writer = _lazy_run(raw, out, extra)
+
+    raw_names = {t.name for t in onnx.load(str(raw), load_external_data=False).graph.initializer}
+    out_names = {t.name for t in onnx.load(str(out), load_external_data=False).graph.initializer}
+    replaced = raw_names - out_names  # packed into a fused weight, or quantized
+    assert replaced and "embed" in out_names  # the (unquantized) embedding is never read
+    if quant:
+        # Quantization reads each weight it replaces, once; the writer only copies bytes.
+        assert sorted(in_passes) == sorted(replaced) and len(set(in_passes)) == len(in_passes)
+        assert in_writer == []
+    else:
+        # Packed weights are read once, while being written; only packed tensors too small to
+        # go to the data file (here the q/k/v biases) are computed when the graph is exported.
+        both = in_passes + in_writer
+        assert sorted(both) == sorted(replaced)
+        assert all(n.endswith("bias") for n in in_passes) and len(in_writer) > len(in_passes)
+
+    eager, _ = run_pipeline(onnx.load(str(raw), load_external_data=True),
+                            extra=[quantize_pass()] if quant else [])
+    _same(out, eager)
+
+
+def test_data_file_is_aligned_and_small_tensors_inline(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "model.onnx"
+    _lazy_run(raw, out, [])
+    model = onnx.load(str(out), load_external_data=False)
+    for t in model.graph.initializer:
+        if weights.is_external(t):
+            _, offset, length = weights.external_span(t, tmp_path)
+            assert offset % ALIGN == 0 and length >= 1024, t.name
+        else:
+            assert len(t.raw_data) < 1024 or not t.HasField("raw_data"), t.name
+    onnx.checker.check_model(str(out))
+
+
+def test_optimize_streams_external_weights(raw: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.onnx"
+    with weights.recording() as reads:
+        r = CliRunner().invoke(optimize, [str(raw), "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out.onnx.data").is_file()
+    eager, _ = run_pipeline(onnx.load(str(raw), load_external_data=True))
+    _same(out, eager)
+    raw_names = {t.name for t in onnx.load(str(raw), load_external_data=False).graph.initializer}
+    packed = raw_names - set(_values(out))
+    assert sorted(reads) == sorted(packed)  # each packed part once, while being written
+
+
+def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> None:
+    model = onnx.load(str(raw), load_external_data=False)
+    lonely = tmp_path / "lonely.onnx"
+    onnx.save(model, str(lonely))  # points at raw.onnx.data, which is not beside it
+    r = CliRunner().invoke(optimize, [str(lonely), "-o", str(tmp_path / "o.onnx")])
+    assert isinstance(r.exception, UserError) and "is missing" in str(r.exception)
+
+
+def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    """`fuselm convert --quant q4` end to end: the embedding and norms are never decoded."""
+    from converter.pipeline import ConvertOptions, convert
+
+    with weights.recording() as reads:
+        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4"))
+    layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
+    linear = ("q", "k", "v", "o", "gate", "up", "down")
+    assert reads == [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
