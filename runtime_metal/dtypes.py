@@ -80,7 +80,9 @@ def to_device(value: object) -> object:
         elif arr.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4)):
             # MLX has no 4-bit element type; the general DequantizeLinear reads bytes.
             arr = arr.astype(np.uint8 if arr.dtype == np.dtype(ml_dtypes.uint4) else np.int8)
-        return mx.array(arr)
+        # Row-major always: MLX keeps a column-major buffer's layout, and some kernels
+        # (MLX-CUDA's quantized matmuls) accept row-major operands only.
+        return mx.array(np.ascontiguousarray(arr))
     return value
 
 

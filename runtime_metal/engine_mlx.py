@@ -22,6 +22,7 @@ from runtime_metal.kv_cache import KVCache
 from runtime_metal.loader import load_graph
 from runtime_metal.plan import build_plan
 from runtime_metal.profile import Profiler
+from runtime_metal.qweight import QWeight, probe_kernels
 
 
 class MLXEngine:
@@ -37,6 +38,11 @@ class MLXEngine:
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
+        self.dense_prefill_weights = 0
+        if mx.default_device() == mx.gpu:
+            weights = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
+            act = mx.float16 if manifest.dtype == "float16" else mx.float32
+            self.dense_prefill_weights = probe_kernels(weights, act)
         self.fast: FastDecoder | None = None
         self.fast_reason = "off (fast=False)" if not fast else (
             "off (profiling times the executor's nodes)" if profiler is not None else "")
@@ -99,4 +105,5 @@ class MLXEngine:
             "graph_nodes": self.plan.stats.get("nodes"),
             "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
             "decode": self.fast_reason,
+            "dense_prefill_weights": self.dense_prefill_weights,
         }

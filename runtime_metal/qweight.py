@@ -34,6 +34,12 @@ def tracing() -> Iterator[None]:
         _tracing -= 1
 
 
+# Markers in QWeight._cast (shared by a weight's T()/astype() views): no quantized kernel for
+# multi-row inputs / for any input on this MLX build.
+_DENSE_ROWS = "_dense_rows"
+_DENSE_ALL = "_dense_all"
+
+
 @dataclass(eq=False)
 class QWeight:
     """A logical 2-D weight W: `packed` holds M [R, C] grouped along C; W = M.T if transposed."""
@@ -75,6 +81,18 @@ class QWeight:
     def matmul(self, x: mx.array) -> mx.array:
         """x @ W as ONE quantized matmul."""
         s, b = self.affine(x.dtype)
+        rows = x.size // x.shape[-1]
+        if self._cast.get(_DENSE_ALL) or (self._cast.get(_DENSE_ROWS) and rows > 1):
+            # This MLX build has no quantized kernel for this weight and input (probe_kernels
+            # found it): a plain matmul over the dequantized weight, made once and kept.
+            key = ("_dense", x.dtype)
+            if key not in self._cast:
+                m = mx.dequantize(self.packed, s, b, group_size=self.group_size, bits=self.bits)
+                m = m.T if self.transposed else m
+                if _tracing:
+                    return x @ m
+                self._cast[key] = mx.contiguous(m)
+            return x @ self._cast[key]
         # W = M.T  ->  x @ M.T is MLX's transpose=True form (groups along the reduction axis).
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
@@ -132,8 +150,34 @@ def from_dequantize_linear(
     else:
         s = scales
     s32 = np.ascontiguousarray(s).astype(np.float32)
-    bias = -(z.astype(np.float32) * s32)
+    # C order: numpy may lay out the product of a transposed and a plain array column-major,
+    # MLX keeps that layout, and MLX-CUDA's quantized kernels take row-major biases only.
+    bias = np.ascontiguousarray(-(z.astype(np.float32) * s32))
     packed = _pack_rows(np.ascontiguousarray(q.astype(np.uint8)))
     out_dtype = to_device(np.zeros((), scales.dtype)).dtype  # type: ignore[union-attr]
     return QWeight(mx.array(packed), to_device(s32), to_device(bias),  # type: ignore[arg-type]
                    block_size, transposed, out_dtype)
+
+
+def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:
+    """Mark the weights whose quantized matmul this MLX build cannot run.
+
+    Some MLX backends dispatch quantized matmul to kernels with conditions on shapes and
+    layouts (MLX-CUDA 0.32.4 on an H200 refused our weights with "No implementation for
+    problem shape"); each weight is tried once at load with a one-row and a `rows`-row input,
+    and what is refused falls back to a plain matmul over the dequantized weight. Returns how
+    many weights were marked.
+    """
+    marked = 0
+    for w in weights:
+        s, b = w.affine(dtype)
+        for n, marker in ((1, _DENSE_ALL), (rows, _DENSE_ROWS)):
+            x = mx.zeros((1, n, w.shape[0]), dtype=dtype)
+            try:
+                mx.eval(mx.quantized_matmul(x, w.packed, s, b, transpose=w.transposed,
+                                            group_size=w.group_size, bits=w.bits))
+            except RuntimeError:
+                w._cast[marker] = True
+                marked += 1
+                break
+    return marked

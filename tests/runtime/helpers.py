@@ -29,7 +29,7 @@ def node_model(node: onnx.NodeProto, feeds: dict[str, np.ndarray], outputs: list
     opsets = [helper.make_opsetid("", contract.ONNX_OPSET)]
     if node.domain == contract.DOMAIN:
         opsets.append(helper.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION))
-    model = helper.make_model(graph, opset_imports=opsets)
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)  # ORT 1.30 reads <= 13
     if node.domain == contract.DOMAIN:
         contract.attach_functions(model)
     return model

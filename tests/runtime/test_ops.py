@@ -156,7 +156,7 @@ def test_tied_q4_embedding_gather_and_lm_head() -> None:
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("emb", "logits")],
         [numpy_helper.from_array(a, n) for n, a in (("c", e_codes), ("s", e_scales),
                                                     ("z", e_zps))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
     feeds = {"ids": ids, "h": h}
     from runtime_metal.loader import LoadedGraph
     from runtime_metal.plan import build_plan
