@@ -53,22 +53,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from passes import ops, weights
+from passes.q4_math import (  # noqa: F401 - part of this module's API
+    SYMMETRIC_ZERO_POINT,
+    Q4Tensor,
+    quantize_array,
+    to_uint4,
+    uint4_tensor,
+)
 
 BITS = 4
 BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
-SYMMETRIC_ZERO_POINT = 8
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-_FP16_MAX = float(np.finfo(np.float16).max)
-_SLAB = 1024  # columns per slab in quantize_array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,110 +116,6 @@ def validate_options(
             raise UserError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         return None
     return QuantOptions(block_size, symmetric, lm_head, embeddings)
-
-
-# ---------------------------------------------------------------------------------------------
-# The NumPy core
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Q4Tensor:
-    """A [K, N] weight quantized along axis 0 (codes uint8 in 0..15 until written)."""
-
-    codes: np.ndarray  # uint8 [K, N], values 0..15
-    scales: np.ndarray  # float16 [ceil(K/B), N]
-    zero_points: np.ndarray  # uint8 [ceil(K/B), N], values 0..15
-    block_size: int
-
-    def dequantize(self, dtype: np.dtype | type = np.float32) -> np.ndarray:
-        return ops.dequantize_reference(
-            self.codes, self.scales.astype(dtype), self.zero_points, self.block_size
-        )
-
-
-def _blocks(w: np.ndarray, block_size: int) -> tuple[np.ndarray, int]:
-    """[K, N] -> [nb, B, N] with the partial last block padded by repeating its first row.
-
-    Repeating a real value of the block leaves that block's min and max unchanged, so the
-    padding never influences any scale or zero point; padded rows are dropped afterwards.
-    """
-    k, n = w.shape
-    nb = -(-k // block_size)
-    pad = nb * block_size - k
-    if pad:
-        first = w[(nb - 1) * block_size : (nb - 1) * block_size + 1]
-        w = np.concatenate([w, np.repeat(first, pad, axis=0)], axis=0)
-    return w.reshape(nb, block_size, n), pad
-
-
-def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False) -> Q4Tensor:
-    """Quantize a [K, N] float weight along K in blocks of `block_size` (see module doc).
-
-    Works on slabs of columns so the float32 temporaries stay in cache (about 4x faster than
-    whole-tensor NumPy on a [1024, 151936] table); columns are independent, so the result is
-    the same for any slab width.
-    """
-    if w.ndim != 2:
-        raise ValueError(f"expected a 2-D [K, N] weight, got shape {w.shape}")
-    k, n = w.shape
-    nb = -(-k // block_size)
-    codes = np.empty((k, n), np.uint8)
-    scales = np.empty((nb, n), np.float16)
-    zps = np.empty((nb, n), np.uint8)
-    for c0 in range(0, n, _SLAB):
-        c1 = min(n, c0 + _SLAB)
-        # C order per slab: a transposed view (tied or Transpose-fed weights) is re-laid out
-        # one cache-sized slab at a time instead of as one slow whole-table transpose.
-        wf = np.ascontiguousarray(w[:, c0:c1], dtype=np.float32)
-        if not np.isfinite(wf).all():
-            raise ValueError("weight has NaN or Inf values; refusing to quantize")
-        blocks, _ = _blocks(wf, block_size)
-        if symmetric:
-            step = np.abs(blocks).max(axis=1) / np.float32(7)
-        else:
-            lo = np.minimum(blocks.min(axis=1), 0)
-            step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(15)
-        if float(step.max(initial=0.0)) > _FP16_MAX:
-            raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
-        s16 = step.astype(np.float16)  # round-to-nearest-even onto the float16 grid
-        s = s16.astype(np.float32)
-        zero = s == 0
-        safe = np.where(zero, np.float32(1), s)
-        if symmetric:
-            zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
-        else:
-            zp = np.rint(-lo / safe)
-            np.clip(zp, 0, 15, out=zp)
-            zp[zero] = 0
-        q = np.divide(blocks, safe[:, None, :])  # true division, not a reciprocal multiply
-        np.rint(q, out=q)  # round half to even
-        q += zp[:, None, :]
-        if zero.any():  # a zero scale: every code is the zero point (dequantizes to 0)
-            mask = np.broadcast_to(zero[:, None, :], q.shape)
-            q[mask] = np.broadcast_to(zp[:, None, :], q.shape)[mask]
-        np.clip(q, 0, 15, out=q)
-        codes[:, c0:c1] = q.reshape(-1, c1 - c0)[:k]
-        scales[:, c0:c1] = s16
-        zps[:, c0:c1] = zp
-    return Q4Tensor(codes, scales, zps, block_size)
-
-
-def to_uint4(a: np.ndarray) -> np.ndarray:
-    return a.astype(ml_dtypes.uint4)
-
-
-def uint4_tensor(codes: np.ndarray, name: str) -> TensorProto:
-    """A UINT4 initializer from uint8 values 0..15, packed as onnx packs it (first element in
-    the low nibble, odd counts padded with a zero nibble); ~10x faster than numpy_helper's
-    element-wise path on a 155M-entry table, and byte-identical to it."""
-    flat = np.ascontiguousarray(codes, dtype=np.uint8).reshape(-1)
-    if flat.size % 2:
-        flat = np.concatenate([flat, np.zeros(1, np.uint8)])
-    packed = flat[0::2] | (flat[1::2] << 4)
-    t = TensorProto(name=name, data_type=TensorProto.UINT4, dims=list(codes.shape))
-    t.raw_data = packed.tobytes()
-    return t
 
 
 # ---------------------------------------------------------------------------------------------
