@@ -1,24 +1,31 @@
-"""The fast decode step: one token through the planned graph as ONE compiled MLX function.
+"""The compiled program: a chunk of s tokens through the planned graph as ONE compiled MLX
+function, for decode (s = 1) and prefill (s = the chunk length) alike.
 
 Everything resolvable is resolved once, at load (`DecodeProgram.build`): the plan's constants
-(weights packed, host shapes folded), which nodes are the mask subgraph (dropped: a single
-sequence attends to every cached position), which FusedRoPE reads the positions, which Attention
-writes which cache layer. What is left is a pure function
+(weights packed, host shapes folded), which nodes are the mask subgraph (dropped: the program
+applies its own mask, program_masks.py checks that the graph's means the same), which FusedRoPE
+reads the positions, which Attention writes which cache layer. What is left is a pure function
 
-    step(token, offset, k_0, v_0, ..., k_L, v_L) -> (logits, offset + 1, k_0', v_0', ...)
+    run(tokens[s], offset, k_0, v_0, ..., k_L, v_L) -> (logits, offset + s, k_0', v_0', ...)
 
 over a KV cache of fixed capacity (the preallocated buffers of kv_cache.KVCache): new K/V are
 written at `offset` with `mx.slice_update` (in place: the buffers are donated), attention runs
-over the whole buffer with the mask `arange(capacity) <= offset`, and RoPE takes `offset` as a
-device scalar. Shapes therefore stay fixed as the cache grows, so `mx.compile` traces once per
-capacity (every `KVCache.step` positions), fuses the elementwise chains, and each later token
-costs one call into the compiled graph: no Python walk over the nodes, no host sync.
+over the whole buffer with the device-built mask `key j <= offset + i` ([s, capacity]; for one
+token, every cached position), RoPE takes `offset` as a device scalar, and the LM head runs on
+the last position only. Shapes therefore depend only on (s, capacity), so `mx.compile` traces
+once per pair (capacity moves every `KVCache.step` positions; prefill chunk lengths are few:
+the chunk size and one tail), fuses the elementwise chains, and each later call costs one call
+into the compiled graph: no Python walk over the nodes, no host mask, no host sync.
+
+A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
+rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
+path mlx-lm's prefill takes, with no [s, capacity] mask read.
 
 The program refuses (and the engine keeps the node-by-node executor) when a graph needs host
 values per step that it cannot move to load time: dynamic-NTK RoPE, Attention softcap,
 unbound KV, or a node other than the mask subgraph that reads attention_mask/position_ids.
-Before use, the mask subgraph is run on the host for a few cache lengths to check that it
-allows every position for one decoded token, which is what dropping it assumes.
+Prefill alone is refused when the graph's mask is not plain causal or the K/V shapes are not
+static (decode then still runs compiled).
 """
 
 from __future__ import annotations
@@ -31,14 +38,21 @@ import mlx.core as mx
 import numpy as np
 
 from runtime_metal import qweight
-from runtime_metal.dtypes import to_device
+from runtime_metal.dtypes import onnx_dtype, to_device
 from runtime_metal.errors import RuntimeUserError
 from runtime_metal.executor import call_step
 from runtime_metal.kv_cache import KVCache
 from runtime_metal.plan import Plan, Step
+from runtime_metal.program_masks import (
+    MaskUnsupported,
+    check_decode,
+    check_prefill,
+    mask_subgraph,
+    tainted,
+)
 
-_DYNAMIC_INPUTS = ("attention_mask", "position_ids")
-_MASK_CHECK_LENGTHS = (1, 2, 7, 300)
+# Per layer: (kv_heads, key head_dim, value head_dim, dtype) of the cache buffers
+KVLayout = list[tuple[int, int, int, mx.Dtype]]
 
 
 class DecodeUnsupported(Exception):
@@ -58,6 +72,8 @@ class DecodeProgram:
     logits: str
     num_layers: int
     dropped: int  # mask-subgraph steps removed
+    kv_layout: KVLayout | None = None  # to allocate the cache for a fresh prompt
+    prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
 
     # ---- load time -------------------------------------------------------------------------
 
@@ -69,13 +85,13 @@ class DecodeProgram:
             raise DecodeUnsupported("the graph has no 'logits' output")
         if "input_ids" not in plan.inputs:
             raise DecodeUnsupported("the graph has no 'input_ids' input")
-        mask_only = _mask_subgraph(plan)
-        tainted = _tainted(plan)
+        mask_only = mask_subgraph(plan)
+        dyn = tainted(plan)
         ops: list[_Op] = []
         for s in plan.steps:
             if s.name in mask_only:
                 continue
-            kind = _kind(s, tainted)
+            kind = _kind(s, dyn)
             args: list[tuple[str, object]] = []
             for i, n in enumerate(s.inputs):
                 if not n or (kind == "attention" and i >= 3) or (kind == "rope" and i == 2):
@@ -85,16 +101,40 @@ class DecodeProgram:
                 else:
                     args.append(("env", n))
             ops.append(_Op(kind, s, args))
-        _check_mask(plan)
+        try:
+            check_decode(plan)
+        except MaskUnsupported as e:
+            raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
-        return cls(live, "logits", plan.num_layers, len(plan.steps) - len(live))
+        program = cls(live, "logits", plan.num_layers, len(plan.steps) - len(live))
+        try:
+            check_prefill(plan)
+            program.kv_layout = _kv_layout(plan)
+        except MaskUnsupported as e:
+            program.prefill_refused = str(e)
+        return program
 
-    # ---- trace time (runs once per compiled shape, or every step when not compiled) ----------
+    # ---- trace time (runs once per compiled shape, or every call when not compiled) ---------
 
-    def __call__(self, token: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
-        capacity = kv[0].shape[2]
-        valid = (mx.arange(capacity) <= offset).reshape(1, 1, 1, capacity)
-        env: dict[str, object] = {"input_ids": token.reshape(1, 1).astype(mx.int32)}
+    def __call__(self, tokens: mx.array, offset: mx.array, *kv: mx.array
+                 ) -> tuple[mx.array, ...]:
+        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions."""
+        return self.run(tokens, offset, kv, fresh=False)
+
+    def fresh(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
+        return self.run(tokens, offset, kv, fresh=True)
+
+    def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool
+            ) -> tuple[mx.array, ...]:
+        ids = tokens.reshape(1, -1).astype(mx.int32)
+        s, capacity = ids.shape[1], kv[0].shape[2]
+        mask: mx.array | str = "causal"
+        if not fresh:
+            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached
+            mask = (mx.arange(capacity)[None, :] <= (offset + mx.arange(s))[:, None]
+                    ).reshape(1, 1, s, capacity)
+        env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
         with qweight.tracing():
             for o in self.ops:
@@ -105,18 +145,21 @@ class DecodeProgram:
                     assert layer is not None
                     y, out_kv[2 * layer], out_kv[2 * layer + 1] = _attend(
                         o.step, args[0], args[1], args[2], out_kv[2 * layer],
-                        out_kv[2 * layer + 1], offset, valid)
+                        out_kv[2 * layer + 1], offset, mask)
                     values: tuple[object, ...] = (y,)
                 elif o.kind == "rope":
                     values = call_step(o.step, args, {"_offset": offset})
                 else:
+                    if (s > 1 and o.step.op_type == "MatMul" and self.logits in o.step.outputs
+                            and getattr(args[0], "ndim", 0) == 3):
+                        args[0] = args[0][:, -1:, :]  # type: ignore[index]  # LM head: last row
                     values = call_step(o.step, args)
                 for name, v in zip(o.step.outputs, values, strict=False):
                     if name:
                         env[name] = v
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
-        return (logits.reshape(-1, logits.shape[-1])[-1].astype(mx.float32), offset + 1,
+        return (logits.reshape(-1, logits.shape[-1])[-1].astype(mx.float32), offset + s,
                 *out_kv)
 
 
@@ -142,47 +185,6 @@ def _kind(s: Step, tainted: set[str]) -> str:
     return "step"
 
 
-def _tainted(plan: Plan) -> set[str]:
-    """Values computed from attention_mask / position_ids (host values that change per step)."""
-    tainted = {n for n in _DYNAMIC_INPUTS if n in plan.inputs}
-    for s in plan.steps:
-        reads = {i for i, n in enumerate(s.inputs) if n and n in tainted}
-        # What the program handles itself stops the taint: RoPE's positions (a device offset)
-        # and a bound Attention's mask (the capacity mask).
-        if s.op_type == "FusedRoPE" and reads == {2} and s.inputs[2] == "position_ids":
-            continue
-        if s.op_type == "Attention" and s.layer is not None and reads == {3}:
-            continue
-        if reads:
-            tainted.update(o for o in s.outputs if o)
-    return tainted
-
-
-
-
-def _mask_subgraph(plan: Plan) -> set[str]:
-    """Names of steps whose results only ever reach an Attention's mask input (input 3)."""
-    tainted = _tainted(plan)
-    consumers: dict[str, list[tuple[Step, int]]] = {}
-    for s in plan.steps:
-        for i, n in enumerate(s.inputs):
-            if n:
-                consumers.setdefault(n, []).append((s, i))
-    outputs = set(plan.outputs)
-    mask_only: set[str] = set()
-    for s in reversed(plan.steps):
-        if not any(o in tainted for o in s.outputs if o) or s.op_type == "Attention":
-            continue
-        ok = all(
-            o not in outputs and all(
-                (c.op_type == "Attention" and i == 3) or c.name in mask_only
-                for c, i in consumers.get(o, []))
-            for o in s.outputs if o)
-        if ok:
-            mask_only.add(s.name)
-    return mask_only
-
-
 def _live(ops: list[_Op], output: str) -> list[_Op]:
     """Drop what only fed the dropped mask subgraph (e.g. Shape(input_ids))."""
     needed, live = {output}, []
@@ -193,44 +195,29 @@ def _live(ops: list[_Op], output: str) -> list[_Op]:
     return live[::-1]
 
 
-def _check_mask(plan: Plan) -> None:
-    """Run the mask subgraph on the host for one new token after T-1 cached ones: the mask that
-    reaches every Attention must allow all T positions (what the program's mask means)."""
-    attn = [s for s in plan.steps if s.op_type == "Attention" and s.layer is not None]
-    names = {s.inputs[3] for s in attn if len(s.inputs) > 3 and s.inputs[3]}
-    if not names:
-        return
-    needed = set(names)
-    steps: list[Step] = []
-    for s in reversed(plan.steps):
-        if any(o and o in needed for o in s.outputs):
-            steps.append(s)
-            needed.update(n for n in s.inputs if n)
-    steps.reverse()
-    if any(s.op_type == "Attention" for s in steps):
-        raise DecodeUnsupported("an attention mask depends on another Attention's output")
-    for total in _MASK_CHECK_LENGTHS:
-        env: dict[str, object] = dict(plan.constants)
-        env.update({"input_ids": np.zeros((1, 1), np.int64),
-                    "attention_mask": np.ones((1, total), np.int64),
-                    "position_ids": np.array([[total - 1]], np.int64)})
-        for s in steps:
-            try:
-                values = call_step(s, [env[n] if n else None for n in s.inputs])
-            except (KeyError, RuntimeUserError, NotImplementedError) as e:
-                raise DecodeUnsupported(f"mask subgraph node {s.name}: {e}") from e
-            env.update({o: v for o, v in zip(s.outputs, values, strict=False) if o})
-        for n in names:
-            m = np.asarray(env[n]) if not isinstance(env[n], mx.array) else np.array(env[n])
-            ok = m.all() if m.dtype == bool else not (m < 0).any() and np.isfinite(m).all()
-            if not ok or m.shape[-1] not in (1, total):
-                raise DecodeUnsupported(f"the attention mask {n!r} is not all-visible for one "
-                                        f"decoded token at length {total}")
+def _kv_layout(plan: Plan) -> KVLayout:
+    """The cache buffers' shapes and dtype per layer, from the graph's past_key_values inputs
+    (what the executor's first chunk would allocate)."""
+    layout: dict[int, tuple[int, int, int, mx.Dtype]] = {}
+    for s in plan.steps:
+        if s.op_type != "Attention" or s.layer is None:
+            continue
+        dims = []
+        for name in s.inputs[4:6]:
+            t = plan.inputs[name].tensor_type
+            d = [x.dim_value if x.HasField("dim_value") else 0 for x in t.shape.dim]
+            if len(d) != 4 or not d[1] or not d[3]:
+                raise MaskUnsupported(f"{name}: kv_heads and head_dim are not static")
+            dims.append((d[1], d[3], onnx_dtype(mx, t.elem_type)))
+        (hk, dk, dtype), (_, dv, _) = dims
+        layout[s.layer] = (hk, dk, dv, dtype)
+    return [layout[i] for i in range(plan.num_layers)]
 
 
 def _attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array,
-            offset: mx.array, valid: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-    """ONNX Attention for one query over a fixed-capacity cache written at `offset`."""
+            offset: mx.array, mask: mx.array | str) -> tuple[mx.array, mx.array, mx.array]:
+    """ONNX Attention for a chunk of queries over a fixed-capacity cache written at `offset`.
+    mask "causal" (a fresh prompt, offset 0): only the chunk's own rows are attended."""
     from runtime_metal.ops.attention import _to_heads
 
     a = s.attrs
@@ -241,7 +228,12 @@ def _attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, valu
     values = mx.slice_update(values, vh.astype(values.dtype), start, axes=(2,))
     scale = a.get("scale")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(qh.shape[-1])
-    y = mx.fast.scaled_dot_product_attention(qh, keys, values, scale=sc, mask=valid)
+    if isinstance(mask, str):
+        n = qh.shape[2]
+        y = mx.fast.scaled_dot_product_attention(qh, keys[:, :, :n], values[:, :, :n], scale=sc,
+                                                 mask=mask)
+    else:
+        y = mx.fast.scaled_dot_product_attention(qh, keys, values, scale=sc, mask=mask)
     if q.ndim == 3:
         b, h, n, d = y.shape
         y = y.transpose(0, 2, 1, 3).reshape(b, n, h * d)
@@ -249,38 +241,71 @@ def _attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, valu
 
 
 class FastDecoder:
-    """Drives a DecodeProgram over the engine's KVCache objects (the same buffers the prefill
-    executor writes), compiled with mx.compile unless `compiled=False`."""
+    """Drives a DecodeProgram over the engine's KVCache objects (the same buffers the executor
+    writes when it runs instead), compiled with mx.compile unless `compiled=False`: `step` for
+    one decoded token, `prefill` for a prompt chunk."""
 
     def __init__(self, program: DecodeProgram, caches: list[KVCache], compiled: bool = True
                  ) -> None:
         self.program = program
         self.caches = caches
         self.compiled = compiled
+        # Two compiled functions (each keeps one trace per input shape): any offset, and a
+        # fresh prompt's first chunk, whose attention differs in structure ("causal").
         self._fn: Callable[..., tuple[mx.array, ...]] = (
             mx.compile(program) if compiled else program)
+        self._fresh: Callable[..., tuple[mx.array, ...]] = (
+            mx.compile(program.fresh) if compiled else program.fresh)
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
+
+    @property
+    def can_prefill(self) -> bool:
+        return not self.program.prefill_refused and self.program.kv_layout is not None
 
     def step(self, token: mx.array) -> mx.array:
         """Feed one token (a device scalar, possibly still lazy); return its logits [vocab] as a
         lazy float32 array. The caches advance by one position."""
+        if self.caches[0].keys is None:
+            raise RuntimeUserError("decode needs a prefilled cache (feed the prompt first)")
+        return self._call(self._fn, token, 1)
+
+    def prefill(self, ids: np.ndarray) -> mx.array:
+        """Feed a chunk of prompt ids; return the last position's logits [vocab], lazy float32
+        (the cache writes are in the same graph: evaluating the logits performs them)."""
+        assert self.can_prefill
+        ids = np.asarray(ids).reshape(-1)
+        fresh = self.caches[0].offset == 0
+        return self._call(self._fresh if fresh else self._fn, mx.array(ids.astype(np.int32)),
+                          ids.size)
+
+    def _call(self, fn: Callable[..., tuple[mx.array, ...]], tokens: mx.array, s: int
+              ) -> mx.array:
         caches = self.caches
         pos = caches[0].offset
-        if caches[0].keys is None:
-            raise RuntimeUserError("decode needs a prefilled cache (feed the prompt first)")
-        for c in caches:
-            if pos + 1 > c.keys.shape[2]:  # type: ignore[union-attr]
-                _grow(c)
+        self._reserve(pos + s)
         if self._offset is None or self._offset_at != pos:
             self._offset = mx.array(pos, mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
-        logits, self._offset, *new_kv = self._fn(token, self._offset, *kv)
+        logits, self._offset, *new_kv = fn(tokens, self._offset, *kv)
         for i, c in enumerate(caches):
             c.keys, c.values = new_kv[2 * i], new_kv[2 * i + 1]
-            c.offset = pos + 1
-        self._offset_at = pos + 1
+            c.offset = pos + s
+        self._offset_at = pos + s
         return logits
+
+    def _reserve(self, n: int) -> None:
+        """Capacity for n positions, in whole KVCache.step blocks (each capacity is one compiled
+        shape: traced once, then cached)."""
+        layout = self.program.kv_layout
+        for i, c in enumerate(self.caches):
+            if c.keys is None:
+                assert layout is not None
+                hk, dk, dv, dtype = layout[i]
+                c.keys = mx.zeros((1, hk, 0, dk), dtype)
+                c.values = mx.zeros((1, hk, 0, dv), dtype)
+            while n > c.keys.shape[2]:  # type: ignore[union-attr]
+                _grow(c)
 
 
 def _grow(c: KVCache) -> None:

@@ -1,10 +1,12 @@
 """The MLX engine: the planned graph run by the executor, KV cache preallocated and in place.
 
 Two ways through the graph:
-- `forward` (prefill, and any use that wants host logits): the executor walks the plan's steps;
-- `decode_step` (one token at a time, device in and device out): the compiled decode program
-  (decode.py), traced once per cache capacity and replayed; `fast=False` or a graph the program
-  refuses keeps decoding through `forward` (the reason is in `describe()`).
+- the compiled program (decode.py): `decode_step` (one token, device in and device out) and
+  `forward`/`forward_device` for a prompt chunk (last-position logits), traced once per
+  (token count, cache capacity) and replayed;
+- the executor, which walks the plan's steps: all-position logits, profiling, `fast=False`
+  (or FUSELM_FAST_DECODE=0; `fast_prefill=False` / FUSELM_FAST_PREFILL=0 for prefill alone),
+  and graphs the program refuses. `describe()` says which path decode and prefill take and why.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from runtime_metal.kv_cache import KVCache
 from runtime_metal.loader import load_graph
 from runtime_metal.plan import build_plan
 from runtime_metal.profile import Profiler
-from runtime_metal.qweight import QWeight, probe_kernels
+from runtime_metal.qweight import QWeight, probe_kernels, warm_dense
 
 
 class MLXEngine:
@@ -30,9 +32,11 @@ class MLXEngine:
 
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool | None = None,
-                 compiled: bool = True) -> None:
-        if fast is None:  # FUSELM_FAST_DECODE=0 turns the compiled decode step off everywhere
+                 compiled: bool = True, fast_prefill: bool | None = None) -> None:
+        if fast is None:  # FUSELM_FAST_DECODE=0 turns the compiled program off everywhere
             fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
+        if fast_prefill is None:
+            fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
         self.manifest = manifest
         self.plan = build_plan(load_graph(model_path(out_dir)))
         self.executor = Executor(self.plan)
@@ -43,6 +47,7 @@ class MLXEngine:
             weights = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
             act = mx.float16 if manifest.dtype == "float16" else mx.float32
             self.dense_prefill_weights = probe_kernels(weights, act)
+            warm_dense(weights, act)  # made once here, not inside every compiled call
         self.fast: FastDecoder | None = None
         self.fast_reason = "off (fast=False)" if not fast else (
             "off (profiling times the executor's nodes)" if profiler is not None else "")
@@ -53,6 +58,14 @@ class MLXEngine:
                 self.fast_reason = "compiled" if compiled else "program (not compiled)"
             except DecodeUnsupported as e:
                 self.fast_reason = f"off ({e})"
+        self.fast_prefill = self.fast is not None and fast_prefill and self.fast.can_prefill
+        if self.fast_prefill:
+            self.prefill_reason = self.fast_reason
+        elif self.fast is None:
+            self.prefill_reason = f"executor (the program is {self.fast_reason})"
+        else:
+            self.prefill_reason = "executor ({})".format(
+                self.fast.program.prefill_refused or "fast_prefill=False")
 
     @property
     def offset(self) -> int:
@@ -70,6 +83,9 @@ class MLXEngine:
     def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> mx.array:
         """Like `forward`, but the logits stay a lazy float32 device array."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if self.fast_prefill and not all_logits:
+            assert self.fast is not None
+            return self.fast.prefill(ids)
         s, start = ids.shape[1], self.offset
         feeds = {
             "input_ids": ids,
@@ -105,5 +121,6 @@ class MLXEngine:
             "graph_nodes": self.plan.stats.get("nodes"),
             "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
             "decode": self.fast_reason,
+            "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
         }

@@ -181,3 +181,12 @@ def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:
                 marked += 1
                 break
     return marked
+
+
+def warm_dense(weights: list[QWeight], dtype: object) -> None:
+    """Make and keep the dequantized matrix of every weight probe_kernels marked, for `dtype`
+    activations: the compiled program (decode.py) traces its matmuls with caching off, so a
+    matrix first made inside a trace would be re-dequantized on every call."""
+    for w in weights:
+        if w._cast.get(_DENSE_ALL) or w._cast.get(_DENSE_ROWS):
+            w.matmul(mx.zeros((1, 2, w.shape[0]), dtype=dtype))

@@ -1,7 +1,8 @@
-"""The compiled decode step (runtime_metal/decode.py) against the node-by-node executor and
-onnxruntime: 64 greedy tokens identical, every step's logits within rel 1e-5, for the tiny
-families (Qwen3: head_dim != hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases)
-and a Q4 artifact, across the 256-position cache-capacity boundary."""
+"""The compiled program (runtime_metal/decode.py: chunked prefill and the decode step) against
+the node-by-node executor and onnxruntime: every prefill chunk's last logits and every step's
+within rel 1e-5, 64 greedy tokens identical, for the tiny families (Qwen3: head_dim !=
+hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases) and a Q4 artifact, with prompt
+chunks and decode crossing the 256-position cache-capacity boundary."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ N_STEPS = 64
 
 
 def _decode(engine, prompt: list[int], steps: int, chunk: int = 16) -> tuple[list[int], list]:  # noqa: ANN001
-    """Greedy: chunked prefill, then `steps` tokens through decode_step (the fast path) or
-    forward (executor / onnxruntime). Returns tokens and each step's logits."""
+    """Greedy: chunked prefill (the compiled prefill program when the engine has it), then
+    `steps` tokens through decode_step (the fast path) or forward (executor / onnxruntime).
+    Returns tokens and the logits of each prefill chunk and each step."""
     engine.reset()
     ids = np.asarray(prompt, np.int64)
+    all_logits = []  # every prefill chunk's last-position logits, then every step's
     for s in range(0, ids.size, chunk):
         logits = engine.forward(ids[None, s:s + chunk])
-    tokens, all_logits = [int(np.argmax(logits))], [logits]
+        all_logits.append(logits)
+    tokens = [int(np.argmax(logits))]
     for _ in range(steps - 1):
         if getattr(engine, "fast", None) is not None:
             logits = np.array(engine.decode_step(mx.array(tokens[-1], mx.int32)))
@@ -38,15 +42,16 @@ def _prompt(n: int, vocab: int = 384, seed: int = 11) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(4, vocab, size=n)]
 
 
-def _compare(out_dir, prompt, ort_tol: float, **ort_options) -> None:  # noqa: ANN001
+def _compare(out_dir, prompt, ort_tol: float, chunk: int = 16, **ort_options) -> None:  # noqa: ANN001
     fast = make_engine(out_dir, "mlx")
     assert fast.fast is not None and fast.describe()["decode"] == "compiled"
+    assert fast.describe()["prefill"] == "compiled"
     program = make_engine(out_dir, "mlx", compiled=False)
-    assert program.fast is not None and not program.fast.compiled
+    assert program.fast is not None and not program.fast.compiled and program.fast_prefill
     plain = make_engine(out_dir, "mlx", fast=False)
-    assert plain.fast is None
+    assert plain.fast is None and str(plain.describe()["prefill"]).startswith("executor")
     ort = make_engine(out_dir, "onnxruntime", **ort_options)
-    runs = {name: _decode(e, prompt, N_STEPS)
+    runs = {name: _decode(e, prompt, N_STEPS, chunk)
             for name, e in (("fast", fast), ("program", program), ("plain", plain), ("ort", ort))}
     want_tokens, want_logits = runs["plain"]
     for name, tol in (("fast", 1e-5), ("program", 1e-5), ("ort", ort_tol)):
@@ -65,6 +70,12 @@ def test_compiled_decode_matches_executor_and_onnxruntime(family: str, family_mo
 def test_compiled_decode_q4_across_capacity_boundary(q4_artifact) -> None:  # noqa: ANN001
     # 230 + 64 positions: the cache grows past 256 during decode (a second compiled shape)
     _compare(q4_artifact, _prompt(230, seed=4), 1e-5, accuracy_level=0)
+
+
+def test_compiled_prefill_q4_chunk_crosses_capacity_boundary(q4_artifact) -> None:  # noqa: ANN001
+    # chunks of 24 over 270 tokens: offset 0 (the fresh "causal" variant), the chunk 240..264
+    # crosses 256 (capacity 256 -> 512 inside prefill), then a 6-token tail
+    _compare(q4_artifact, _prompt(270, seed=5), 1e-5, chunk=24, accuracy_level=0)
 
 
 def test_pipelined_generate_equals_host_loop_and_trims_on_stop(qwen3_artifact) -> None:  # noqa: ANN001
@@ -100,3 +111,23 @@ def test_profiling_keeps_the_executor(qwen3_artifact) -> None:  # noqa: ANN001
 
     engine = make_engine(qwen3_artifact, "mlx", profiler=Profiler())
     assert engine.fast is None and "profil" in str(engine.describe()["decode"])
+    assert not engine.fast_prefill and "profil" in str(engine.describe()["prefill"])
+
+
+def test_prefill_switch_and_mixed_paths(qwen3_artifact) -> None:  # noqa: ANN001
+    """fast_prefill=False keeps the executor for prompts only; executor-written and
+    program-written chunks share the cache buffers, so the paths mix freely."""
+    prompt = _prompt(40, seed=2)
+    plain = make_engine(qwen3_artifact, "mlx", fast=False)
+    want_tokens, want_logits = _decode(plain, prompt, 8)
+    off = make_engine(qwen3_artifact, "mlx", fast_prefill=False)
+    assert off.fast is not None and not off.fast_prefill
+    assert off.describe()["prefill"] == "executor (fast_prefill=False)"
+    assert _decode(off, prompt, 8)[0] == want_tokens
+    mixed = make_engine(qwen3_artifact, "mlx")
+    mixed.reset()
+    ids = np.asarray(prompt, np.int64)[None]
+    mixed.forward(ids[:, :16], all_logits=True)  # all positions: the executor
+    mixed.forward(ids[:, 16:32])  # the program, at offset 16
+    logits = mixed.forward(ids[:, 32:], all_logits=True)[-1]  # the executor again
+    assert rel(logits, want_logits[2]) <= 1e-5
