@@ -23,7 +23,9 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 def hf_model(model_dir: str | Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the ladder's table is the output; no loading bars
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
 
@@ -39,15 +41,12 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     """Greedy with HF's own KV cache, ignoring EOS (we compare n tokens exactly)."""
     import torch
 
-    out: list[int] = []
+    prompt = torch.tensor([ids])
     with torch.no_grad():
-        res = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values,
-                        use_cache=True)
-    return out
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
 
 
 def engine_logits(engine: Any, ids: list[int], chunk: int) -> np.ndarray:
