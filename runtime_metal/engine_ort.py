@@ -11,18 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from runtime_metal.artifact import Manifest, model_path
 from runtime_metal.errors import RuntimeUserError
 from runtime_metal.graph_io import PAST, present_for
-
-_OPT_LEVELS = {
-    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-    "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-}
+from runtime_metal.ort_session import OPTIMIZATION_LEVELS, make_session
 
 
 class OrtEngine:
@@ -33,23 +26,18 @@ class OrtEngine:
                  profile_dir: str | None = None) -> None:
         if accuracy_level not in (0, 1, 2, 3, 4):
             raise RuntimeUserError(f"accuracy_level must be 0..4, got {accuracy_level}")
-        if optimization not in _OPT_LEVELS:
-            raise RuntimeUserError(f"optimization must be one of {', '.join(_OPT_LEVELS)}")
+        if optimization not in OPTIMIZATION_LEVELS:
+            raise RuntimeUserError(
+                f"optimization must be one of {', '.join(OPTIMIZATION_LEVELS)}")
         self.manifest = manifest
         self.accuracy_level = accuracy_level
         self.optimization = optimization
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = _OPT_LEVELS[optimization]
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
-                                      str(accuracy_level))
-        if threads:
-            opts.intra_op_num_threads = threads
-        if profile_dir:
-            opts.enable_profiling = True
-            opts.profile_file_prefix = str(Path(profile_dir) / "ort_profile")
         path = model_path(out_dir)
         try:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            self.session, self.session_info = make_session(
+                path, accuracy_level=accuracy_level, optimization=optimization,
+                threads=threads or None,
+                profile_prefix=str(Path(profile_dir) / "ort_profile") if profile_dir else None)
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}

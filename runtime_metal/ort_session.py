@@ -22,6 +22,9 @@ ACCURACY_LEVELS = {0: "unset (float, activation type)", 1: "fp32", 2: "fp16", 3:
 ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
 
 
+OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
+
+
 def make_session(
     model_path: str | Path,
     *,
@@ -29,6 +32,8 @@ def make_session(
     optimize: bool = True,
     threads: int | None = None,
     providers: list[str] | None = None,
+    optimization: str | None = None,
+    profile_prefix: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Create an `onnxruntime.InferenceSession` and say how it will compute.
 
@@ -42,13 +47,26 @@ def make_session(
             f"accuracy_level {accuracy_level} not supported; valid values: "
             + ", ".join(f"{k} ({v})" for k, v in ACCURACY_LEVELS.items())
         )
+    levels = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    }
+    if optimization is None:  # the boolean form: everything on, or off
+        optimization = "all" if optimize else "none"
+    if optimization not in levels:
+        raise ValueError(
+            f"optimization {optimization!r} not supported; valid values: "
+            + ", ".join(OPTIMIZATION_LEVELS)
+        )
+    optimize = optimization != "none"
     so = ort.SessionOptions()
     so.add_session_config_entry(ACCURACY_KEY, str(accuracy_level))
-    so.graph_optimization_level = (
-        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if optimize
-        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    )
+    so.graph_optimization_level = levels[optimization]
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
     if threads is not None:
         so.intra_op_num_threads = int(threads)
     so.log_severity_level = 3  # the fp16 "Cast inserted" / serialization notices are noise here
@@ -61,6 +79,7 @@ def make_session(
         # Without graph optimizations no MatMulNBits exists, so the level does not apply.
         "activation_precision": ACCURACY_LEVELS[accuracy_level] if optimize else "as written",
         "optimize": optimize,
+        "optimization": optimization,
         "threads": threads,
         "providers": session.get_providers(),
     }
