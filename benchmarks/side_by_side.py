@@ -23,16 +23,22 @@ loads one system, prefills, decodes W warm-up steps (compiling), then K counted 
 NVTX range "count_decode" pushes (libnvToolsExt through ctypes, when it is found). Run each
 system at two step counts and difference them, which needs no NVTX at all:
 
-    W=/tmp/sbs; S="--shape qwen3-0.6b --group-size 32 --work $W"
-    python benchmarks/side_by_side.py $S -r 1 -n 8 -p 64        # builds + converts once
-    for sys in fuselm mlx-lm; do for k in 4 12; do
-      ncu --csv --metrics gpu__time_duration.sum --log-file $W/ncu_${sys}_$k.csv \
+    W=/tmp/sbs; S="--shape qwen3-0.6b --group-size 32 --work $W -p 8"
+    python benchmarks/side_by_side.py $S -r 1 -n 8        # builds + converts once
+    for sys in fuselm mlx-lm; do for k in 1 3; do
+      ncu --csv --clock-control none --metrics gpu__time_duration.sum \
+        --log-file $W/ncu_${sys}_$k.csv \
         python benchmarks/side_by_side.py $S --count-launches $sys --steps $k
     done; done
-    python benchmarks/side_by_side.py --launches-from-ncu $W/ncu_fuselm_4.csv \
-        $W/ncu_fuselm_12.csv $W/ncu_mlx-lm_4.csv $W/ncu_mlx-lm_12.csv --steps 4 12
+    python benchmarks/side_by_side.py --launches-from-ncu $W/ncu_fuselm_1.csv \
+        $W/ncu_fuselm_3.csv $W/ncu_mlx-lm_1.csv $W/ncu_mlx-lm_3.csv --steps 1 3
 
-launches/step = (kernels(K=12) - kernels(K=4)) / 8, where kernels = distinct ncu "ID"s (every
+Measured on the H200 (2026-12-01): ncu profiles every kernel (~15-25 ms each), so a run costs
+roughly 20 ms x kernels: mlx-lm's 1- and 3-step runs profiled 2,759 and 3,841 kernels (541 per
+step); fuselm's 1-step run 4,147 kernels in under 62 s, its 3-step run did not finish in 62 s.
+Allow ~150 s per run. The NVTX range was absent there (no libnvToolsExt on that image).
+
+launches/step = (kernels(K=3) - kernels(K=1)) / 2, where kernels = distinct ncu "ID"s (every
 kernel, also those inside CUDA graphs, which ncu profiles node by node). With NVTX found, the
 counted range alone is also selectable: `ncu --nvtx --nvtx-include "count_decode/" ...`.
 """
