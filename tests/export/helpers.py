@@ -9,12 +9,6 @@ import onnxruntime as ort
 import torch
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    """DESIGN.md's error metric: max|a - b| / max|b|."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
-
-
 def session(path: Path) -> ort.InferenceSession:
     so = ort.SessionOptions()
     # ORT's own fusions off: the graph as written is what gets checked.

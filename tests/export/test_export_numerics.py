@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
+from runtime_metal.validate import rel
 from tests.export.conftest import CASES, to_transformers4_config
 from tests.export.helpers import (
     OrtLoop,
@@ -15,7 +16,6 @@ from tests.export.helpers import (
     hf_incremental_logits,
     hf_logits,
     hf_model,
-    rel,
 )
 
 PREFILL, TOTAL = 12, 20  # 12-token prefill, then 8 single-token steps feeding present as past

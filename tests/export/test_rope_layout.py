@@ -16,7 +16,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from export import torch_ops
 from passes import ops
-from tests.export.helpers import rel, session
+from runtime_metal.validate import rel
+from tests.export.helpers import session
 
 B, S, HQ, HK, D = 2, 7, 3, 1, 10  # heads*D = 30 != a "hidden/heads" layout; S, D, HQ all differ
 

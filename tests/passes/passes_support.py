@@ -15,11 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from passes.graph import PassResult
 from passes.model_io import check, to_graph, to_model
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+from runtime_metal.validate import rel  # the one error metric (DESIGN.md)
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

@@ -16,14 +16,12 @@ from onnx import TensorProto, helper, numpy_helper
 from passes import ops
 from passes.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
 from runtime_metal.ort_session import make_session
+from runtime_metal.validate import rel  # the one error metric (DESIGN.md)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def formula_reference(w: np.ndarray, block: int, symmetric: bool) -> tuple[np.ndarray, ...]:

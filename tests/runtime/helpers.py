@@ -19,13 +19,20 @@ def _info(name: str, arr: np.ndarray) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, elem, None)
 
 
-def node_model(node: onnx.NodeProto, feeds: dict[str, np.ndarray], outputs: list[str],
-               initializers: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+def node_model(
+    node: onnx.NodeProto,
+    feeds: dict[str, np.ndarray],
+    outputs: list[str],
+    initializers: dict[str, np.ndarray] | None = None,
+) -> onnx.ModelProto:
     inits = [onnx.numpy_helper.from_array(v, k) for k, v in (initializers or {}).items()]
     graph = helper.make_graph(
-        [node], "t", [_info(k, v) for k, v in feeds.items()],
+        [node],
+        "t",
+        [_info(k, v) for k, v in feeds.items()],
         [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs],
-        inits)
+        inits,
+    )
     opsets = [helper.make_opsetid("", contract.ONNX_OPSET)]
     if node.domain == contract.DOMAIN:
         opsets.append(helper.make_opsetid(contract.DOMAIN, contract.DOMAIN_VERSION))
@@ -45,11 +52,5 @@ def run_mlx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.nda
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))

@@ -9,7 +9,8 @@ import pytest
 from onnx import helper
 
 from passes import ops as contract
-from tests.runtime.helpers import node_model, rel, run_mlx, run_ort
+from runtime_metal.validate import rel
+from tests.runtime.helpers import node_model, run_mlx, run_ort
 
 RNG = np.random.default_rng(0)
 D = contract.DOMAIN
