@@ -12,8 +12,6 @@ from converter import pipeline
 from converter.pipeline import ConvertOptions
 from converter.progress import stage_progress, stderr
 
-BLOCK_SIZES = (32, 64, 128)
-
 
 def _passes(value: str | None) -> list[str] | None:
     return [p.strip() for p in value.split(",") if p.strip()] if value else None
@@ -74,13 +72,6 @@ def convert_command(
     quiet: bool,
 ) -> None:
     """Convert an HF decoder checkpoint (MODEL_DIR) into a fused ONNX artifact."""
-    if block_size not in BLOCK_SIZES:
-        raise click.BadParameter(
-            f"{block_size} is not supported; valid values: {', '.join(map(str, BLOCK_SIZES))}",
-            param_hint="--block-size",
-        )
-    if quant == "none" and (sym or quant_lm_head or quant_embeddings):
-        raise click.UsageError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
     opts = ConvertOptions(
         dtype=dtype,
         optimize=not no_optimize,

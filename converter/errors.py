@@ -14,12 +14,6 @@ class UserError(Exception):
 def user_errors() -> tuple[type[BaseException], ...]:
     from export.errors import ExportError
     from runtime_metal.artifact import ArtifactError
+    from runtime_metal.errors import RuntimeUserError
 
-    errors: list[type[BaseException]] = [UserError, ExportError, ArtifactError]
-    try:  # the runtime's own errors, where the runtime defines them
-        from runtime_metal.errors import RuntimeUserError
-
-        errors.append(RuntimeUserError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    return (UserError, ExportError, ArtifactError, RuntimeUserError)

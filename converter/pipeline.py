@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +25,7 @@ from export.config import DecoderSpec
 from export.onnx_export import export_model
 from export.registry import decoder_spec
 from passes import ops
+from passes.quantize import validate_options
 from runtime_metal import artifact
 
 Progress = Callable[[str, int, int], None]
@@ -111,20 +112,9 @@ def _manifest(
 ) -> artifact.Manifest:
     r = spec.rope
     return artifact.Manifest(
+        # ModelInfo's fields are a subset of DecoderSpec's, under the same names
         model=artifact.ModelInfo(
-            architecture=spec.architecture,
-            family=spec.family,
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            intermediate_size=spec.intermediate_size,
-            vocab_size=spec.vocab_size,
-            rms_norm_eps=spec.rms_norm_eps,
-            tie_word_embeddings=spec.tie_word_embeddings,
-            context_length=spec.context_length,
-            sliding_window=spec.sliding_window,
+            **{f.name: getattr(spec, f.name) for f in fields(artifact.ModelInfo)}
         ),
         rope=artifact.RopeInfo(
             type=r.type,
@@ -209,9 +199,15 @@ def convert(
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     t0 = time.perf_counter()
-    decoder_spec(src)  # validate config and architecture before touching OUT_DIR
-    if opts.quant not in (None, "none", "q4"):
-        raise UserError(f"--quant {opts.quant} is not supported; choose none or q4")
+    # Validate options, config and architecture before touching OUT_DIR.
+    validate_options(
+        opts.quant,
+        block_size=opts.block_size,
+        symmetric=opts.symmetric,
+        lm_head=opts.quant_lm_head,
+        embeddings=opts.quant_embeddings,
+    )
+    decoder_spec(src)
     tmp = _prepare_out_dir(out)
     seconds: dict[str, float] = {}
     try:

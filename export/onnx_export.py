@@ -141,7 +141,7 @@ def _rename_dims(model: onnx.ModelProto) -> None:
     for vi in [*model.graph.input, *model.graph.output]:
         for d in vi.type.tensor_type.shape.dim:
             if d.dim_param:
-                d.dim_param = rename.get(d.dim_param, d.dim_param.replace("s", "").strip() or "n")
+                d.dim_param = rename.get(d.dim_param, d.dim_param)
     for vi in model.graph.output:
         if vi.name.startswith("present."):
             dims = vi.type.tensor_type.shape.dim

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import mlx.core as mx
@@ -75,18 +76,12 @@ def where(xp: ModuleType, cond, a, b):  # noqa: ANN001, ANN201
 
 @op("", "Max", host=True)
 def maximum(xp: ModuleType, *xs):  # noqa: ANN001, ANN201
-    out = xs[0]
-    for x in xs[1:]:
-        out = xp.maximum(out, x)
-    return out
+    return functools.reduce(xp.maximum, xs)
 
 
 @op("", "Min", host=True)
 def minimum(xp: ModuleType, *xs):  # noqa: ANN001, ANN201
-    out = xs[0]
-    for x in xs[1:]:
-        out = xp.minimum(out, x)
-    return out
+    return functools.reduce(xp.minimum, xs)
 
 
 @op("", "Cast", host=True, qweight=True)

@@ -8,6 +8,9 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
+from runtime_metal import validate
+from runtime_metal.validate import hf_model  # noqa: F401 - the suite's ground truth, re-exported
+
 
 def session(path: Path) -> ort.InferenceSession:
     so = ort.SessionOptions()
@@ -75,12 +78,6 @@ class OrtLoop:
         return tokens
 
 
-def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32):  # noqa: ANN201
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-
-
 def hf_logits(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:  # noqa: ANN001
     with torch.no_grad():
         kwargs = {} if mask is None else {"attention_mask": torch.tensor(mask)}
@@ -88,17 +85,8 @@ def hf_logits(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndar
 
 
 def hf_greedy(model, prompt: np.ndarray, n: int) -> list[int]:  # noqa: ANN001
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor(prompt),
-            attention_mask=torch.ones_like(torch.tensor(prompt)),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, prompt.shape[1] :].tolist()
+    """HF's greedy tokens after a [1, s] prompt (fuselm validate's ground truth)."""
+    return validate.hf_greedy(model, prompt[0].tolist(), n)
 
 
 def hf_incremental_logits(model, ids: np.ndarray, prefill: int) -> np.ndarray:  # noqa: ANN001
