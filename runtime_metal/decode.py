@@ -30,14 +30,13 @@ static (decode then still runs compiled).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal import qweight
+from runtime_metal import kernels, program_ops, qweight
 from runtime_metal.dtypes import onnx_dtype, to_device
 from runtime_metal.errors import RuntimeUserError
 from runtime_metal.executor import call_step
@@ -50,6 +49,7 @@ from runtime_metal.program_masks import (
     mask_subgraph,
     tainted,
 )
+from runtime_metal.program_ops import fuse_pairs
 
 # Per layer: (kv_heads, key head_dim, value head_dim, dtype) of the cache buffers
 KVLayout = list[tuple[int, int, int, mx.Dtype]]
@@ -61,9 +61,10 @@ class DecodeUnsupported(Exception):
 
 @dataclass
 class _Op:
-    kind: str  # "step" | "rope" | "attention"
+    kind: str  # "step" | "rope" | "attention" | "add_norm" | "rope_attention" (with partner)
     step: Step
     args: list[tuple[str, object]]  # ("const", value) | ("env", name) | ("none", None)
+    partner: _Op | None = None  # the step fused with this one (program_ops.fuse_pairs)
 
 
 @dataclass
@@ -74,11 +75,12 @@ class DecodeProgram:
     dropped: int  # mask-subgraph steps removed
     kv_layout: KVLayout | None = None  # to allocate the cache for a fresh prompt
     prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
+    kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
 
     # ---- load time -------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, plan: Plan) -> DecodeProgram:
+    def build(cls, plan: Plan, kernel_mode: str | None = None) -> DecodeProgram:
         if not plan.cache_bound:
             raise DecodeUnsupported("the KV cache is not bound to Attention nodes")
         if "logits" not in plan.outputs:
@@ -106,7 +108,8 @@ class DecodeProgram:
         except MaskUnsupported as e:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
-        program = cls(live, "logits", plan.num_layers, len(plan.steps) - len(live))
+        program = cls(fuse_pairs(live), "logits", plan.num_layers, len(plan.steps) - len(live),
+                      kernels=kernels.enabled(kernel_mode))
         try:
             check_prefill(plan)
             program.kv_layout = _kv_layout(plan)
@@ -138,29 +141,53 @@ class DecodeProgram:
         out_kv: list[mx.array] = list(kv)
         with qweight.tracing():
             for o in self.ops:
-                args = [v if k == "const" else env[v] if k == "env" else None  # type: ignore[index]
-                        for k, v in o.args]
-                if o.kind == "attention":
-                    layer = o.step.layer
+                args = _resolve(o.args, env)
+                if o.kind == "add_norm":
+                    assert o.partner is not None
+                    values = program_ops.add_norm(o.step, o.partner.step, args[0], args[1],
+                                                  _resolve(o.partner.args[1:2], env)[0],
+                                                  self.kernels)
+                    _bind(env, o.step.outputs[:1] + o.partner.step.outputs[:1], values)
+                    continue
+                if o.kind in ("attention", "rope_attention"):
+                    attn = o.partner if o.partner is not None else o
+                    layer = attn.step.layer
                     assert layer is not None
-                    y, out_kv[2 * layer], out_kv[2 * layer + 1] = _attend(
-                        o.step, args[0], args[1], args[2], out_kv[2 * layer],
-                        out_kv[2 * layer + 1], offset, mask)
-                    values: tuple[object, ...] = (y,)
-                elif o.kind == "rope":
+                    k_old, v_old = out_kv[2 * layer], out_kv[2 * layer + 1]
+                    if o.partner is not None:
+                        v = _resolve(attn.args[2:3], env)[0]
+                        y, k_new, v_new = program_ops.rope_attention(
+                            o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
+                            self.kernels)
+                    else:
+                        y, k_new, v_new = program_ops.attend(
+                            o.step, args[0], args[1], args[2], k_old, v_old, offset, mask)  # type: ignore[arg-type]
+                    out_kv[2 * layer], out_kv[2 * layer + 1] = k_new, v_new
+                    _bind(env, attn.step.outputs[:1], (y,))
+                    continue
+                if o.kind == "rope":
                     values = call_step(o.step, args, {"_offset": offset})
                 else:
                     if (s > 1 and o.step.op_type == "MatMul" and self.logits in o.step.outputs
                             and getattr(args[0], "ndim", 0) == 3):
                         args[0] = args[0][:, -1:, :]  # type: ignore[index]  # LM head: last row
                     values = call_step(o.step, args)
-                for name, v in zip(o.step.outputs, values, strict=False):
-                    if name:
-                        env[name] = v
+                _bind(env, o.step.outputs, values)
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
         return (logits.reshape(-1, logits.shape[-1])[-1].astype(mx.float32), offset + s,
                 *out_kv)
+
+
+def _resolve(args: list[tuple[str, object]], env: dict[str, object]) -> list[object]:
+    return [v if k == "const" else env[v] if k == "env" else None  # type: ignore[index]
+            for k, v in args]
+
+
+def _bind(env: dict[str, object], names: list[str], values: tuple[object, ...]) -> None:
+    for name, v in zip(names, values, strict=False):
+        if name:
+            env[name] = v
 
 
 def _kind(s: Step, tainted: set[str]) -> str:
@@ -212,32 +239,6 @@ def _kv_layout(plan: Plan) -> KVLayout:
         (hk, dk, dtype), (_, dv, _) = dims
         layout[s.layer] = (hk, dk, dv, dtype)
     return [layout[i] for i in range(plan.num_layers)]
-
-
-def _attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array,
-            offset: mx.array, mask: mx.array | str) -> tuple[mx.array, mx.array, mx.array]:
-    """ONNX Attention for a chunk of queries over a fixed-capacity cache written at `offset`.
-    mask "causal" (a fresh prompt, offset 0): only the chunk's own rows are attended."""
-    from runtime_metal.ops.attention import _to_heads
-
-    a = s.attrs
-    hq, hk = int(a.get("q_num_heads") or 1), int(a.get("kv_num_heads") or 1)
-    qh, kh, vh = _to_heads(q, hq), _to_heads(k, hk), _to_heads(v, hk)
-    start = offset.reshape(1)
-    keys = mx.slice_update(keys, kh.astype(keys.dtype), start, axes=(2,))
-    values = mx.slice_update(values, vh.astype(values.dtype), start, axes=(2,))
-    scale = a.get("scale")
-    sc = float(scale) if scale is not None else 1.0 / math.sqrt(qh.shape[-1])
-    if isinstance(mask, str):
-        n = qh.shape[2]
-        y = mx.fast.scaled_dot_product_attention(qh, keys[:, :, :n], values[:, :, :n], scale=sc,
-                                                 mask=mask)
-    else:
-        y = mx.fast.scaled_dot_product_attention(qh, keys, values, scale=sc, mask=mask)
-    if q.ndim == 3:
-        b, h, n, d = y.shape
-        y = y.transpose(0, 2, 1, 3).reshape(b, n, h * d)
-    return y, keys, values
 
 
 class FastDecoder:

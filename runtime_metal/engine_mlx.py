@@ -123,4 +123,7 @@ class MLXEngine:
             "decode": self.fast_reason,
             "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
+            "fused_kernels": ("cuda (add+rms_norm, rope+attention)"
+                              if self.fast is not None and self.fast.program.kernels
+                              else "off (MLX built-ins)"),
         }

@@ -1,0 +1,70 @@
+"""Whether the compiled program (runtime_metal/decode.py) calls fuselm's fused CUDA kernels
+(runtime_metal/kernels_cuda.py) and, per call, whether a kernel takes the shapes at hand.
+
+FUSELM_KERNELS selects: `auto` (default) uses them on MLX's CUDA backend and never elsewhere;
+`off` keeps MLX's built-ins everywhere (the plain path the kernels are tested against); `on`
+demands them and fails clearly where MLX has no CUDA device. On Apple GPUs MLX's own SDPA
+already has a vector kernel that takes the decode mask, so there is no Metal twin: the plain
+path runs there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from runtime_metal.errors import RuntimeUserError
+
+ENV = "FUSELM_KERNELS"
+MODES = ("auto", "on", "off")
+_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def cuda_device() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def enabled(mode: str | None = None) -> bool:
+    """Resolve a mode (default: the environment's) to on/off for this process's device."""
+    mode = (mode if mode is not None else os.environ.get(ENV, "auto")).strip().lower()
+    if mode not in MODES:
+        raise RuntimeUserError(
+            f"{ENV}={mode!r} is not a kernel mode; use one of {', '.join(MODES)}")
+    if mode == "off":
+        return False
+    if mode == "on" and not cuda_device():
+        raise RuntimeUserError(
+            f"{ENV}=on needs MLX's CUDA backend (device here: {mx.default_device()}); "
+            f"use {ENV}=auto to run MLX's built-in kernels instead")
+    return cuda_device()
+
+
+def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
+    """Same-shape, same-dtype residual Add feeding a last-axis RMSNorm with a 1-D scale."""
+    if not all(isinstance(a, mx.array) for a in (x, r, scale)):
+        return False
+    assert isinstance(x, mx.array) and isinstance(r, mx.array) and isinstance(scale, mx.array)
+    return (x.ndim >= 1 and x.shape == r.shape and x.dtype == r.dtype and x.dtype in _DTYPES
+            and axis % x.ndim == x.ndim - 1 and scale.ndim == 1
+            and scale.shape[0] == x.shape[-1])
+
+
+def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, object],
+                     keys: mx.array, values: mx.array, hq: int, hk: int, head_dim: int,
+                     rotary_dim: int) -> bool:
+    """One token (3-D [1, 1, H*D] q/k/v), head_dim a multiple of 32 up to 256 for keys and
+    values alike, even rotary width, whole GQA groups, cache of the activation dtype, q/k-norm
+    scales (when present) of one head's width."""
+    if not all(isinstance(a, mx.array) and a.ndim == 3 and a.shape[:2] == (1, 1)
+               for a in (q, k, v)):
+        return False
+    assert isinstance(q, mx.array) and isinstance(k, mx.array) and isinstance(v, mx.array)
+    d = keys.shape[-1]
+    if any(n is not None and not (isinstance(n, mx.array) and n.shape == (d,)) for n in norms):
+        return False
+    return (d == head_dim and values.shape[-1] == d and values.dtype == keys.dtype
+            and d % 32 == 0 and d <= 256 and 0 < rotary_dim <= d and rotary_dim % 2 == 0
+            and hk > 0 and hq % hk == 0
+            and q.shape[2] == hq * d and k.shape[2] == hk * d and v.shape[2] == hk * d
+            and keys.dtype in _DTYPES and q.dtype == keys.dtype)

@@ -1,0 +1,195 @@
+"""fuselm's fused CUDA kernels (runtime_metal/kernels_cuda.py) against the fused-op contract's
+NumPy references, and the compiled program with them on against it with them off.
+
+The kernel tests need MLX's CUDA backend (they ran on an H200, see BENCHMARKS.md); on other
+machines they are reported as skipped for that reason. The mode switch and the pairing of
+steps (which the plain path runs on every machine) are tested everywhere."""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from passes.ops import fused_rope_reference, rms_norm_reference
+from runtime_metal import kernels
+from runtime_metal.errors import RuntimeUserError
+from runtime_metal.validate import rel
+
+cuda = pytest.mark.skipif(not kernels.cuda_device(), reason="needs MLX's CUDA backend")
+TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.float32}
+
+
+def _rounded(a: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
+    """The device array in `dtype` and its exact values back in float32."""
+    x = mx.array(a.astype(np.float32)).astype(dtype)
+    return x, np.array(x.astype(mx.float32))
+
+
+# ---- everywhere: the switch and the pairing ----------------------------------------------------
+
+def test_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernels.enabled("off") is False
+    assert kernels.enabled("auto") is kernels.cuda_device()
+    monkeypatch.setenv(kernels.ENV, "sometimes")
+    with pytest.raises(RuntimeUserError, match="not a kernel mode"):
+        kernels.enabled()
+    if not kernels.cuda_device():
+        with pytest.raises(RuntimeUserError, match="needs MLX's CUDA backend"):
+            kernels.enabled("on")
+
+
+def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
+    """Each layer's FusedRoPE+Attention is one op, and each residual Add with the RMSNorm after
+    it: 2 per layer (the first layer's input norm reads the embedding, the last Add feeds the
+    final norm)."""
+    from runtime_metal.engine import make_engine
+
+    engine = make_engine(qwen3_artifact, "mlx")
+    program = engine.fast.program
+    kinds = collections.Counter(o.kind for o in program.ops)
+    layers = program.num_layers
+    assert kinds["rope_attention"] == layers and kinds["add_norm"] == 2 * layers
+    assert kinds["rope"] == kinds["attention"] == 0
+
+
+def test_fits_refuses_what_the_kernel_cannot_take() -> None:
+    q = mx.zeros((1, 1, 4 * 64))
+    kv = mx.zeros((1, 1, 2 * 64))
+    cache = mx.zeros((1, 2, 256, 64))
+    assert kernels.rope_attend_fits(q, kv, kv, (None, None), cache, cache, 4, 2, 64, 64)
+    odd = mx.zeros((1, 2, 256, 24))
+    assert not kernels.rope_attend_fits(mx.zeros((1, 1, 96)), mx.zeros((1, 1, 48)),
+                                        mx.zeros((1, 1, 48)), (None, None), odd, odd,
+                                        4, 2, 24, 24)  # head_dim not a multiple of 32
+    assert not kernels.rope_attend_fits(mx.zeros((1, 2, 256)), mx.zeros((1, 2, 128)),
+                                        mx.zeros((1, 2, 128)), (None, None), cache, cache,
+                                        4, 2, 64, 64)  # two tokens: prefill keeps MLX's SDPA
+    assert not kernels.add_rms_norm_fits(mx.zeros((1, 8)), mx.zeros((8,)), mx.ones((8,)), -1)
+
+
+# ---- MLX-CUDA: each kernel against the contract's references -----------------------------------
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 1024), (1, 2048), (7, 96), (3, 5000)])
+def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
+    from runtime_metal import kernels_cuda
+
+    rng = np.random.default_rng(rows * hidden)
+    x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
+    r, rf = _rounded(rng.normal(size=(1, rows, hidden)) * 3, dtype)
+    w, wf = _rounded(rng.uniform(0.5, 1.5, hidden), dtype)
+    h, y = kernels_cuda.add_rms_norm(x, r, w, mx.array([1e-6], mx.float32))
+    _, h_ref = _rounded(xf + rf, dtype)
+    assert rel(np.array(h.astype(mx.float32)), h_ref) <= TOL[dtype]
+    y_ref = rms_norm_reference(h_ref, wf, 1e-6)
+    assert rel(np.array(y.astype(mx.float32)), y_ref) <= TOL[dtype]
+
+
+def _attention_reference(q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float
+                         ) -> np.ndarray:
+    """q [hq, d], keys/values [hk, n, d] -> [hq * d], float64 softmax, GQA by head groups."""
+    hq, hk = q.shape[0], keys.shape[0]
+    out = []
+    for h in range(hq):
+        g = h // (hq // hk)
+        s = keys[g].astype(np.float64) @ q[h].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out.append(p @ values[g].astype(np.float64) / p.sum())
+    return np.concatenate(out)
+
+
+ROPE_CASES = [
+    # d, hq, hk, q/k-norm, interleaved, rotary fraction, attention scale, position
+    (128, 16, 8, True, False, 1.0, 1.0, 517),  # Qwen3-0.6B's attention
+    (64, 32, 8, False, False, 1.0, 1.0, 640),  # Llama-3.2-1B's
+    (64, 4, 4, False, True, 1.0, 1.0, 3),  # MHA, GPT-J-style pairs
+    (128, 8, 1, True, False, 0.5, 1.2, 1500),  # MQA, partial rotary, YaRN-style scale
+    (256, 4, 2, False, False, 1.0, 1.0, 0),  # the first token: nothing cached
+    (96, 6, 2, True, True, 1.0, 1.0, 31),
+]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("d,hq,hk,norms,inter,frac,ascale,pos", ROPE_CASES)
+def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
+                            inter: bool, frac: float, ascale: float, pos: int) -> None:
+    from runtime_metal import kernels_cuda
+
+    rng = np.random.default_rng(d + hq + pos)
+    rd = int(d * frac)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rd, 2) / rd)).astype(np.float32)
+    cap = (pos // 256 + 1) * 256
+    q, qf = _rounded(rng.normal(size=(1, 1, hq * d)), dtype)
+    k, kf = _rounded(rng.normal(size=(1, 1, hk * d)), dtype)
+    v, vf = _rounded(rng.normal(size=(1, 1, hk * d)), dtype)
+    cache_k = rng.normal(size=(1, hk, cap, d))
+    cache_v = rng.normal(size=(1, hk, cap, d))
+    cache_k[:, :, pos:] = 50.0  # rows past the position must not be attended
+    cache_v[:, :, pos:] = 1e4
+    kc, kcf = _rounded(cache_k, dtype)
+    vc, vcf = _rounded(cache_v, dtype)
+    qn = kn = None
+    qnf = knf = None
+    if norms:
+        qn, qnf = _rounded(rng.uniform(0.5, 1.5, d), dtype)
+        kn, knf = _rounded(rng.uniform(0.5, 1.5, d), dtype)
+    scale = 1.0 / np.sqrt(d)
+    attrs = dict(head_dim=d, rotary_dim=rd, inv_freq=inv_freq.tolist(), attention_scale=ascale,
+                 interleaved=int(inter), norm_eps=1e-6)
+    qr, kr = fused_rope_reference(qf, kf, np.array([[pos]]), qnf, knf, **attrs)
+    k_row = kr.reshape(hk, d)
+    keys = np.concatenate([kcf[0, :, :pos], k_row[:, None]], axis=1)
+    values = np.concatenate([vcf[0, :, :pos], vf.reshape(hk, 1, d)], axis=1)
+    y_ref = _attention_reference(qr.reshape(hq, d), keys, values, scale)
+
+    prm = mx.array([1e-6, scale, ascale], mx.float32)
+    fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
+        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter))
+    y, k_new, v_new = fn(q, k, v, qn, kn, mx.array(inv_freq), prm, mx.array([pos], mx.int32),
+                         kc, vc)
+    tol = TOL[dtype]
+    assert rel(np.array(y.astype(mx.float32)).reshape(-1), y_ref) <= tol * 2
+    assert rel(np.array(k_new.astype(mx.float32)).reshape(hk, d), k_row) <= tol
+    assert np.array_equal(np.array(v_new.astype(mx.float32)).reshape(-1), vf.reshape(-1))
+
+
+# ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
+
+@cuda
+def test_program_with_kernels_matches_plain_path(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 model with head_dim 64 != hidden/heads and GQA 2:1, float32: 32 greedy tokens
+    identical with the kernels on and off (and the decode step really without MLX's SDPA
+    fallback: no Softmax/Matmul primitives in its graph)."""
+    from converter.builtin import build_model
+    from converter.pipeline import ConvertOptions, convert
+    from runtime_metal.engine import make_engine
+    from runtime_metal.generate import generate
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2)
+    out = tmp_path / "out"
+    convert(hf, out, ConvertOptions(dtype="float32"))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 300)]
+    tokens, graphs = {}, {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(kernels.ENV, mode)
+        engine = make_engine(out, "mlx")
+        assert engine.fast.program.kernels is (mode == "on")
+        tokens[mode] = generate(engine, prompt, max_new_tokens=32, prefill_chunk=128).tokens
+        dot = tmp_path / f"{mode}.dot"
+        y = mx.array(tokens[mode][-1], mx.int32)
+        mx.export_to_dot(str(dot), engine.decode_step(y))
+        graphs[mode] = collections.Counter(
+            re.findall(r'\[label\s*=\s*"?([A-Za-z]+)', dot.read_text()))
+    assert tokens["on"] == tokens["off"]
+    assert graphs["on"]["Softmax"] == 0 and graphs["off"]["Softmax"] > 0
