@@ -103,11 +103,18 @@ def rope_attention(rope: Step, attn: Step, rargs: list[object], v: mx.array, key
         y, k_new, v_new = kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset.reshape(1), keys, values,  # type: ignore[arg-type]
             hq=hq, hk=hk, rotary_dim=rotary, interleaved=bool(int(ra.get("interleaved", 0))))
-        start = offset.reshape(1)
-        return (y, mx.slice_update(keys, k_new, start, axes=(2,)),
-                mx.slice_update(values, v_new, start, axes=(2,)))
+        return y, _write_row(keys, k_new, offset), _write_row(values, v_new, offset)
     qr, kr = call_step(rope, rargs, {"_offset": offset})
     return attend(attn, qr, kr, v, keys, values, offset, mask)  # type: ignore[arg-type]
+
+
+def _write_row(cache: mx.array, row: mx.array, offset: mx.array) -> mx.array:
+    """cache[:, :, offset] = row (in place when the buffer is donated), as a scatter: MLX-CUDA
+    launches its dynamic slice update over the whole destination (measured: the cost grows
+    with the cache's capacity) and adds an offset kernel; the scatter is one launch over the
+    row."""
+    index = mx.broadcast_to(offset.reshape(1, 1, 1, 1), row.shape)
+    return mx.put_along_axis(cache, index, row, axis=2)
 
 
 def attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array,
