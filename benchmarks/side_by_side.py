@@ -145,14 +145,14 @@ class Fuselm:
     def weight_bytes(self) -> int:
         from runtime_metal.qweight import QWeight
 
-        total = 0
+        arrays: dict[int, int] = {}  # by identity: a tied embedding shares the head's arrays
         for v in self.engine.plan.constants.values():
             if isinstance(v, QWeight):
-                s, b = v.affine(v.dtype)
-                total += v.packed.nbytes + s.nbytes + b.nbytes
+                for a in (v.packed, *v.affine(v.dtype)):
+                    arrays[id(a)] = a.nbytes
             else:
-                total += int(getattr(v, "nbytes", 0))
-        return total
+                arrays[id(v)] = int(getattr(v, "nbytes", 0))
+        return sum(arrays.values())
 
     def describe(self) -> dict[str, Any]:
         d = dict(self.engine.describe())

@@ -44,7 +44,8 @@ class MLXEngine:
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
         if mx.default_device() == mx.gpu:
-            weights = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
+            weights = [c for c in self.plan.constants.values()
+                       if isinstance(c, QWeight) and not c.rows_only]
             act = mx.float16 if manifest.dtype == "float16" else mx.float32
             self.dense_prefill_weights = probe_kernels(weights, act)
             warm_dense(weights, act)  # made once here, not inside every compiled call

@@ -174,6 +174,9 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             folded += 1
             continue
         steps.append(step)
+    from runtime_metal.q4_gather import fuse_quantized_gathers
+
+    fuse_quantized_gathers(steps, consts, opsets[""])
     live, dropped = _drop_dead(steps, outputs)
     _send_weights_to_device(live, consts)
     num_layers, bound = _bind_kv(live, set(inputs))

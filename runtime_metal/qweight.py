@@ -51,6 +51,7 @@ class QWeight:
     transposed: bool
     dtype: object = mx.float32  # the dtype DequantizeLinear (+ Cast) would produce
     _cast: dict = field(default_factory=dict, repr=False)
+    rows_only: bool = False  # an embedding table read by row gathers, never a matmul weight
 
     bits = 4
 

@@ -32,3 +32,49 @@ def test_accuracy_level_is_set_and_reported(q4_artifact) -> None:  # noqa: ANN00
     assert fast.describe()["accuracy_level"] == 4
     opts = fast.session.get_session_options()
     assert opts.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == "4"
+
+
+def _lookup_tables(engine) -> tuple[list[QWeight], list[str]]:  # noqa: ANN001
+    """The plan's row-gather QWeights, and any integer table still gathered from directly."""
+    c = engine.plan.constants
+    rows = [v for v in c.values() if isinstance(v, QWeight) and v.rows_only]
+    raw = [s.inputs[0] for s in engine.plan.steps
+           if s.op_type == "Gather" and not isinstance(c.get(s.inputs[0]), QWeight)
+           and getattr(c.get(s.inputs[0]), "ndim", 0) == 2]
+    return rows, raw
+
+
+def test_tied_q4_embedding_shares_the_head_codes(q4_artifact) -> None:  # noqa: ANN001
+    """The tied table is held once, packed (the LM head's arrays), not as a second one-byte-per-
+    code copy; lookups dequantize the gathered rows to exactly the DequantizeLinear values."""
+    mlx_engine = make_engine(q4_artifact, "mlx")
+    rows, raw = _lookup_tables(mlx_engine)
+    assert len(rows) == 1 and not raw
+    heads = [v for v in mlx_engine.plan.constants.values()
+             if isinstance(v, QWeight) and v.transposed and v.packed is rows[0].packed]
+    assert len(heads) == 1 and heads[0].scales is rows[0].scales
+    ort_engine = make_engine(q4_artifact, "onnxruntime", accuracy_level=0)
+    ids = np.array([[0, 7, 383, 120, 7]])
+    assert rel(mlx_engine.forward(ids), ort_engine.forward(ids)) <= 1e-3
+
+
+def test_untied_q4_embedding_is_packed(family_models, tmp_path) -> None:  # noqa: ANN001
+    import shutil
+
+    import onnx
+
+    from passes.quantize import quantize_q4
+
+    out = tmp_path / "llama_q4"
+    shutil.copytree(family_models["llama"][1], out)
+    model = onnx.load(str(out / "model.onnx"))
+    model, _ = quantize_q4(model, embeddings=True)
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data", all_tensors_to_one_file=True)
+    mlx_engine = make_engine(out, "mlx")
+    rows, raw = _lookup_tables(mlx_engine)
+    assert len(rows) == 1 and not raw and not rows[0].transposed
+    ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(4).integers(0, 384, 20)]
+    assert rel(engine_logits(mlx_engine, prompt, 4), engine_logits(ort_engine, prompt, 4)) <= 1e-3
