@@ -21,24 +21,25 @@ on a GPU and float32 on CPU (MLX's CPU backend is slow in half precision), the s
 Kernel launches per decode step (NVIDIA, Nsight Compute). `--count-launches SYSTEM --steps K`
 loads one system, prefills, decodes W warm-up steps (compiling), then K counted steps between
 NVTX range "count_decode" pushes (libnvToolsExt through ctypes, when it is found). Run each
-system at two step counts and difference them, which needs no NVTX at all:
+system at two step counts and difference them, which needs no NVTX at all
+(`benchmarks/gpu_run.sh ncu SHAPE GROUP` does exactly this):
 
     W=/tmp/sbs; S="--shape qwen3-0.6b --group-size 32 --work $W -p 8"
     python benchmarks/side_by_side.py $S -r 1 -n 8        # builds + converts once
-    for sys in fuselm mlx-lm; do for k in 1 3; do
+    for sys in fuselm mlx-lm; do for k in 1 2; do
       ncu --csv --clock-control none --metrics gpu__time_duration.sum \
         --log-file $W/ncu_${sys}_$k.csv \
         python benchmarks/side_by_side.py $S --count-launches $sys --steps $k
     done; done
     python benchmarks/side_by_side.py --launches-from-ncu $W/ncu_fuselm_1.csv \
-        $W/ncu_fuselm_3.csv $W/ncu_mlx-lm_1.csv $W/ncu_mlx-lm_3.csv --steps 1 3
+        $W/ncu_fuselm_2.csv $W/ncu_mlx-lm_1.csv $W/ncu_mlx-lm_2.csv --steps 1 2
 
-Measured on the H200 (2026-12-01): ncu profiles every kernel (~15-25 ms each), so a run costs
-roughly 20 ms x kernels: mlx-lm's 1- and 3-step runs profiled 2,759 and 3,841 kernels (541 per
-step); fuselm's 1-step run 4,147 kernels in under 62 s, its 3-step run did not finish in 62 s.
-Allow ~150 s per run. The NVTX range was absent there (no libnvToolsExt on that image).
+ncu profiles every kernel (~15-25 ms each), so a run costs roughly 20 ms x kernels: on the H200
+(2026-12-01) the four runs for the Qwen3-0.6B shape took 166 s together (2,599 / 2,950
+kernels for fuselm, 2,759 / 3,300 for mlx-lm). The NVTX range was absent there (no
+libnvToolsExt on that image).
 
-launches/step = (kernels(K=3) - kernels(K=1)) / 2, where kernels = distinct ncu "ID"s (every
+launches/step = (kernels(K=b) - kernels(K=a)) / (b - a), where kernels = distinct ncu "ID"s (every
 kernel, also those inside CUDA graphs, which ncu profiles node by node). With NVTX found, the
 counted range alone is also selectable: `ncu --nvtx --nvtx-include "count_decode/" ...`.
 """

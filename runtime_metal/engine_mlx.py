@@ -24,7 +24,7 @@ from runtime_metal.kv_cache import KVCache
 from runtime_metal.loader import load_graph
 from runtime_metal.plan import build_plan
 from runtime_metal.profile import Profiler
-from runtime_metal.qweight import QWeight, probe_kernels, warm_dense
+from runtime_metal.qweight import QWeight, probe_kernels, settle_affine, warm_dense
 
 
 class MLXEngine:
@@ -43,10 +43,11 @@ class MLXEngine:
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
+        act = mx.float16 if manifest.dtype == "float16" else mx.float32
+        packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
+        settle_affine(packed, act)
         if mx.default_device() == mx.gpu:
-            weights = [c for c in self.plan.constants.values()
-                       if isinstance(c, QWeight) and not c.rows_only]
-            act = mx.float16 if manifest.dtype == "float16" else mx.float32
+            weights = [c for c in packed if not c.rows_only]
             self.dense_prefill_weights = probe_kernels(weights, act)
             warm_dense(weights, act)  # made once here, not inside every compiled call
         self.fast: FastDecoder | None = None

@@ -160,6 +160,28 @@ def from_dequantize_linear(
                    block_size, transposed, out_dtype)
 
 
+def settle_affine(weights: list[QWeight], dtype: object) -> int:
+    """Keep each weight's scales and biases in the activation dtype only (the float32 pair made
+    at packing is what exactness needs for float32 activations; for half-precision ones the
+    matmul casts them anyway, and keeping both would hold the affine terms twice). Arrays
+    shared by several QWeights (a tied embedding and its head) are cast once. Returns the bytes
+    released."""
+    memo: dict[int, mx.array] = {}
+    freed = 0
+    for w in weights:
+        if w.scales.dtype == dtype:
+            continue
+        for name in ("scales", "biases"):
+            old = getattr(w, name)
+            if id(old) not in memo:
+                memo[id(old)] = old.astype(dtype)
+                freed += old.nbytes - memo[id(old)].nbytes
+            setattr(w, name, memo[id(old)])
+        w._cast.pop(dtype, None)
+    mx.eval(list(memo.values()))
+    return freed
+
+
 def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:
     """Mark the weights whose quantized matmul this MLX build cannot run.
 

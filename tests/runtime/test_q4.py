@@ -78,3 +78,27 @@ def test_untied_q4_embedding_is_packed(family_models, tmp_path) -> None:  # noqa
     ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
     prompt = [int(i) for i in np.random.default_rng(4).integers(0, 384, 20)]
     assert rel(engine_logits(mlx_engine, prompt, 4), engine_logits(ort_engine, prompt, 4)) <= 1e-3
+
+
+def test_half_precision_artifact_keeps_affine_terms_once(family_models, tmp_path) -> None:  # noqa: ANN001
+    """float16 activations: every QWeight's scales/biases are float16 only (no float32 pair
+    beside the cast), the tied table still shares the head's arrays, and the MLX engine agrees
+    with onnxruntime to float16 precision."""
+    import mlx.core as mx
+
+    from converter.pipeline import ConvertOptions, convert
+
+    out = tmp_path / "q4_fp16"
+    convert(family_models["qwen3"][0], out, ConvertOptions(
+        dtype="float16", quant="q4", quant_lm_head=True, quant_embeddings=True))
+    mlx_engine = make_engine(out, "mlx")
+    packed = [v for v in mlx_engine.plan.constants.values() if isinstance(v, QWeight)]
+    assert packed and all(w.scales.dtype == w.biases.dtype == mx.float16 for w in packed)
+    assert not any(mx.float32 in w._cast for w in packed)
+    rows, raw = _lookup_tables(mlx_engine)
+    assert len(rows) == 1 and not raw
+    assert any(w is not rows[0] and w.packed is rows[0].packed and w.scales is rows[0].scales
+               for w in packed)
+    ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(6).integers(0, 384, 24)]
+    assert rel(engine_logits(mlx_engine, prompt, 4), engine_logits(ort_engine, prompt, 4)) <= 2e-2

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU measurements of BENCHMARKS.md, one part per call (each fits a 10-minute command on the
+# H200; the checkpoints and conversions under $WORK are reused while the machine stays up).
+#
+#   benchmarks/gpu_run.sh tests                 # fused-kernel equivalence tests (TF32 off)
+#   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py, p512 n128 r5 -> $OUT/SHAPE_gGROUP.json
+#   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
+#
+# SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
+# must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them). Results go to
+# $OUT (default: ./gpu_results).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_results}
+WORK=${WORK:-/tmp/sbs}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+part=${1:?tests | sbs SHAPE GROUP | ncu SHAPE GROUP}
+case "$part" in
+  tests)
+    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py
+    ;;
+  sbs)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" -p 512 -n 128 -r 5 \
+      --work "$WORK" --json-out "$OUT/$2_g$3.json"
+    ;;
+  ncu)
+    s=(--shape "$2" --group-size "$3" --work "$WORK" -p 8)
+    python3 benchmarks/side_by_side.py "${s[@]}" -r 1 -n 4 > /dev/null  # build + convert once
+    files=()
+    for sys in fuselm mlx-lm; do
+      for k in 1 2; do
+        f="$OUT/ncu_$2_g$3_${sys}_$k.csv"
+        ncu --csv --clock-control none --metrics gpu__time_duration.sum --log-file "$f" \
+          python3 benchmarks/side_by_side.py "${s[@]}" --count-launches "$sys" --steps "$k" \
+          > /dev/null
+        files+=("$f")
+      done
+    done
+    python3 benchmarks/side_by_side.py --launches-from-ncu "${files[@]}" --steps 1 2 \
+      | tee "$OUT/launches_$2_g$3.json"
+    ;;
+  *)
+    echo "unknown part $part: tests | sbs SHAPE GROUP | ncu SHAPE GROUP" >&2
+    exit 2
+    ;;
+esac
