@@ -144,6 +144,9 @@ def build_plan(loaded: LoadedGraph) -> Plan:
     consts: dict[str, object] = {n: _initial_constant(v) for n, v in loaded.weights.items()}
     steps: list[Step] = []
     folded = 0
+    from runtime_metal.q4_gather import Lineage, fuse_quantized_gathers
+
+    lineage = Lineage()
     for node in graph.node:
         domain = node.domain or ""
         if domain == "ai.onnx":
@@ -157,6 +160,7 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             packed = _try_pack(node, attrs, consts)
             if packed is not None:
                 consts[node.output[0]] = packed
+                lineage.packed_from[tuple(list(node.input) + [""] * (3 - len(node.input)))] = packed
                 folded += 1
                 continue
         opset = opsets.get(domain, 1)
@@ -171,12 +175,11 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             for name, v in zip(step.outputs, values, strict=False):
                 if name:
                     consts[name] = v
+            lineage.note_fold(node.op_type, attrs, ins, node.output[0], consts)
             folded += 1
             continue
         steps.append(step)
-    from runtime_metal.q4_gather import fuse_quantized_gathers
-
-    fuse_quantized_gathers(steps, consts, opsets[""])
+    fuse_quantized_gathers(steps, consts, opsets[""], lineage)
     live, dropped = _drop_dead(steps, outputs)
     _send_weights_to_device(live, consts)
     num_layers, bound = _bind_kv(live, set(inputs))

@@ -3,13 +3,16 @@
 The Q4 pass writes a quantized embedding lookup as three Gathers (codes, scales, zero points;
 the scales maybe Cast) feeding a DequantizeLinear along the row (passes/quantize.py). Run as
 written, the codes table lives on the device one byte per code; for a tied embedding that is a
-second copy of the LM head's weights (Llama-3.2-1B: 262 MB beside the head's 131 MB of packed
+second copy of the LM head's weights (Qwen3-0.6B: 156 MB beside the head's 78 MB of packed
 codes). Here the pattern becomes one Gather over a QWeight in MLX's packed affine form, which
-dequantizes only the looked-up rows (QWeight.take_rows, what mlx-lm's QuantizedEmbedding does),
-and when the table is the tied LM head's, the QWeight shares the head's arrays.
+dequantizes only the looked-up rows (QWeight.take_rows, what mlx-lm's QuantizedEmbedding does).
+A tied table (its codes, scales and zero points are Transposes of the head's) reuses the head's
+QWeight arrays, found by lineage, so nothing is packed twice, even transiently.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import mlx.core as mx
@@ -17,11 +20,71 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from runtime_metal import qweight
+from runtime_metal.dtypes import to_device
 from runtime_metal.ops import lookup
 from runtime_metal.plan import Step
 
 
-def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: int) -> int:
+@dataclass
+class Lineage:
+    """What build_plan folded: constants made by a [1, 0] Transpose ("T") or by a Cast that
+    keeps every value ("="), and which DequantizeLinear inputs (codes, scales, zero points;
+    "" when absent) each packed QWeight came from."""
+
+    derived: dict[str, tuple[str, str]] = field(default_factory=dict)
+    packed_from: dict[tuple[str, ...], qweight.QWeight] = field(default_factory=dict)
+
+    def note_fold(self, op_type: str, attrs: dict[str, object], ins: list[str], out: str,
+                  consts: dict[str, object]) -> None:
+        if op_type == "Transpose" and list(attrs.get("perm", [1, 0])) == [1, 0]:  # type: ignore[call-overload]
+            self.derived[out] = ("T", ins[0])
+        elif op_type == "Cast" and _exact_cast(consts.get(ins[0]), consts.get(out)):
+            self.derived[out] = ("=", ins[0])
+
+    def source(self, name: str) -> str | None:
+        """The constant `name` is exactly the transpose of (through exact Casts), or None."""
+        transposes = 0
+        while name in self.derived:
+            op, name = self.derived[name]
+            transposes += op == "T"
+        return name if transposes == 1 else None
+
+
+_UNSIGNED = (np.dtype(ml_dtypes.uint4),)
+_SIGNED = (np.dtype(ml_dtypes.int4),)
+_CHECK_MAX = 1 << 24  # elements: float casts are compared value by value up to this size
+
+
+def _bits(dt: np.dtype) -> int:
+    return 4 if dt in _UNSIGNED + _SIGNED else dt.itemsize * 8
+
+
+def _exact_cast(a: object, b: object) -> bool:
+    """Integer widening that keeps the sign, or a float cast that changed no value (compared
+    when small: what this is for, scale tables, is 1/block of the codes)."""
+    if a is None or b is None or getattr(a, "shape", None) != getattr(b, "shape", None):
+        return False
+    da, db = np.dtype(_dtype_of(a)), np.dtype(_dtype_of(b))
+    a_unsigned, a_signed = da.kind == "u" or da in _UNSIGNED, da.kind == "i" or da in _SIGNED
+    if a_unsigned or a_signed:
+        if db.kind == "u":
+            return a_unsigned and _bits(db) >= _bits(da)
+        return db.kind == "i" and _bits(db) > _bits(da) - (1 if a_signed else 0)
+    size = int(np.prod(getattr(a, "shape", ())))
+    if da.kind != "f" and da.name != "bfloat16" or size > _CHECK_MAX:
+        return False
+    return bool(np.array_equal(_host(b).astype(np.float64), _host(a).astype(np.float64)))
+
+
+def _dtype_of(v: object) -> np.dtype:
+    if isinstance(v, mx.array):
+        return np.dtype(ml_dtypes.bfloat16) if v.dtype == mx.bfloat16 else np.dtype(
+            str(v.dtype).split(".")[-1])
+    return np.asarray(v).dtype
+
+
+def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: int,
+                           lineage: Lineage) -> int:
     """Rewrite in place (the three Gathers and the Cast go dead unless read elsewhere);
     returns how many lookups were rewritten."""
     producer = {o: s for s in steps for o in s.outputs if o}
@@ -32,10 +95,12 @@ def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: 
         found = _match(s, producer, consts)
         if found is None:
             continue
-        ids, codes, scales, zp, block = found
+        ids, tables, scale_dtype = found
+        rows = _tied(tables, scale_dtype, lineage) or _pack(tables, scale_dtype, s, consts)
+        if rows is None:
+            continue
         name = f"{s.outputs[0]}::q4_rows"
-        consts[name] = _shared_with_head(
-            qweight.from_dequantize_linear(codes, scales, zp, 1, block), consts)
+        consts[name] = rows
         steps[i] = Step(lookup("", "Gather", opset, s.name), s.name, [name, ids],
                         list(s.outputs[:1]), {"axis": 0, "_n_outputs": 1})
         rewritten += 1
@@ -43,25 +108,21 @@ def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: 
 
 
 def _gathered(name: str, producer: dict[str, Step], consts: dict[str, object]
-              ) -> tuple[str, np.ndarray] | None:
-    """(indices, constant table) when `name` = Gather(constant table, indices) on axis 0."""
+              ) -> tuple[str, str] | None:
+    """(indices, constant table name) when `name` = Gather(constant table, indices), axis 0."""
     g = producer.get(name)
     if g is None or g.op_type != "Gather" or int(g.attrs.get("axis", 0)) != 0:
         return None
-    table = consts.get(g.inputs[0])
-    if isinstance(table, mx.array):
-        table = np.array(table)
-    return (g.inputs[1], table) if isinstance(table, np.ndarray) else None
+    return (g.inputs[1], g.inputs[0]) if g.inputs[0] in consts else None
 
 
 def _match(s: Step, producer: dict[str, Step], consts: dict[str, object]
-           ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray | None, int] | None:
+           ) -> tuple[str, tuple[str, str, str], np.dtype | None] | None:
+    """(indices, (codes, scales, zero points) table names, the scales' Cast dtype)."""
     ins = s.inputs + [""] * (3 - len(s.inputs))
-    block = int(s.attrs.get("block_size", 0))
-    codes = _gathered(ins[0], producer, consts)
-    if codes is None or int(s.attrs.get("axis", 1)) != -1:
+    if int(s.attrs.get("axis", 1)) != -1:
         return None
-    table = _four_bit(codes[1])
+    codes = _gathered(ins[0], producer, consts)
     scale_name, scale_dtype = ins[1], None
     cast = producer.get(scale_name)
     if cast is not None and cast.op_type == "Cast":
@@ -69,20 +130,51 @@ def _match(s: Step, producer: dict[str, Step], consts: dict[str, object]
         scale_dtype = helper.tensor_dtype_to_np_dtype(int(cast.attrs.get("to", TensorProto.FLOAT)))
     scales = _gathered(scale_name, producer, consts)
     zp = _gathered(ins[2], producer, consts) if ins[2] else None
-    if scales is None or (ins[2] and zp is None):
+    if codes is None or scales is None or (ins[2] and zp is None):
         return None
     ids = codes[0]
     if scales[0] != ids or (zp is not None and zp[0] != ids):
         return None
-    table_scales = scales[1] if scale_dtype is None else scales[1].astype(scale_dtype)
-    if table is None or not qweight.can_pack(table, table_scales, 1, block):
+    return ids, (codes[1], scales[1], zp[1] if zp else ""), scale_dtype
+
+
+def _tied(tables: tuple[str, str, str], scale_dtype: np.dtype | None, lineage: Lineage
+          ) -> qweight.QWeight | None:
+    """The head's QWeight when every table is a Transpose of that head's DequantizeLinear input
+    (blocked along H there, W.T packed along H: the rows, exactly)."""
+    sources = tuple((lineage.source(t) or "\0") if t else "" for t in tables)
+    head = lineage.packed_from.get(sources)
+    if head is None or not head.transposed:
         return None
-    return ids, table, table_scales, None if zp is None else zp[1], block
+    dtype = head.dtype if scale_dtype is None else (
+        to_device(np.zeros((), scale_dtype)).dtype)  # type: ignore[union-attr]
+    return qweight.QWeight(head.packed, head.scales, head.biases, head.group_size, False, dtype,
+                           rows_only=True)
+
+
+def _pack(tables: tuple[str, str, str], scale_dtype: np.dtype | None, s: Step,
+          consts: dict[str, object]) -> qweight.QWeight | None:
+    """An untied table: packed from its own codes."""
+    codes = _four_bit(_host(consts[tables[0]]))
+    scales = _host(consts[tables[1]])
+    if scale_dtype is not None:
+        scales = scales.astype(scale_dtype)
+    block = int(s.attrs.get("block_size", 0))
+    if codes is None or not qweight.can_pack(codes, scales, 1, block):
+        return None
+    zp = _host(consts[tables[2]]) if tables[2] else None
+    rows = qweight.from_dequantize_linear(codes, scales, zp, 1, block)
+    rows.rows_only = True
+    return rows
+
+
+def _host(v: object) -> np.ndarray:
+    return np.array(v) if isinstance(v, mx.array) else np.asarray(v)
 
 
 def _four_bit(table: np.ndarray) -> np.ndarray | None:
-    """Codes as 4-bit NumPy: folding the tied table's Transpose on the host widens them to
-    (u)int8; the values are still 4-bit ones."""
+    """Codes as 4-bit NumPy: a table folded on the host may have been widened to (u)int8; its
+    values are still 4-bit ones."""
     if table.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4)):
         return table
     if table.dtype == np.uint8 and table.size and int(table.max()) < 16:
@@ -90,17 +182,3 @@ def _four_bit(table: np.ndarray) -> np.ndarray | None:
     if table.dtype == np.int8 and table.size and -8 <= int(table.min()) <= int(table.max()) < 8:
         return table.astype(ml_dtypes.int4)
     return None
-
-
-def _shared_with_head(rows: qweight.QWeight, consts: dict[str, object]) -> qweight.QWeight:
-    """The tied LM head already holds these codes as W.T packed along H: reuse its arrays."""
-    for c in consts.values():
-        if (isinstance(c, qweight.QWeight) and c.transposed and not c.rows_only
-                and c.packed.shape == rows.packed.shape and c.group_size == rows.group_size
-                and mx.array_equal(c.packed, rows.packed).item()
-                and mx.array_equal(c.scales, rows.scales).item()
-                and mx.array_equal(c.biases, rows.biases).item()):
-            return qweight.QWeight(c.packed, c.scales, c.biases, c.group_size, False,
-                                   rows.dtype, rows_only=True)
-    rows.rows_only = True
-    return rows
