@@ -87,3 +87,9 @@ def test_run_json_stdout_is_one_object(capsys, qwen3_artifact: Path) -> None:  #
         sys.argv = old
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= {"tokens", "text", "pp", "tg"} and out["profile"]
+
+
+def test_bad_kernel_mode(capsys, qwen3_artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("FUSELM_KERNELS", "fastest")
+    code, err = _run(capsys, "run", str(qwen3_artifact), "--prompt-ids", "1,2", "--engine", "mlx")
+    assert code == 2 and err.count("error:") == 1 and "FUSELM_KERNELS" in err and "auto" in err
