@@ -13,7 +13,8 @@ class UserError(Exception):
 
 def user_errors() -> tuple[type[BaseException], ...]:
     from export.errors import ExportError
+    from passes.errors import PassesError
     from runtime_metal.artifact import ArtifactError
     from runtime_metal.errors import RuntimeUserError
 
-    return (UserError, ExportError, ArtifactError, RuntimeUserError)
+    return (UserError, ExportError, PassesError, ArtifactError, RuntimeUserError)

@@ -58,6 +58,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from passes import ops, weights
+from passes.errors import PassesError
 from passes.q4_math import (  # noqa: F401 - part of this module's API
     SYMMETRIC_ZERO_POINT,
     Q4Tensor,
@@ -97,23 +98,21 @@ def validate_options(
 ) -> QuantOptions | None:
     """Check the CLI's quantization options; None means "no quantization".
 
-    Raises converter.errors.UserError naming the valid values.
+    Raises passes.errors.PassesError naming the valid values.
     """
-    from converter.errors import UserError
-
     q = (quant or "none").lower()
     if q not in QUANT_CHOICES:
-        raise UserError(
+        raise PassesError(
             f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
         )
     if block_size not in BLOCK_SIZES:
-        raise UserError(
+        raise PassesError(
             f"--block-size {block_size} is not supported; valid values: "
             f"{', '.join(str(b) for b in BLOCK_SIZES)}"
         )
     if q == "none":
         if symmetric or lm_head or embeddings:
-            raise UserError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
+            raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         return None
     return QuantOptions(block_size, symmetric, lm_head, embeddings)
 

@@ -262,7 +262,7 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 
 
 def test_bad_block_size_lists_valid_values() -> None:
-    from converter.errors import UserError
+    from passes.errors import PassesError as UserError
 
     with pytest.raises(UserError, match="32, 64, 128"):
         validate_options("q4", block_size=48)
