@@ -17,6 +17,11 @@ once per pair (capacity moves every `KVCache.step` positions; prefill chunk leng
 the chunk size and one tail), fuses the elementwise chains, and each later call costs one call
 into the compiled graph: no Python walk over the nodes, no host mask, no host sync.
 
+Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with the RMSNorm
+that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
+decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache rows 0..offset
+and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
+
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
 path mlx-lm's prefill takes, with no [s, capacity] mask read.
