@@ -19,26 +19,6 @@ import sys
 from pathlib import Path
 
 
-def held_bytes(constants: dict[str, object]) -> int:
-    import mlx.core as mx
-    import numpy as np
-
-    from runtime_metal.qweight import QWeight
-
-    arrays: dict[int, int] = {}
-    for v in constants.values():
-        if isinstance(v, QWeight):
-            for a in (v.packed, v.scales, v.biases):
-                arrays[id(a)] = a.nbytes
-            for cached in v._cast.values():  # casts made for other activation dtypes
-                for a in cached if isinstance(cached, tuple) else (cached,):
-                    if isinstance(a, mx.array):
-                        arrays[id(a)] = a.nbytes
-        elif isinstance(v, (mx.array, np.ndarray)):
-            arrays[id(v)] = v.nbytes
-    return sum(arrays.values())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +30,7 @@ def main() -> None:
     import numpy as np
 
     from runtime_metal.engine import make_engine
+    from runtime_metal.qweight import held_bytes
 
     engine = make_engine(args.out_dir, "mlx")
     engine.forward(np.arange(1, 9)[None])

@@ -144,16 +144,9 @@ class Fuselm:
         return y
 
     def weight_bytes(self) -> int:
-        from runtime_metal.qweight import QWeight
+        from runtime_metal.qweight import held_bytes
 
-        arrays: dict[int, int] = {}  # by identity: a tied embedding shares the head's arrays
-        for v in self.engine.plan.constants.values():
-            if isinstance(v, QWeight):
-                for a in (v.packed, *v.affine(v.dtype)):
-                    arrays[id(a)] = a.nbytes
-            else:
-                arrays[id(v)] = int(getattr(v, "nbytes", 0))
-        return sum(arrays.values())
+        return held_bytes(self.engine.plan.constants)
 
     def describe(self) -> dict[str, Any]:
         d = dict(self.engine.describe())

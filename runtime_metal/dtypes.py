@@ -44,6 +44,7 @@ _MX = {
     TensorProto.UINT8: mx.uint8,
     TensorProto.BOOL: mx.bool_,
 }
+FOUR_BIT = (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4))  # no MLX element type
 _NP_TO_MX = {np.dtype(k): v for k, v in (
     (np.float32, mx.float32), (np.float16, mx.float16), (ml_dtypes.bfloat16, mx.bfloat16),
     (np.float64, mx.float32), (np.int64, mx.int64), (np.int32, mx.int32), (np.int16, mx.int16),
@@ -77,7 +78,7 @@ def to_device(value: object) -> object:
             return mx.array(arr.astype(np.float32)).astype(mx.bfloat16)
         if arr.dtype == np.float64:
             arr = arr.astype(np.float32)
-        elif arr.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4)):
+        elif arr.dtype in FOUR_BIT:
             # MLX has no 4-bit element type; the general DequantizeLinear reads bytes.
             arr = arr.astype(np.uint8 if arr.dtype == np.dtype(ml_dtypes.uint4) else np.int8)
         # Row-major always: MLX keeps a column-major buffer's layout, and some kernels

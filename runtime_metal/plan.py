@@ -15,7 +15,7 @@ from onnx import AttributeProto, helper, numpy_helper
 
 from passes import ops as contract
 from runtime_metal import qweight
-from runtime_metal.dtypes import to_device
+from runtime_metal.dtypes import FOUR_BIT, to_device
 from runtime_metal.errors import RuntimeUserError
 from runtime_metal.graph_io import PAST, PRESENT
 from runtime_metal.loader import LoadedGraph
@@ -23,7 +23,6 @@ from runtime_metal.ops import OpImpl, lookup
 
 # Integer/bool constants up to this size stay on the host: they are shapes, axes and indices.
 _HOST_CONST_MAX = 4096
-_FOUR_BIT = (np.dtype(qweight.ml_dtypes.uint4), np.dtype(qweight.ml_dtypes.int4))
 
 
 @dataclass
@@ -229,5 +228,5 @@ def _send_weights_to_device(steps: list[Step], consts: dict[str, object]) -> Non
             continue
         for i, n in enumerate(s.inputs):
             if n in consts and i not in s.impl.static and isinstance(consts[n], np.ndarray):
-                if consts[n].dtype.kind in "iubf" or consts[n].dtype in _FOUR_BIT:
+                if consts[n].dtype.kind in "iubf" or consts[n].dtype in FOUR_BIT:
                     consts[n] = to_device(consts[n])  # 4-bit codes: as uint8/int8, once

@@ -103,18 +103,21 @@ def rope_attention(rope: Step, attn: Step, rargs: list[object], v: mx.array, key
         y, k_new, v_new = kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset.reshape(1), keys, values,  # type: ignore[arg-type]
             hq=hq, hk=hk, rotary_dim=rotary, interleaved=bool(int(ra.get("interleaved", 0))))
-        return y, _write_row(keys, k_new, offset), _write_row(values, v_new, offset)
+        return y, write_rows(keys, k_new, offset), write_rows(values, v_new, offset)
     qr, kr = call_step(rope, rargs, {"_offset": offset})
     return attend(attn, qr, kr, v, keys, values, offset, mask)  # type: ignore[arg-type]
 
 
-def _write_row(cache: mx.array, row: mx.array, offset: mx.array) -> mx.array:
-    """cache[:, :, offset] = row (in place when the buffer is donated), as a scatter: MLX-CUDA
-    launches its dynamic slice update over the whole destination (measured: the cost grows
-    with the cache's capacity) and adds an offset kernel; the scatter is one launch over the
-    row."""
-    index = mx.broadcast_to(offset.reshape(1, 1, 1, 1), row.shape)
-    return mx.put_along_axis(cache, index, row, axis=2)
+def write_rows(cache: mx.array, rows: mx.array, offset: mx.array) -> mx.array:
+    """cache[:, :, offset:offset + s] = rows [b, h, s, d], in place when the buffer is donated.
+    One row (a decoded token) is a scatter: MLX-CUDA launches its dynamic slice update over the
+    whole destination (measured: the cost grows with the cache's capacity) plus an offset
+    kernel; the scatter is one launch over the row."""
+    rows = rows.astype(cache.dtype)
+    if rows.shape[2] == 1:
+        index = mx.broadcast_to(offset.reshape(1, 1, 1, 1), rows.shape)
+        return mx.put_along_axis(cache, index, rows, axis=2)
+    return mx.slice_update(cache, rows, offset.reshape(1), axes=(2,))
 
 
 def attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, values: mx.array,
@@ -126,9 +129,7 @@ def attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, value
     a = s.attrs
     hq, hk = int(a.get("q_num_heads") or 1), int(a.get("kv_num_heads") or 1)
     qh, kh, vh = _to_heads(q, hq), _to_heads(k, hk), _to_heads(v, hk)
-    start = offset.reshape(1)
-    keys = mx.slice_update(keys, kh.astype(keys.dtype), start, axes=(2,))
-    values = mx.slice_update(values, vh.astype(values.dtype), start, axes=(2,))
+    keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
     scale = a.get("scale")
     sc = float(scale) if scale is not None else 1.0 / math.sqrt(qh.shape[-1])
     if isinstance(mask, str):

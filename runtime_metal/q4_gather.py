@@ -20,7 +20,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from runtime_metal import qweight
-from runtime_metal.dtypes import to_device
+from runtime_metal.dtypes import FOUR_BIT, like_dtype, to_host
 from runtime_metal.ops import lookup
 from runtime_metal.plan import Step
 
@@ -50,37 +50,29 @@ class Lineage:
         return name if transposes == 1 else None
 
 
-_UNSIGNED = (np.dtype(ml_dtypes.uint4),)
-_SIGNED = (np.dtype(ml_dtypes.int4),)
 _CHECK_MAX = 1 << 24  # elements: float casts are compared value by value up to this size
 
 
-def _bits(dt: np.dtype) -> int:
-    return 4 if dt in _UNSIGNED + _SIGNED else dt.itemsize * 8
+def _int_range(dt: np.dtype) -> tuple[int, int] | None:
+    if dt in FOUR_BIT:
+        return (0, 15) if dt == np.dtype(ml_dtypes.uint4) else (-8, 7)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return int(info.min), int(info.max)
+    return None
 
 
 def _exact_cast(a: object, b: object) -> bool:
-    """Integer widening that keeps the sign, or a float cast that changed no value (compared
-    when small: what this is for, scale tables, is 1/block of the codes)."""
+    """An integer cast whose target range holds the source's, or a float cast that changed no
+    value (compared when small: what this is for, scale tables, is 1/block of the codes)."""
     if a is None or b is None or getattr(a, "shape", None) != getattr(b, "shape", None):
         return False
-    da, db = np.dtype(_dtype_of(a)), np.dtype(_dtype_of(b))
-    a_unsigned, a_signed = da.kind == "u" or da in _UNSIGNED, da.kind == "i" or da in _SIGNED
-    if a_unsigned or a_signed:
-        if db.kind == "u":
-            return a_unsigned and _bits(db) >= _bits(da)
-        return db.kind == "i" and _bits(db) > _bits(da) - (1 if a_signed else 0)
-    size = int(np.prod(getattr(a, "shape", ())))
-    if da.kind != "f" and da.name != "bfloat16" or size > _CHECK_MAX:
+    ra, rb = _int_range(like_dtype(np, a)), _int_range(like_dtype(np, b))
+    if ra is not None:
+        return rb is not None and rb[0] <= ra[0] and ra[1] <= rb[1]
+    if rb is not None or int(np.prod(getattr(a, "shape", ()))) > _CHECK_MAX:
         return False
-    return bool(np.array_equal(_host(b).astype(np.float64), _host(a).astype(np.float64)))
-
-
-def _dtype_of(v: object) -> np.dtype:
-    if isinstance(v, mx.array):
-        return np.dtype(ml_dtypes.bfloat16) if v.dtype == mx.bfloat16 else np.dtype(
-            str(v.dtype).split(".")[-1])
-    return np.asarray(v).dtype
+    return bool(np.array_equal(to_host(b).astype(np.float64), to_host(a).astype(np.float64)))
 
 
 def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: int,
@@ -146,8 +138,7 @@ def _tied(tables: tuple[str, str, str], scale_dtype: np.dtype | None, lineage: L
     head = lineage.packed_from.get(sources)
     if head is None or not head.transposed:
         return None
-    dtype = head.dtype if scale_dtype is None else (
-        to_device(np.zeros((), scale_dtype)).dtype)  # type: ignore[union-attr]
+    dtype = head.dtype if scale_dtype is None else like_dtype(mx, np.empty(0, scale_dtype))
     return qweight.QWeight(head.packed, head.scales, head.biases, head.group_size, False, dtype,
                            rows_only=True)
 
@@ -155,27 +146,23 @@ def _tied(tables: tuple[str, str, str], scale_dtype: np.dtype | None, lineage: L
 def _pack(tables: tuple[str, str, str], scale_dtype: np.dtype | None, s: Step,
           consts: dict[str, object]) -> qweight.QWeight | None:
     """An untied table: packed from its own codes."""
-    codes = _four_bit(_host(consts[tables[0]]))
-    scales = _host(consts[tables[1]])
+    codes = _four_bit(to_host(consts[tables[0]]))
+    scales = to_host(consts[tables[1]])
     if scale_dtype is not None:
         scales = scales.astype(scale_dtype)
     block = int(s.attrs.get("block_size", 0))
     if codes is None or not qweight.can_pack(codes, scales, 1, block):
         return None
-    zp = _host(consts[tables[2]]) if tables[2] else None
+    zp = to_host(consts[tables[2]]) if tables[2] else None
     rows = qweight.from_dequantize_linear(codes, scales, zp, 1, block)
     rows.rows_only = True
     return rows
 
 
-def _host(v: object) -> np.ndarray:
-    return np.array(v) if isinstance(v, mx.array) else np.asarray(v)
-
-
 def _four_bit(table: np.ndarray) -> np.ndarray | None:
     """Codes as 4-bit NumPy: a table folded on the host may have been widened to (u)int8; its
     values are still 4-bit ones."""
-    if table.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4)):
+    if table.dtype in FOUR_BIT:
         return table
     if table.dtype == np.uint8 and table.size and int(table.max()) < 16:
         return table.astype(ml_dtypes.uint4)

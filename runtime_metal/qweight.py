@@ -17,7 +17,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.dtypes import to_device
+from runtime_metal.dtypes import FOUR_BIT, to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
@@ -125,7 +125,7 @@ def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) 
     """True when the blocked DequantizeLinear maps 1:1 onto MLX's affine groups."""
     return (
         codes.ndim == 2
-        and codes.dtype in (np.dtype(ml_dtypes.uint4), np.dtype(ml_dtypes.int4))
+        and codes.dtype in FOUR_BIT
         and axis in (0, 1, -1, -2)
         and block_size in MLX_GROUP_SIZES
         and codes.shape[axis % 2] % block_size == 0
@@ -160,14 +160,12 @@ def from_dequantize_linear(
                    block_size, transposed, out_dtype)
 
 
-def settle_affine(weights: list[QWeight], dtype: object) -> int:
+def settle_affine(weights: list[QWeight], dtype: object) -> None:
     """Keep each weight's scales and biases in the activation dtype only (the float32 pair made
     at packing is what exactness needs for float32 activations; for half-precision ones the
     matmul casts them anyway, and keeping both would hold the affine terms twice). Arrays
-    shared by several QWeights (a tied embedding and its head) are cast once. Returns the bytes
-    released."""
+    shared by several QWeights (a tied embedding and its head) are cast once."""
     memo: dict[int, mx.array] = {}
-    freed = 0
     for w in weights:
         if w.scales.dtype == dtype:
             continue
@@ -175,11 +173,26 @@ def settle_affine(weights: list[QWeight], dtype: object) -> int:
             old = getattr(w, name)
             if id(old) not in memo:
                 memo[id(old)] = old.astype(dtype)
-                freed += old.nbytes - memo[id(old)].nbytes
             setattr(w, name, memo[id(old)])
         w._cast.pop(dtype, None)
     mx.eval(list(memo.values()))
-    return freed
+
+
+def held_bytes(constants: dict[str, object]) -> int:
+    """Bytes of the arrays a plan's constants hold, each array once however many QWeights share
+    it (a tied embedding and its head), casts kept for other activation dtypes included."""
+    arrays: dict[int, int] = {}
+    for v in constants.values():
+        if isinstance(v, QWeight):
+            for a in (v.packed, v.scales, v.biases):
+                arrays[id(a)] = a.nbytes
+            for cached in v._cast.values():
+                for a in cached if isinstance(cached, tuple) else (cached,):
+                    if isinstance(a, mx.array):
+                        arrays[id(a)] = a.nbytes
+        elif isinstance(v, mx.array | np.ndarray):
+            arrays[id(v)] = v.nbytes
+    return sum(arrays.values())
 
 
 def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:

@@ -20,11 +20,28 @@ FAMILY_OVERRIDES = {
 
 
 def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
+    """`fuselm convert` with ConvertOptions (float32 unless `dtype` says otherwise)."""
     from converter.pipeline import ConvertOptions
     from converter.pipeline import convert as run_convert
 
-    run_convert(model_dir, out_dir, ConvertOptions(dtype="float32", **options))  # type: ignore[arg-type]
+    run_convert(model_dir, out_dir, ConvertOptions(**{"dtype": "float32", **options}))  # type: ignore[arg-type]
     return out_dir
+
+
+def quantized_copy(artifact: Path, out: Path, **quant: object) -> Path:
+    """A copy of a converted float artifact with the Q4 pass (passes/quantize.py) applied,
+    e.g. lm_head=True, embeddings=True."""
+    import onnx
+
+    from passes.quantize import quantize_q4
+
+    shutil.copytree(artifact, out)
+    model = onnx.load(str(out / "model.onnx"))
+    model, _ = quantize_q4(model, **quant)  # type: ignore[arg-type]
+    (out / "model.onnx.data").unlink()
+    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
+              location="model.onnx.data", all_tensors_to_one_file=True)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -47,15 +64,5 @@ def qwen3_artifact(family_models: dict[str, tuple[Path, Path]]) -> Path:
 def q4_artifact(qwen3_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen3 artifact with every weight (tied embedding included) in blocked Q4, made by the
     Q4 pass (passes/quantize.py) on the converted float model."""
-    import onnx
-
-    from passes.quantize import quantize_q4
-
-    out = tmp_path_factory.mktemp("q4") / "out"
-    shutil.copytree(qwen3_artifact, out)
-    model = onnx.load(str(out / "model.onnx"))
-    model, _ = quantize_q4(model, lm_head=True, embeddings=True)
-    (out / "model.onnx.data").unlink()
-    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
-              location="model.onnx.data", all_tensors_to_one_file=True)
-    return out
+    return quantized_copy(qwen3_artifact, tmp_path_factory.mktemp("q4") / "out", lm_head=True,
+                          embeddings=True)

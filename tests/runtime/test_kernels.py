@@ -19,10 +19,10 @@ from passes.ops import fused_rope_reference, rms_norm_reference
 from runtime_metal import kernels
 from runtime_metal.errors import RuntimeUserError
 from runtime_metal.validate import rel
+from tests.runtime.conftest import convert
 
 cuda = pytest.mark.skipif(not kernels.cuda_device(), reason="needs MLX's CUDA backend")
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
-NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.float32}
 
 
 def _rounded(a: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
@@ -170,15 +170,13 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
     identical with the kernels on and off (and the decode step really without MLX's SDPA
     fallback: no Softmax/Matmul primitives in its graph)."""
     from converter.builtin import build_model
-    from converter.pipeline import ConvertOptions, convert
     from runtime_metal.engine import make_engine
     from runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,
                      num_attention_heads=4, num_key_value_heads=2)
-    out = tmp_path / "out"
-    convert(hf, out, ConvertOptions(dtype="float32"))
+    out = convert(hf, tmp_path / "out")
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 300)]
     tokens, graphs = {}, {}
     for mode in ("off", "on"):

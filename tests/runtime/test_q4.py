@@ -7,6 +7,7 @@ import numpy as np
 from runtime_metal.engine import make_engine
 from runtime_metal.qweight import QWeight
 from runtime_metal.validate import engine_logits, rel
+from tests.runtime.conftest import convert, quantized_copy
 
 
 def test_q4_mlx_matches_onnxruntime_float_compute(q4_artifact) -> None:  # noqa: ANN001
@@ -59,19 +60,7 @@ def test_tied_q4_embedding_shares_the_head_codes(q4_artifact) -> None:  # noqa: 
 
 
 def test_untied_q4_embedding_is_packed(family_models, tmp_path) -> None:  # noqa: ANN001
-    import shutil
-
-    import onnx
-
-    from passes.quantize import quantize_q4
-
-    out = tmp_path / "llama_q4"
-    shutil.copytree(family_models["llama"][1], out)
-    model = onnx.load(str(out / "model.onnx"))
-    model, _ = quantize_q4(model, embeddings=True)
-    (out / "model.onnx.data").unlink()
-    onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
-              location="model.onnx.data", all_tensors_to_one_file=True)
+    out = quantized_copy(family_models["llama"][1], tmp_path / "llama_q4", embeddings=True)
     mlx_engine = make_engine(out, "mlx")
     rows, raw = _lookup_tables(mlx_engine)
     assert len(rows) == 1 and not raw and not rows[0].transposed
@@ -86,11 +75,8 @@ def test_half_precision_artifact_keeps_affine_terms_once(family_models, tmp_path
     with onnxruntime to float16 precision."""
     import mlx.core as mx
 
-    from converter.pipeline import ConvertOptions, convert
-
-    out = tmp_path / "q4_fp16"
-    convert(family_models["qwen3"][0], out, ConvertOptions(
-        dtype="float16", quant="q4", quant_lm_head=True, quant_embeddings=True))
+    out = convert(family_models["qwen3"][0], tmp_path / "q4_fp16", dtype="float16", quant="q4",
+                  quant_lm_head=True, quant_embeddings=True)
     mlx_engine = make_engine(out, "mlx")
     packed = [v for v in mlx_engine.plan.constants.values() if isinstance(v, QWeight)]
     assert packed and all(w.scales.dtype == w.biases.dtype == mx.float16 for w in packed)
