@@ -289,7 +289,7 @@ class FastDecoder:
               ) -> mx.array:
         caches = self.caches
         pos = caches[0].offset
-        self._reserve(pos + s)
+        self.reserve(pos + s)
         if self._offset is None or self._offset_at != pos:
             self._offset = mx.array(pos, mx.int32)
         kv = [a for c in caches for a in (c.keys, c.values)]
@@ -300,9 +300,10 @@ class FastDecoder:
         self._offset_at = pos + s
         return logits
 
-    def _reserve(self, n: int) -> None:
+    def reserve(self, n: int) -> None:
         """Capacity for n positions, in whole KVCache.step blocks (each capacity is one compiled
-        shape: traced once, then cached)."""
+        shape: traced once, then cached). A generation reserves prompt + new tokens up front, so
+        its prefill and decode see one capacity and a repeated generation traces nothing."""
         layout = self.program.kv_layout
         for i, c in enumerate(self.caches):
             if c.keys is None:

@@ -77,6 +77,12 @@ class MLXEngine:
         for c in self.caches:
             c.reset()
 
+    def reserve(self, n: int) -> None:
+        """Room for n cached positions before a generation starts (the compiled program's
+        buffers; the executor grows its own as it goes)."""
+        if self.fast is not None:
+            self.fast.reserve(n)
+
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
         for c in self.caches:

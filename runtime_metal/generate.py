@@ -103,6 +103,9 @@ def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
         raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
     ids = np.asarray(prompt, np.int64)
     t0 = time.perf_counter()
+    # One capacity for the whole generation: growing the cache mid-decode would copy it and
+    # trace a new shape, and the next generation's prefill would meet yet another capacity.
+    engine.reserve(engine.offset + ids.size + max_new_tokens)
     last = (ids.size - 1) // chunk * chunk
     for start in range(0, last, chunk):
         engine.forward(ids[None, start:start + chunk])

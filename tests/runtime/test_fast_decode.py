@@ -131,3 +131,29 @@ def test_prefill_switch_and_mixed_paths(qwen3_artifact) -> None:  # noqa: ANN001
     mixed.forward(ids[:, 16:32])  # the program, at offset 16
     logits = mixed.forward(ids[:, 32:], all_logits=True)[-1]  # the executor again
     assert rel(logits, want_logits[2]) <= 1e-5
+
+
+def test_generation_runs_at_one_capacity_and_repeats_without_tracing(qwen3_artifact) -> None:  # noqa: ANN001
+    """generate reserves prompt + new tokens before prefill: the compiled program sees one cache
+    capacity for the whole generation (no growth mid-decode), so a second generation after a
+    reset calls it only with shapes already traced (a benchmark's warm-up covers every run)."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    fast = engine.fast
+    assert fast is not None
+    seen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def spy(fn, kind: str):  # noqa: ANN001, ANN202
+        def call(tokens, offset, *kv):  # noqa: ANN001, ANN202
+            seen.append((kind, tuple(tokens.shape), tuple(kv[0].shape)))
+            return fn(tokens, offset, *kv)
+        return call
+
+    fast._fn, fast._fresh = spy(fast._fn, "any"), spy(fast._fresh, "fresh")
+    prompt = _prompt(240, seed=6)
+    first = generate(engine, prompt, max_new_tokens=40)  # 240 + 40 crosses 256
+    assert {kv[2] for _, _, kv in seen} == {512}
+    traced = set(seen)
+    seen.clear()
+    again = generate(engine, prompt, max_new_tokens=40)
+    assert again.tokens == first.tokens
+    assert seen and set(seen) <= traced
