@@ -54,7 +54,6 @@ from runtime_metal.program_masks import (
     mask_subgraph,
     tainted,
 )
-from runtime_metal.program_ops import fuse_pairs
 
 # Per layer: (kv_heads, key head_dim, value head_dim, dtype) of the cache buffers
 KVLayout = list[tuple[int, int, int, mx.Dtype]]
@@ -113,8 +112,8 @@ class DecodeProgram:
         except MaskUnsupported as e:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
-        program = cls(fuse_pairs(live), "logits", plan.num_layers, len(plan.steps) - len(live),
-                      kernels=kernels.enabled(kernel_mode))
+        program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
+                      len(plan.steps) - len(live), kernels=kernels.enabled(kernel_mode))
         try:
             check_prefill(plan)
             program.kv_layout = _kv_layout(plan)

@@ -23,6 +23,10 @@ class Engine(Protocol):
 
     def reset(self) -> None: ...
 
+    def reserve(self, n: int) -> None:
+        """Room for n cached positions, before a generation (a hint; engines may ignore it)."""
+        ...
+
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed ids [1, s] after the cached positions; return float32 logits of the last
         position [vocab] (or of all positions [s, vocab])."""

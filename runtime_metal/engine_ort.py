@@ -57,6 +57,9 @@ class OrtEngine:
         self._past = {n: empty for n in self._past_names}
         self._offset = 0
 
+    def reserve(self, n: int) -> None:
+        """Nothing to do: onnxruntime returns each call's present K/V as new tensors."""
+
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         s, start = ids.shape[1], self._offset

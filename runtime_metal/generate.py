@@ -66,6 +66,9 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
     never waits for Python. Otherwise each step returns host logits to `sampler`."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
+    # One capacity for the whole generation: growing the cache mid-decode would copy it and
+    # trace a new shape, and the next generation's prefill would meet yet another capacity.
+    engine.reserve(engine.offset + len(prompt) + max_new_tokens)
     if device_sampler is not None and hasattr(engine, "decode_step"):
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
@@ -103,9 +106,6 @@ def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
         raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
     ids = np.asarray(prompt, np.int64)
     t0 = time.perf_counter()
-    # One capacity for the whole generation: growing the cache mid-decode would copy it and
-    # trace a new shape, and the next generation's prefill would meet yet another capacity.
-    engine.reserve(engine.offset + ids.size + max_new_tokens)
     last = (ids.size - 1) // chunk * chunk
     for start in range(0, last, chunk):
         engine.forward(ids[None, start:start + chunk])

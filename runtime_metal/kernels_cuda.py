@@ -9,8 +9,9 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
   It also returns the new key/value rows for the cache write.
 
-Plain-MLX equivalents, eligibility and the on/off switch live in runtime_metal/kernels.py; the
-equivalence tests in tests/runtime/test_kernels.py. Arithmetic is float32 with the same
+The plain-MLX paths they replace are in runtime_metal/program_ops.py, eligibility and the
+on/off switch in runtime_metal/kernels.py, the equivalence tests in
+tests/runtime/test_kernels.py. Arithmetic is float32 with the same
 roundings to the activation dtype as the plain path (after the Add, after the norm, after
 RoPE), so the two agree to a few units in the last place of that dtype.
 """

@@ -159,7 +159,7 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             packed = _try_pack(node, attrs, consts)
             if packed is not None:
                 consts[node.output[0]] = packed
-                lineage.packed_from[tuple(list(node.input) + [""] * (3 - len(node.input)))] = packed
+                lineage.note_pack(list(node.input), packed)
                 folded += 1
                 continue
         opset = opsets.get(domain, 1)

@@ -41,6 +41,9 @@ class Lineage:
         elif op_type == "Cast" and _exact_cast(consts.get(ins[0]), consts.get(out)):
             self.derived[out] = ("=", ins[0])
 
+    def note_pack(self, inputs: list[str], packed: qweight.QWeight) -> None:
+        self.packed_from[_dq_inputs(inputs)] = packed
+
     def source(self, name: str) -> str | None:
         """The constant `name` is exactly the transpose of (through exact Casts), or None."""
         transposes = 0
@@ -48,6 +51,12 @@ class Lineage:
             op, name = self.derived[name]
             transposes += op == "T"
         return name if transposes == 1 else None
+
+
+def _dq_inputs(inputs: list[str]) -> tuple[str, str, str]:
+    """DequantizeLinear's (codes, scales, zero points), "" for an absent zero point."""
+    a, b, c = (list(inputs) + ["", ""])[:3]
+    return a, b, c
 
 
 _CHECK_MAX = 1 << 24  # elements: float casts are compared value by value up to this size
@@ -111,7 +120,7 @@ def _gathered(name: str, producer: dict[str, Step], consts: dict[str, object]
 def _match(s: Step, producer: dict[str, Step], consts: dict[str, object]
            ) -> tuple[str, tuple[str, str, str], np.dtype | None] | None:
     """(indices, (codes, scales, zero points) table names, the scales' Cast dtype)."""
-    ins = s.inputs + [""] * (3 - len(s.inputs))
+    ins = _dq_inputs(s.inputs)
     if int(s.attrs.get("axis", 1)) != -1:
         return None
     codes = _gathered(ins[0], producer, consts)

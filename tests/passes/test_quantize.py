@@ -262,11 +262,11 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 
 
 def test_bad_block_size_lists_valid_values() -> None:
-    from passes.errors import PassesError as UserError
+    from passes.errors import PassesError
 
-    with pytest.raises(UserError, match="32, 64, 128"):
+    with pytest.raises(PassesError, match="32, 64, 128"):
         validate_options("q4", block_size=48)
-    with pytest.raises(UserError, match="none, q4"):
+    with pytest.raises(PassesError, match="none, q4"):
         validate_options("q8")
     with pytest.raises(ValueError, match="32, 64, 128"):
         quantize_q4(_matmul_model(np.ones((64, 8), np.float32)), block_size=48)
