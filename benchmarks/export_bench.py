@@ -21,7 +21,7 @@ from pathlib import Path
 
 import onnx
 
-from converter.builtin import QWEN3_0_6B, build_model
+from fuselm.converter.builtin import QWEN3_0_6B, build_model
 
 
 def ensure_checkpoint(path: Path) -> Path:
@@ -41,7 +41,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "converter.cli",
+        "fuselm.converter.cli",
         "convert",
         str(ckpt),
         "-o",

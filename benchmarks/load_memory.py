@@ -29,8 +29,8 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from runtime_metal.engine import make_engine
-    from runtime_metal.qweight import held_bytes
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.qweight import held_bytes
 
     engine = make_engine(args.out_dir, "mlx")
     engine.forward(np.arange(1, 9)[None])

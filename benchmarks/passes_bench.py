@@ -40,7 +40,7 @@ def _per_layer(small: list[tuple[str, int]], big: list[tuple[str, int]], dl: int
 
 
 def _build(work: Path, name: str, layers: int, dtype: str) -> Path:
-    from converter.builtin import QWEN3_0_6B, build_model
+    from fuselm.converter.builtin import QWEN3_0_6B, build_model
 
     d = work / name
     if not (d / "config.json").exists():
@@ -50,7 +50,7 @@ def _build(work: Path, name: str, layers: int, dtype: str) -> Path:
 
 
 def _ours(work: Path, layers: int) -> Path:
-    from export.onnx_export import export_model
+    from fuselm.export.onnx_export import export_model
 
     path = work / f"ours_L{layers}" / "raw.onnx"
     if not path.exists():
@@ -77,7 +77,7 @@ def measure_pipeline(path: Path, lazy: bool = False) -> dict:
 
     import onnx
 
-    from passes.manager import run_pipeline
+    from fuselm.passes.manager import run_pipeline
 
     t0 = time.perf_counter()
     model = onnx.load(str(path), load_external_data=not lazy)
@@ -87,7 +87,7 @@ def measure_pipeline(path: Path, lazy: bool = False) -> dict:
     t2 = time.perf_counter()
     extra = {}
     if lazy:
-        from passes.writer import write_model
+        from fuselm.passes.writer import write_model
 
         with tempfile.TemporaryDirectory() as d:
             write_model(out, Path(d) / "model.onnx", base_dir=path.parent, deferred=deferred)

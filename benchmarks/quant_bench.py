@@ -58,7 +58,7 @@ def build_checkpoint(work: Path, shape: str) -> Path:
     # tiny: head_dim 32, as onnxruntime's GroupQueryAttention needs a multiple of 16.
     overrides = "QWEN3_0_6B" if shape == "qwen3-0.6b" else "{'head_dim': 32}"
     _child(
-        "from converter.builtin import build_model, QWEN3_0_6B\n"
+        "from fuselm.converter.builtin import build_model, QWEN3_0_6B\n"
         f"build_model({str(ckpt)!r}, 'qwen3', dtype='bfloat16', **{overrides})"
     )
     return ckpt
@@ -66,7 +66,7 @@ def build_checkpoint(work: Path, shape: str) -> Path:
 
 def convert_fuselm(ckpt: Path, out: Path, block: int) -> dict[str, Any]:
     res = _child(
-        "from converter.pipeline import convert, ConvertOptions\n"
+        "from fuselm.converter.pipeline import convert, ConvertOptions\n"
         f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(dtype='float16', quant='q4', "
         f"block_size={block}, quant_lm_head=True))\n"
         "q = [e for e in r.report.entries if e.name == 'quantize_q4'][0]\n"
@@ -100,7 +100,7 @@ def _timed_runs(fn: Any, runs: int) -> list[tuple[float, float]]:
 
 
 def bench_fuselm(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[str, Any]:
-    from runtime_metal.ort_session import make_session
+    from fuselm.runtime_metal.ort_session import make_session
 
     sess, info = make_session(out / "model.onnx", accuracy_level=4)
     inputs = {i.name: i for i in sess.get_inputs()}

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from converter.builtin import QWEN3_0_6B, TINY, build_model
-from runtime_metal.engine import make_engine
-from runtime_metal.generate import generate
+from fuselm.converter.builtin import QWEN3_0_6B, TINY, build_model
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
 
 SHAPES = {"tiny": TINY, "qwen3-0.6b": QWEN3_0_6B}
 
@@ -72,7 +72,7 @@ def main() -> None:
         build_model(hf, "qwen3", **{k: v for k, v in SHAPES[args.shape].items()})
     out = work / f"out_{args.quant}"
     if not (out / "fuselm.json").is_file():
-        from converter.pipeline import ConvertOptions, convert
+        from fuselm.converter.pipeline import ConvertOptions, convert
 
         q = args.quant == "q4"
         convert(hf, out, ConvertOptions(dtype="float32", quant="q4" if q else None,

@@ -67,7 +67,7 @@ SHAPES = ("tiny", "qwen3-0.6b", "llama-3.2-1b")
 # ---- checkpoints and conversions ---------------------------------------------------------------
 
 def shape_config(shape: str) -> tuple[str, dict[str, Any]]:
-    from converter.builtin import LLAMA_3_2_1B, QWEN3_0_6B, TINY
+    from fuselm.converter.builtin import LLAMA_3_2_1B, QWEN3_0_6B, TINY
 
     return {"tiny": ("qwen3", dict(TINY)), "qwen3-0.6b": ("qwen3", dict(QWEN3_0_6B)),
             "llama-3.2-1b": ("llama", dict(LLAMA_3_2_1B))}[shape]
@@ -78,7 +78,7 @@ def ensure_checkpoint(work: Path, shape: str, checkpoint: str | None) -> Path:
         return Path(checkpoint)
     hf = work / shape / "hf"
     if not (hf / "config.json").is_file():
-        from converter.builtin import build_model
+        from fuselm.converter.builtin import build_model
 
         family, cfg = shape_config(shape)
         t = time.perf_counter()
@@ -90,7 +90,7 @@ def ensure_checkpoint(work: Path, shape: str, checkpoint: str | None) -> Path:
 
 def ensure_fuselm(hf: Path, out: Path, group: int, dtype: str) -> Path:
     if not (out / "fuselm.json").is_file():
-        from converter.pipeline import ConvertOptions, convert
+        from fuselm.converter.pipeline import ConvertOptions, convert
 
         t = time.perf_counter()
         convert(hf, out, ConvertOptions(dtype=dtype, quant="q4", block_size=group,
@@ -118,12 +118,12 @@ class Fuselm:
     name = "fuselm"
 
     def __init__(self, out_dir: Path, engine: str = "mlx") -> None:
-        from runtime_metal.engine import make_engine
+        from fuselm.runtime_metal.engine import make_engine
 
         self.engine = make_engine(out_dir, engine)
 
     def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
-        from runtime_metal.bench import timed_generation
+        from fuselm.runtime_metal.bench import timed_generation
 
         self.engine.reset()
         return timed_generation(self.engine, prompt, n, 512)
@@ -144,7 +144,7 @@ class Fuselm:
         return y
 
     def weight_bytes(self) -> int:
-        from runtime_metal.qweight import held_bytes
+        from fuselm.runtime_metal.qweight import held_bytes
 
         return held_bytes(self.engine.plan.constants)
 
@@ -243,7 +243,7 @@ def side_by_side(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path
     import mlx.core as mx
     import numpy as np
 
-    from runtime_metal.bench import Stat, device_info
+    from fuselm.runtime_metal.bench import Stat, device_info
 
     systems = [Fuselm(fl_dir, args.fuselm_engine), MlxLm(mlx_dir)]
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]

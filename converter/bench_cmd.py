@@ -6,7 +6,7 @@ import json
 
 import click
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 
 @click.command("bench")
@@ -28,8 +28,8 @@ from runtime_metal.errors import RuntimeUserError
 def bench(out_dir: str, p: int, n: int, r: int, engine: str, accuracy_level: int,
           no_compile: bool, prefill_chunk: int, as_json: bool, profile: bool) -> None:
     """Benchmark OUT_DIR: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
-    from runtime_metal.bench import run_bench, table
-    from runtime_metal.engine import resolve_engine
+    from fuselm.runtime_metal.bench import run_bench, table
+    from fuselm.runtime_metal.engine import resolve_engine
 
     name = resolve_engine(engine)
     if profile and name != "mlx":

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from converter.errors import user_errors
+from fuselm.converter.errors import user_errors
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -17,11 +17,11 @@ def cli() -> None:
 
 def _register() -> None:
     # Each command lives in the module named for its job.
-    from converter.bench_cmd import bench
-    from converter.convert_cmd import convert, demo
-    from converter.inspect_cmd import inspect
-    from converter.optimize_cmd import optimize
-    from converter.run_cmd import chat, run, validate
+    from fuselm.converter.bench_cmd import bench
+    from fuselm.converter.convert_cmd import convert, demo
+    from fuselm.converter.inspect_cmd import inspect
+    from fuselm.converter.optimize_cmd import optimize
+    from fuselm.converter.run_cmd import chat, run, validate
 
     for command in (convert, inspect, optimize, demo, run, chat, validate, bench):
         cli.add_command(command)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from converter import pipeline
-from converter.pipeline import ConvertOptions
-from converter.progress import stage_progress, stderr
+from fuselm.converter import pipeline
+from fuselm.converter.pipeline import ConvertOptions
+from fuselm.converter.progress import stage_progress, stderr
 
 
 def _passes(value: str | None) -> list[str] | None:
@@ -118,7 +118,7 @@ convert = convert_command
 @click.option("-n", "max_new_tokens", type=int, default=16, show_default=True)
 def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
     """Build a small random-weight Qwen3-style model, convert it, and generate from it."""
-    from converter.builtin import build_model
+    from fuselm.converter.builtin import build_model
 
     root = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-"))
     ckpt = root / "checkpoint"
@@ -130,7 +130,7 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
     if result.report is not None:
         stderr.print(result.report.render())
     stderr.print(f"[green]converted[/] → {artifact_dir}")
-    from converter.run_cmd import run
+    from fuselm.converter.run_cmd import run
 
     stderr.print(f"generating {max_new_tokens} tokens (random weights: the text is gibberish)")
     click.get_current_context().invoke(

@@ -12,9 +12,9 @@ class UserError(Exception):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from export.errors import ExportError
-    from passes.errors import PassesError
-    from runtime_metal.artifact import ArtifactError
-    from runtime_metal.errors import RuntimeUserError
+    from fuselm.export.errors import ExportError
+    from fuselm.passes.errors import PassesError
+    from fuselm.runtime_metal.artifact import ArtifactError
+    from fuselm.runtime_metal.errors import RuntimeUserError
 
     return (UserError, ExportError, PassesError, ArtifactError, RuntimeUserError)

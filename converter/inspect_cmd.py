@@ -11,8 +11,8 @@ import click
 import onnx
 from rich.table import Table
 
-from converter.errors import UserError
-from converter.progress import stderr
+from fuselm.converter.errors import UserError
+from fuselm.converter.progress import stderr
 
 _TYPES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from converter.errors import UserError
+from fuselm.converter.errors import UserError
 
 # Beyond this many weight bytes (or when the input had them), weights go to OUT.onnx.data:
 # protobuf cannot serialize a model past 2 GB.
@@ -32,7 +32,7 @@ def _load(path: Path):  # noqa: ANN202 - onnx.ModelProto
 
     if not path.is_file():
         raise UserError(f"{path}: no such file")
-    from passes.weights import check_external
+    from fuselm.passes.weights import check_external
 
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -57,7 +57,7 @@ def save_atomic(  # noqa: ANN001 - model: onnx.ModelProto
     """
     import onnx
 
-    from passes.writer import write_model
+    from fuselm.passes.writer import write_model
 
     out.parent.mkdir(parents=True, exist_ok=True)
     data_name = out.name + ".data"
@@ -88,8 +88,8 @@ def save_atomic(  # noqa: ANN001 - model: onnx.ModelProto
 @click.option("--json", "as_json", is_flag=True, help="print the pass report as JSON on stdout")
 def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json: bool) -> None:
     """Fuse a decoder ONNX model: RMSNorm, RoPE, attention, QKV and Gate/Up pairing."""
-    from passes.manager import PipelineError, run_pipeline
-    from passes.model_io import check
+    from fuselm.passes.manager import PipelineError, run_pipeline
+    from fuselm.passes.model_io import check
 
     names = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
     model = _load(input_path)

@@ -20,13 +20,13 @@ from typing import Any
 
 import onnx
 
-from converter.errors import UserError
-from export.config import DecoderSpec
-from export.onnx_export import export_model
-from export.registry import decoder_spec
-from passes import ops
-from passes.quantize import validate_options
-from runtime_metal import artifact
+from fuselm.converter.errors import UserError
+from fuselm.export.config import DecoderSpec
+from fuselm.export.onnx_export import export_model
+from fuselm.export.registry import decoder_spec
+from fuselm.passes import ops
+from fuselm.passes.quantize import validate_options
+from fuselm.runtime_metal import artifact
 
 Progress = Callable[[str, int, int], None]
 
@@ -141,12 +141,12 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
     The weights stay in raw.onnx.data: the passes see references, quantization reads one
     weight at a time, and the writer streams the final data file (passes/weights.py).
     """
-    from passes.manager import run_pipeline
+    from fuselm.passes.manager import run_pipeline
 
     model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from passes.quantize import quantize_pass
+        from fuselm.passes.quantize import quantize_pass
 
         extra.append(
             quantize_pass(
@@ -180,7 +180,7 @@ def save_model(
 ) -> None:
     """Save with every weight in `<name>.data` beside it (one file, 64-byte aligned), streamed
     from `base_dir`'s external data and `deferred` values (passes/writer.py)."""
-    from passes.writer import write_model
+    from fuselm.passes.writer import write_model
 
     ops.attach_functions(model)
     write_model(model, path, base_dir=base_dir, deferred=deferred)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 _ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]),
                        default="auto", show_default=True,
@@ -21,7 +21,7 @@ _CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=512, sh
 
 def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float,
               seed: int | None):  # noqa: ANN202
-    from runtime_metal.sampling import SamplingOptions
+    from fuselm.runtime_metal.sampling import SamplingOptions
 
     opts = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
     opts.validate()
@@ -29,9 +29,9 @@ def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: 
 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False):  # noqa: ANN202
-    from runtime_metal.artifact import read_manifest
-    from runtime_metal.engine import make_engine, resolve_engine
-    from runtime_metal.profile import Profiler
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.engine import make_engine, resolve_engine
+    from fuselm.runtime_metal.profile import Profiler
 
     manifest = read_manifest(out_dir)
     name = resolve_engine(engine)
@@ -87,8 +87,13 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
         prefill_chunk: int, as_json: bool, profile: bool, device_sampling: bool) -> None:
     """Generate text from a converted model in OUT_DIR."""
-    from runtime_metal.generate import generate
-    from runtime_metal.tokenizer import encode_prompt, eos_ids, generation_config, load_tokenizer
+    from fuselm.runtime_metal.generate import generate
+    from fuselm.runtime_metal.tokenizer import (
+        encode_prompt,
+        eos_ids,
+        generation_config,
+        load_tokenizer,
+    )
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
@@ -145,8 +150,13 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
          repetition_penalty: float, seed: int | None, engine: str, accuracy_level: int,
          system: str | None) -> None:
     """Interactive chat with OUT_DIR (history kept; /reset clears it, /quit or Ctrl-D ends)."""
-    from runtime_metal.generate import generate
-    from runtime_metal.tokenizer import encode_prompt, eos_ids, generation_config, load_tokenizer
+    from fuselm.runtime_metal.generate import generate
+    from fuselm.runtime_metal.tokenizer import (
+        encode_prompt,
+        eos_ids,
+        generation_config,
+        load_tokenizer,
+    )
 
     sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
     manifest, eng, _ = _open(out_dir, engine, accuracy_level)
@@ -193,9 +203,9 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
 def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...],
              engines: tuple[str, ...], prefill_chunk: int, as_json: bool) -> None:
     """Check a conversion: HF transformers -> onnxruntime -> MLX on a few prompts."""
-    from runtime_metal.artifact import read_manifest
-    from runtime_metal.tokenizer import load_tokenizer
-    from runtime_metal.validate import validate as run_ladder
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.tokenizer import load_tokenizer
+    from fuselm.runtime_metal.validate import validate as run_ladder
 
     manifest = read_manifest(out_dir)
     if not Path(model_dir, "config.json").is_file():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from export.errors import ExportError
+from fuselm.export.errors import ExportError
 
 INDEX = "model.safetensors.index.json"
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")

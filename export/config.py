@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from export.errors import ExportError
+from fuselm.export.errors import ExportError
 
 REQUIRED_KEYS = (
     "architectures",

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export import torch_ops  # noqa: F401 - registers torch.ops.fuselm.*
-from export.config import DecoderSpec
+from fuselm.export import torch_ops  # noqa: F401 - registers torch.ops.fuselm.*
+from fuselm.export.config import DecoderSpec
 
 
 @dataclass(frozen=True)

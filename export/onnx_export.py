@@ -18,13 +18,13 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from export.checkpoint import Checkpoint
-from export.config import DecoderSpec
-from export.decoder import Decoder
-from export.errors import ExportError
-from export.registry import decoder_spec
-from export.torch_ops import TRANSLATIONS
-from passes import ops
+from fuselm.export.checkpoint import Checkpoint
+from fuselm.export.config import DecoderSpec
+from fuselm.export.decoder import Decoder
+from fuselm.export.errors import ExportError
+from fuselm.export.registry import decoder_spec
+from fuselm.export.torch_ops import TRANSLATIONS
+from fuselm.passes import ops
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}

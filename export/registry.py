@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from export.config import (
+from fuselm.export.config import (
     DecoderSpec,
     layer_windows,
     load_hf_config,
     read_raw_config,
     rope_spec,
 )
-from export.errors import ExportError
+from fuselm.export.errors import ExportError
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def register(*names: str) -> Callable[[FamilyReader], FamilyReader]:
 
 def _load_families() -> None:
     # Importing the modules runs their @register decorators.
-    from export.families import llama, mistral, qwen2, qwen3  # noqa: F401
+    from fuselm.export.families import llama, mistral, qwen2, qwen3  # noqa: F401
 
 
 def supported_architectures() -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnxscript
 import torch
 
-from passes import ops
+from fuselm.passes import ops
 
 ops.register_schemas()
 _fuselm = onnxscript.values.Opset(ops.DOMAIN, ops.DOMAIN_VERSION)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from passes.graph import (
+from fuselm.passes.graph import (
     Namer,
     NoMatch,
     PassResult,
@@ -41,7 +41,7 @@ from passes.graph import (
     stable_toposort,
     variable,
 )
-from passes.heads import head_view, width
+from fuselm.passes.heads import head_view, width
 
 
 @dataclass

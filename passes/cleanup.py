@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from passes.graph import PassResult, stable_toposort
+from fuselm.passes.graph import PassResult, stable_toposort
 
 
 def _used_functions(graph: gs.Graph) -> set[tuple[str, str]]:

@@ -19,8 +19,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from passes.graph import PassResult, const, is_graph_output, replace_all_uses
-from passes.weights import stored
+from fuselm.passes.graph import PassResult, const, is_graph_output, replace_all_uses
+from fuselm.passes.weights import stored
 
 SMALL = 1024  # elements: shape arithmetic is tiny, weights are not
 _NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",

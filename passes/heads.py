@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.graph import NoMatch, axes_of, const, last_const, maybe_producer, producer
+from fuselm.passes.graph import NoMatch, axes_of, const, last_const, maybe_producer, producer
 
 
 @dataclass

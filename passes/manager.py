@@ -26,16 +26,16 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from passes.attention import AttentionFusion
-from passes.cleanup import Cleanup
-from passes.dead_shape import RemoveDeadShapeOp
-from passes.graph import PassResult, histogram
-from passes.model_io import to_graph, to_model
-from passes.pair_gate_up import GateUpPairing
-from passes.pair_qkv import QKVPairing
-from passes.reorder import ReorderQKVProjections
-from passes.rmsnorm import RMSNormFusion
-from passes.rope import RoPEFusion
+from fuselm.passes.attention import AttentionFusion
+from fuselm.passes.cleanup import Cleanup
+from fuselm.passes.dead_shape import RemoveDeadShapeOp
+from fuselm.passes.graph import PassResult, histogram
+from fuselm.passes.model_io import to_graph, to_model
+from fuselm.passes.pair_gate_up import GateUpPairing
+from fuselm.passes.pair_qkv import QKVPairing
+from fuselm.passes.reorder import ReorderQKVProjections
+from fuselm.passes.rmsnorm import RMSNormFusion
+from fuselm.passes.rope import RoPEFusion
 
 
 class Pass(Protocol):

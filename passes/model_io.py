@@ -19,8 +19,8 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from passes import ops
-from passes.weights import ExternalValues, PackedValues, is_external
+from fuselm.passes import ops
+from fuselm.passes.weights import ExternalValues, PackedValues, is_external
 
 # Initializers up to this many elements stay in the light copy: shape constants must, so that
 # inference can propagate their values (data_prop); weights need not.

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from passes.graph import Namer, NoMatch, PassResult, Refused, insert_before, replace_all_uses
-from passes.pair_qkv import shared_inputs
-from passes.projections import Projection, pack, projections_of
+from fuselm.passes.graph import Namer, NoMatch, PassResult, Refused, insert_before, replace_all_uses
+from fuselm.passes.pair_qkv import shared_inputs
+from fuselm.passes.projections import Projection, pack, projections_of
 
 _SILU_OPS = ("Silu", "Swish", "SiLU")
 

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from passes.graph import Namer, PassResult, Refused, insert_before, replace_all_uses, variable
-from passes.projections import Projection, pack, projections_of
+from fuselm.passes.graph import (
+    Namer,
+    PassResult,
+    Refused,
+    insert_before,
+    replace_all_uses,
+    variable,
+)
+from fuselm.passes.projections import Projection, pack, projections_of
 
 MAX_OUTPUT = 16384
 _ROLES = {("FusedRoPE", 0): "q", ("FusedRoPE", 1): "k",

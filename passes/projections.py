@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes import weights
-from passes.graph import is_graph_output, maybe_producer
-from passes.weights import PackedValues
+from fuselm.passes import weights
+from fuselm.passes.graph import is_graph_output, maybe_producer
+from fuselm.passes.weights import PackedValues
 
 
 @dataclass

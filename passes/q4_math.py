@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from passes import ops
+from fuselm.passes import ops
 
 SYMMETRIC_ZERO_POINT = 8
 _SLAB = 1024  # columns per slab in quantize_array: bounds the temporaries' size

@@ -57,9 +57,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from passes import ops, weights
-from passes.errors import PassesError
-from passes.q4_math import (  # noqa: F401 - part of this module's API
+from fuselm.passes import ops, weights
+from fuselm.passes.errors import PassesError
+from fuselm.passes.q4_math import (  # noqa: F401 - part of this module's API
     SYMMETRIC_ZERO_POINT,
     Q4Tensor,
     quantize_array,
@@ -554,8 +554,8 @@ class QuantizeQ4:
     def run(self, graph: Any) -> Any:
         import onnx_graphsurgeon as gs
 
-        from passes.graph import PassResult as GraphPassResult
-        from passes.model_io import infer_shapes
+        from fuselm.passes.graph import PassResult as GraphPassResult
+        from fuselm.passes.model_io import infer_shapes
 
         sources = _stand_ins(graph)
         try:

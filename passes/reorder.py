@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from passes.graph import PassResult, is_graph_output
-from passes.pair_qkv import shared_inputs
-from passes.projections import projections_of
+from fuselm.passes.graph import PassResult, is_graph_output
+from fuselm.passes.pair_qkv import shared_inputs
+from fuselm.passes.projections import projections_of
 
 
 def peak_live(graph: gs.Graph) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes.graph import (
+from fuselm.passes.graph import (
     Namer,
     NoMatch,
     PassResult,

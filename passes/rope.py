@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes.graph import (
+from fuselm.passes.graph import (
     Namer,
     NoMatch,
     PassResult,
@@ -40,7 +40,7 @@ from passes.graph import (
     stable_toposort,
     variable,
 )
-from passes.heads import Freqs, HeadView, freqs_of, head_view, width
+from fuselm.passes.heads import Freqs, HeadView, freqs_of, head_view, width
 
 
 @dataclass

@@ -23,7 +23,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from passes import weights
+from fuselm.passes import weights
 
 ALIGN = 64  # bytes, as the exporter aligns raw.onnx.data
 THRESHOLD = 1024  # bytes: smaller tensors stay inline in the model file

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime_metal.engine import make_engine, resolve_engine
-from runtime_metal.generate import generate_steps
-from runtime_metal.sampling import SamplingOptions, make_device_sampler, make_sampler
+from fuselm.runtime_metal.engine import make_engine, resolve_engine
+from fuselm.runtime_metal.generate import generate_steps
+from fuselm.runtime_metal.sampling import SamplingOptions, make_device_sampler, make_sampler
 
 
 @dataclass
@@ -109,7 +109,7 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int) -> tupl
 def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               engine: str = "auto", warmup: int = 1, profile: bool = False,
               prefill_chunk: int = 512, seed: int = 0, **engine_options: Any) -> BenchResult:
-    from runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.artifact import read_manifest
 
     if p < 1 or n < 2 or r < 1:
         raise ValueError("bench needs -p >= 1, -n >= 2, -r >= 1")
@@ -144,7 +144,7 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
 def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int
                  ) -> list[dict[str, Any]]:
     """Per-op time of the MLX executor (node by node, warm-up passes skipped)."""
-    from runtime_metal.profile import Profiler
+    from fuselm.runtime_metal.profile import Profiler
 
     if name != "mlx":
         raise ValueError("--profile times the MLX engine's nodes; use --engine mlx")

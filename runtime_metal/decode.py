@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal import kernels, program_ops, qweight
-from runtime_metal.dtypes import onnx_dtype, to_device
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.executor import call_step
-from runtime_metal.kv_cache import KVCache
-from runtime_metal.plan import Plan, Step
-from runtime_metal.program_masks import (
+from fuselm.runtime_metal import kernels, program_ops, qweight
+from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.executor import call_step
+from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.plan import Plan, Step
+from fuselm.runtime_metal.program_masks import (
     MaskUnsupported,
     check_decode,
     check_prefill,

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 from onnx import TensorProto
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 _NP = {
     TensorProto.FLOAT: np.dtype(np.float32),

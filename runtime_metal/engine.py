@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 ENGINES = ("auto", "mlx", "onnxruntime")
 
@@ -55,14 +55,14 @@ def resolve_engine(name: str) -> str:
 
 def make_engine(out_dir: str | Path, name: str = "auto", **options: object) -> Engine:
     """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level)."""
-    from runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.artifact import read_manifest
 
     manifest = read_manifest(out_dir)
     resolved = resolve_engine(name)
     if resolved == "mlx":
-        from runtime_metal.engine_mlx import MLXEngine
+        from fuselm.runtime_metal.engine_mlx import MLXEngine
 
         return MLXEngine(out_dir, manifest, **options)  # type: ignore[arg-type]
-    from runtime_metal.engine_ort import OrtEngine
+    from fuselm.runtime_metal.engine_ort import OrtEngine
 
     return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

@@ -17,14 +17,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.artifact import Manifest, model_path
-from runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDecoder
-from runtime_metal.executor import Executor
-from runtime_metal.kv_cache import KVCache
-from runtime_metal.loader import load_graph
-from runtime_metal.plan import build_plan
-from runtime_metal.profile import Profiler
-from runtime_metal.qweight import QWeight, probe_kernels, settle_affine, warm_dense
+from fuselm.runtime_metal.artifact import Manifest, model_path
+from fuselm.runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDecoder
+from fuselm.runtime_metal.executor import Executor
+from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.loader import load_graph
+from fuselm.runtime_metal.plan import build_plan
+from fuselm.runtime_metal.profile import Profiler
+from fuselm.runtime_metal.qweight import QWeight, probe_kernels, settle_affine, warm_dense
 
 
 class MLXEngine:

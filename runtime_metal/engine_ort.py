@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime_metal.artifact import Manifest, model_path
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.graph_io import PAST, present_for
-from runtime_metal.ort_session import OPTIMIZATION_LEVELS, make_session
+from fuselm.runtime_metal.artifact import Manifest, model_path
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.graph_io import PAST, present_for
+from fuselm.runtime_metal.ort_session import OPTIMIZATION_LEVELS, make_session
 
 
 class OrtEngine:

@@ -12,13 +12,13 @@ from collections.abc import Mapping
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.dtypes import onnx_dtype, to_device, to_host
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.graph_io import PAST, PRESENT
-from runtime_metal.kv_cache import KVCache
-from runtime_metal.plan import Plan, Step
-from runtime_metal.profile import Profiler
-from runtime_metal.qweight import QWeight
+from fuselm.runtime_metal.dtypes import onnx_dtype, to_device, to_host
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.graph_io import PAST, PRESENT
+from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.plan import Plan, Step
+from fuselm.runtime_metal.profile import Profiler
+from fuselm.runtime_metal.qweight import QWeight
 
 
 def _prepare(step: Step, args: list[object]) -> tuple[object, list[object]]:

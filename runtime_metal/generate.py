@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime_metal.engine import Engine
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.sampling import (
+from fuselm.runtime_metal.engine import Engine
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.sampling import (
     DeviceSampler,
     Sampler,
     SamplingOptions,

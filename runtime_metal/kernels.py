@@ -14,7 +14,7 @@ import os
 
 import mlx.core as mx
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 ENV = "FUSELM_KERNELS"
 MODES = ("auto", "on", "off")

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from runtime_metal.dtypes import onnx_dtype
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.dtypes import onnx_dtype
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
 

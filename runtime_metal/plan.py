@@ -13,13 +13,13 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, helper, numpy_helper
 
-from passes import ops as contract
-from runtime_metal import qweight
-from runtime_metal.dtypes import FOUR_BIT, to_device
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.graph_io import PAST, PRESENT
-from runtime_metal.loader import LoadedGraph
-from runtime_metal.ops import OpImpl, lookup
+from fuselm.passes import ops as contract
+from fuselm.runtime_metal import qweight
+from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.graph_io import PAST, PRESENT
+from fuselm.runtime_metal.loader import LoadedGraph
+from fuselm.runtime_metal.ops import OpImpl, lookup
 
 # Integer/bool constants up to this size stay on the host: they are shapes, axes and indices.
 _HOST_CONST_MAX = 4096
@@ -131,7 +131,7 @@ def _bind_kv(steps: list[Step], graph_inputs: set[str]) -> tuple[int, bool]:
 
 
 def build_plan(loaded: LoadedGraph) -> Plan:
-    from runtime_metal.executor import call_step
+    from fuselm.runtime_metal.executor import call_step
 
     model = loaded.model
     graph = model.graph
@@ -143,7 +143,7 @@ def build_plan(loaded: LoadedGraph) -> Plan:
     consts: dict[str, object] = {n: _initial_constant(v) for n, v in loaded.weights.items()}
     steps: list[Step] = []
     folded = 0
-    from runtime_metal.q4_gather import Lineage, fuse_quantized_gathers
+    from fuselm.runtime_metal.q4_gather import Lineage, fuse_quantized_gathers
 
     lineage = Lineage()
     for node in graph.node:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.executor import call_step
-from runtime_metal.plan import Plan, Step
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.executor import call_step
+from fuselm.runtime_metal.plan import Plan, Step
 
 DYNAMIC_INPUTS = ("attention_mask", "position_ids")
 _DECODE_LENGTHS = (1, 2, 7, 300)

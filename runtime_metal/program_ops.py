@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal import kernels, kernels_cuda
-from runtime_metal.executor import call_step
-from runtime_metal.plan import Step
+from fuselm.runtime_metal import kernels, kernels_cuda
+from fuselm.runtime_metal.executor import call_step
+from fuselm.runtime_metal.plan import Step
 
 if TYPE_CHECKING:
-    from runtime_metal.decode import _Op
+    from fuselm.runtime_metal.decode import _Op
 
 
 def fuse_pairs(ops: list[_Op]) -> list[_Op]:
@@ -124,7 +124,7 @@ def attend(s: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array, value
            offset: mx.array, mask: mx.array | str) -> tuple[mx.array, mx.array, mx.array]:
     """ONNX Attention for a chunk of queries over a fixed-capacity cache written at `offset`.
     mask "causal" (a fresh prompt, offset 0): only the chunk's own rows are attended."""
-    from runtime_metal.ops.attention import _to_heads
+    from fuselm.runtime_metal.ops.attention import _to_heads
 
     a = s.attrs
     hq, hk = int(a.get("q_num_heads") or 1), int(a.get("kv_num_heads") or 1)

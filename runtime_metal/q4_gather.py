@@ -19,10 +19,10 @@ import mlx.core as mx
 import numpy as np
 from onnx import TensorProto, helper
 
-from runtime_metal import qweight
-from runtime_metal.dtypes import FOUR_BIT, like_dtype, to_host
-from runtime_metal.ops import lookup
-from runtime_metal.plan import Step
+from fuselm.runtime_metal import qweight
+from fuselm.runtime_metal.dtypes import FOUR_BIT, like_dtype, to_host
+from fuselm.runtime_metal.ops import lookup
+from fuselm.runtime_metal.plan import Step
 
 
 @dataclass

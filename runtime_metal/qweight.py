@@ -17,7 +17,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.dtypes import FOUR_BIT, to_device
+from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 

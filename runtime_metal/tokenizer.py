@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runtime_metal.artifact import GENERATION_CONFIG, Manifest
-from runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.artifact import GENERATION_CONFIG, Manifest
+from fuselm.runtime_metal.errors import RuntimeUserError
 
 
 def load_tokenizer(out_dir: str | Path) -> Any:  # a transformers PreTrainedTokenizer

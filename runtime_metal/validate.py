@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime_metal.engine import make_engine
-from runtime_metal.generate import generate
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:

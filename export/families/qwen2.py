@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from export.registry import Features, register
+from fuselm.export.registry import Features, register
 
 
 @register("Qwen2ForCausalLM")

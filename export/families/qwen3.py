@@ -3,7 +3,7 @@ optional `attention_bias` on q/k/v/o."""
 
 from typing import Any
 
-from export.registry import Features, register
+from fuselm.export.registry import Features, register
 
 
 @register("Qwen3ForCausalLM")

@@ -14,7 +14,7 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.ops.registry import op
+from fuselm.runtime_metal.ops.registry import op
 
 _MASK_MEMO: dict[int, tuple[object, object]] = {}
 

@@ -8,10 +8,10 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
-from passes import ops as contract
-from runtime_metal.ops.linear import project
-from runtime_metal.ops.registry import op
-from runtime_metal.qweight import QWeight
+from fuselm.passes import ops as contract
+from fuselm.runtime_metal.ops.linear import project
+from fuselm.runtime_metal.ops.registry import op
+from fuselm.runtime_metal.qweight import QWeight
 
 D = contract.DOMAIN
 
@@ -96,7 +96,7 @@ def fused_rope(  # noqa: ANN201
 def _dense_or_q(weight, scales, zero_points, block_size: int):  # noqa: ANN001, ANN202
     if scales is None or isinstance(weight, QWeight):
         return weight
-    from runtime_metal.ops.linear import dequantize_linear
+    from fuselm.runtime_metal.ops.linear import dequantize_linear
 
     return dequantize_linear(mx, weight, scales, zero_points, axis=0, block_size=block_size)
 

@@ -7,9 +7,9 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from runtime_metal.dtypes import like_dtype
-from runtime_metal.ops.registry import op
-from runtime_metal.qweight import QWeight
+from fuselm.runtime_metal.dtypes import like_dtype
+from fuselm.runtime_metal.ops.registry import op
+from fuselm.runtime_metal.qweight import QWeight
 
 
 def project(x: mx.array, w, bias=None) -> mx.array:  # noqa: ANN001

@@ -6,7 +6,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from runtime_metal.ops.registry import op
+from fuselm.runtime_metal.ops.registry import op
 
 
 def _flatten_trailing(x: mx.array, axis: int) -> tuple[mx.array, tuple[int, ...]]:

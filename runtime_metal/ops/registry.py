@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime_metal.errors import UnsupportedOpError
+from fuselm.runtime_metal.errors import UnsupportedOpError
 
 OpFn = Callable[..., object]
 

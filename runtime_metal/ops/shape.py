@@ -8,9 +8,9 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.dtypes import onnx_dtype
-from runtime_metal.ops.registry import op
-from runtime_metal.qweight import QWeight
+from fuselm.runtime_metal.dtypes import onnx_dtype
+from fuselm.runtime_metal.ops.registry import op
+from fuselm.runtime_metal.qweight import QWeight
 
 
 def _ints(v) -> list[int]:  # noqa: ANN001

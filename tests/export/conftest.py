@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from converter.builtin import build_model
-from export.onnx_export import export_model
+from fuselm.converter.builtin import build_model
+from fuselm.export.onnx_export import export_model
 
 # id -> (family, build kwargs). Every case has perturbed norms/biases; TINY has
 # head_dim 24 != hidden 64 / 4 heads. GQA ratios: kv heads 4 (1:1), 2 (2:1), 1 (4:1, MQA).

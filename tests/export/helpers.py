@@ -8,8 +8,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from runtime_metal import validate
-from runtime_metal.validate import hf_model  # noqa: F401 - the suite's ground truth, re-exported
+from fuselm.runtime_metal import validate
+from fuselm.runtime_metal.validate import hf_model  # noqa: F401 - the suite's ground truth, re-exported
 
 
 def session(path: Path) -> ort.InferenceSession:

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.artifact import read_manifest
 
 
 def fuselm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "converter.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fuselm.converter.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

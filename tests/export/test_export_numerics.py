@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from runtime_metal.validate import rel
+from fuselm.runtime_metal.validate import rel
 from tests.export.conftest import CASES, to_transformers4_config
 from tests.export.helpers import (
     OrtLoop,
@@ -63,7 +63,7 @@ def test_bf16_checkpoint_defaults_to_float16_graph(checkpoint, exported) -> None
 def test_transformers4_config_format(checkpoint, tmp_path) -> None:
     import shutil
 
-    from export.onnx_export import export_model
+    from fuselm.export.onnx_export import export_model
 
     src = checkpoint("llama-linear")
     copy = tmp_path / "v4"

@@ -14,9 +14,9 @@ import torch
 from onnx import TensorProto, helper
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from export import torch_ops
-from passes import ops
-from runtime_metal.validate import rel
+from fuselm.export import torch_ops
+from fuselm.passes import ops
+from fuselm.runtime_metal.validate import rel
 from tests.export.helpers import session
 
 B, S, HQ, HK, D = 2, 7, 3, 1, 10  # heads*D = 30 != a "hidden/heads" layout; S, D, HQ all differ

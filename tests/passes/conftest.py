@@ -35,7 +35,7 @@ FOREIGN_FORMS: dict[str, tuple[bool, int, bool]] = {
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    from converter.builtin import build_model
+    from fuselm.converter.builtin import build_model
 
     cache: dict[str, Path] = {}
 
@@ -50,7 +50,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 
 @pytest.fixture(scope="session")
 def ours(model_dir, tmp_path_factory) -> Callable[[str], onnx.ModelProto]:  # noqa: ANN001
-    from export.onnx_export import export_model
+    from fuselm.export.onnx_export import export_model
 
     cache: dict[str, Path] = {}
 

@@ -13,9 +13,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from passes.graph import PassResult
-from passes.model_io import check, to_graph, to_model
-from runtime_metal.validate import rel  # the one error metric (DESIGN.md)
+from fuselm.passes.graph import PassResult
+from fuselm.passes.model_io import check, to_graph, to_model
+from fuselm.runtime_metal.validate import rel  # the one error metric (DESIGN.md)
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

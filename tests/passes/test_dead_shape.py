@@ -6,7 +6,7 @@ import numpy as np
 from onnx import TensorProto
 from passes_support import G, apply, max_rel, op_counts, run
 
-from passes.dead_shape import RemoveDeadShapeOp
+from fuselm.passes.dead_shape import RemoveDeadShapeOp
 
 
 def _torchscript_reshape(g: G, x: str) -> str:

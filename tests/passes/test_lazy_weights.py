@@ -17,18 +17,18 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
-from converter.errors import UserError
-from converter.optimize_cmd import optimize
-from passes import weights
-from passes.manager import run_pipeline
-from passes.quantize import quantize_pass
-from passes.writer import ALIGN, write_model
+from fuselm.converter.errors import UserError
+from fuselm.converter.optimize_cmd import optimize
+from fuselm.passes import weights
+from fuselm.passes.manager import run_pipeline
+from fuselm.passes.quantize import quantize_pass
+from fuselm.passes.writer import ALIGN, write_model
 
 
 @pytest.fixture(scope="module")
 def raw(model_dir, tmp_path_factory) -> Path:  # noqa: ANN001
     """Our exporter's raw.onnx for qwen2 (q/k/v biases, so packing covers biases too)."""
-    from export.onnx_export import export_model
+    from fuselm.export.onnx_export import export_model
 
     path = tmp_path_factory.mktemp("lazy") / "raw.onnx"
     export_model(model_dir("qwen2"), path)
@@ -124,7 +124,7 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     """`fuselm convert --quant q4` end to end: the embedding and norms are never decoded."""
-    from converter.pipeline import ConvertOptions, convert
+    from fuselm.converter.pipeline import ConvertOptions, convert
 
     with weights.recording() as reads:
         convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4"))

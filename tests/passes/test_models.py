@@ -23,8 +23,8 @@ from passes_support import (
     run,
 )
 
-from passes.manager import PIPELINE, run_pipeline
-from passes.model_io import check
+from fuselm.passes.manager import PIPELINE, run_pipeline
+from fuselm.passes.model_io import check
 
 LAYERS = 2
 FUSED = ("FusedQKV", "FusedGateUp", "FusedRoPE", "Attention")

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from passes_support import decoder_feeds, max_rel, op_counts, run
 
-from converter.errors import UserError
-from converter.optimize_cmd import optimize
+from fuselm.converter.errors import UserError
+from fuselm.converter.optimize_cmd import optimize
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,8 @@ def test_cli_prints_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, click; from converter.optimize_cmd import optimize; "
-            "from converter.errors import UserError\n"
+    code = ("import sys, click; from fuselm.converter.optimize_cmd import optimize; "
+            "from fuselm.converter.errors import UserError\n"
             "try:\n    optimize.main(sys.argv[1:], standalone_mode=False)\n"
             "except UserError as e:\n    print(f'error: {e}', file=sys.stderr); sys.exit(2)")
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "nope.onnx"), "-o",

@@ -8,10 +8,10 @@ import pytest
 from onnx import TensorProto, helper
 from passes_support import G, apply, functions_attached, layer_model, max_rel, op_counts, run
 
-from passes.manager import run_pipeline
-from passes.pair_gate_up import GateUpPairing
-from passes.pair_qkv import QKVPairing
-from passes.reorder import ReorderQKVProjections, peak_live
+from fuselm.passes.manager import run_pipeline
+from fuselm.passes.pair_gate_up import GateUpPairing
+from fuselm.passes.pair_qkv import QKVPairing
+from fuselm.passes.reorder import ReorderQKVProjections, peak_live
 
 
 def _fused_attention(**kw) -> tuple[onnx.ModelProto, dict]:  # noqa: ANN003
@@ -38,7 +38,7 @@ def test_qkv_pairs_and_packs(kw: dict) -> None:
 def _qkv_graph(nq: int, nk: int, nv: int, heads: int, kv: int, *, hidden: int = 8,
                extra_projection: bool = False, prebias_read: bool = False) -> onnx.ModelProto:
     """x -> three projections -> FusedRoPE(q, k) -> Attention(q, k, v): the pairing's input."""
-    from passes import ops
+    from fuselm.passes import ops
 
     g = G()
     x = g.input("x", ["b", "s", hidden])

@@ -13,10 +13,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from passes import ops
-from passes.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
-from runtime_metal.ort_session import make_session
-from runtime_metal.validate import rel  # the one error metric (DESIGN.md)
+from fuselm.passes import ops
+from fuselm.passes.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
+from fuselm.runtime_metal.ort_session import make_session
+from fuselm.runtime_metal.validate import rel  # the one error metric (DESIGN.md)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -262,7 +262,7 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 
 
 def test_bad_block_size_lists_valid_values() -> None:
-    from passes.errors import PassesError
+    from fuselm.passes.errors import PassesError
 
     with pytest.raises(PassesError, match="32, 64, 128"):
         validate_options("q4", block_size=48)
@@ -322,7 +322,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    from converter.builtin import build_model
+    from fuselm.converter.builtin import build_model
 
     out = {}
     for name, kw in MODELS.items():
@@ -415,7 +415,7 @@ def _to_grid(w: torch.Tensor, gen: np.random.Generator, block: int = 32) -> torc
 
 
 def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
-    from converter.builtin import build_model
+    from fuselm.converter.builtin import build_model
 
     ckpt = build_model(tmp_path / "ckpt", "qwen3", tokenizer=False)
     hf = _load(ckpt)
@@ -454,7 +454,7 @@ def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
 
 @pytest.mark.parametrize("shape", [(4, 6), (3, 5)])  # even and odd element counts
 def test_uint4_packing_matches_onnx(shape) -> None:
-    from passes.quantize import to_uint4, uint4_tensor
+    from fuselm.passes.quantize import to_uint4, uint4_tensor
 
     codes = np.random.default_rng(8).integers(0, 16, shape).astype(np.uint8)
     ours = uint4_tensor(codes, "c")

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto
 from passes_support import G, apply, max_rel, op_counts, run
 
-from passes.rmsnorm import RMSNormFusion
+from fuselm.passes.rmsnorm import RMSNormFusion
 
 
 def _decomposed(g: G, x: str, *, form: str, axis: int = -1, weight: bool = True) -> str:

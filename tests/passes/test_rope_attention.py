@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from passes_support import apply, layer_model, max_rel, op_counts, run
 
-from passes.attention import AttentionFusion
-from passes.dead_shape import RemoveDeadShapeOp
-from passes.rope import RoPEFusion
+from fuselm.passes.attention import AttentionFusion
+from fuselm.passes.dead_shape import RemoveDeadShapeOp
+from fuselm.passes.rope import RoPEFusion
 
 FORMS = {
     "rotate-half+softmax": {},

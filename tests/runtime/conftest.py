@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from converter.builtin import FAMILIES, build_model
+from fuselm.converter.builtin import FAMILIES, build_model
 
 # Per family: what makes its checkpoint different (Qwen2: q/k/v biases; Qwen3: q/k-norm and
 # tied embeddings; Mistral: head_dim == hidden/heads is exercised through Llama's default).
@@ -21,8 +21,8 @@ FAMILY_OVERRIDES = {
 
 def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
     """`fuselm convert` with ConvertOptions (float32 unless `dtype` says otherwise)."""
-    from converter.pipeline import ConvertOptions
-    from converter.pipeline import convert as run_convert
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.pipeline import convert as run_convert
 
     run_convert(model_dir, out_dir, ConvertOptions(**{"dtype": "float32", **options}))  # type: ignore[arg-type]
     return out_dir
@@ -33,7 +33,7 @@ def quantized_copy(artifact: Path, out: Path, **quant: object) -> Path:
     e.g. lm_head=True, embeddings=True."""
     import onnx
 
-    from passes.quantize import quantize_q4
+    from fuselm.passes.quantize import quantize_q4
 
     shutil.copytree(artifact, out)
     model = onnx.load(str(out / "model.onnx"))

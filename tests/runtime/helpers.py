@@ -7,11 +7,11 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from passes import ops as contract
-from runtime_metal.dtypes import to_host
-from runtime_metal.executor import Executor
-from runtime_metal.loader import LoadedGraph
-from runtime_metal.plan import build_plan
+from fuselm.passes import ops as contract
+from fuselm.runtime_metal.dtypes import to_host
+from fuselm.runtime_metal.executor import Executor
+from fuselm.runtime_metal.loader import LoadedGraph
+from fuselm.runtime_metal.plan import build_plan
 
 
 def _info(name: str, arr: np.ndarray) -> onnx.ValueInfoProto:

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from converter.cli import cli
+from fuselm.converter.cli import cli
 
 
 @pytest.mark.parametrize("engine", ["mlx", "onnxruntime"])

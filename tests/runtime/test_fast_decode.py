@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from runtime_metal.engine import make_engine
-from runtime_metal.generate import generate
-from runtime_metal.validate import rel
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import rel
 
 N_STEPS = 64
 
@@ -96,7 +96,7 @@ def test_pipelined_generate_equals_host_loop_and_trims_on_stop(qwen3_artifact) -
 
 
 def test_device_sampling_is_seeded(qwen3_artifact) -> None:  # noqa: ANN001
-    from runtime_metal.sampling import SamplingOptions
+    from fuselm.runtime_metal.sampling import SamplingOptions
 
     engine = make_engine(qwen3_artifact, "mlx")
     opts = SamplingOptions(temperature=0.9, top_k=40, top_p=0.9, seed=3)
@@ -107,7 +107,7 @@ def test_device_sampling_is_seeded(qwen3_artifact) -> None:  # noqa: ANN001
 
 
 def test_profiling_keeps_the_executor(qwen3_artifact) -> None:  # noqa: ANN001
-    from runtime_metal.profile import Profiler
+    from fuselm.runtime_metal.profile import Profiler
 
     engine = make_engine(qwen3_artifact, "mlx", profiler=Profiler())
     assert engine.fast is None and "profil" in str(engine.describe()["decode"])

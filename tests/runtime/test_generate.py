@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from converter.builtin import FAMILIES
-from runtime_metal.engine import make_engine
-from runtime_metal.generate import generate
-from runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
+from fuselm.converter.builtin import FAMILIES
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
 
 N_TOKENS = 64
 CHUNK = 16  # the 40-token prompt is three prefill chunks
@@ -55,7 +55,7 @@ def test_kv_cache_grows_past_one_step(qwen3_artifact) -> None:  # noqa: ANN001
 
 
 def test_sampling_is_seeded_and_engines_agree(qwen3_artifact) -> None:  # noqa: ANN001
-    from runtime_metal.sampling import SamplingOptions
+    from fuselm.runtime_metal.sampling import SamplingOptions
 
     opts = SamplingOptions(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=5)
     runs = [generate(make_engine(qwen3_artifact, e), [5, 6, 7], max_new_tokens=12, sampling=opts)

@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from passes.ops import fused_rope_reference, rms_norm_reference
-from runtime_metal import kernels
-from runtime_metal.errors import RuntimeUserError
-from runtime_metal.validate import rel
+from fuselm.passes.ops import fused_rope_reference, rms_norm_reference
+from fuselm.runtime_metal import kernels
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.validate import rel
 from tests.runtime.conftest import convert
 
 cuda = pytest.mark.skipif(not kernels.cuda_device(), reason="needs MLX's CUDA backend")
@@ -48,7 +48,7 @@ def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
     """Each layer's FusedRoPE+Attention is one op, and each residual Add with the RMSNorm after
     it: 2 per layer (the first layer's input norm reads the embedding, the last Add feeds the
     final norm)."""
-    from runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.engine import make_engine
 
     engine = make_engine(qwen3_artifact, "mlx")
     program = engine.fast.program
@@ -79,7 +79,7 @@ def test_fits_refuses_what_the_kernel_cannot_take() -> None:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 1024), (1, 2048), (7, 96), (3, 5000)])
 def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
-    from runtime_metal import kernels_cuda
+    from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(rows * hidden)
     x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
@@ -121,7 +121,7 @@ ROPE_CASES = [
 @pytest.mark.parametrize("d,hq,hk,norms,inter,frac,ascale,pos", ROPE_CASES)
 def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
                             inter: bool, frac: float, ascale: float, pos: int) -> None:
-    from runtime_metal import kernels_cuda
+    from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(d + hq + pos)
     rd = int(d * frac)
@@ -169,9 +169,9 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
     """A Qwen3 model with head_dim 64 != hidden/heads and GQA 2:1, float32: 32 greedy tokens
     identical with the kernels on and off (and the decode step really without MLX's SDPA
     fallback: no Softmax/Matmul primitives in its graph)."""
-    from converter.builtin import build_model
-    from runtime_metal.engine import make_engine
-    from runtime_metal.generate import generate
+    from fuselm.converter.builtin import build_model
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,

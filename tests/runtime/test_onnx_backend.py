@@ -10,10 +10,10 @@ import onnx
 import onnx.backend.test
 from onnx.backend.base import Backend, BackendRep
 
-from runtime_metal.dtypes import to_host
-from runtime_metal.executor import Executor
-from runtime_metal.loader import LoadedGraph
-from runtime_metal.plan import build_plan
+from fuselm.runtime_metal.dtypes import to_host
+from fuselm.runtime_metal.executor import Executor
+from fuselm.runtime_metal.loader import LoadedGraph
+from fuselm.runtime_metal.plan import build_plan
 
 
 class MLXRep(BackendRep):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from passes import ops as contract
-from runtime_metal.validate import rel
+from fuselm.passes import ops as contract
+from fuselm.runtime_metal.validate import rel
 from tests.runtime.helpers import node_model, run_mlx, run_ort
 
 RNG = np.random.default_rng(0)
@@ -107,7 +107,7 @@ def test_fused_gate_up(quant: bool) -> None:
 
 def test_q4_weights_are_the_onnx_weights_exactly() -> None:
     """MLX's affine form (bias = -zp*scale) dequantizes to ONNX's weights bit for bit."""
-    from runtime_metal.qweight import from_dequantize_linear
+    from fuselm.runtime_metal.qweight import from_dequantize_linear
 
     codes, scales, zps = _q4(128, 40)
     want = contract.dequantize_reference(codes, scales, zps, 32)
@@ -159,9 +159,9 @@ def test_tied_q4_embedding_gather_and_lm_head() -> None:
                                                     ("z", e_zps))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
     feeds = {"ids": ids, "h": h}
-    from runtime_metal.loader import LoadedGraph
-    from runtime_metal.plan import build_plan
-    from runtime_metal.qweight import QWeight
+    from fuselm.runtime_metal.loader import LoadedGraph
+    from fuselm.runtime_metal.plan import build_plan
+    from fuselm.runtime_metal.qweight import QWeight
 
     plan = build_plan(LoadedGraph(model, {"c": e_codes, "s": e_scales, "z": e_zps}, None))
     assert isinstance(plan.constants["e"], QWeight)  # packed once, no dense weight kept
@@ -170,7 +170,7 @@ def test_tied_q4_embedding_gather_and_lm_head() -> None:
 
 
 def test_unknown_op_names_domain_op_and_opset() -> None:
-    from runtime_metal.errors import UnsupportedOpError
+    from fuselm.runtime_metal.errors import UnsupportedOpError
 
     node = helper.make_node("Frobnicate", ["x"], ["y"], domain="acme")
     model = node_model(node, {"x": _f(2)}, ["y"])

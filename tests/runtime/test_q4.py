@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime_metal.engine import make_engine
-from runtime_metal.qweight import QWeight
-from runtime_metal.validate import engine_logits, rel
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.qweight import QWeight
+from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.runtime.conftest import convert, quantized_copy
 
 

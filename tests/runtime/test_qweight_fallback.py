@@ -5,7 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from runtime_metal.qweight import _DENSE_ALL, _DENSE_ROWS, from_dequantize_linear, probe_kernels
+from fuselm.runtime_metal.qweight import (
+    _DENSE_ALL,
+    _DENSE_ROWS,
+    from_dequantize_linear,
+    probe_kernels,
+)
 
 
 def test_dense_rows_fallback_matches_quantized_matmul() -> None:
