@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from fuselm.converter import pipeline
+from fuselm.converter.errors import UserError
 from fuselm.converter.pipeline import ConvertOptions
 from fuselm.converter.progress import stage_progress, stderr
 
@@ -122,6 +123,10 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
 
     root = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-"))
     ckpt = root / "checkpoint"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"-o {root} exists and is not a directory; give a new folder for the demo")
+    if ckpt.exists():  # never overwrite a model the user may have put there
+        raise UserError(f"{ckpt} already exists; give the demo a new -o folder")
     artifact_dir = root / "artifact"
     stderr.print(f"building a random-weight Qwen3-style checkpoint in {ckpt}")
     build_model(ckpt, "qwen3", seed=0)

@@ -46,35 +46,69 @@ def _weight_bytes(model) -> int:  # noqa: ANN001
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
+def _referenced(model_file: Path) -> set[str]:
+    """The external data files an existing ONNX model points at (none if it is unreadable)."""
+    import onnx
+
+    try:
+        model = onnx.load(str(model_file), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a model we wrote: nothing of ours to keep or remove
+        return set()
+    return {e.value for t in model.graph.initializer for e in t.external_data
+            if e.key == "location"}
+
+
+def _data_names(out: Path) -> tuple[str, set[str]]:
+    """The data file name for the new OUT.onnx, and the old model's data files it replaces.
+
+    OUT.onnx.data, unless the model being replaced still reads that name: then the other of two
+    names, so renaming the model is the single commit point (old model + old data, or new model
+    + new data; a kill never pairs a model with the other's weights)."""
+    names = (out.name + ".data", out.name + ".alt.data")
+    used = _referenced(out) if out.is_file() else set()
+    return next((n for n in names if n not in used), names[0]), used & set(names)
+
+
 def save_atomic(  # noqa: ANN001 - model: onnx.ModelProto
     model, out: Path, external: bool, base_dir: Path | None = None,
     deferred: dict | None = None,
 ) -> None:
-    """Write `out` (and `out`.data when external) via a temporary directory + rename.
+    """Write `out` (and its data file when external) via a temporary directory + rename.
 
     External: weights are streamed from `base_dir`'s data file and `deferred` values, as
-    run_pipeline left them (passes/writer.py).
+    run_pipeline left them (passes/writer.py). The data file is renamed in first, under a name
+    the model being replaced does not use, then the model; the old data file goes last.
     """
     import onnx
 
     from fuselm.passes.writer import write_model
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data_name = out.name + ".data"
-    tmp = Path(tempfile.mkdtemp(prefix=".fuselm-", dir=out.parent))
+    if out.is_dir():
+        raise UserError(f"-o {out} is a directory; give the output model's file name, "
+                        f"e.g. -o {out / 'model.onnx'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".fuselm-", dir=out.parent))
+    except OSError as e:
+        raise UserError(f"cannot write {out} ({e.strerror}); choose another -o") from None
     umask = os.umask(0)
     os.umask(umask)
     try:
-        names = [out.name]
+        names, stale = [out.name], set()
         if external:
+            data_name, stale = _data_names(out)
             write_model(model, tmp / out.name, base_dir=base_dir, deferred=deferred,
                         location=data_name)
             names.insert(0, data_name)  # the data first: the model never points at nothing
+            stale.discard(data_name)
         else:
             onnx.save_model(model, str(tmp / out.name))
+            stale = _data_names(out)[1]  # the old model's data: the new one is self-contained
         for name in names:
             os.chmod(tmp / name, 0o666 & ~umask)  # temp files are private; outputs are not
             os.replace(tmp / name, out.parent / name)
+        for name in stale:
+            (out.parent / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -92,6 +126,9 @@ def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json
     from fuselm.passes.model_io import check
 
     names = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
+    if output_path.is_dir():  # before the work, not after it
+        raise UserError(f"-o {output_path} is a directory; give the output model's file name, "
+                        f"e.g. -o {output_path / 'model.onnx'}")
     model = _load(input_path)
     external = any(t.data_location == 1 for t in model.graph.initializer) or \
         _weight_bytes(model) > _EXTERNAL_BYTES

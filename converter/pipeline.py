@@ -1,15 +1,14 @@
 """The convert pipeline: HF model dir → export → passes → (quantize) → artifact in OUT_DIR.
 
-Everything is written into a temporary sibling of OUT_DIR and moved into place at the end, so
-a failure never leaves a half-written OUT_DIR behind.
+Everything is written into a temporary sibling of OUT_DIR and swapped into place at the end, so
+a failure never leaves a half-written OUT_DIR behind (converter/out_dir.py: the swap, the
+refused -o paths, and the repair of what a killed conversion left).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -20,7 +19,7 @@ from typing import Any
 
 import onnx
 
-from fuselm.converter.errors import UserError
+from fuselm.converter import out_dir as out_dir_safety
 from fuselm.export.config import DecoderSpec
 from fuselm.export.onnx_export import export_model
 from fuselm.export.registry import decoder_spec
@@ -58,43 +57,6 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[pkg] = metadata.version(pkg)
     return out
-
-
-def _prepare_out_dir(out_dir: Path) -> Path:
-    """Check OUT_DIR can be (re)written; return a fresh temp folder beside it."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output path {out_dir} exists and is not a directory; choose another -o")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / artifact.MANIFEST).is_file():
-        raise UserError(
-            f"output directory {out_dir} is not empty and holds no fuselm artifact; "
-            "choose an empty or new directory"
-        )
-    parent = out_dir.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise UserError(
-            f"output path {out_dir} is not writable ({e.strerror}); choose another -o"
-        ) from None
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the artifact is not
-    return tmp
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / "prev")
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _copy_side_files(model_dir: Path, out: Path) -> list[str]:
@@ -207,8 +169,9 @@ def convert(
         lm_head=opts.quant_lm_head,
         embeddings=opts.quant_embeddings,
     )
+    out_dir_safety.check_paths(src, out)
     decoder_spec(src)
-    tmp = _prepare_out_dir(out)
+    tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
@@ -239,7 +202,7 @@ def convert(
         manifest.source["converted"] = datetime.now(UTC).isoformat(timespec="seconds")
         manifest.source["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
         artifact.write_manifest(tmp, manifest)
-        _move_into_place(tmp, out)
+        out_dir_safety.swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
