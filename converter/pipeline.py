@@ -25,7 +25,7 @@ from fuselm.export.onnx_export import export_model
 from fuselm.export.registry import decoder_spec
 from fuselm.passes import ops
 from fuselm.passes.quantize import validate_options
-from fuselm.runtime_metal import artifact
+from fuselm.runtime_metal import artifact, integrity
 
 Progress = Callable[[str, int, int], None]
 
@@ -199,6 +199,10 @@ def convert(
             manifest.passes = report.to_dict()
             manifest.quantization = _quantization_record(report)
         manifest.files["tokenizer"] = _copy_side_files(src, tmp)
+        t2 = time.perf_counter()
+        manifest.integrity = integrity.record(
+            tmp, [artifact.MODEL_FILE, artifact.DATA_FILE, *manifest.files["tokenizer"]])
+        seconds["hash"] = time.perf_counter() - t2
         manifest.source["converted"] = datetime.now(UTC).isoformat(timespec="seconds")
         manifest.source["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
         artifact.write_manifest(tmp, manifest)

@@ -82,10 +82,13 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
 @click.option("--device-sampling", is_flag=True,
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
+@click.option("--verify", "verify_files", is_flag=True,
+              help="hash the artifact's files against fuselm.json before loading")
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, repetition_penalty: float,
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
-        prefill_chunk: int, as_json: bool, profile: bool, device_sampling: bool) -> None:
+        prefill_chunk: int, as_json: bool, profile: bool, device_sampling: bool,
+        verify_files: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.generate import generate
     from fuselm.runtime_metal.tokenizer import (
@@ -98,6 +101,10 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
+    if verify_files:
+        from fuselm.converter.verify_cmd import verify_artifact
+
+        verify_artifact(out_dir)
     manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile)
     gen_cfg = generation_config(out_dir)
     tok = None

@@ -79,6 +79,7 @@ class Manifest:
     passes: dict[str, Any] = field(default_factory=dict)  # the pass manager's report
     steps: list[str] = field(default_factory=list)  # what was done, in order
     files: dict[str, Any] = field(default_factory=dict)
+    integrity: dict[str, Any] | None = None  # sizes and hashes of the files (integrity.py)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -128,14 +129,12 @@ def read_manifest(out_dir: str | Path) -> Manifest:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}); re-run `fuselm convert`") from e
-    if raw.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not a fuselm manifest (format={raw.get('format')!r})")
-    version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(
-            f"{path} has format_version {version}; this fuselm reads version {FORMAT_VERSION}. "
-            "Re-convert the model with this fuselm."
-        )
+    except PermissionError:
+        raise ArtifactError(f"cannot read {path}: permission denied; fix its permissions"
+                            ) from None
+    from fuselm.runtime_metal.manifest_schema import check  # it imports this module
+
+    check(raw, path)  # types, values and format_version, one field named per error
     try:
         return Manifest(
             model=ModelInfo(**raw["model"]),
@@ -148,6 +147,7 @@ def read_manifest(out_dir: str | Path) -> Manifest:
             passes=raw.get("passes", {}),
             steps=raw.get("steps", []),
             files=raw.get("files", {}),
+            integrity=raw.get("integrity"),
         )
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"{path} is missing or has malformed fields ({e}); re-convert") from e

@@ -22,6 +22,7 @@ from fuselm.runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDe
 from fuselm.runtime_metal.executor import Executor
 from fuselm.runtime_metal.kv_cache import KVCache
 from fuselm.runtime_metal.loader import load_graph
+from fuselm.runtime_metal.manifest_schema import check_graph_io, onnx_inputs
 from fuselm.runtime_metal.plan import build_plan
 from fuselm.runtime_metal.profile import Profiler
 from fuselm.runtime_metal.qweight import QWeight, probe_kernels, settle_affine, warm_dense
@@ -38,7 +39,9 @@ class MLXEngine:
         if fast_prefill is None:
             fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
         self.manifest = manifest
-        self.plan = build_plan(load_graph(model_path(out_dir)))
+        graph = load_graph(model_path(out_dir))
+        check_graph_io(manifest, onnx_inputs(graph.model), graph.path)
+        self.plan = build_plan(graph)
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]

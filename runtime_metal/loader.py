@@ -47,6 +47,19 @@ def _confined(root: Path, location: str, tensor: str) -> Path:
     return candidate
 
 
+def _map(file: Path) -> mmap.mmap:
+    try:
+        with open(file, "rb") as f:
+            if not f.seek(0, 2):  # mmap refuses an empty file; say what it means instead
+                raise RuntimeUserError(
+                    f"external data file {file} is empty (0 bytes); copy the whole output "
+                    "folder again, or re-run `fuselm convert`")
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except PermissionError:
+        raise RuntimeUserError(f"cannot read {file}: permission denied; fix its permissions"
+                               ) from None
+
+
 def _from_bytes(buf: memoryview | bytes, t: TensorProto) -> np.ndarray:
     shape = tuple(t.dims)
     n = int(np.prod(shape)) if shape else 1
@@ -82,8 +95,7 @@ def load_graph(model_file: str | Path) -> LoadedGraph:
                 info = _external_info(t)
                 file = _confined(root, info.get("location", ""), t.name)
                 if file not in maps:
-                    with open(file, "rb") as f:
-                        maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    maps[file] = _map(file)
                 offset = int(info.get("offset", 0))
                 length = int(info.get("length", len(maps[file]) - offset))
                 if offset + length > len(maps[file]):

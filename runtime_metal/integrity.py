@@ -1,0 +1,177 @@
+"""Integrity of an artifact's files: sizes and SHA-256 recorded at convert, checked later.
+
+fuselm.json's `integrity` section (written by `record`, read back as `Manifest.integrity`):
+
+    {"algorithm": "sha256",
+     "files":   {"model.onnx.data": {"size": 393216, "sha256": "…"}, "model.onnx": {…}, …},
+     "tensors": {"model.onnx.data": {"<initializer>": "<first 16 hex digits of its sha256>"}}}
+
+- every load checks the data files' sizes (`check_sizes`: one stat per file, so a truncated
+  copy, an empty file or a data file from another conversion is an error before any work);
+- `fuselm verify` and `run --verify` hash every recorded file (`verify`). When a data file's
+  hash differs, the per-tensor digests name the first damaged initializer: each digest covers
+  exactly the byte range the initializer's external data points at, so the damaged byte range
+  maps back to the tensor that owns it.
+
+Hashing costs one read of the data file at convert time (two hashes per byte: the file's and
+its tensor's) and one at verify time (the file's; the tensors' only after a mismatch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fuselm.runtime_metal.artifact import DATA_FILE, MODEL_FILE, ArtifactError, Manifest
+
+ALGORITHM = "sha256"
+_CHUNK = 8 << 20
+_TENSOR_DIGITS = 16
+
+
+def _open(path: Path):  # noqa: ANN202 - a binary file
+    try:
+        return path.open("rb")
+    except PermissionError:
+        raise ArtifactError(f"cannot read {path}: permission denied; fix its permissions") from None
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with _open(path) as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tensor_ranges(model_file: Path) -> dict[str, list[tuple[int, int, str]]]:
+    """data file name -> [(offset, length, initializer name)] sorted by offset."""
+    import onnx
+
+    model = onnx.load(str(model_file), load_external_data=False)
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        if "location" in info and "length" in info:
+            out.setdefault(info["location"], []).append(
+                (int(info.get("offset", 0)), int(info["length"]), t.name))
+    for spans in out.values():
+        spans.sort()
+    return out
+
+
+def _tensor_digests(path: Path, spans: list[tuple[int, int, str]]) -> dict[str, str]:
+    digests = {}
+    with _open(path) as f:
+        for offset, length, name in spans:
+            f.seek(offset)
+            h, left = hashlib.sha256(), length
+            while left > 0 and (chunk := f.read(min(_CHUNK, left))):
+                h.update(chunk)
+                left -= len(chunk)
+            digests[name] = h.hexdigest()[:_TENSOR_DIGITS]
+    return digests
+
+
+def record(root: Path, names: list[str]) -> dict[str, Any]:
+    """Sizes and hashes of the artifact files `names` in `root` (those that exist)."""
+    files = {}
+    for name in names:
+        path = root / name
+        if path.is_file():
+            files[name] = {"size": path.stat().st_size, ALGORITHM: file_digest(path)}
+    tensors = {}
+    if (root / MODEL_FILE).is_file():
+        for location, spans in tensor_ranges(root / MODEL_FILE).items():
+            if location in files:
+                tensors[location] = _tensor_digests(root / location, spans)
+    return {"algorithm": ALGORITHM, "files": files, "tensors": tensors}
+
+
+def _data_files(manifest: Manifest) -> list[str]:
+    recorded = (manifest.integrity or {}).get("files", {})
+    names = [n for n in recorded if n != MODEL_FILE and n.endswith(".data")]
+    data = manifest.files.get("data", DATA_FILE)
+    return names or ([data] if isinstance(data, str) else [DATA_FILE])
+
+
+def check_sizes(out_dir: str | Path, manifest: Manifest) -> None:
+    """Cheap load-time check: each weight file is there, non-empty, and of the recorded size."""
+    root = Path(out_dir)
+    recorded = (manifest.integrity or {}).get("files", {})
+    for name in _data_files(manifest):
+        path = root / name
+        if not path.is_file():
+            if name in recorded:
+                raise ArtifactError(
+                    f"{path} is missing; copy the whole output folder, or re-run `fuselm convert`")
+            continue  # an older artifact: the loader reports what the model needs
+        size = path.stat().st_size
+        if size == 0:
+            raise ArtifactError(
+                f"{path} is empty (0 bytes): the weights were lost in a copy or an interrupted "
+                "write; copy the folder again or re-run `fuselm convert`")
+        want = recorded.get(name, {}).get("size")
+        if want is not None and size != want:
+            raise ArtifactError(
+                f"{path} has {size} bytes but fuselm.json records {want}: it is truncated or "
+                "from another conversion; copy the folder again or re-run `fuselm convert` "
+                f"(`fuselm verify {root}` checks every file)")
+
+
+@dataclass
+class VerifyReport:
+    files: dict[str, str] = field(default_factory=dict)  # name -> "ok" | what is wrong
+    bytes_hashed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return all(v == "ok" for v in self.files.values())
+
+    def first_problem(self) -> str | None:
+        return next((f"{n}: {v}" for n, v in self.files.items() if v != "ok"), None)
+
+
+def _first_bad_tensor(root: Path, name: str, want: dict[str, str]) -> str:
+    spans = tensor_ranges(root / MODEL_FILE).get(name, [])
+    got = _tensor_digests(root / name, [s for s in spans if s[2] in want])
+    for offset, length, tensor in spans:
+        if tensor in got and got[tensor] != want[tensor]:
+            return (f"tensor {tensor!r} is damaged (bytes {offset}..{offset + length} of "
+                    f"{name})")
+    return "the damage lies outside every tensor's bytes (alignment padding)"
+
+
+def verify(out_dir: str | Path, manifest: Manifest) -> VerifyReport:
+    """Hash every file fuselm.json records; name the first damaged tensor of a data file."""
+    root = Path(out_dir)
+    integrity = manifest.integrity or {}
+    if not integrity.get("files"):
+        raise ArtifactError(
+            f"{root}/fuselm.json records no file hashes (converted by an older fuselm); "
+            "re-run `fuselm convert` to get an artifact that can be verified")
+    if integrity.get("algorithm", ALGORITHM) != ALGORITHM:
+        raise ArtifactError(f"unknown hash algorithm {integrity.get('algorithm')!r} in "
+                            f"{root}/fuselm.json; this fuselm checks {ALGORITHM}")
+    report = VerifyReport()
+    for name, want in integrity["files"].items():
+        path = root / name
+        if not path.is_file():
+            report.files[name] = "missing"
+            continue
+        size = path.stat().st_size
+        if size != want.get("size"):
+            report.files[name] = f"{size} bytes, fuselm.json records {want.get('size')}"
+            continue
+        report.bytes_hashed += size
+        if file_digest(path) == want.get(ALGORITHM):
+            report.files[name] = "ok"
+            continue
+        tensors = integrity.get("tensors", {}).get(name)
+        detail = _first_bad_tensor(root, name, tensors) if tensors else "content differs"
+        report.files[name] = f"sha256 differs: {detail}"
+    return report
