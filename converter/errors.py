@@ -17,4 +17,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from fuselm.runtime_metal.artifact import ArtifactError
     from fuselm.runtime_metal.errors import RuntimeUserError
 
-    return (UserError, ExportError, PassesError, ArtifactError, RuntimeUserError)
+    # PermissionError: a file the user cannot read or a folder they cannot write; its message
+    # names the path. It is never a fuselm bug, so it gets one line too.
+    return (UserError, ExportError, PassesError, ArtifactError, RuntimeUserError,
+            PermissionError)

@@ -92,6 +92,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.generate import generate
     from fuselm.runtime_metal.tokenizer import (
+        check_text,
         encode_prompt,
         eos_ids,
         generation_config,
@@ -109,6 +110,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     gen_cfg = generation_config(out_dir)
     tok = None
     if prompt is not None:
+        check_text(prompt)
         tok = load_tokenizer(out_dir)
         ids = encode_prompt(tok, prompt, raw=raw)
     else:

@@ -15,6 +15,7 @@ from fuselm.runtime_metal.sampling import (
     DeviceSampler,
     Sampler,
     SamplingOptions,
+    check_finite,
     make_device_sampler,
     make_sampler,
 )
@@ -109,7 +110,9 @@ def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
     last = (ids.size - 1) // chunk * chunk
     for start in range(0, last, chunk):
         engine.forward(ids[None, start:start + chunk])
-    y = sample(engine.forward_device(ids[None, last:]))
+    logits = engine.forward_device(ids[None, last:])
+    check_finite(np.array(logits))  # once per generation: the prefill already waits for it
+    y = sample(logits)
     mx.async_eval(y)
     t1 = t0
     fed_ahead = 0  # tokens fed to the cache but not yet handed to the caller
@@ -134,6 +137,17 @@ def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
     finally:
         if fed_ahead:  # the caller stopped early: forget the token it never saw
             engine.trim(fed_ahead)
+
+
+def check_token_ids(prompt: Sequence[int], vocab_size: int) -> None:
+    """Every prompt id must index the model's vocabulary (a tokenizer from another model does
+    not; MLX's gather would read row 0 and onnxruntime would fail deep inside)."""
+    bad = next((int(t) for t in prompt if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise RuntimeUserError(
+            f"token id {bad} is outside the model's vocabulary [0, {vocab_size}); the tokenizer "
+            "does not belong to this model (copy the checkpoint's tokenizer files into the "
+            "artifact, or re-convert)")
 
 
 def check_context(prompt_len: int, max_new_tokens: int, context_length: int) -> int:
@@ -166,6 +180,9 @@ def generate(
     device_sampling (engines with a device decode step, i.e. MLX): None = on device when greedy
     (the same tokens as the host, pipelined); True = also random sampling on device (MLX's
     generator: draws differ from the host's); False = always on the host."""
+    manifest = getattr(engine, "manifest", None)
+    if manifest is not None:
+        check_token_ids(prompt, manifest.model.vocab_size)
     if reset:
         engine.reset()
     if context_length is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,14 +22,31 @@ class SamplingOptions:
     seed: int | None = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise RuntimeUserError(f"temperature must be >= 0, got {self.temperature}")
+        # Written so that NaN fails every check (every comparison with NaN is False).
+        if not (0 <= self.temperature < math.inf):
+            raise RuntimeUserError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise RuntimeUserError(f"top-k must be >= 0, got {self.top_k}")
+            raise RuntimeUserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise RuntimeUserError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise RuntimeUserError("repetition penalty must be > 0")
+            raise RuntimeUserError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not (0 < self.repetition_penalty < math.inf):
+            raise RuntimeUserError(
+                f"repetition penalty must be a finite number > 0 (1 = off), got "
+                f"{self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RuntimeUserError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+def check_finite(logits: np.ndarray) -> None:
+    """Stop on NaN/Inf logits: the weights or the computation broke, and sampling from them
+    would pick token 0 forever (argmax) or fail deep inside numpy."""
+    if not np.isfinite(logits).all():
+        bad = "NaN" if np.isnan(logits).any() else "infinite"
+        raise RuntimeUserError(
+            f"the model produced {bad} logits, so no token can be chosen; the weights hold "
+            "NaN/Inf or overflow this dtype (re-convert with --dtype float32, or check the "
+            "checkpoint)")
 
 
 def apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: float
@@ -47,6 +65,7 @@ def make_sampler(opts: SamplingOptions) -> Sampler:
     rng = np.random.default_rng(opts.seed)
 
     def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+        check_finite(logits)
         logits = apply_repetition_penalty(logits.astype(np.float32), history,
                                           opts.repetition_penalty)
         if opts.temperature == 0:

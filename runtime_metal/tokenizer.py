@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from fuselm.runtime_metal.artifact import GENERATION_CONFIG, Manifest
+import jinja2
+
+from fuselm.runtime_metal.artifact import (
+    GENERATION_CONFIG,
+    TOKENIZER_FILES,
+    ArtifactError,
+    Manifest,
+    read_manifest,
+)
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 
@@ -16,12 +25,44 @@ def load_tokenizer(out_dir: str | Path) -> Any:  # a transformers PreTrainedToke
         raise RuntimeUserError(
             f"{root} has no tokenizer files; pass --prompt-ids, or re-convert from a checkpoint "
             "that has them")
+    missing = [n for n in _recorded_tokenizer_files(root) if not (root / n).is_file()]
+    if missing:
+        raise RuntimeUserError(
+            f"{root} lacks tokenizer file(s) {', '.join(missing)} that the conversion copied; "
+            "copy the whole output folder again, or pass --prompt-ids")
+    for name in TOKENIZER_FILES:
+        if (root / name).is_file() and not os.access(root / name, os.R_OK):
+            raise RuntimeUserError(f"cannot read {root / name}: permission denied; fix its "
+                                   "permissions")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(root))
     except Exception as e:  # transformers raises many types for broken tokenizer files
-        raise RuntimeUserError(f"cannot load the tokenizer in {root}: {e}") from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeUserError(f"cannot load the tokenizer in {root}: {first}") from e
+
+
+def _recorded_tokenizer_files(root: Path) -> list[str]:
+    """The tokenizer files fuselm.json says the conversion copied (none if it cannot say)."""
+    try:
+        files = read_manifest(root).files.get("tokenizer", [])
+    except ArtifactError:
+        return []
+    return [n for n in files if isinstance(n, str) and n in TOKENIZER_FILES]
+
+
+def check_text(text: str, what: str = "--prompt") -> str:
+    """Refuse text that is not valid Unicode: bytes that were not UTF-8 reach Python as lone
+    surrogates (e.g. from argv or stdin), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start:e.end].encode("utf-8", "surrogateescape")
+        raise RuntimeUserError(
+            f"{what} is not valid UTF-8 (bytes {bad!r} at character {e.start}); pass UTF-8 "
+            "text, or token ids with --prompt-ids") from None
+    return text
 
 
 def generation_config(out_dir: str | Path) -> dict[str, Any]:
@@ -30,8 +71,11 @@ def generation_config(out_dir: str | Path) -> dict[str, Any]:
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RuntimeUserError(f"{path} is not valid JSON ({e})") from e
+    except PermissionError:
+        raise RuntimeUserError(f"cannot read {path}: permission denied; fix its permissions"
+                               ) from None
 
 
 def eos_ids(manifest: Manifest, gen_config: dict[str, Any], tokenizer: Any = None) -> list[int]:
@@ -41,6 +85,10 @@ def eos_ids(manifest: Manifest, gen_config: dict[str, Any], tokenizer: Any = Non
     ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise RuntimeUserError(
+            f"generation_config.json's eos_token_id must be an integer or a list of integers, "
+            f"got {eos!r}; fix it in the artifact folder")
     return sorted(int(i) for i in ids)
 
 
@@ -49,7 +97,14 @@ def encode_prompt(tokenizer: Any, text: str, raw: bool = False,
     """Apply the chat template when the tokenizer has one (unless `raw`)."""
     if not raw and getattr(tokenizer, "chat_template", None):
         messages = [*(history or []), {"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+        except jinja2.TemplateError as e:  # a syntax error, or the sandbox refused an action
+            raise RuntimeUserError(
+                f"the model's chat template cannot be applied ({type(e).__name__}: {e}); fix "
+                "chat_template.jinja / tokenizer_config.json in the artifact, or pass --raw"
+            ) from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
