@@ -22,7 +22,11 @@ from fuselm.runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDe
 from fuselm.runtime_metal.executor import Executor
 from fuselm.runtime_metal.kv_cache import KVCache
 from fuselm.runtime_metal.loader import load_graph
-from fuselm.runtime_metal.manifest_schema import check_graph_io, onnx_inputs
+from fuselm.runtime_metal.manifest_schema import (
+    check_graph_io,
+    onnx_inputs,
+    onnx_past_dtype,
+)
 from fuselm.runtime_metal.plan import build_plan
 from fuselm.runtime_metal.profile import Profiler
 from fuselm.runtime_metal.qweight import QWeight, probe_kernels, settle_affine, warm_dense
@@ -40,7 +44,8 @@ class MLXEngine:
             fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
         self.manifest = manifest
         graph = load_graph(model_path(out_dir))
-        check_graph_io(manifest, onnx_inputs(graph.model), graph.path)
+        check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
+                       onnx_past_dtype(graph.model))
         self.plan = build_plan(graph)
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler

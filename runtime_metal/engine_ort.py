@@ -15,7 +15,7 @@ import numpy as np
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.graph_io import PAST, present_for
-from fuselm.runtime_metal.manifest_schema import check_graph_io
+from fuselm.runtime_metal.manifest_schema import check_graph_io, ort_past_dtype
 from fuselm.runtime_metal.ort_session import OPTIMIZATION_LEVELS, make_session
 
 
@@ -42,7 +42,8 @@ class OrtEngine:
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}
-        check_graph_io(manifest, {n: i.shape for n, i in self._inputs.items()}, path)
+        check_graph_io(manifest, {n: i.shape for n, i in self._inputs.items()}, path,
+                       ort_past_dtype(self.session.get_inputs()))
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._past_names = sorted((n for n in self._inputs if PAST.match(n)),
                                   key=lambda n: (int(PAST.match(n).group(1)), n))

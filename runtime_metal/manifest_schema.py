@@ -180,9 +180,16 @@ def _check_integrity(section: dict[str, Any] | None, path: Path) -> None:
 Shape = Sequence[int | str | None]
 
 
-def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: Path) -> None:
-    """The manifest's layers, KV heads and head_dim must match model.onnx's past_key_values."""
+def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: Path,
+                   past_dtype: str | None = None) -> None:
+    """The manifest's layers, KV heads, head_dim and dtype must match model.onnx's
+    past_key_values inputs (`past_dtype`: their element type, float32 | float16, if known)."""
     m = manifest.model
+    if past_dtype in DTYPES and past_dtype != manifest.dtype:
+        raise ArtifactError(
+            f"fuselm.json says dtype = {manifest.dtype} but {model_file}'s past_key_values "
+            f"inputs are {past_dtype}; the two files come from different conversions: re-run "
+            "`fuselm convert`")
     layers = {int(g.group(1)) for n in inputs if (g := PAST.match(n))}
     if layers and len(layers) != m.num_layers:
         raise ArtifactError(
@@ -200,6 +207,19 @@ def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: 
                     f"fuselm.json says model.{field_name} = {want} but {model_file} input "
                     f"{name} has {got} on that axis (shape {list(shape)}); the two files come "
                     "from different conversions: re-run `fuselm convert`")
+
+
+def onnx_past_dtype(model: Any) -> str | None:
+    """float32 | float16: the element type of an onnx.ModelProto's past_key_values inputs."""
+    names = {1: "float32", 10: "float16"}
+    return next((names.get(vi.type.tensor_type.elem_type) for vi in model.graph.input
+                 if PAST.match(vi.name)), None)
+
+
+def ort_past_dtype(inputs: Sequence[Any]) -> str | None:
+    """The same, from onnxruntime's NodeArg list (types written 'tensor(float16)')."""
+    names = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+    return next((names.get(i.type) for i in inputs if PAST.match(i.name)), None)
 
 
 def onnx_inputs(model: Any) -> dict[str, list[int | str | None]]:

@@ -1,0 +1,171 @@
+"""Artifact integrity and fuselm.json's schema: hashes, sizes, typed fields, graph agreement.
+
+Every bad case ends in one `error:` line and exit code 2 (the CLI's user-error path), on both
+engines where the engine matters.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.cli import main
+from fuselm.runtime_metal.integrity import tensor_ranges
+
+ENGINES = ("mlx", "onnxruntime")
+
+
+def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    old = sys.argv
+    sys.argv = ["fuselm", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    finally:
+        sys.argv = old
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def one_error(code: int, err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
+    return lines[0]
+
+
+@pytest.fixture()
+def art(qwen3_artifact: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "art"
+    shutil.copytree(qwen3_artifact, out)
+    return out
+
+
+def _edit_manifest(art: Path, edit) -> None:  # noqa: ANN001
+    path = art / "fuselm.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+
+
+def test_verify_ok(capsys, art: Path) -> None:  # noqa: ANN001
+    code, err = cli(capsys, "verify", str(art))
+    assert code == 0 and err.startswith("ok: ")
+    code, _ = cli(capsys, "run", str(art), "--prompt-ids", "1,2", "-n", "2", "--verify",
+                  "--engine", "onnxruntime")
+    assert code == 0
+
+
+def test_random_bytes_of_the_right_size_caught_by_verify(capsys, art: Path) -> None:  # noqa: ANN001
+    data = art / "model.onnx.data"
+    data.write_bytes(np.random.default_rng(0).bytes(data.stat().st_size))
+    first = tensor_ranges(art / "model.onnx")["model.onnx.data"][0][2]
+    line = one_error(*cli(capsys, "verify", str(art)))
+    assert "model.onnx.data" in line and f"tensor {first!r}" in line
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--verify"))
+    assert "failed verification" in line
+
+
+def test_verify_names_the_damaged_tensor(capsys, art: Path) -> None:  # noqa: ANN001
+    spans = tensor_ranges(art / "model.onnx")["model.onnx.data"]
+    offset, length, name = spans[len(spans) // 2]
+    with (art / "model.onnx.data").open("r+b") as f:
+        f.seek(offset + length - 1)
+        byte = f.read(1)
+        f.seek(offset + length - 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    line = one_error(*cli(capsys, "verify", str(art)))
+    assert f"tensor {name!r}" in line and f"bytes {offset}..{offset + length}" in line
+
+
+def test_verify_without_hashes(capsys, art: Path) -> None:  # noqa: ANN001
+    _edit_manifest(art, lambda raw: raw.pop("integrity"))
+    line = one_error(*cli(capsys, "verify", str(art)))
+    assert "records no file hashes" in line
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_zero_byte_data_file(capsys, art: Path, engine: str) -> None:  # noqa: ANN001
+    (art / "model.onnx.data").write_bytes(b"")
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
+    assert "model.onnx.data" in line and "empty" in line
+    _edit_manifest(art, lambda raw: raw.pop("integrity"))  # an artifact without a record
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
+    assert "model.onnx.data" in line and "empty" in line
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_truncated_data_file_caught_at_load(capsys, art: Path, engine: str) -> None:  # noqa: ANN001
+    data = art / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:-64])
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
+    assert "model.onnx.data" in line and "fuselm.json records" in line
+
+
+def _set(path: str, value: object):  # noqa: ANN202
+    def edit(raw: dict) -> None:
+        *parents, last = path.split(".")
+        node = raw
+        for p in parents:
+            node = node[p]
+        node[last] = value
+
+    return edit
+
+
+SCHEMA_CASES = {
+    "kv heads as a string": ("model.num_kv_heads", "2", "model.num_kv_heads", "'2'"),
+    "kv heads not dividing heads": ("model.num_kv_heads", 3, "model.num_kv_heads", "divisor"),
+    "head_dim zero": ("model.head_dim", 0, "model.head_dim", ">= 1"),
+    "head_dim a float": ("model.head_dim", 24.5, "model.head_dim", "an integer"),
+    "dtype unknown": ("dtype", "bfloat8", "dtype", "float32 or float16"),
+    "eos as a string": ("special_tokens.eos", "2", "special_tokens.eos", "'2'"),
+    "bos as a list": ("special_tokens.bos", [1, 2], "special_tokens.bos", "null or an integer"),
+    "eos outside vocab": ("special_tokens.eos", [10**6], "special_tokens.eos", "[0, 384)"),
+    "format_version a string": ("format_version", "1", "format_version", "the integer 1"),
+    "layers negative": ("model.num_layers", -1, "model.num_layers", ">= 1"),
+    "eps a string": ("model.rms_norm_eps", "1e-6", "model.rms_norm_eps", "a number"),
+    "model a list": ("model", [], "model", "an object"),
+    "tied as an int": ("model.tie_word_embeddings", 1, "tie_word_embeddings", "true/false"),
+    "bad digest": ("integrity.files.model.onnx.data", {"size": 1, "sha256": "x"}, "sha256",
+                   "64 lowercase hex"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_CASES))
+def test_manifest_field_errors(capsys, art: Path, case: str) -> None:  # noqa: ANN001
+    field, value, needle, allowed = SCHEMA_CASES[case]
+    if field.startswith("integrity.files."):
+        _edit_manifest(art, lambda raw: raw["integrity"]["files"].__setitem__(
+            "model.onnx.data", value))
+    else:
+        _edit_manifest(art, _set(field, value))
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2",
+                          "--engine", "onnxruntime"))
+    assert needle in line and allowed in line and "fuselm.json" in line
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("field", "value"), [("num_kv_heads", 1), ("head_dim", 16),
+                                              ("num_layers", 3)])
+def test_manifest_disagrees_with_graph(capsys, art: Path, engine: str, field: str,  # noqa: ANN001
+                                       value: int) -> None:
+    _edit_manifest(art, _set(f"model.{field}", value))
+    if field == "head_dim":
+        _edit_manifest(art, _set("rope.rotary_dim", value))
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
+    assert f"model.{field} = {value}" in line and "model.onnx" in line
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_manifest_dtype_disagrees_with_graph(capsys, art: Path, engine: str) -> None:  # noqa: ANN001
+    _edit_manifest(art, _set("dtype", "float16"))
+    line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
+    assert "dtype = float16" in line and "float32" in line
