@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fuselm.converter.builtin import build_model
 from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.errors import ExportError
 from fuselm.export.tensor_match import check_tensor_names
@@ -30,8 +29,8 @@ UP = "model.layers.1.mlp.up_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model(tmp_path_factory.mktemp("good"), "qwen3", seed=3)
+def good(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("qwen3")  # the session's tiny Qwen3 (tests/export/conftest.py)
 
 
 def _rope(theta: float) -> dict:
