@@ -57,6 +57,8 @@ def _passes(value: str | None) -> list[str] | None:
 @click.option("--keep-intermediate", is_flag=True, help="Keep raw.onnx beside the output.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 @click.option("--quiet", is_flag=True, help="No progress output.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Convert NaN/Inf weights instead of refusing (recorded in fuselm.json).")
 def convert_command(
     model_dir: Path,
     out_dir: Path,
@@ -71,6 +73,7 @@ def convert_command(
     keep_intermediate: bool,
     as_json: bool,
     quiet: bool,
+    allow_nonfinite: bool,
 ) -> None:
     """Convert an HF decoder checkpoint (MODEL_DIR) into a fused ONNX artifact."""
     opts = ConvertOptions(
@@ -83,11 +86,15 @@ def convert_command(
         quant_lm_head=quant_lm_head,
         quant_embeddings=quant_embeddings,
         keep_intermediate=keep_intermediate,
+        allow_nonfinite=allow_nonfinite,
     )
     with stage_progress(not quiet and not as_json) as progress:
         result = pipeline.convert(model_dir, out_dir, opts, progress)
     if result.report is not None and not quiet:
         stderr.print(result.report.render())
+    if result.manifest.source.get("nonfinite_tensors"):  # allowed, but never silently
+        bad = result.manifest.source["nonfinite_tensors"]
+        stderr.print(f"[yellow]warning:[/] {len(bad)} tensor(s) hold NaN/Inf: {', '.join(bad[:4])}")
     summary = {
         "out_dir": str(result.out_dir),
         "architecture": result.manifest.model.architecture,

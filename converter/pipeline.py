@@ -23,7 +23,9 @@ from fuselm.converter import out_dir as out_dir_safety
 from fuselm.export.config import DecoderSpec
 from fuselm.export.onnx_export import export_model
 from fuselm.export.registry import decoder_spec
+from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
+from fuselm.passes.manager import select
 from fuselm.passes.quantize import validate_options
 from fuselm.runtime_metal import artifact, integrity
 
@@ -41,6 +43,7 @@ class ConvertOptions:
     quant_lm_head: bool = False
     quant_embeddings: bool = False
     keep_intermediate: bool = False
+    allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
 
 @dataclass
@@ -170,12 +173,14 @@ def convert(
         embeddings=opts.quant_embeddings,
     )
     out_dir_safety.check_paths(src, out)
-    decoder_spec(src)
+    if opts.optimize:
+        select(opts.passes)  # unknown --passes names: refused before the export, not after
+    check_tokenizer(src, decoder_spec(src).vocab_size)
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
-        exported = export_model(src, raw, opts.dtype, progress)
+        exported = export_model(src, raw, opts.dtype, progress, opts.allow_nonfinite)
         seconds["export"] = time.perf_counter() - t0
         steps = ["export"]
         report = None
@@ -195,6 +200,8 @@ def convert(
         steps.append("check")
         manifest = _manifest(exported.spec, exported.dtype, src, exported.checkpoint_dtype, opts)
         manifest.steps = steps
+        if opts.allow_nonfinite:
+            manifest.source["nonfinite_tensors"] = exported.nonfinite
         if report is not None:
             manifest.passes = report.to_dict()
             manifest.quantization = _quantization_record(report)

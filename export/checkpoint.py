@@ -6,16 +6,15 @@ unpickling a user's file runs arbitrary code.
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fuselm.export.errors import ExportError
+from fuselm.export.safetensors_header import read_header
+from fuselm.export.shard_index import INDEX, shard_files
 
-INDEX = "model.safetensors.index.json"
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 _DTYPES = {
     "F32": torch.float32,
@@ -39,36 +38,6 @@ class TensorInfo:
     nbytes: int
 
 
-def _header_length(path: Path) -> int:
-    with path.open("rb") as f:
-        return struct.unpack("<Q", f.read(8))[0]
-
-
-def _read_header(path: Path) -> dict:
-    """Parse a safetensors header and check that the file holds every byte it promises."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("file shorter than its 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError("header length exceeds the file size")
-            header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ExportError(
-            f"{path} is not a valid safetensors file ({e}); re-download or re-save the checkpoint"
-        ) from e
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ExportError(
-            f"{path} is truncated: its header describes {8 + n + end} bytes but the file has "
-            f"{size}; re-download or re-save the checkpoint"
-        )
-    return header
-
-
 class Checkpoint:
     """The tensors of a model directory, read lazily one at a time."""
 
@@ -77,36 +46,22 @@ class Checkpoint:
         self.files = self._find_files()
         self.tensors: dict[str, TensorInfo] = {}
         for file in self.files:
-            header = _read_header(file)
-            base = 8 + _header_length(file)
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _DTYPES.get(meta["dtype"])
+            for name, entry in read_header(file).items():  # checked: export/safetensors_header
+                dtype = _DTYPES.get(entry.dtype)
                 if dtype is None:
+                    raise ExportError(f"{file}: tensor {name} has unsupported dtype {entry.dtype}")
+                if name in self.tensors:
                     raise ExportError(
-                        f"{file}: tensor {name} has unsupported dtype {meta['dtype']}"
+                        f"tensor {name!r} is stored twice, in {self.tensors[name].file.name} and "
+                        f"{file.name}; re-save the checkpoint"
                     )
-                begin, end = meta["data_offsets"]
                 self.tensors[name] = TensorInfo(
-                    name, file, dtype, tuple(meta["shape"]), base + begin, end - begin
+                    name, file, dtype, entry.shape, entry.start, entry.nbytes
                 )
 
     def _find_files(self) -> list[Path]:
-        index = self.root / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ExportError(f"{index} is malformed ({e}); re-save the checkpoint") from e
-            files = sorted({self.root / f for f in weight_map.values()})
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise ExportError(
-                    f"{index} names shards that are missing: {', '.join(missing)}; "
-                    "copy the complete checkpoint"
-                )
-            return files
+        if (self.root / INDEX).is_file():
+            return shard_files(self.root)  # shape checked, paths confined: export/shard_index
         files = sorted(self.root.glob("*.safetensors"))
         if files:
             return files

@@ -14,16 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from fuselm.export.config_check import check_config
 from fuselm.export.errors import ExportError
 
-REQUIRED_KEYS = (
-    "architectures",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "vocab_size",
-)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -79,11 +72,7 @@ def read_raw_config(model_dir: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not valid JSON ({e})") from e
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
-    if missing:
-        raise ExportError(f"{path} is missing required keys: {', '.join(missing)}")
-    if not raw["architectures"]:
-        raise ExportError(f"{path}: `architectures` is empty; it names the model class")
+    check_config(raw, path, ROPE_TYPES)  # types, ranges, ids: before transformers sees them
     return raw
 
 

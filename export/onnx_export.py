@@ -23,7 +23,9 @@ from fuselm.export.config import DecoderSpec
 from fuselm.export.decoder import Decoder
 from fuselm.export.errors import ExportError
 from fuselm.export.registry import decoder_spec
+from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
+from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -38,6 +40,7 @@ class ExportResult:
     checkpoint_dtype: str
     seconds: dict[str, float] = field(default_factory=dict)
     weight_bytes: int = 0
+    nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -171,6 +174,7 @@ def write_weights(
     data_path: Path,
     dtype: torch.dtype,
     progress: Callable[[int, int], None] | None = None,
+    screen: WeightScreen | None = None,
 ) -> int:
     """Stream every parameter from the checkpoint into `data_path`; add external initializers."""
     sources = module.weight_sources()
@@ -180,6 +184,8 @@ def write_weights(
     with data_path.open("wb") as f:
         for i, (name, src) in enumerate(sources.items()):
             tensor = ckpt.get(src.hf_name)
+            if screen is not None:
+                screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
             if src.transpose:
                 tensor = tensor.t()
             array = tensor.to(dtype).contiguous().numpy()
@@ -213,6 +219,7 @@ def export_model(
     onnx_path: str | Path,
     dtype: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    allow_nonfinite: bool = False,
 ) -> ExportResult:
     """Export `model_dir` to `onnx_path` (+ `onnx_path`.data). The caller owns atomicity."""
     t0 = time.perf_counter()
@@ -226,6 +233,8 @@ def export_model(
     )
     with torch.device("meta"):
         probe = Decoder(spec, graph_dtype)
+    expected = [s.hf_name for s in probe.weight_sources().values()]
+    check_tensor_names(expected, ckpt.tensors, ckpt.root, spec.num_layers, spec.tie_word_embeddings)
     _check_weights(probe, ckpt)
     if progress:
         progress("trace", 0, 1)
@@ -236,6 +245,7 @@ def export_model(
     t1 = time.perf_counter()
     onnx_path = Path(onnx_path)
     data_path = onnx_path.with_name(onnx_path.name + ".data")
+    screen = WeightScreen(graph_dtype, allow_nonfinite)
     result.weight_bytes = write_weights(
         model,
         module,
@@ -243,7 +253,9 @@ def export_model(
         data_path,
         graph_dtype,
         (lambda i, n: progress("weights", i, n)) if progress else None,
+        screen,
     )
+    result.nonfinite = screen.nonfinite
     result.seconds["weights"] = time.perf_counter() - t1
     model.producer_name = "fuselm"
     ops.attach_functions(model)

@@ -29,6 +29,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from fuselm.passes.attention import AttentionFusion
 from fuselm.passes.cleanup import Cleanup
 from fuselm.passes.dead_shape import RemoveDeadShapeOp
+from fuselm.passes.errors import PassesError
 from fuselm.passes.graph import PassResult, histogram
 from fuselm.passes.model_io import to_graph, to_model
 from fuselm.passes.pair_gate_up import GateUpPairing
@@ -61,8 +62,8 @@ PIPELINE: list[Pass] = [
 PASS_NAMES = tuple(dict.fromkeys(p.name for p in PIPELINE))
 
 
-class PipelineError(ValueError):
-    """Bad pipeline request (an unknown pass name)."""
+class PipelineError(PassesError, ValueError):
+    """Bad pipeline request (an unknown pass name): a user error, reported in one line."""
 
 
 @dataclass

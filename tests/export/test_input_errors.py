@@ -1,0 +1,204 @@
+"""Each malformed input of the reliability issues (17, 18) as a regression: convert refuses it
+with one `error:` line (exit 2) naming the problem, before any output exists."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from fuselm.export.checkpoint import Checkpoint
+from fuselm.export.errors import ExportError
+from fuselm.export.tensor_match import check_tensor_names
+from fuselm.export.weight_screen import WeightScreen
+from tests.export.inputs import (
+    copy_model,
+    edit_config,
+    edit_header,
+    edit_tensors,
+    error_line,
+    run_cli,
+)
+
+EMBED = "model.embed_tokens.weight"
+UP = "model.layers.1.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def good(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("qwen3")  # the session's tiny Qwen3 (tests/export/conftest.py)
+
+
+def _rope(theta: float) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+
+
+def _set(tensors: dict, name: str, value: float, dtype: torch.dtype | None = None) -> None:
+    if dtype is not None:
+        for k in tensors:
+            tensors[k] = tensors[k].to(dtype)
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[5] = value
+
+
+def _symlink_tokenizer(model: Path) -> None:
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(model / "config.json")
+
+
+def _index(weight_map: object) -> Callable[[Path], None]:
+    def edit(model: Path) -> None:
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    return edit
+
+
+def _outside_shard(model: Path) -> None:
+    # A complete, valid checkpoint outside the folder: it used to convert (exit 0).
+    outside = model.parent / "outside"
+    outside.mkdir()
+    os.replace(model / "model.safetensors", outside / "secret.safetensors")
+    _index({EMBED: "../outside/secret.safetensors"})(model)
+
+
+def _fewer_layers(model: Path) -> None:
+    edit_config(model, num_hidden_layers=1, layer_types=["full_attention"])
+
+
+def _extra_tensor(model: Path) -> None:
+    edit_tensors(model, lambda t: t.__setitem__("model.extra_gate.weight", torch.ones(4)))
+
+
+# case -> (edit of a copy of the good model, extra convert args, words the error must hold)
+CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
+    # config.json values
+    "hidden_size string": (lambda m: edit_config(m, hidden_size="64"), [],
+                           ["config.json", "hidden_size", '"64"', "integer"]),
+    "hidden not divisible": (lambda m: edit_config(m, head_dim=None, hidden_size=66), [],
+                             ["hidden_size 66", "not divisible", "num_attention_heads 4"]),
+    "zero heads": (lambda m: edit_config(m, num_attention_heads=0), [],
+                   ["num_attention_heads is 0", ">= 1"]),
+    "negative vocab": (lambda m: edit_config(m, vocab_size=-5), [], ["vocab_size is -5"]),
+    "eps string": (lambda m: edit_config(m, rms_norm_eps="1e-6"), [],
+                   ["rms_norm_eps", '"1e-6"', "number > 0"]),
+    "eos string": (lambda m: edit_config(m, eos_token_id="2"), [], ["eos_token_id", '"2"']),
+    "eos beyond vocab": (lambda m: edit_config(m, eos_token_id=[2, 999]), [],
+                         ["eos_token_id", "outside the vocabulary", "384"]),
+    "null field": (lambda m: edit_config(m, intermediate_size=None), [],
+                   ["intermediate_size is null"]),
+    "zero layers": (lambda m: edit_config(m, num_hidden_layers=0), [],
+                    ["num_hidden_layers is 0"]),
+    "negative layers": (lambda m: edit_config(m, num_hidden_layers=-1), [],
+                        ["num_hidden_layers is -1"]),
+    "negative context": (lambda m: edit_config(m, max_position_embeddings=-1), [],
+                         ["max_position_embeddings is -1"]),
+    "rope_theta zero": (lambda m: edit_config(m, **_rope(0)), [],
+                        ["rope_parameters.rope_theta is 0", "> 0"]),
+    "rope_theta negative (4.x)": (lambda m: edit_config(m, rope_parameters=None, rope_theta=-1.0),
+                                  [], ["rope_theta is -1.0"]),
+    "architectures string": (lambda m: edit_config(m, architectures="Qwen3ForCausalLM"), [],
+                             ["architectures", "a string", '["Qwen3ForCausalLM"]']),
+    "kv heads do not divide": (lambda m: edit_config(m, num_key_value_heads=3), [],
+                               ["num_key_value_heads 3"]),
+    # safetensors headers
+    "header is a list": (lambda m: edit_header(m, lambda h: [1, 2]), [],
+                         ["not a valid safetensors", "JSON list"]),
+    "no data_offsets": (lambda m: edit_header(m, lambda h: h[EMBED].pop("data_offsets") and None),
+                        [], [EMBED, "data_offsets"]),
+    "negative offsets": (lambda m: edit_header(m, lambda h: h[EMBED].update(data_offsets=[-4, 0])),
+                         [], [EMBED, "[-4, 0]"]),
+    "unknown dtype": (lambda m: edit_header(m, lambda h: h[EMBED].update(dtype="F99")), [],
+                      [EMBED, "unknown dtype", "F99"]),
+    "string shape": (lambda m: edit_header(m, lambda h: h[EMBED].update(shape="64")), [],
+                     [EMBED, "shape", "integers"]),
+    # index files
+    "weight_map a list": (_index([1, 2]), [], ["index.json", "weight_map", "object"]),
+    "shard outside the folder": (_outside_shard, [], ["../outside/secret.safetensors", "outside"]),
+    "shard /etc/passwd": (_index({EMBED: "/etc/passwd"}), [], ["/etc/passwd", "outside"]),
+    # tokenizer
+    "broken tokenizer.json": (lambda m: (m / "tokenizer.json").write_text('{"model": 3}'), [],
+                              ["tokenizer.json", "not a valid tokenizer"]),
+    "tokenizer symlinked to another file": (_symlink_tokenizer, [], ["not a valid tokenizer"]),
+    "tokenizer beyond vocab": (lambda m: edit_config(m, vocab_size=300), [],
+                               ["tokenizer.json", "token id", "vocab_size is 300"]),
+    "chat template syntax": (lambda m: (m / "chat_template.jinja").write_text("{% for %}"), [],
+                             ["chat_template.jinja", "not a valid Jinja template"]),
+    "chat template sandbox": (
+        lambda m: (m / "chat_template.jinja").write_text("{{ ''.__class__.__mro__ }}"), [],
+        ["chat_template.jinja", "sandbox"]),
+    # weights
+    "NaN weight": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))), [],
+                   [UP, "NaN", "--allow-nonfinite"]),
+    "NaN weight, q4": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))),
+                       ["--quant", "q4"], [UP, "NaN"]),
+    "bf16 beyond float16": (
+        lambda m: edit_tensors(m, lambda t: _set(t, UP, 1e6, torch.bfloat16)), [],
+        [UP, "float16", "--dtype float32"]),
+    # checkpoint vs config
+    "fewer layers in config": (_fewer_layers, [], ["2 decoder layers", "num_hidden_layers is 1"]),
+    "unused tensor": (_extra_tensor, [], ["model.extra_gate.weight", "does not use"]),
+    # --passes is checked before the export (the NaN weight would be the error otherwise)
+    "unknown pass first": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))),
+                           ["--passes", "rmsnorm,bogus"], ["unknown pass 'bogus'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_refused(case: str, good: Path, tmp_path: Path) -> None:
+    edit, args, needles = CASES[case]
+    model = copy_model(good, tmp_path / "model")
+    edit(model)
+    out = tmp_path / "out"
+    optimize = [] if "--passes" in args or "--quant" in args else ["--no-optimize"]
+    line = error_line(*run_cli("convert", str(model), "-o", str(out), "--quiet", *optimize, *args))
+    for needle in needles:
+        assert needle in line, line
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_allow_nonfinite_converts_and_records(good: Path, tmp_path: Path) -> None:
+    model = copy_model(good, tmp_path / "model")
+    edit_tensors(model, lambda t: _set(t, UP, float("inf")))
+    out = tmp_path / "out"
+    code, err = run_cli("convert", str(model), "-o", str(out), "--no-optimize", "--quiet",
+                        "--allow-nonfinite")
+    assert code == 0, err
+    assert "warning" in err and UP in err
+    manifest = json.loads((out / "fuselm.json").read_text())
+    assert manifest["source"]["nonfinite_tensors"] == [UP]
+
+
+def test_symlinked_shard_file_may_point_elsewhere(good: Path, tmp_path: Path) -> None:
+    """The HF cache's layout: the shard is a link into a blob store outside the snapshot."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    model = copy_model(good, tmp_path / "snapshot")
+    os.replace(model / "model.safetensors", blobs / "abc123")
+    (model / "model.safetensors").symlink_to(blobs / "abc123")
+    _index({EMBED: "model.safetensors"})(model)
+    assert EMBED in Checkpoint(model).tensors
+
+
+def test_weight_screen_ranges() -> None:
+    big = torch.full((3,), 70000.0)
+    WeightScreen(torch.float32)("w", big)  # float32 output: fine
+    WeightScreen(torch.float16)("w", torch.full((3,), 65504.0))  # largest float16: fine
+    with pytest.raises(ExportError, match="beyond float16's range"):
+        WeightScreen(torch.float16)("w", big)
+    screen = WeightScreen(torch.float16, allow_nonfinite=True)
+    screen("a", torch.tensor([1.0, float("nan")]))
+    screen("b", torch.ones(3))
+    assert screen.nonfinite == ["a"]
+
+
+def test_harmless_tensors_ignored(tmp_path: Path) -> None:
+    want = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    have = [*want, "model.layers.0.self_attn.rotary_emb.inv_freq", "lm_head.weight"]
+    check_tensor_names(want, have, tmp_path, num_layers=1, tied=True)
+    with pytest.raises(ExportError, match="lm_head.weight"):
+        check_tensor_names(want, have, tmp_path, num_layers=1, tied=False)

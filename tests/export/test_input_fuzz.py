@@ -1,0 +1,215 @@
+"""Fuzzing the convert boundary (hypothesis): config.json fields, safetensors headers, index
+files and tokenizers. Every generated case must end in exit 0 or exactly one `error:` line
+with exit 2, never a traceback (an exception escaping the CLI fails the test).
+
+Bounded twice: 25 examples per target, and a wall-clock budget per target after which the
+remaining examples return at once (a case that converts runs a whole export). Derandomized,
+so CI sees the same cases every run. `pytest -s` prints the outcomes per target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.export.inputs import copy_model, error_line, run_cli, split_safetensors
+
+# Seconds per target (a case that converts costs a whole tiny export); raise it to fuzz longer.
+BUDGET_S = float(os.environ.get("FUSELM_FUZZ_BUDGET_S", "30"))
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 1024),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 1e-6, 1e6, 10000.0]),
+    st.text(max_size=8),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=6,
+)
+CONFIG_KEYS = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+    "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
+    "tie_word_embeddings", "hidden_act", "sliding_window", "layer_types", "bos_token_id",
+    "eos_token_id", "pad_token_id", "attention_bias", "torch_dtype",
+]
+
+
+class Target:
+    """One fuzz target's model copy per example, its outcomes and its time budget."""
+
+    def __init__(self, good: Path, name: str) -> None:
+        self.good, self.name = good, name
+        self.outcomes: Counter[str] = Counter()
+        self.stop = time.monotonic() + BUDGET_S
+
+    def convert(self, edit: Callable[[Path], None]) -> None:
+        if time.monotonic() > self.stop:
+            self.outcomes["not run (time budget)"] += 1
+            return
+        root = Path(tempfile.mkdtemp(prefix=f"fuzz-{self.name}-"))
+        try:
+            model = copy_model(self.good, root / "model")
+            edit(model)
+            code, err = run_cli("convert", str(model), "-o", str(root / "out"), "--no-optimize",
+                                "--quiet")
+            if code == 0:
+                self.outcomes["exit 0"] += 1
+                assert (root / "out" / "fuselm.json").is_file()
+            else:
+                error_line(code, err)  # exactly one `error:` line, exit 2
+                self.outcomes["error (exit 2)"] += 1
+                assert not (root / "out").exists()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def good(checkpoint: Callable[[str], Path]) -> Path:
+    return checkpoint("qwen3")
+
+
+@pytest.fixture
+def target(good: Path, request: pytest.FixtureRequest) -> Iterator[Target]:
+    t = Target(good, request.node.name)
+    yield t
+    print(f"\nfuzz {t.name}: {sum(t.outcomes.values())} cases, {dict(t.outcomes)}")
+    assert t.outcomes["exit 0"] + t.outcomes["error (exit 2)"] > 0
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value)  # NaN / Infinity too: Python's json (and HF's reader) allow them
+
+
+@SETTINGS
+@given(changes=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), VALUES | st.just(...)),
+                        min_size=1, max_size=3))
+def test_fuzz_config(target: Target, changes: list[tuple[str, Any]]) -> None:
+    def edit(model: Path) -> None:
+        path = model / "config.json"
+        cfg = json.loads(path.read_text())
+        for key, value in changes:
+            if value is ...:
+                cfg.pop(key, None)
+            else:
+                cfg[key] = value
+        path.write_text(_dump(cfg))
+
+    target.convert(edit)
+
+
+HEADER_FIELDS = st.sampled_from(["dtype", "shape", "data_offsets"])
+NEAR_INTS = st.lists(st.integers(-2, 2**40), max_size=3)
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(["field", "entry", "whole", "new entry", "length"]),
+    field=HEADER_FIELDS,
+    value=VALUES | NEAR_INTS | st.sampled_from(["F32", "F16", "BF16", "F8_E4M3", "I64", "X"]),
+    which=st.integers(0, 100),
+    length=st.integers(0, 2**64 - 1),
+)
+def test_fuzz_safetensors_header(
+    target: Target, kind: str, field: str, value: Any, which: int, length: int
+) -> None:
+    def edit(model: Path) -> None:
+        path = model / "model.safetensors"
+        header, body = split_safetensors(path)
+        names = sorted(k for k in header if k != "__metadata__")
+        name = names[which % len(names)]
+        if kind == "field":
+            header[name][field] = value
+        elif kind == "entry":
+            header[name] = value
+        elif kind == "whole":
+            header = value
+        elif kind == "new entry":
+            header[f"extra.{which}"] = {"dtype": "F32", "shape": [1], field: value}
+        raw = _dump(header).encode()
+        prefix = struct.pack("<Q", length if kind == "length" else len(raw))
+        path.write_bytes(prefix + raw + body)
+
+    target.convert(edit)
+
+
+SHARD_PATHS = st.sampled_from([
+    "model.safetensors", "./model.safetensors", "../model.safetensors", "/etc/passwd",
+    "", ".", "..", "sub/../model.safetensors", "missing.safetensors", "model.safetensors/",
+    "/dev/zero", "config.json",
+])
+
+
+@SETTINGS
+@given(
+    weight_map=VALUES | st.dictionaries(st.text(max_size=4), SHARD_PATHS, min_size=1,
+                                        max_size=3),
+    wrap=st.booleans(),
+)
+def test_fuzz_index(target: Target, weight_map: Any, wrap: bool) -> None:
+    def edit(model: Path) -> None:
+        data = {"metadata": {}, "weight_map": weight_map} if wrap else weight_map
+        (model / "model.safetensors.index.json").write_text(_dump(data))
+
+    target.convert(edit)
+
+
+TEMPLATES = st.text(alphabet="{}%#abc ()'.|_-=endforif ", max_size=24)
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(["key", "vocab id", "text", "template"]),
+    key=st.sampled_from(["model", "added_tokens", "pre_tokenizer", "decoder", "normalizer",
+                         "post_processor", "version"]),
+    value=VALUES,
+    token_id=st.integers(-3, 2**40),
+    text=st.text(max_size=40),
+    template=TEMPLATES,
+)
+def test_fuzz_tokenizer(
+    target: Target, kind: str, key: str, value: Any, token_id: int, text: str, template: str
+) -> None:
+    def edit(model: Path) -> None:
+        path = model / "tokenizer.json"
+        if kind == "text":
+            path.write_text(text)
+            return
+        if kind == "template":
+            (model / "chat_template.jinja").write_text(template)
+            return
+        tok = json.loads(path.read_text())
+        if kind == "key":
+            tok[key] = value
+        else:
+            first = next(iter(tok["model"]["vocab"]))
+            tok["model"]["vocab"][first] = token_id
+        path.write_text(_dump(tok))
+
+    target.convert(edit)
+
