@@ -114,7 +114,9 @@ class DecodeProgram:
 
     def __call__(self, tokens: mx.array, offset: mx.array, *kv: mx.array
                  ) -> tuple[mx.array, ...]:
-        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions."""
+        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions;
+        or a batch: tokens [b, s] (one row per sequence, cache buffers [b, ...]) after
+        `offset` [b] positions per row, logits [b, vocab]."""
         return self.run(tokens, offset, kv, fresh=False)
 
     def fresh(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
@@ -123,13 +125,15 @@ class DecodeProgram:
 
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool
             ) -> tuple[mx.array, ...]:
-        ids = tokens.reshape(1, -1).astype(mx.int32)
+        batched = tokens.ndim == 2
+        ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
         mask: mx.array | str = "causal"
         if not fresh:
-            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached
-            mask = (mx.arange(capacity)[None, :] <= (offset + mx.arange(s))[:, None]
-                    ).reshape(1, 1, s, capacity)
+            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached.
+            # [b or 1, 1, s, capacity]: one offset per batch row, or one for all.
+            mask = mx.arange(capacity) <= (offset.reshape(-1, 1, 1, 1)
+                                           + mx.arange(s).reshape(s, 1))
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
         with qweight.tracing():
@@ -165,8 +169,8 @@ class DecodeProgram:
                 _bind(env, o.step.outputs, values)
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
-        return (logits.reshape(-1, logits.shape[-1])[-1].astype(mx.float32), offset + s,
-                *out_kv)
+        last = logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].astype(mx.float32)
+        return (last if batched else last[0], offset + s, *out_kv)
 
 
 def _resolve(args: list[tuple[str, object]], env: dict[str, object]) -> list[object]:

@@ -51,6 +51,16 @@ class Engine(Protocol):
         logits [vocab] (device array for a device_loop engine, else host float32)."""
         ...
 
+    def swap_cache(self, state: Any = None) -> Any:
+        """Install a cache state returned by an earlier swap (None: a fresh, empty cache) and
+        return the one in use: how batch.py serves several sequences on one engine."""
+        ...
+
+    def batch_program(self) -> tuple[Any, list[Any]] | None:
+        """(function, KV layout) that decodes one token for each of b sequences at once
+        (decode.DecodeProgram over [b, ...] caches), or None where the engine has none."""
+        ...
+
     def describe(self) -> dict[str, object]: ...
 
 

@@ -84,6 +84,25 @@ class MLXEngine:
         if self.fast is not None:
             self.fast.reserve(n)
 
+    def swap_cache(self, state: list[KVCache] | None = None) -> list[KVCache]:
+        """Install per-layer caches (None: fresh ones); return those in use. The list object is
+        kept (the compiled program's driver holds it): its entries are replaced."""
+        old = list(self.caches)
+        new = state if state is not None else [KVCache() for _ in old]
+        if len(new) != len(old):
+            raise ValueError("a cache state has one KVCache per layer")
+        self.caches[:] = new
+        return old
+
+    def batch_program(self) -> tuple[object, list] | None:
+        """The compiled program for [b, 1] tokens at [b] offsets (its own traces: compiled
+        anew, not the single-sequence driver's), with the cache layout; None when the
+        program is refused or cannot allocate its cache."""
+        if self.fast is None or self.fast.program.kv_layout is None:
+            return None
+        program = self.fast.program
+        return (mx.compile(program) if self.fast.compiled else program), program.kv_layout
+
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
         for c in self.caches:

@@ -77,6 +77,20 @@ class OrtEngine:
         logits = values["logits"][0]
         return (logits if all_logits else logits[-1]).astype(np.float32)
 
+    def swap_cache(self, state: tuple[dict[str, np.ndarray], int] | None = None
+                   ) -> tuple[dict[str, np.ndarray], int]:
+        """Install (past feeds, offset) from an earlier swap (None: empty); return the current."""
+        old = (self._past, self._offset)
+        if state is None:
+            self.reset()
+        else:
+            self._past, self._offset = dict(state[0]), state[1]
+        return old
+
+    def batch_program(self) -> None:
+        """None: batch.py serves onnxruntime one sequence at a time."""
+        return None
+
     def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """onnxruntime (CPU) has no device side: the host logits."""
         return self.forward(ids, all_logits)
