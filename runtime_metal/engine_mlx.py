@@ -29,6 +29,7 @@ from fuselm.runtime_metal.qweight import QWeight, probe_kernels, settle_affine, 
 
 class MLXEngine:
     name = "mlx"
+    device_loop = True
 
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool | None = None,
@@ -115,8 +116,11 @@ class MLXEngine:
                 *[c.values for c in self.caches if c.values is not None])
         return np.array(logits)
 
-    def decode_step(self, token: mx.array) -> mx.array:
-        """One token (device scalar, may be lazy) -> its logits [vocab], lazy float32."""
+    def decode_step(self, token: mx.array | int) -> mx.array:
+        """One token (an int, or a device scalar that may be lazy) -> its logits [vocab], lazy
+        float32."""
+        if not isinstance(token, mx.array):
+            token = mx.array(int(token), mx.int32)
         if self.fast is not None and self.offset > 0:
             return self.fast.step(token)
         return mx.array(self.forward(np.array(token, np.int64).reshape(1, 1)))
