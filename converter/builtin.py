@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+from fuselm.export.registry import model_types
+
+FAMILIES = model_types()  # every registered family's transformers model_type
 
 # Tiny shapes; head_dim != hidden / heads and GQA on by default (the seed's step-10 bug hides
 # when head_dim == hidden / heads).
@@ -71,12 +73,7 @@ _CORPUS = (
 def _config(family: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transformers config
     import transformers
 
-    cls = {
-        "qwen3": transformers.Qwen3Config,
-        "qwen2": transformers.Qwen2Config,
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-    }[family]
+    cls = transformers.CONFIG_MAPPING[family]
     args = {**TINY, **overrides}
     args.setdefault("tie_word_embeddings", family == "qwen3")
     if family == "mistral":
@@ -91,7 +88,7 @@ def _config(family: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transfo
     if rope.get("rope_scaling"):
         params.update(rope["rope_scaling"])
         params.setdefault("rope_type", rope["rope_scaling"].get("rope_type", "default"))
-    if params:
+    if params and not any(isinstance(v, dict) for v in params.values()):  # not per layer type
         params.setdefault("rope_type", "default")
         params.setdefault("rope_theta", 10000.0)
         config.rope_parameters = params

@@ -53,6 +53,16 @@ class DecoderSpec:
     qk_norm: bool = False
     # per layer: None = full attention, W = attend to the last W positions only
     windows: list[int | None] = field(default_factory=list)
+    # per layer: its RoPE, or None for a layer without position encoding (NoPE)
+    ropes: list[RopeSpec | None] = field(default_factory=list)
+    activation: str = "silu"  # the MLP gate's: "silu" or "gelu_tanh" (FusedGateUp)
+    sandwich_norms: bool = False  # RMSNorm on each sublayer's output before its residual add
+    embed_scale: float = 1.0  # embeddings multiplied by this
+    residual_scale: float = 1.0  # each sublayer's output multiplied by this before the add
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # > 0: scores = softcap * tanh(scores / softcap)
+    logit_scale: float = 1.0  # logits multiplied by this
+    logit_softcap: float = 0.0  # > 0: logits = softcap * tanh(logits / softcap)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -85,12 +95,15 @@ def load_hf_config(model_dir: Path):  # noqa: ANN201 - a transformers Pretrained
         raise ExportError(f"transformers cannot read {model_dir}/config.json: {e}") from e
 
 
-def rope_spec(hf_config: Any, head_dim: int) -> RopeSpec:
-    """The RoPE of `hf_config`, with frequencies from transformers' own init functions."""
+def rope_spec(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
+    """The RoPE of `hf_config` (of its `layer_type` layers where RoPE differs per layer type),
+    with frequencies from transformers' own init functions."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type] or {})
     if not params:  # transformers 4.x attributes
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -106,7 +119,9 @@ def rope_spec(hf_config: Any, head_dim: int) -> RopeSpec:
         inv_freq, scale = 1.0 / (theta**exps), 1.0
     else:
         with torch.device("cpu"):
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](
+                hf_config, "cpu", layer_type=layer_type
+            )
     spec = RopeSpec(
         type=rope_type,
         theta=theta,
@@ -119,18 +134,3 @@ def rope_spec(hf_config: Any, head_dim: int) -> RopeSpec:
         spec.dynamic_factor = float(params["factor"])
         spec.dynamic_max_positions = int(hf_config.max_position_embeddings)
     return spec
-
-
-def layer_windows(hf_config: Any, family: str, num_layers: int) -> list[int | None]:
-    """Per-layer sliding windows, as HF builds its masks (5.x `layer_types`, Mistral's window)."""
-    window = getattr(hf_config, "sliding_window", None)
-    types = getattr(hf_config, "layer_types", None)
-    if types:
-        if any(t not in ("full_attention", "sliding_attention") for t in types):
-            raise ExportError(f"unsupported layer_types {sorted(set(types))}")
-        if "sliding_attention" in types and not window:
-            raise ExportError("layer_types has sliding_attention but sliding_window is not set")
-        return [window if t == "sliding_attention" else None for t in types]
-    if family == "mistral" and window:
-        return [int(window)] * num_layers
-    return [None] * num_layers

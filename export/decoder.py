@@ -3,29 +3,25 @@
 HF's modules carry dispatch, caching classes and mask utilities that trace into thousands of
 nodes; this one computes the same function with exactly the ops the graph contract wants:
 Gather, RMSNormalization, MatMul(x, W[K, N]) (+Add bias), fuselm.FusedRoPE, ONNX Attention with
-the KV concat inside, SiLU-gated MLP. Weights are parameters laid out [K, N] so that MatMul
-consumes them directly; the module is built on the meta device for export (MNN's FakeLinear
-idea: no weights in the trace) and `weight_sources()` says where each parameter comes from.
+the KV concat inside, a gated MLP (SiLU or tanh-GELU). Weights are parameters laid out [K, N] so
+that MatMul consumes them directly; the module is built on the meta device for export (MNN's
+FakeLinear idea: no weights in the trace) and `weight_sources()` asks the model's family
+(export/family.py) where each parameter comes from. Every variant here is a DecoderSpec field
+(sandwich norms, scales, soft-capping, per-layer RoPE or none); no family is named.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fuselm.export import torch_ops  # noqa: F401 - registers torch.ops.fuselm.*
-from fuselm.export.config import DecoderSpec
+from fuselm.export.config import DecoderSpec, RopeSpec
+from fuselm.export.family import Source
+from fuselm.export.registry import family_of
 
-
-@dataclass(frozen=True)
-class Source:
-    """Where a parameter's values come from in the HF checkpoint."""
-
-    hf_name: str
-    transpose: bool = False  # HF Linear stores [N, K]; MatMul wants [K, N]
+__all__ = ["Decoder", "Source", "attention_mask_4d"]
 
 
 class Linear(nn.Module):
@@ -43,11 +39,20 @@ def _norm_weight(n: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False)
 
 
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x if scale == 1.0 else x * scale
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return x if cap <= 0 else torch.tanh(x / cap) * cap
+
+
 class Layer(nn.Module):
-    def __init__(self, spec: DecoderSpec, dtype: torch.dtype) -> None:
+    def __init__(self, spec: DecoderSpec, rope: RopeSpec | None, dtype: torch.dtype) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.spec = spec
+        self.rope = rope
         self.input_norm = _norm_weight(h, dtype)
         self.q_proj = Linear(h, spec.num_heads * d, spec.qkv_bias, dtype)
         self.k_proj = Linear(h, spec.num_kv_heads * d, spec.qkv_bias, dtype)
@@ -57,6 +62,9 @@ class Layer(nn.Module):
             self.q_norm = _norm_weight(d, dtype)
             self.k_norm = _norm_weight(d, dtype)
         self.post_norm = _norm_weight(h, dtype)
+        if spec.sandwich_norms:
+            self.attn_out_norm = _norm_weight(h, dtype)
+            self.mlp_out_norm = _norm_weight(h, dtype)
         self.gate_proj = Linear(h, spec.intermediate_size, spec.mlp_bias, dtype)
         self.up_proj = Linear(h, spec.intermediate_size, spec.mlp_bias, dtype)
         self.down_proj = Linear(spec.intermediate_size, h, spec.mlp_bias, dtype)
@@ -73,29 +81,40 @@ class Layer(nn.Module):
         eps = s.rms_norm_eps
         h = F.rms_norm(x, (s.hidden_size,), self.input_norm, eps)
         q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        r = s.rope
-        q, k = torch.ops.fuselm.rope(
-            q,
-            k,
-            position_ids,
-            self.q_norm if s.qk_norm else None,
-            self.k_norm if s.qk_norm else None,
-            s.head_dim,
-            r.rotary_dim,
-            [float(f) for f in r.inv_freq],
-            r.attention_scale,
-            0,
-            eps,
-            r.dynamic_factor,
-            r.dynamic_max_positions,
-            r.theta,
-        )
+        r = self.rope
+        if r is not None:  # a layer without RoPE (NoPE) hands q and k straight to attention
+            q, k = torch.ops.fuselm.rope(
+                q,
+                k,
+                position_ids,
+                self.q_norm if s.qk_norm else None,
+                self.k_norm if s.qk_norm else None,
+                s.head_dim,
+                r.rotary_dim,
+                [float(f) for f in r.inv_freq],
+                r.attention_scale,
+                0,
+                eps,
+                r.dynamic_factor,
+                r.dynamic_max_positions,
+                r.theta,
+            )
+        scale = s.attention_scale if s.attention_scale is not None else s.head_dim**-0.5
         y, present_key, present_value = torch.ops.fuselm.attention(
-            q, k, v, mask, past_key, past_value, s.num_heads, s.num_kv_heads, s.head_dim**-0.5
+            q, k, v, mask, past_key, past_value, s.num_heads, s.num_kv_heads, scale,
+            s.attn_softcap,
         )
-        x = x + self.o_proj(y)
+        y = self.o_proj(y)
+        if s.sandwich_norms:
+            y = F.rms_norm(y, (s.hidden_size,), self.attn_out_norm, eps)
+        x = x + _scaled(y, s.residual_scale)
         h = F.rms_norm(x, (s.hidden_size,), self.post_norm, eps)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        gate = self.gate_proj(h)
+        act = F.silu(gate) if s.activation == "silu" else F.gelu(gate, approximate="tanh")
+        y = self.down_proj(act * self.up_proj(h))
+        if s.sandwich_norms:
+            y = F.rms_norm(y, (s.hidden_size,), self.mlp_out_norm, eps)
+        x = x + _scaled(y, s.residual_scale)
         return x, present_key, present_value
 
 
@@ -121,7 +140,8 @@ class Decoder(nn.Module):
         self.embed = nn.Parameter(
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), requires_grad=False
         )
-        self.layers = nn.ModuleList(Layer(spec, dtype) for _ in range(spec.num_layers))
+        ropes = spec.ropes or [spec.rope] * spec.num_layers
+        self.layers = nn.ModuleList(Layer(spec, ropes[i], dtype) for i in range(spec.num_layers))
         self.norm = _norm_weight(spec.hidden_size, dtype)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Parameter(
@@ -137,7 +157,7 @@ class Decoder(nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         seq = input_ids.shape[1]
         masks = {w: attention_mask_4d(attention_mask, seq, w) for w in set(self.spec.windows)}
-        x = F.embedding(input_ids, self.embed)
+        x = _scaled(F.embedding(input_ids, self.embed), self.spec.embed_scale)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             mask = masks[self.spec.windows[i]]
@@ -145,36 +165,10 @@ class Decoder(nn.Module):
             presents += [pk, pv]
         x = F.rms_norm(x, (self.spec.hidden_size,), self.norm, self.spec.rms_norm_eps)
         head = self.embed.t() if self.spec.tie_word_embeddings else self.lm_head
-        return (x @ head, *presents)
+        logits = _softcap(_scaled(x @ head, self.spec.logit_scale), self.spec.logit_softcap)
+        return (logits, *presents)
 
     def weight_sources(self) -> dict[str, Source]:
-        """Parameter name → where its values live in the HF checkpoint."""
-        out: dict[str, Source] = {"embed": Source("model.embed_tokens.weight")}
-        names = {
-            "input_norm": "input_layernorm",
-            "post_norm": "post_attention_layernorm",
-            "q_norm": "self_attn.q_norm",
-            "k_norm": "self_attn.k_norm",
-            "q_proj": "self_attn.q_proj",
-            "k_proj": "self_attn.k_proj",
-            "v_proj": "self_attn.v_proj",
-            "o_proj": "self_attn.o_proj",
-            "gate_proj": "mlp.gate_proj",
-            "up_proj": "mlp.up_proj",
-            "down_proj": "mlp.down_proj",
-        }
-        for name, _ in self.named_parameters():
-            if not name.startswith("layers."):
-                continue
-            _, i, local, *rest = name.split(".")
-            hf = f"model.layers.{i}.{names[local]}"
-            if rest == ["weight"]:
-                out[name] = Source(f"{hf}.weight", transpose=True)
-            elif rest == ["bias"]:
-                out[name] = Source(f"{hf}.bias")
-            else:
-                out[name] = Source(f"{hf}.weight")
-        out["norm"] = Source("model.norm.weight")
-        if not self.spec.tie_word_embeddings:
-            out["lm_head"] = Source("lm_head.weight", transpose=True)
-        return out
+        """Parameter name → where its values live in the HF checkpoint (the family says)."""
+        names = [name for name, _ in self.named_parameters()]
+        return family_of(self.spec.architecture).sources(self.spec, names)

@@ -158,7 +158,11 @@ def _check_weights(module: Decoder, ckpt: Checkpoint) -> None:
     for name, src in module.weight_sources().items():
         info = ckpt.info(src.hf_name)
         want = tuple(params[name].shape)
-        have = info.shape[::-1] if src.transpose else info.shape
+        have = info.shape
+        if src.rows is not None:
+            rows = min(src.rows[1], have[0]) - src.rows[0] if have else 0
+            have = (rows, *have[1:])
+        have = have[::-1] if src.transpose else have
         if tuple(have) != want:
             raise ExportError(
                 f"tensor {src.hf_name} has shape {list(info.shape)} but config.json implies "
@@ -186,6 +190,10 @@ def write_weights(
             tensor = ckpt.get(src.hf_name)
             if screen is not None:
                 screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
+            if src.rows is not None:
+                tensor = tensor[src.rows[0] : src.rows[1]]
+            if src.offset:
+                tensor = tensor.float() + src.offset
             if src.transpose:
                 tensor = tensor.t()
             array = tensor.to(dtype).contiguous().numpy()

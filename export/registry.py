@@ -1,58 +1,38 @@
-"""Architecture registry: `architectures[0]` of config.json → the family module that reads it.
+"""config.json → DecoderSpec through the family registered for `architectures[0]`.
 
-Each family module registers its HF class names with `@register(...)` and returns the
-features its checkpoints have; everything else about a decoder is shared (export/config.py).
+The registry itself is export/family.py (a leaf that families register into); importing
+export/families/ registers every module in it. Everything here is generic: the numbers every
+decoder config has, then the family's hooks (export/family.py) for what differs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fuselm.export.config import (
-    DecoderSpec,
-    layer_windows,
-    load_hf_config,
-    read_raw_config,
-    rope_spec,
-)
+import fuselm.export.families  # noqa: F401 - registers every family module
+from fuselm.export.config import DecoderSpec, load_hf_config, read_raw_config, rope_spec
 from fuselm.export.errors import ExportError
-
-
-@dataclass(frozen=True)
-class Features:
-    """What a family's checkpoints contain beyond the plain Llama decoder."""
-
-    family: str
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-
-
-FamilyReader = Callable[[Any], Features]
-ARCHITECTURES: dict[str, FamilyReader] = {}
-
-
-def register(*names: str) -> Callable[[FamilyReader], FamilyReader]:
-    def wrap(fn: FamilyReader) -> FamilyReader:
-        for name in names:
-            ARCHITECTURES[name] = fn
-        return fn
-
-    return wrap
-
-
-def _load_families() -> None:
-    # Importing the modules runs their @register decorators.
-    from fuselm.export.families import llama, mistral, qwen2, qwen3  # noqa: F401
+from fuselm.export.family import ARCHITECTURES, Family
 
 
 def supported_architectures() -> list[str]:
-    _load_families()
     return sorted(ARCHITECTURES)
+
+
+def model_types() -> tuple[str, ...]:
+    """transformers model_type of every family, in registration order."""
+    return tuple(dict.fromkeys(f.model_type for f in ARCHITECTURES.values()))
+
+
+def family_of(architecture: str) -> Family:
+    family = ARCHITECTURES.get(architecture)
+    if family is None:
+        raise ExportError(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    return family
 
 
 def _eos_ids(model_dir: Path, hf_config: Any) -> list[int]:
@@ -80,27 +60,18 @@ def decoder_spec(model_dir: str | Path) -> DecoderSpec:
     root = Path(model_dir)
     raw = read_raw_config(root)
     arch = raw["architectures"][0]
-    _load_families()
-    reader = ARCHITECTURES.get(arch)
-    if reader is None:
-        raise ExportError(
-            f"architecture {arch!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
-        )
+    family = family_of(arch)
     hf = load_hf_config(root)
-    act = getattr(hf, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ExportError(f"hidden_act {act!r} is not supported (fuselm exports SiLU MLPs)")
-    features = reader(hf)
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     if heads % kv_heads:
         raise ExportError(f"num_attention_heads {heads} is not a multiple of kv heads {kv_heads}")
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
     layers = int(hf.num_hidden_layers)
-    return DecoderSpec(
+    ropes = family.ropes(hf, head_dim, layers)
+    spec = DecoderSpec(
         architecture=arch,
-        family=features.family,
+        family=family.model_type,
         hidden_size=int(hf.hidden_size),
         num_layers=layers,
         num_heads=heads,
@@ -111,13 +82,12 @@ def decoder_spec(model_dir: str | Path) -> DecoderSpec:
         rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         context_length=int(getattr(hf, "max_position_embeddings", 4096)),
-        rope=rope_spec(hf, head_dim),
-        qkv_bias=features.qkv_bias,
-        o_bias=features.o_bias,
-        mlp_bias=features.mlp_bias,
-        qk_norm=features.qk_norm,
-        windows=layer_windows(hf, features.family, layers),
+        rope=next((r for r in ropes if r is not None), None) or rope_spec(hf, head_dim),
+        windows=family.windows(hf, layers),
+        ropes=ropes,
+        activation=family.activation(hf),
         bos_token_id=getattr(hf, "bos_token_id", None),
         eos_token_ids=_eos_ids(root, hf),
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
+    return family.configure(hf, spec)

@@ -130,8 +130,10 @@ def attention(
     q_num_heads: int,
     kv_num_heads: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ONNX Attention (opset 23) semantics: 3-D q/k/v, KV concat inside, bool mask."""
+    """ONNX Attention (opset 23) semantics: 3-D q/k/v, KV concat inside, bool mask, and
+    `softcap` (> 0) applied to the scaled scores before the mask, as ONNX's reference does."""
     b, s, _ = q.shape
     qh = q.reshape(b, s, q_num_heads, -1).transpose(1, 2)
     kh = k.reshape(b, s, kv_num_heads, -1).transpose(1, 2)
@@ -142,13 +144,15 @@ def attention(
     keys = present_key.repeat_interleave(rep, dim=1)
     values = present_value.repeat_interleave(rep, dim=1)
     scores = (qh.float() @ keys.float().transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     y = (scores.softmax(-1) @ values.float()).to(q.dtype)
     return y.transpose(1, 2).reshape(b, s, -1), present_key, present_value
 
 
 @attention.register_fake
-def _(q, k, v, mask, past_key, past_value, q_num_heads, kv_num_heads, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, mask, past_key, past_value, q_num_heads, kv_num_heads, scale, softcap=0.0):  # noqa: ANN001, ANN202, E501
     b, s, _ = q.shape
     total = past_key.shape[2] + s
     shape = (b, kv_num_heads, total, past_key.shape[3])
@@ -165,9 +169,11 @@ def _attention_onnx(
     q_num_heads: int,
     kv_num_heads: int,
     scale: float,
+    softcap: float = 0.0,
 ):  # noqa: ANN202
     # onnxscript always declares Attention's fourth output (qk_matmul_output); the exporter
     # drops it afterwards (onnx_export._drop_unused_outputs) so no runtime computes it.
+    extra = {"softcap": float(softcap)} if softcap > 0 else {}
     outs = _onnx.Attention(
         q,
         k,
@@ -179,6 +185,7 @@ def _attention_onnx(
         kv_num_heads=kv_num_heads,
         scale=float(scale),
         is_causal=0,
+        **extra,
     )
     return outs[0], outs[1], outs[2]
 

@@ -9,6 +9,15 @@ Bodies are built for the *variant* the model's nodes use (q/k-norm or not, Q4 or
 bias or not, dynamic NTK or not) and read every number from the node's attributes through
 attribute references; `attach_functions` refuses a model that mixes variants of one op.
 
+Semantics that are attributes or absences rather than ops of their own:
+- FusedGateUp `activation`: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with tanh-approximated GELU,
+  0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), ONNX Gelu approximate="tanh").
+- Attention soft-capping is ONNX Attention's own `softcap` attribute (opset 23), applied to
+  the scaled scores before the mask; a custom softmax scale is its `scale` attribute.
+- A layer without position encoding (NoPE) has no FusedRoPE node: its q and k go from the
+  projections straight to Attention (QKV pairing tells them apart by Attention's inputs).
+- Logit soft-capping and the scalar multipliers of some families are plain Tanh/Mul/Div nodes.
+
 export/ and runtime_metal/ import this module and nothing else from passes/.
 """
 
@@ -24,6 +33,7 @@ DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
 ONNX_OPSET = 23
 OP_TYPES = ("FusedRoPE", "FusedQKV", "FusedGateUp")
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 
@@ -326,12 +336,22 @@ def fused_gate_up_reference(
     activation: str = "silu",
     block_size: int = 32,
 ) -> np.ndarray:
-    if activation != "silu":
-        raise ValueError(f"FusedGateUp: unsupported activation {activation!r} (supported: silu)")
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(
+            f"FusedGateUp: unsupported activation {activation!r} "
+            f"(supported: {', '.join(GATE_ACTIVATIONS)})"
+        )
     y = _project(x, weight, scales, zero_points, bias, block_size).astype(np.float32)
     n = y.shape[-1] // 2
     gate, up = y[..., :n], y[..., n:]
-    return (gate / (1.0 + np.exp(-gate)) * up).astype(x.dtype)
+    return (gate_activation_reference(gate, activation) * up).astype(x.dtype)
+
+
+def gate_activation_reference(gate: np.ndarray, activation: str) -> np.ndarray:
+    if activation == "gelu_tanh":
+        inner = np.float32(np.sqrt(2.0 / np.pi)) * (gate + np.float32(0.044715) * gate**3)
+        return np.float32(0.5) * gate * (np.float32(1.0) + np.tanh(inner))
+    return gate / (np.float32(1.0) + np.exp(-gate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +365,7 @@ class Variant:
 
     op_type: str
     present: tuple[bool, ...]  # per optional input, in schema order
+    activation: str = "silu"  # FusedGateUp's
     dynamic: bool = False
     partial: bool = False
     interleaved: bool = False
@@ -372,7 +393,11 @@ def variant_of(node: NodeProto) -> Variant:
             partial=rotary_dim != head_dim,
             interleaved=bool(_attr(node, "interleaved", 0)),
         )
-    if node.op_type in ("FusedQKV", "FusedGateUp"):
+    if node.op_type == "FusedGateUp":
+        act = _attr(node, "activation", b"silu")
+        act = act.decode() if isinstance(act, bytes) else str(act)
+        return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)), act)
+    if node.op_type == "FusedQKV":
         return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)))
     raise ValueError(f"not a fuselm op: {node.op_type}")
 
@@ -582,12 +607,12 @@ def _qkv_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
 
 def _gate_up_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
     inputs, nodes = _project_body(v, ["gu"])
-    nodes += [
-        _n("Split", ["gu"], ["gate", "up"], axis=-1, num_outputs=2),
-        _n("Sigmoid", ["gate"], ["sig"]),
-        _n("Mul", ["gate", "sig"], ["act"]),
-        _n("Mul", ["act", "up"], ["y"]),
-    ]
+    nodes.append(_n("Split", ["gu"], ["gate", "up"], axis=-1, num_outputs=2))
+    if v.activation == "gelu_tanh":
+        nodes.append(_n("Gelu", ["gate"], ["act"], approximate="tanh"))
+    else:
+        nodes += [_n("Sigmoid", ["gate"], ["sig"]), _n("Mul", ["gate", "sig"], ["act"])]
+    nodes.append(_n("Mul", ["act", "up"], ["y"]))
     return inputs, nodes
 
 

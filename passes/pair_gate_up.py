@@ -1,8 +1,9 @@
 """Gate/Up pairing -> fuselm.FusedGateUp with packed weights and the SwiGLU epilogue (step 8).
 
 Matches HF's `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU written as `Silu`/`Swish`
-or as `x * Sigmoid(x)` (what torch exports): two projections of one activation, the gate's
-output read only by its activation, the up's only by the product, equal output sizes.
+or as `x * Sigmoid(x)` (what torch exports), or tanh-GELU as ONNX `Gelu(approximate="tanh")`
+(GeGLU): two projections of one activation, the gate's output read only by its activation, the
+up's only by the product, equal output sizes.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from fuselm.passes.projections import Projection, pack, projections_of
 _SILU_OPS = ("Silu", "Swish", "SiLU")
 
 
-def _silu_of(g: gs.Tensor) -> tuple[gs.Tensor, list[gs.Node]]:
-    """(silu(g), its nodes) when everything reading g is one SiLU."""
+def _activation_of(g: gs.Tensor) -> tuple[gs.Tensor, str]:
+    """(act(g), the FusedGateUp activation) when everything reading g is one SiLU or tanh-GELU."""
     users = list(g.outputs)
     if len(users) == 1 and users[0].op in _SILU_OPS:
-        return users[0].outputs[0], users
+        return users[0].outputs[0], "silu"
+    if len(users) == 1 and users[0].op == "Gelu":
+        if users[0].attrs.get("approximate", "none") != "tanh":
+            raise NoMatch
+        return users[0].outputs[0], "gelu_tanh"
     if len(users) != 2:
         raise NoMatch
     sig = next((u for u in users if u.op == "Sigmoid"), None)
@@ -30,15 +35,15 @@ def _silu_of(g: gs.Tensor) -> tuple[gs.Tensor, list[gs.Node]]:
     ins = list(mul.inputs)
     if not (any(t is g for t in ins) and any(t is sig.outputs[0] for t in ins)):
         raise NoMatch
-    return mul.outputs[0], [sig, mul]
+    return mul.outputs[0], "silu"
 
 
 def match_gate_up(
     graph: gs.Graph, projs: list[Projection]
-) -> tuple[Projection, Projection, gs.Node]:
+) -> tuple[Projection, Projection, gs.Node, str]:
     for gate, up in ((projs[0], projs[1]), (projs[1], projs[0])):
         try:
-            act, _ = _silu_of(gate.out)
+            act, kind = _activation_of(gate.out)
         except NoMatch:
             continue
         if len(act.outputs) != 1:
@@ -52,7 +57,7 @@ def match_gate_up(
             raise Refused(f"gate and up output sizes differ ({gate.n} vs {up.n})")
         if gate.k != up.k or gate.kind != up.kind:
             raise Refused("gate and up weights differ in shape or format")
-        return gate, up, prod
+        return gate, up, prod, kind
     raise NoMatch
 
 
@@ -67,7 +72,7 @@ class GateUpPairing:
             if len(projs) != 2:
                 continue
             try:
-                gate, up, prod = match_gate_up(graph, projs)
+                gate, up, prod, kind = match_gate_up(graph, projs)
             except NoMatch:
                 continue
             except Refused as e:
@@ -77,7 +82,7 @@ class GateUpPairing:
             first = min((n for p in projs for n in p.nodes), key=lambda n: order[id(n)])
             out = prod.outputs[0]
             y = gs.Variable(namer("y"), dtype=out.dtype, shape=out.shape)
-            attrs: dict[str, object] = {"activation": "silu"}
+            attrs: dict[str, object] = {"activation": kind}
             if gate.scales is not None:
                 attrs["block_size"] = gate.block_size
             node = gs.Node("FusedGateUp", name=namer("node"), domain="fuselm",

@@ -1,17 +1,18 @@
-"""Llama (LlamaForCausalLM): optional biases on attention (`attention_bias`) and on the MLP
-(`mlp_bias`)."""
+"""Llama (LlamaForCausalLM): the base decoder, with optional biases on attention
+(`attention_bias`) and on the MLP (`mlp_bias`)."""
 
+from dataclasses import replace
 from typing import Any
 
-from fuselm.export.registry import Features, register
+from fuselm.export.config import DecoderSpec
+from fuselm.export.family import Family, register
 
 
 @register("LlamaForCausalLM")
-def llama(hf: Any) -> Features:
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    return Features(
-        family="llama",
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-    )
+class Llama(Family):
+    model_type = "llama"
+
+    def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
+        bias = bool(getattr(hf, "attention_bias", False))
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        return replace(spec, qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias)

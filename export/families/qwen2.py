@@ -1,10 +1,15 @@
 """Qwen2 (Qwen2ForCausalLM): biases on q/k/v (never on o_proj or the MLP)."""
 
+from dataclasses import replace
 from typing import Any
 
-from fuselm.export.registry import Features, register
+from fuselm.export.config import DecoderSpec
+from fuselm.export.family import Family, register
 
 
 @register("Qwen2ForCausalLM")
-def qwen2(hf: Any) -> Features:
-    return Features(family="qwen2", qkv_bias=True)
+class Qwen2(Family):
+    model_type = "qwen2"
+
+    def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
+        return replace(spec, qkv_bias=True)

@@ -1,12 +1,17 @@
 """Qwen3 (Qwen3ForCausalLM): per-head RMSNorm of q and k before RoPE (folded into FusedRoPE),
 optional `attention_bias` on q/k/v/o."""
 
+from dataclasses import replace
 from typing import Any
 
-from fuselm.export.registry import Features, register
+from fuselm.export.config import DecoderSpec
+from fuselm.export.family import Family, register
 
 
 @register("Qwen3ForCausalLM")
-def qwen3(hf: Any) -> Features:
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    return Features(family="qwen3", qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+class Qwen3(Family):
+    model_type = "qwen3"
+
+    def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
+        bias = bool(getattr(hf, "attention_bias", False))
+        return replace(spec, qkv_bias=bias, o_bias=bias, qk_norm=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from fuselm.passes import ops as contract
@@ -117,10 +118,14 @@ def fused_gate_up(  # noqa: ANN201
     xp: ModuleType, x, weight, scales=None, zero_points=None, bias=None, *,  # noqa: ANN001
     activation: str = "silu", block_size: int = 32,
 ):
-    if activation != "silu":
-        raise NotImplementedError(f"FusedGateUp activation {activation!r} (supported: silu)")
+    if activation not in contract.GATE_ACTIVATIONS:
+        raise NotImplementedError(
+            f"FusedGateUp activation {activation!r} (supported: "
+            f"{', '.join(contract.GATE_ACTIVATIONS)})")
     w = _dense_or_q(weight, scales, zero_points, block_size)
     y = project(x, w.astype(x.dtype) if isinstance(w, mx.array) else w, bias)
     n = y.shape[-1] // 2
     gate, up = y[..., :n], y[..., n:]
+    if activation == "gelu_tanh":
+        return nn.gelu_approx(gate) * up
     return gate * mx.sigmoid(gate) * up

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fuselm.converter.builtin import FAMILIES, build_model
+from tests.families import TEST_CONFIGS
 
 # Per family: what makes its checkpoint different (Qwen2: q/k/v biases; Qwen3: q/k-norm and
 # tied embeddings; Mistral: head_dim == hidden/heads is exercised through Llama's default).
@@ -16,6 +17,9 @@ FAMILY_OVERRIDES = {
     "qwen2": {"num_key_value_heads": 1},  # GQA 4:1
     "llama": {"head_dim": 16},  # head_dim == hidden / heads
     "mistral": {"head_dim": 32},
+    # The new families keep TINY's head_dim 24 != 64 / 4 heads and GQA 2:1; sliding windows of
+    # 8-12 positions, crossed by the 40-token prompt and by decoding.
+    **TEST_CONFIGS,
 }
 
 
