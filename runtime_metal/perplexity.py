@@ -28,7 +28,7 @@ import numpy as np
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 # A fixed English prose text shipped with the package, for tests, validate and benchmarks.
-SAMPLE_TEXT = Path(__file__).parent / "data" / "english_prose.txt"
+SAMPLE_TEXT = Path(__file__).parent / "english_prose.txt"
 
 Logits = Callable[[list[int]], np.ndarray]  # chunk ids -> float logits [len(ids), vocab]
 
