@@ -22,10 +22,13 @@ def _register() -> None:
     from fuselm.converter.convert_cmd import convert, demo
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
+    from fuselm.converter.perplexity_cmd import perplexity
     from fuselm.converter.run_cmd import chat, run, validate
     from fuselm.converter.verify_cmd import verify
 
-    for command in (convert, inspect, optimize, demo, run, chat, validate, bench, verify):
+    for command in (
+        convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity
+    ):
         cli.add_command(command)
 
 

@@ -21,6 +21,7 @@ import onnx
 
 from fuselm.converter import out_dir as out_dir_safety
 from fuselm.export.config import DecoderSpec
+from fuselm.export.gguf_file import is_gguf
 from fuselm.export.onnx_export import export_model
 from fuselm.export.registry import decoder_spec
 from fuselm.export.tokenizer_check import check_tokenizer
@@ -160,7 +161,15 @@ def convert(
     out_dir: str | Path,
     options: ConvertOptions | None = None,
     progress: Progress | None = None,
+    checkpoint: Any = None,
+    source: dict[str, Any] | None = None,
 ) -> ConvertResult:
+    """`checkpoint`: the weights, when not model_dir's safetensors (a .gguf model_dir is read
+    through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`."""
+    if checkpoint is None and is_gguf(model_dir):
+        from fuselm.converter.gguf_input import convert_gguf
+
+        return convert_gguf(model_dir, out_dir, options, progress)
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     t0 = time.perf_counter()
@@ -180,7 +189,9 @@ def convert(
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
-        exported = export_model(src, raw, opts.dtype, progress, opts.allow_nonfinite)
+        exported = export_model(
+            src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
+        )
         seconds["export"] = time.perf_counter() - t0
         steps = ["export"]
         report = None
@@ -206,6 +217,7 @@ def convert(
             manifest.passes = report.to_dict()
             manifest.quantization = _quantization_record(report)
         manifest.files["tokenizer"] = _copy_side_files(src, tmp)
+        manifest.source.update(source or {})
         t2 = time.perf_counter()
         manifest.integrity = integrity.record(
             tmp, [artifact.MODEL_FILE, artifact.DATA_FILE, *manifest.files["tokenizer"]])

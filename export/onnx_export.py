@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -27,6 +28,9 @@ from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
+
+if TYPE_CHECKING:
+    from fuselm.export.gguf_source import GGUFCheckpoint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
@@ -228,11 +232,13 @@ def export_model(
     dtype: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     allow_nonfinite: bool = False,
+    checkpoint: Checkpoint | GGUFCheckpoint | None = None,
 ) -> ExportResult:
-    """Export `model_dir` to `onnx_path` (+ `onnx_path`.data). The caller owns atomicity."""
+    """Export `model_dir` to `onnx_path` (+ `onnx_path`.data). The caller owns atomicity.
+    `checkpoint`: where the weights come from (default: the safetensors in `model_dir`)."""
     t0 = time.perf_counter()
     spec = decoder_spec(model_dir)
-    ckpt = Checkpoint(model_dir)
+    ckpt = checkpoint if checkpoint is not None else Checkpoint(model_dir)
     graph_dtype = resolve_dtype(dtype, ckpt.dtype)
     result = ExportResult(
         spec=spec,

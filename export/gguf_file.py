@@ -1,0 +1,123 @@
+"""A GGUF file, read with the `gguf` package (llama.cpp's own reader): metadata and tensors.
+
+The header and metadata are parsed by `gguf.GGUFReader`; tensor bytes are read with plain
+file reads, one tensor at a time, and dequantized by `gguf.quants.dequantize`. Plain reads
+rather than the reader's memory map: mapped pages count toward the process's resident memory
+until the map goes away, so touching every tensor through the map makes conversion's peak
+memory grow with the file (export/checkpoint.py does the same for safetensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fuselm.export.errors import ExportError
+
+# Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+MAGIC = b"GGUF"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A .gguf file, or any file that starts with the GGUF magic."""
+    p = Path(path)
+    if not p.is_file():
+        return p.suffix.lower() == ".gguf"
+    if p.suffix.lower() == ".gguf":
+        return True
+    with p.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_name: str  # GGMLQuantizationType name, e.g. "Q4_1"
+    shape: tuple[int, ...]  # numpy/torch order (llama.cpp's ne reversed): [rows, cols]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """Metadata (`fields`) and tensor table of one GGUF file, validated on open."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ExportError(f"{self.path} does not exist; pass a .gguf file or an HF model dir")
+        try:
+            from gguf import GGUFReader
+        except ImportError as e:  # a dependency of fuselm; only a broken install lacks it
+            raise ExportError(f"reading GGUF needs the `gguf` package ({e}); pip install gguf") \
+                from e
+        with self.path.open("rb") as f:
+            if f.read(4) != MAGIC:
+                raise ExportError(
+                    f"{self.path} is not a GGUF file (no GGUF magic); pass a .gguf model")
+        try:
+            reader = GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+            raise ExportError(
+                f"{self.path} is not a valid GGUF file ({e}); it is truncated or corrupt — "
+                "re-download it") from None
+        self.fields = reader.fields
+        size = self.path.stat().st_size
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            info = GGUFTensor(t.name, t.tensor_type.name, shape, int(t.data_offset),
+                              int(t.n_bytes))
+            if info.offset + info.nbytes > size:
+                raise ExportError(
+                    f"{self.path} is truncated: tensor {t.name} ends at byte "
+                    f"{info.offset + info.nbytes} but the file has {size}; re-download it")
+            self.tensors[t.name] = info
+        del reader  # drops the memory map; tensor bytes are read on demand
+        bad = sorted({(t.type_name, n) for n, t in self.tensors.items()
+                      if t.type_name not in SUPPORTED_TYPES}, key=lambda x: x[1])
+        if bad:
+            kinds = sorted({k for k, _ in bad})
+            raise ExportError(
+                f"{self.path}: tensor type {', '.join(kinds)} is not supported (tensor "
+                f"{bad[0][1]}); supported: {', '.join(SUPPORTED_TYPES)}. Re-quantize the model "
+                "to one of these, e.g. with llama.cpp's llama-quantize")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value as Python (str, int, float, bool, or a list of them)."""
+        f = self.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except (ValueError, UnicodeDecodeError, IndexError) as e:
+            raise ExportError(f"{self.path}: metadata {key} cannot be read ({e})") from None
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor dequantized to float32, shaped as in numpy/torch (ne reversed)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        buf = bytearray(t.nbytes)
+        with self.path.open("rb") as f:
+            f.seek(t.offset)
+            if f.readinto(buf) != t.nbytes:
+                raise ExportError(f"{self.path} is truncated while reading {name}")
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        qtype = GGMLQuantizationType[t.type_name]
+        if t.type_name in ("F32", "F16"):
+            out = dequantize(raw, qtype)
+        else:  # block formats: one row of bytes per output row
+            out = dequantize(raw.reshape(-1, t.nbytes // _rows(t.shape)), qtype)
+        return np.asarray(out, dtype=np.float32).reshape(t.shape)
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n

@@ -1,0 +1,115 @@
+"""Tiny GGUF files written with gguf's own GGUFWriter from seeded random HF checkpoints.
+
+Laid out as llama.cpp's convert_hf_to_gguf.py lays them out: llama.cpp tensor names, q/k rows
+permuted on llama files, norms in F32, every other 2-D weight in the tensor type a test asks
+for. gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1 itself; for the K-quants it has
+no quantizer, so their blocks are random bytes with small, valid float16 scales (what matters
+here is that fuselm and transformers dequantize the same bytes the same way).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fuselm.converter.builtin import build_model
+from fuselm.export.gguf_source import gguf_name
+
+# K-quant block layouts: (bytes per 256 values, byte offsets of float16 d/dmin fields)
+_K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's `permute` (HF halves → llama.cpp interleaved pairs)."""
+    rest = w.shape[1:]
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _k_quant_bytes(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    size, scale_at = _K_QUANTS[kind]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        d = rng.uniform(2e-5, 6e-5, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _tensor(writer: Any, name: str, w: np.ndarray, kind: str, rng: np.random.Generator) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[kind]
+    if w.ndim == 1 or kind == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    elif kind in _K_QUANTS:
+        writer.add_tensor(name, _k_quant_bytes(*w.shape, kind, rng), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, quantize(np.ascontiguousarray(w, np.float32), qtype),
+                          raw_dtype=qtype)
+
+
+def _tokenizer(writer: Any, hf_dir: Path) -> None:
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = {t["content"] for t in spec["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text()).get(
+        "chat_template") or (hf_dir / "chat_template.jinja").read_text())
+
+
+def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
+               seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
+    """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor
+    suffix ("attn_q", "ffn_down", "token_embd", ...) to its type (default F16).
+    Returns the path and the HF float32 weights it came from."""
+    import torch
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    hf_dir = build_model(path.with_suffix(".hf"), family, seed=seed, **overrides)
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = {k: v.to(torch.float32).numpy() for k, v in
+               load_file(str(hf_dir / "model.safetensors")).items()}
+    arch = arch or family
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {family}")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    _tokenizer(w, hf_dir)
+    rng = np.random.default_rng(seed)
+    for hf_name, value in weights.items():
+        name = gguf_name(hf_name)
+        assert name is not None, hf_name
+        if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
+            value = permute_qk(value, heads if ".attn_q." in name else kv_heads)
+        kind = types.get(name.split(".")[-2], "F16") if value.ndim == 2 else "F32"
+        _tensor(w, name, value, kind, rng)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, weights

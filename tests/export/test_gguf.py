@@ -1,0 +1,154 @@
+"""GGUF input on tiny files written by gguf's GGUFWriter: every supported tensor type, the
+llama q/k permutation, config and tokenizer, against transformers' own GGUF loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from fuselm.converter.cli import cli
+from fuselm.export.errors import ExportError
+from fuselm.export.gguf_file import SUPPORTED_TYPES
+from fuselm.export.gguf_source import GGUFCheckpoint, unpermute_qk
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine_ort import OrtEngine
+from fuselm.runtime_metal.validate import rel
+from tests.export.gguf_files import permute_qk, write_gguf
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384)
+# Each supported type appears in every role across the three files. llama: GQA 4:1 and
+# head_dim 64 != 256 / 8; q/k kept float so the unpermuted rows compare to HF's directly.
+CASES = {
+    "llama": (dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64), {
+        "attn_q": "F16", "attn_k": "F32", "attn_v": "Q4_K", "attn_output": "Q5_K",
+        "ffn_gate": "Q6_K", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0",
+        "output": "BF16"}),
+    "qwen2": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64), {
+        "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q8_0",
+        "ffn_gate": "BF16", "ffn_up": "F16", "ffn_down": "Q4_0", "token_embd": "Q4_1",
+        "output": "Q8_0"}),
+    # transformers reads no head_dim for qwen3 GGUF (its config default, 128, applies)
+    "qwen3": (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128), {
+        "attn_q": "BF16", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K",
+        "ffn_gate": "Q8_0", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "F16"}),
+}
+PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
+
+
+@pytest.fixture(scope="session")
+def gguf_cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    root = tmp_path_factory.mktemp("gguf")
+    return {name: write_gguf(root / f"{name}.gguf", name, types, seed=i, **SHAPE, **shape)
+            for i, (name, (shape, types)) in enumerate(CASES.items())}
+
+
+@pytest.fixture(scope="session")
+def gguf_artifacts(gguf_cases: dict[str, tuple[Path, dict]],
+                   tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("gguf_out")
+    out = {}
+    for name, (path, _) in gguf_cases.items():
+        convert(path, root / name, ConvertOptions(dtype="float32"))
+        out[name] = root / name
+    return out
+
+
+def test_every_supported_type_is_covered() -> None:
+    used = {t for _, types in CASES.values() for t in types.values()} | {"F32"}
+    assert used == set(SUPPORTED_TYPES)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    w = np.arange(8 * 64 * 3, dtype=np.float32).reshape(8 * 64, 3)
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(w, 8), 8), w)
+    assert not np.array_equal(permute_qk(w, 8), w)
+
+
+def test_llama_qk_rows_come_back_in_hf_order(gguf_cases: dict[str, tuple[Path, dict]]) -> None:
+    path, weights = gguf_cases["llama"]
+    ckpt = GGUFCheckpoint(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.norm.weight"):
+        got = ckpt.get(name).numpy()
+        assert rel(got, weights[name]) <= 1e-3, name  # q is stored F16, k F32
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers_gguf_loader(gguf_cases: dict[str, tuple[Path, dict]],
+                                               gguf_artifacts: dict[str, Path],
+                                               name: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, _ = gguf_cases[name]
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    out = gguf_artifacts[name]
+    eng = OrtEngine(out, read_manifest(out), accuracy_level=0)
+    got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
+    assert rel(got, want) <= 1e-4
+    m = read_manifest(out).model
+    c = hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (
+        c.num_attention_heads, c.num_key_value_heads, head_dim)
+    assert m.tie_word_embeddings == (name == "qwen3")
+
+
+def test_tokenizer_and_chat_template_written(gguf_cases: dict[str, tuple[Path, dict]],
+                                             gguf_artifacts: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    path, _ = gguf_cases["qwen2"]
+    ours = AutoTokenizer.from_pretrained(str(gguf_artifacts["qwen2"]))
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "The quick brown fox jumps over the lazy dog. Hello metal!"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.decode(ours.encode(text)) == text
+    msgs = [{"role": "user", "content": "Hello world"}]
+    assert ours.apply_chat_template(msgs, tokenize=False) == theirs.apply_chat_template(
+        msgs, tokenize=False)
+    gen = json.loads((gguf_artifacts["qwen2"] / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2 and gen["bos_token_id"] == 1
+    source = read_manifest(gguf_artifacts["qwen2"]).source
+    assert source["format"] == "gguf" and source["path"] == str(path.resolve())
+
+
+def _cli_error(args: list[str]) -> str:
+    res = CliRunner().invoke(cli, args)
+    assert isinstance(res.exception, ExportError), res.output
+    return str(res.exception)
+
+
+def test_truncated_and_corrupt_files(gguf_cases: dict[str, tuple[Path, dict]],
+                                     tmp_path: Path) -> None:
+    data = gguf_cases["qwen3"][0].read_bytes()
+    for name, blob in [("cut-data", data[: len(data) - 1000]), ("cut-header", data[:200]),
+                       ("garbage", b"GGUF" + bytes(range(256)) * 4)]:
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(blob)
+        msg = _cli_error(["convert", str(bad), "-o", str(tmp_path / f"out-{name}")])
+        assert "truncated" in msg or "not a valid GGUF" in msg, msg
+        assert not (tmp_path / f"out-{name}").exists()
+    plain = tmp_path / "plain.gguf"
+    plain.write_text("hello")
+    assert "not a GGUF file" in _cli_error(["convert", str(plain), "-o", str(tmp_path / "o")])
+
+
+def test_unsupported_architecture_and_type(tmp_path: Path) -> None:
+    path, _ = write_gguf(tmp_path / "gemma.gguf", "llama", {}, arch="gemma", **SHAPE,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o1")])
+    assert "'gemma' is not supported" in msg and "llama, qwen2, qwen3" in msg
+    path, _ = write_gguf(tmp_path / "q2k.gguf", "llama", {"ffn_up": "Q5_0"}, **SHAPE,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o2")])
+    assert "tensor type Q5_0 is not supported" in msg and "Q4_K" in msg
