@@ -21,11 +21,13 @@ def _register() -> None:
     from fuselm.converter.convert_cmd import convert, demo
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
+    from fuselm.converter.perplexity_cmd import perplexity
     from fuselm.converter.quant_report_cmd import quant_report
     from fuselm.converter.run_cmd import chat, run, validate
 
-    for command in (convert, inspect, optimize, demo, run, chat, validate, bench, quant_report):
+    for command in (convert, inspect, optimize, demo, run, chat, validate, bench, perplexity):
         cli.add_command(command)
+    cli.add_command(quant_report)
 
 
 _register()

@@ -199,9 +199,15 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
 @click.option("--engine", "engines", multiple=True, type=click.Choice(["onnxruntime", "mlx"]),
               help="rungs to run (default both)")
 @_CHUNK
+@click.option("--text", "ppl_text", type=click.Path(dir_okay=False), default=None,
+              help="PPL of each rung on this text (default: the bundled English prose)")
+@click.option("--context", "ppl_context", type=click.IntRange(4), default=256,
+              show_default=True, help="PPL chunk size (see `fuselm perplexity --help`)")
+@click.option("--no-ppl", is_flag=True, help="skip the PPL of each rung")
 @click.option("--json", "as_json", is_flag=True)
 def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...],
-             engines: tuple[str, ...], prefill_chunk: int, as_json: bool) -> None:
+             engines: tuple[str, ...], prefill_chunk: int, ppl_text: str | None,
+             ppl_context: int, no_ppl: bool, as_json: bool) -> None:
     """Check a conversion: HF transformers -> onnxruntime -> MLX on a few prompts."""
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.tokenizer import load_tokenizer
@@ -211,14 +217,19 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
     if not Path(model_dir, "config.json").is_file():
         raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder")
     texts = list(prompts) or ["Hello world, the quick brown fox", "Rotary embeddings rotate"]
+    ppl_tokens = None
     try:
         tok = load_tokenizer(out_dir)
         ids = [tok.encode(t) for t in texts]
+        if not no_ppl:
+            from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text, text_tokens
+
+            ppl_tokens = text_tokens(tok, read_text(ppl_text or SAMPLE_TEXT))
     except RuntimeUserError:  # no tokenizer: fixed id prompts spread over the vocabulary
         v = manifest.model.vocab_size
         ids = [[(7 * i + 3) % v for i in range(12)], [(13 * i + 5) % v for i in range(20)]]
     report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk,
-                        tuple(engines) or ("onnxruntime", "mlx"))
+                        tuple(engines) or ("onnxruntime", "mlx"), ppl_tokens, ppl_context)
     if as_json:
         click.echo(json.dumps(report.to_dict()))
         return
@@ -226,3 +237,8 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
     for r in report.rungs[1:]:
         click.echo(f"{r.name:<14}{max(r.logits_rel):>14.2e}{max(r.logits_rel_hf):>12.2e}"
                    f"{min(r.greedy_agree):>9}/{tokens}")
+    for r in report.rungs:
+        if r.perplexity:
+            p = r.perplexity
+            click.echo(f"PPL {r.name:<14}{p['ppl']:.4f} ± {p['ppl_stderr']:.4f} "
+                       f"(context {p['context']}, {p['scored_tokens']} tokens scored)")

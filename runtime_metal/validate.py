@@ -62,6 +62,7 @@ class Rung:
     logits_rel: list[float] = field(default_factory=list)  # vs the rung above
     logits_rel_hf: list[float] = field(default_factory=list)
     greedy_agree: list[int] = field(default_factory=list)  # leading tokens identical to HF
+    perplexity: dict[str, float] | None = None  # PPL of the ladder's text (rung_perplexity)
 
 
 @dataclass
@@ -86,7 +87,8 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
              n_tokens: int = 32, prefill_chunk: int = 512,
-             engines: tuple[str, ...] = ("onnxruntime", "mlx")) -> Report:
+             engines: tuple[str, ...] = ("onnxruntime", "mlx"),
+             ppl_tokens: list[int] | None = None, ppl_context: int = 256) -> Report:
     model = hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
@@ -108,4 +110,19 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
             res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
             rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
             above = got
+    if ppl_tokens is not None:
+        rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context)
     return Report(n_tokens, prompts, rungs)
+
+
+def rung_perplexity(rungs: list[Rung], model: Any, engines: dict[str, Any],
+                    tokens: list[int], context: int) -> None:
+    """PPL of every rung on the same tokens (runtime_metal/perplexity.py's chunking rule)."""
+    from fuselm.runtime_metal.perplexity import engine_logits_fn, perplexity_of
+
+    for rung in rungs:
+        fn = (lambda ids: hf_logits(model, ids)) if rung.name == "hf" else engine_logits_fn(
+            engines[rung.name])
+        r = perplexity_of(fn, tokens, context, engine=rung.name)
+        rung.perplexity = {"ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "context": r.context,
+                           "scored_tokens": r.scored_tokens}
