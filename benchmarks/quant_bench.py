@@ -1,14 +1,19 @@
 """Q4 side by side on this machine: fuselm `convert --quant q4` vs onnxruntime-genai's builder.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant_bench.py [--shape qwen3-0.6b|tiny] [--work DIR]
+        [--layers 8] [--rounds 3] [--reuse]
 
-One random-weight checkpoint (Qwen3-0.6B's shapes, bf16) is converted twice:
-  fuselm:  converter.pipeline.convert(quant="q4", dtype float16, LM head quantized)
+One random-weight checkpoint (Qwen3-0.6B's shapes, bf16; `--layers` overrides the depth) is
+converted twice, default against default:
+  fuselm:  converter.pipeline.convert(quant="q4", dtype float16): its defaults (LM head and the
+           tied table quantized, error-minimizing search, block 32)
   builder: python -m onnxruntime_genai.models.builder -p int4 -e cpu  (int4 LM head, int8 act.)
 and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
 fuselm's model runs through onnxruntime with a plain past/present loop at accuracy level 4
 (int8 activations, what the builder's int4 CPU model uses); the builder's through
-onnxruntime-genai. Each figure is the median of `-r` runs after one warm-up. Prints JSON.
+onnxruntime-genai. Each side runs in its own process; `--rounds` alternates the two (fuselm,
+builder, fuselm, ...), each round the median of `-r` runs after one warm-up; the report gives
+the median over rounds and the spread (min, max), since other jobs may share the CPU. JSON.
 """
 
 from __future__ import annotations
@@ -51,12 +56,14 @@ def _dir_mb(path: Path, suffixes: tuple[str, ...] = (".onnx", ".data")) -> float
     return sum(p.stat().st_size for p in path.iterdir() if p.name.endswith(suffixes)) / 2**20
 
 
-def build_checkpoint(work: Path, shape: str) -> Path:
+def build_checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
     ckpt = work / "ckpt"
     if (ckpt / "config.json").exists():
         return ckpt
     # tiny: head_dim 32, as onnxruntime's GroupQueryAttention needs a multiple of 16.
     overrides = "QWEN3_0_6B" if shape == "qwen3-0.6b" else "{'head_dim': 32}"
+    if layers is not None:
+        overrides = f"{{**{overrides}, 'num_hidden_layers': {layers}}}"
     _child(
         "from fuselm.converter.builtin import build_model, QWEN3_0_6B\n"
         f"build_model({str(ckpt)!r}, 'qwen3', dtype='bfloat16', **{overrides})"
@@ -68,7 +75,7 @@ def convert_fuselm(ckpt: Path, out: Path, block: int) -> dict[str, Any]:
     res = _child(
         "from fuselm.converter.pipeline import convert, ConvertOptions\n"
         f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(dtype='float16', quant='q4', "
-        f"block_size={block}, quant_lm_head=True))\n"
+        f"block_size={block}))\n"
         "q = [e for e in r.report.entries if e.name == 'quantize_q4'][0]\n"
         "EXTRA = {'quantize_seconds': q.seconds, 'quantization': q.extra['quantization'],\n"
         "         'stage_seconds': r.seconds}\n"
@@ -76,6 +83,8 @@ def convert_fuselm(ckpt: Path, out: Path, block: int) -> dict[str, Any]:
     info = res.pop("quantization")
     linear = [t for t in info["tensors"] if t["role"] != "embedding"]
     res["bits_per_linear_weight"] = info["bits_per_weight"]
+    res["bits_per_weight_overall"] = info.get("bits_per_weight_overall")
+    res["lm_head_q4"] = info.get("lm_head")
     res["quantized_tensors"] = len(linear)
     res["tied"] = info["tied"]
     res["artifact_mb"] = round(_dir_mb(out), 1)
@@ -188,40 +197,70 @@ def main() -> None:
     ap.add_argument("-n", "--new", type=int, default=64)
     ap.add_argument("-r", "--runs", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=None, help="override the depth")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides")
+    ap.add_argument("--reuse", action="store_true", help="reuse conversions found in --work")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="quant_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt = build_checkpoint(work, args.shape)
-    args.vocab = min(json.loads((ckpt / "config.json").read_text())["vocab_size"], 30000)
+    ckpt = build_checkpoint(work, args.shape, args.layers)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    args.vocab = min(cfg["vocab_size"], 30000)
     ours, theirs = work / "fuselm_q4", work / "builder_int4"
     report: dict[str, Any] = {
         "checkpoint": {
             "shape": args.shape,
+            "layers": cfg["num_hidden_layers"],
             "dtype": "bfloat16",
             "size_mb": round(_dir_mb(ckpt, (".safetensors",)), 1),
         },
         "prompt_tokens": args.prompt,
         "new_tokens": args.new,
         "runs": args.runs,
+        "rounds": args.rounds,
         "cpu_count": os.cpu_count(),
+        "load_average_before": os.getloadavg(),
     }
     import shutil
 
-    shutil.rmtree(ours, ignore_errors=True)
-    shutil.rmtree(theirs, ignore_errors=True)
-    report["convert"] = {
-        "fuselm": convert_fuselm(ckpt, ours, args.block_size),
-        "builder": convert_builder(ckpt, theirs),
-    }
-    report["speed"] = {
-        "fuselm": _bench_child("fuselm", ours, args),
-        "builder": _bench_child("builder", theirs, args),
-    }
+    done = (ours / "fuselm.json").is_file() and (theirs / "genai_config.json").is_file()
+    if not (args.reuse and done):
+        shutil.rmtree(ours, ignore_errors=True)
+        shutil.rmtree(theirs, ignore_errors=True)
+        report["convert"] = {
+            "fuselm": convert_fuselm(ckpt, ours, args.block_size),
+            "builder": convert_builder(ckpt, theirs),
+        }
+    rounds: dict[str, list[dict[str, Any]]] = {"fuselm": [], "builder": []}
+    for _ in range(args.rounds):  # alternating: a burst of load hits both sides alike
+        rounds["fuselm"].append(_bench_child("fuselm", ours, args))
+        rounds["builder"].append(_bench_child("builder", theirs, args))
+    report["speed"] = {}
+    for side, rs in rounds.items():
+        report["speed"][side] = {
+            **{k: v for k, v in rs[0].items() if k not in ("prefill_tok_s", "decode_tok_s")},
+            **{
+                key: statistics.median(r[key] for r in rs)
+                for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb")
+            },
+            "spread": {
+                key: [min(r[key] for r in rs), max(r[key] for r in rs)]
+                for key in ("prefill_tok_s", "decode_tok_s")
+            },
+        }
     f, b = report["speed"]["fuselm"], report["speed"]["builder"]
     report["ratio_fuselm_over_builder"] = {
         "prefill": round(f["prefill_tok_s"] / b["prefill_tok_s"], 2),
         "decode": round(f["decode_tok_s"] / b["decode_tok_s"], 2),
+        "per_round": [
+            {
+                "prefill": round(x["prefill_tok_s"] / y["prefill_tok_s"], 2),
+                "decode": round(x["decode_tok_s"] / y["decode_tok_s"], 2),
+            }
+            for x, y in zip(rounds["fuselm"], rounds["builder"], strict=True)
+        ],
     }
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
 

@@ -23,6 +23,7 @@ def _register() -> None:
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
     from fuselm.converter.perplexity_cmd import perplexity
+    from fuselm.converter.quant_report_cmd import quant_report
     from fuselm.converter.run_cmd import chat, run, validate
     from fuselm.converter.verify_cmd import verify
 
@@ -30,6 +31,7 @@ def _register() -> None:
         convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity
     ):
         cli.add_command(command)
+    cli.add_command(quant_report)
 
 
 _register()

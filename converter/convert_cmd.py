@@ -50,8 +50,20 @@ def _passes(value: str | None) -> list[str] | None:
     help="Q4 block size along the reduction axis (32, 64 or 128).",
 )
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
-@click.option("--quant-lm-head", is_flag=True, help="Also quantize the LM head.")
-@click.option("--quant-embeddings", is_flag=True, help="Also quantize the embedding table.")
+@click.option(
+    "--quant-lm-head/--no-quant-lm-head",
+    default=None,
+    help="Quantize the LM head (and a tied embedding table with it); on with --quant q4.",
+)
+@click.option("--quant-embeddings", is_flag=True, help="Also quantize an untied embedding table.")
+@click.option(
+    "--quant-method",
+    type=click.Choice(["search", "minmax"]),
+    default="search",
+    show_default=True,
+    help="Q4 scale/zero-point choice: error-minimizing search, or plain min/max.",
+)
+@click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")
 @click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
 @click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
 @click.option("--keep-intermediate", is_flag=True, help="Keep raw.onnx beside the output.")
@@ -66,8 +78,10 @@ def convert_command(
     quant: str,
     block_size: int,
     sym: bool,
-    quant_lm_head: bool,
+    quant_lm_head: bool | None,
     quant_embeddings: bool,
+    quant_method: str,
+    report: bool,
     passes: str | None,
     no_optimize: bool,
     keep_intermediate: bool,
@@ -85,6 +99,7 @@ def convert_command(
         symmetric=sym,
         quant_lm_head=quant_lm_head,
         quant_embeddings=quant_embeddings,
+        quant_method=quant_method,
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
     )
@@ -108,6 +123,10 @@ def convert_command(
         click.echo(json.dumps(summary, indent=2))
     elif not quiet:
         stderr.print(f"[green]wrote[/] {result.out_dir} in {result.seconds['total']:.1f}s")
+    if report and not as_json:
+        from fuselm.converter.quant_report_cmd import render
+
+        click.echo(render(result.manifest.quantization))
 
 
 convert = convert_command

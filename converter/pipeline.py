@@ -41,8 +41,9 @@ class ConvertOptions:
     quant: str | None = None  # None | "q4"
     block_size: int = 32
     symmetric: bool = False
-    quant_lm_head: bool = False
+    quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
     quant_embeddings: bool = False
+    quant_method: str = "search"
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -118,8 +119,9 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
             quantize_pass(
                 block_size=opts.block_size,
                 symmetric=opts.symmetric,
-                lm_head=opts.quant_lm_head,
+                lm_head=opts.quant_lm_head is not False,
                 embeddings=opts.quant_embeddings,
+                method=opts.quant_method,
             )
         )
     deferred: dict[str, Any] = {}
@@ -180,6 +182,7 @@ def convert(
         symmetric=opts.symmetric,
         lm_head=opts.quant_lm_head,
         embeddings=opts.quant_embeddings,
+        method=opts.quant_method,
     )
     out_dir_safety.check_paths(src, out)
     if opts.optimize:

@@ -13,8 +13,10 @@ import numpy as np
 from onnx import TensorProto
 
 from fuselm.passes import ops
+from fuselm.passes.q4_search import search_params
 
 SYMMETRIC_ZERO_POINT = 8
+METHODS = ("search", "minmax")
 _SLAB = 1024  # columns per slab in quantize_array: bounds the temporaries' size
 _FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -27,6 +29,7 @@ class Q4Tensor:
     scales: np.ndarray  # float16 [ceil(K/B), N]
     zero_points: np.ndarray  # uint8 [ceil(K/B), N], values 0..15
     block_size: int
+    rel_rms_error: float | None = None  # sqrt(sum (w' - w)^2 / sum w^2), set by quantize_array
 
     def dequantize(self, dtype: np.dtype | type = np.float32) -> np.ndarray:
         return ops.dequantize_reference(
@@ -35,22 +38,33 @@ class Q4Tensor:
 
 
 def _blocks(w: np.ndarray, block_size: int) -> tuple[np.ndarray, int]:
-    """[K, N] -> [nb, B, N] with the partial last block padded by repeating its first row.
+    """[K, N] -> [nb, B, N] with the partial last block padded with zeros.
 
-    Repeating a real value of the block leaves that block's min and max unchanged, so the
-    padding never influences any scale or zero point; padded rows are dropped afterwards.
+    The range of a block always holds 0 (lo = min(w, 0), hi = max(w, 0)) and 0 is always
+    reproduced exactly (code = zero point), so zero rows change no min/max, add no error to any
+    candidate of the search, and never influence a scale or zero point; they are dropped after.
     """
     k, n = w.shape
     nb = -(-k // block_size)
     pad = nb * block_size - k
     if pad:
-        first = w[(nb - 1) * block_size : (nb - 1) * block_size + 1]
-        w = np.concatenate([w, np.repeat(first, pad, axis=0)], axis=0)
+        w = np.concatenate([w, np.zeros((pad, n), w.dtype)], axis=0)
     return w.reshape(nb, block_size, n), pad
 
 
-def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False) -> Q4Tensor:
+def quantize_array(
+    w: np.ndarray,
+    block_size: int = 32,
+    symmetric: bool = False,
+    method: str = "search",
+    importance: np.ndarray | None = None,
+) -> Q4Tensor:
     """Quantize a [K, N] float weight along K in blocks of `block_size` (see module doc).
+
+    method "minmax": each block's scale and zero point from its range (passes/quantize.py's
+    formula); "search": chosen to minimize the block's reconstruction error
+    (passes/q4_search.py), never worse than min/max. `importance` ([K], non-negative, search
+    only) weights each input row's squared error.
 
     Works on slabs of columns so the float32 temporaries stay in cache (about 4x faster than
     whole-tensor NumPy on a [1024, 151936] table); columns are independent, so the result is
@@ -58,8 +72,14 @@ def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False)
     """
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D [K, N] weight, got shape {w.shape}")
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} not supported; valid values: {METHODS}")
     k, n = w.shape
     nb = -(-k // block_size)
+    imp = None
+    if importance is not None:
+        imp, _ = _blocks(np.asarray(importance, np.float32).reshape(k, 1), block_size)
+    sse = ssw = 0.0
     codes = np.empty((k, n), np.uint8)
     scales = np.empty((nb, n), np.float16)
     zps = np.empty((nb, n), np.uint8)
@@ -71,23 +91,13 @@ def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False)
         if not np.isfinite(wf).all():
             raise ValueError("weight has NaN or Inf values; refusing to quantize")
         blocks, _ = _blocks(wf, block_size)
-        if symmetric:
-            step = np.abs(blocks).max(axis=1) / np.float32(7)
+        if method == "search":
+            s16, zp = search_params(blocks, symmetric, imp)
+            s = s16.astype(np.float32)
+            safe = np.where(s == 0, np.float32(1), s)
+            zero = s == 0
         else:
-            lo = np.minimum(blocks.min(axis=1), 0)
-            step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(15)
-        if float(step.max(initial=0.0)) > _FP16_MAX:
-            raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
-        s16 = step.astype(np.float16)  # round-to-nearest-even onto the float16 grid
-        s = s16.astype(np.float32)
-        zero = s == 0
-        safe = np.where(zero, np.float32(1), s)
-        if symmetric:
-            zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
-        else:
-            zp = np.rint(-lo / safe)
-            np.clip(zp, 0, 15, out=zp)
-            zp[zero] = 0
+            s16, s, zp, safe, zero = _minmax_params(blocks, symmetric)
         q = np.divide(blocks, safe[:, None, :])  # true division, not a reciprocal multiply
         np.rint(q, out=q)  # round half to even
         q += zp[:, None, :]
@@ -96,9 +106,41 @@ def quantize_array(w: np.ndarray, block_size: int = 32, symmetric: bool = False)
             q[mask] = np.broadcast_to(zp[:, None, :], q.shape)[mask]
         np.clip(q, 0, 15, out=q)
         codes[:, c0:c1] = q.reshape(-1, c1 - c0)[:k]
+        # The reconstruction error, accumulated here so no whole dequantized copy is made
+        # (zero padding rows add nothing to either sum).
+        d = np.subtract(q, zp[:, None, :])
+        d *= s[:, None, :]
+        d -= blocks
+        sse += float(np.vdot(d, d))  # BLAS dot: float32 sums per slab, fast
+        ssw += float(np.vdot(blocks, blocks))
         scales[:, c0:c1] = s16
         zps[:, c0:c1] = zp
-    return Q4Tensor(codes, scales, zps, block_size)
+    rel = float(np.sqrt(sse / ssw)) if ssw > 0 else 0.0
+    return Q4Tensor(codes, scales, zps, block_size, rel)
+
+
+def _minmax_params(
+    blocks: np.ndarray, symmetric: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Plain min/max: float16 scales, float32 scales, zero points, safe divisors, zero mask."""
+    if symmetric:
+        step = np.abs(blocks).max(axis=1) / np.float32(7)
+    else:
+        lo = np.minimum(blocks.min(axis=1), 0)
+        step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(15)
+    if float(step.max(initial=0.0)) > _FP16_MAX:
+        raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
+    s16 = step.astype(np.float16)  # round-to-nearest-even onto the float16 grid
+    s = s16.astype(np.float32)
+    zero = s == 0
+    safe = np.where(zero, np.float32(1), s)
+    if symmetric:
+        zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
+    else:
+        zp = np.rint(-lo / safe)
+        np.clip(zp, 0, 15, out=zp)
+        zp[zero] = 0
+    return s16, s, zp, safe, zero
 
 
 def to_uint4(a: np.ndarray) -> np.ndarray:

@@ -7,14 +7,22 @@ onnxruntime fuses it into `MatMulNBits`:
                                                                  axis=0, block_size=B))
     fused projection   FusedQKV / FusedGateUp  -> inputs 1/2/3 = codes, scales, zp; attr block_size
     embedding (opt-in) Gather(E, ids)          -> Gather(DequantizeLinear(E codes, axis=1), ids)
-    LM head (opt-in)   MatMul(h, W_head)       -> as a plain projection
+    LM head (default)  MatMul(h, W_head)       -> as a plain projection
+
+Defaults follow the peers (onnxruntime-genai's int4 builder and mlx-lm quantize the LM head):
+the LM head is quantized unless `lm_head=False` (`--no-quant-lm-head`); a table tied to it goes
+with it, stored once; an untied embedding table stays float unless `embeddings=True`.
+
+Scales and zero points are chosen per block by an error-minimizing search (passes/q4_search.py,
+`method="search"`, the default; never worse than the min/max formula below on any block).
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
 float16-representable, so MLX's affine form `w = q*s + b` with `b = -zp*s` reproduces the ONNX
 weights exactly at float32 compute.
 
-The formula, per block of B weights w along K (rows k .. k+B-1 of one column n):
+The min/max formula (`method="minmax"`, and the search's first candidate), per block of B
+weights w along K (rows k .. k+B-1 of one column n):
 
     asymmetric:  lo = min(w, 0), hi = max(w, 0)         # the range always holds 0
                  s  = fp16(( hi - lo) / 15)             # round-to-nearest-even to float16
@@ -60,6 +68,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fuselm.passes import ops, weights
 from fuselm.passes.errors import PassesError
 from fuselm.passes.q4_math import (  # noqa: F401 - part of this module's API
+    METHODS,
     SYMMETRIC_ZERO_POINT,
     Q4Tensor,
     quantize_array,
@@ -71,6 +80,7 @@ BITS = 4
 BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
+DEFAULT_METHOD = "search"
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
@@ -84,8 +94,9 @@ _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 class QuantOptions:
     block_size: int = DEFAULT_BLOCK_SIZE
     symmetric: bool = False
-    lm_head: bool = False
+    lm_head: bool = True
     embeddings: bool = False
+    method: str = DEFAULT_METHOD
 
 
 def validate_options(
@@ -93,12 +104,14 @@ def validate_options(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
-    lm_head: bool = False,
+    lm_head: bool | None = None,
     embeddings: bool = False,
+    method: str = DEFAULT_METHOD,
 ) -> QuantOptions | None:
     """Check the CLI's quantization options; None means "no quantization".
 
-    Raises passes.errors.PassesError naming the valid values.
+    `lm_head=None` is the default: quantized with q4. Raises passes.errors.PassesError naming
+    the valid values.
     """
     q = (quant or "none").lower()
     if q not in QUANT_CHOICES:
@@ -110,11 +123,15 @@ def validate_options(
             f"--block-size {block_size} is not supported; valid values: "
             f"{', '.join(str(b) for b in BLOCK_SIZES)}"
         )
+    if method not in METHODS:
+        raise PassesError(
+            f"--quant-method {method!r} is not supported; valid values: {', '.join(METHODS)}"
+        )
     if q == "none":
         if symmetric or lm_head or embeddings:
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         return None
-    return QuantOptions(block_size, symmetric, lm_head, embeddings)
+    return QuantOptions(block_size, symmetric, lm_head is not False, embeddings, method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,10 +228,11 @@ def _scale_dtype(data_type: int) -> tuple[np.dtype, int | None]:
 
 
 class _Writer:
-    def __init__(self, g: _Graph, block_size: int, symmetric: bool) -> None:
+    def __init__(self, g: _Graph, block_size: int, symmetric: bool, method: str) -> None:
         self.g = g
         self.block_size = block_size
         self.symmetric = symmetric
+        self.method = method
         self.new_nodes: list[list[onnx.NodeProto]] = []
         self.dead: set[str] = set()  # initializers no longer used
         self.dead_nodes: set[int] = set()  # ids of replaced nodes
@@ -234,7 +252,8 @@ class _Writer:
         self, src: TensorProto, w_kn: np.ndarray, role: str, axis: int
     ) -> tuple[str, str, str, int | None]:
         """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) and add its initializers."""
-        q = quantize_array(w_kn, self.block_size, self.symmetric)
+        q = quantize_array(w_kn, self.block_size, self.symmetric, self.method)
+        err = q.rel_rms_error or 0.0
         sdtype, cast_to = _scale_dtype(src.data_type)
         codes, scales, zps = q.codes, q.scales.astype(sdtype), q.zero_points
         if axis == 1:  # stored in the source's own [N, K] layout, blocks along its axis 1
@@ -269,6 +288,7 @@ class _Writer:
                 "zero_points": names[2],
                 "partial_block": k % self.block_size != 0,
                 "bits_per_weight": round(8 * nbytes / w_kn.size, 4),
+                "rel_rms_error": round(err, 6),
             }
         )
         return (*names, cast_to)
@@ -348,8 +368,9 @@ def quantize_q4(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
-    lm_head: bool = False,
+    lm_head: bool = True,
     embeddings: bool = False,
+    method: str = DEFAULT_METHOD,
     base_dir: str | Path | None = None,
     load: Callable[[TensorProto], np.ndarray] | None = None,
 ) -> tuple[onnx.ModelProto, PassResult]:
@@ -357,9 +378,10 @@ def quantize_q4(
 
     Linear weights are 2-D float initializers that are input 1 of a MatMul (directly, or through
     Transpose(perm=[1,0])) or input 1 of FusedQKV / FusedGateUp (packed [K, N]). The LM head (the
-    MatMul whose output width is the vocabulary, or that produces `logits`) and the
-    embedding table (input 0 of a Gather) are quantized only when asked. `base_dir` is where the
-    model's external data lives, if its weights are not loaded yet; `load`, if given, reads a
+    MatMul whose output width is the vocabulary, or that produces `logits`) is quantized unless
+    `lm_head=False`; an untied embedding table (input 0 of a Gather) only when asked.
+    `method` picks each block's scale and zero point ("search" or "minmax"). `base_dir` is where
+    the model's external data lives, if its weights are not loaded yet; `load`, if given, reads a
     weight's values instead (for stand-ins whose values come from elsewhere). Weights are read
     one at a time, each dropped once quantized.
     """
@@ -368,7 +390,7 @@ def quantize_q4(
     _ensure_opset(model)
     t0 = time.perf_counter()
     g = _Graph(model, None if base_dir is None else str(base_dir), load)
-    w = _Writer(g, block_size, symmetric)
+    w = _Writer(g, block_size, symmetric, method)
 
     # Embedding tables: Gather(E, ids) with E a 2-D float initializer, gathered along axis 0.
     gathers: dict[str, list[onnx.NodeProto]] = {}
@@ -483,8 +505,11 @@ def quantize_q4(
         "scale_dtype": "float16 values (stored in the graph's float type)",
         "rounding": "scale: float16 round-to-nearest-even; codes: round-half-to-even of w/s, + zp",
         "tensors": w.tensors,
-        "lm_head": bool(lm_head or tied_names),
-        "embeddings": bool(embeddings or tied_names),
+        "method": method,
+        "lm_head": any(t["role"] in ("lm_head", "tied_embedding_lm_head") for t in w.tensors),
+        "embeddings": any(t["role"] in ("embedding", "tied_embedding_lm_head") for t in w.tensors),
+        "roles": _roles(w.tensors),
+        "bits_per_weight_overall": _overall_bits(model, w),
         "tied": tied_names,
         "weights": w.weights,
         "bits_per_weight": round(8 * w.quantized_bytes / w.weights, 4) if w.weights else None,
@@ -492,6 +517,31 @@ def quantize_q4(
         "bytes_after": w.quantized_bytes,
     }
     return model, PassResult("quantize_q4", edits, time.perf_counter() - t0, info)
+
+
+def _roles(tensors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per role (linear, fused:FusedQKV, lm_head, ...): tensors, weights, worst error."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in tensors:
+        r = out.setdefault(t["role"], {"tensors": 0, "weights": 0, "max_rel_rms_error": 0.0})
+        r["tensors"] += 1
+        r["weights"] += int(np.prod(t["shape"]))
+        r["max_rel_rms_error"] = max(r["max_rel_rms_error"], t["rel_rms_error"])
+    return out
+
+
+def _overall_bits(model: onnx.ModelProto, w: _Writer) -> float | None:
+    """Bits per weight over every float weight of the model (quantized and kept float alike):
+    the Q4 tensors' codes, scales and zero points plus each float initializer as stored."""
+    qparams = {t["scales"] for t in w.tensors}
+    kept_bytes = kept = 0
+    for t in model.graph.initializer:
+        if t.data_type in _FLOAT_TYPES and t.name not in qparams:
+            numel = int(np.prod(t.dims)) if t.dims else 1
+            kept += numel
+            kept_bytes += numel * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    total = w.weights + kept
+    return round(8 * (w.quantized_bytes + kept_bytes) / total, 4) if total else None
 
 
 def _rewrite(model: onnx.ModelProto, w: _Writer) -> None:
@@ -546,8 +596,9 @@ class QuantizeQ4:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     symmetric: bool = False
-    lm_head: bool = False
+    lm_head: bool = True
     embeddings: bool = False
+    method: str = DEFAULT_METHOD
     name: str = "quantize_q4"
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -576,6 +627,7 @@ class QuantizeQ4:
             symmetric=self.symmetric,
             lm_head=self.lm_head,
             embeddings=self.embeddings,
+            method=self.method,
             load=load,
         )
         infer_shapes(model)
@@ -622,11 +674,12 @@ def quantize_pass(
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
-    lm_head: bool = False,
+    lm_head: bool = True,
     embeddings: bool = False,
+    method: str = DEFAULT_METHOD,
 ) -> QuantizeQ4:
     """The pass for `run_pipeline(..., extra=[quantize_pass(...)])`; options as validated by
     `validate_options` (raises ValueError on a block size outside BLOCK_SIZES)."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
-    return QuantizeQ4(block_size, symmetric, lm_head, embeddings)
+    return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method)

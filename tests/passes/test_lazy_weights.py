@@ -123,11 +123,18 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 
 
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
-    """`fuselm convert --quant q4` end to end: the embedding and norms are never decoded."""
+    """`fuselm convert --quant q4` end to end: norms are never decoded; the tied embedding / LM
+    head is read once when quantized (the default) and never with --no-quant-lm-head."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
     with weights.recording() as reads:
         convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4"))
+    with weights.recording() as float_head_reads:
+        convert(
+            model_dir("qwen3"), tmp_path / "out2", ConvertOptions(quant="q4", quant_lm_head=False)
+        )
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = ("q", "k", "v", "o", "gate", "up", "down")
-    assert reads == [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
+    want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
+    assert reads == [*want, "embed"]
+    assert float_head_reads == want

@@ -61,7 +61,7 @@ def test_quantize_matches_formula_and_onnx_dequantize(shape, block, symmetric) -
     w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
     w[:block, 0] = 0.0  # an all-zero block: scale 0, dequantizes to exact zeros
     w[:block, 1] = np.abs(w[:block, 1])  # an all-positive block: the range still holds 0
-    q = quantize_array(w, block, symmetric)
+    q = quantize_array(w, block, symmetric, method="minmax")
     codes, scales, zps = formula_reference(w, block, symmetric)
     np.testing.assert_array_equal(q.codes, codes)
     np.testing.assert_array_equal(q.scales.view(np.uint16), scales.view(np.uint16))
@@ -79,7 +79,8 @@ def test_quantize_matches_formula_and_onnx_dequantize(shape, block, symmetric) -
     # onnxruntime's DequantizeLinear (graph as written) == ops.dequantize_reference, bit for bit.
     for sdtype, ttype in ((np.float32, TensorProto.FLOAT), (np.float16, TensorProto.FLOAT16)):
         model, _ = quantize_q4(
-            _matmul_model(w.astype(sdtype), ttype), block_size=block, symmetric=symmetric
+            _matmul_model(w.astype(sdtype), ttype), block_size=block, symmetric=symmetric,
+            method="minmax",
         )
         inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
         dq = next(n for n in model.graph.node if n.op_type == "DequantizeLinear")
@@ -101,7 +102,9 @@ def test_quantize_matches_formula_and_onnx_dequantize(shape, block, symmetric) -
         )
         assert got.dtype == want.dtype == sdtype
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-        direct = quantize_array(w.astype(sdtype), block, symmetric).dequantize(np.float32)
+        direct = quantize_array(w.astype(sdtype), block, symmetric, "minmax").dequantize(
+            np.float32
+        )
         np.testing.assert_array_equal(want, direct.astype(sdtype))
 
 
@@ -124,7 +127,7 @@ def test_mlx_affine_form_reproduces_onnx_and_differs_from_mlx_quantize() -> None
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(3)
     w_nk = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)  # MLX layout [N, K]
-    q = quantize_array(w_nk.T, 32)  # ours: [K, N] along K
+    q = quantize_array(w_nk.T, 32, method="minmax")  # ours: [K, N] along K; no clipping
     ours = q.dequantize(np.float32).T  # [N, K]
 
     codes_nk = q.codes.T.astype(np.uint32).reshape(48, -1, 8)

@@ -88,3 +88,39 @@ def test_half_precision_artifact_keeps_affine_terms_once(family_models, tmp_path
     ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
     prompt = [int(i) for i in np.random.default_rng(6).integers(0, 384, 24)]
     assert rel(engine_logits(mlx_engine, prompt, 4), engine_logits(ort_engine, prompt, 4)) <= 2e-2
+
+
+def test_default_q4_convert_quantizes_the_head_and_reports(family_models, tmp_path) -> None:  # noqa: ANN001
+    """`convert --quant q4` with nothing else: the (untied, GQA) model's LM head is Q4, its
+    embedding stays float, fuselm.json records both and a per-tensor error, quant-report prints
+    the worst tensor first, and MLX matches onnxruntime (float compute) on that artifact."""
+    import json
+
+    from click.testing import CliRunner
+
+    from fuselm.converter.cli import cli
+    from fuselm.runtime_metal.artifact import read_manifest
+
+    out = convert(family_models["qwen2"][0], tmp_path / "q4_default", quant="q4")
+    record = read_manifest(out).quantization
+    assert record["lm_head"] and not record["embeddings"] and record["method"] == "search"
+    assert record["roles"]["lm_head"]["tensors"] == 1 and "embedding" not in record["roles"]
+    assert 4.6 < record["bits_per_weight"] < record["bits_per_weight_overall"] < 32
+    errs = [t["rel_rms_error"] for t in record["tensors"]]
+    assert all(0 < e < 0.2 for e in errs)
+    r = CliRunner().invoke(cli, ["quant-report", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["tensors"]
+    assert [x["rel_rms_error"] for x in rows] == sorted(errs, reverse=True)
+    assert "rel RMS err" in CliRunner().invoke(cli, ["quant-report", str(out)]).output
+    bad = CliRunner().invoke(cli, ["quant-report", str(family_models["qwen2"][1])])
+    assert bad.exit_code != 0 and "has no Q4 weights" in str(bad.exception)
+
+    kept = convert(family_models["qwen2"][0], tmp_path / "q4_float_head", quant="q4",
+                   quant_lm_head=False)
+    assert not read_manifest(kept).quantization["lm_head"]
+
+    mlx_engine = make_engine(out, "mlx")
+    ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(8).integers(4, 384, 24)]
+    assert rel(engine_logits(mlx_engine, prompt, 6), engine_logits(ort_engine, prompt, 6)) <= 1e-3

@@ -1,0 +1,176 @@
+"""Choose each 4-bit block's scale and zero point to minimize its reconstruction error.
+
+The stored format does not change (uint4 codes, uint4 zero point, float16-representable scale,
+w' = (q - zp) * s); only the choice of (s, zp) per block does. Plain min/max spends the grid on
+the block's extremes: one outlier stretches the step for the other 31 weights. Here, per block:
+
+1. a grid of clipping ranges: s = fp16(r * (hi - lo) / 15) for a few ratios r <= 1, zero point
+   rint(-r * lo / s) (the range shrunk toward 0, which the grid always holds), r = 1 first: that
+   candidate IS min/max;
+2. keep, per block, the candidate with the smallest sum of squared errors (ties keep the earlier,
+   so min/max wins ties);
+3. alternating least squares from the winner (the idea of llama.cpp's `make_qkx2_quants` and of
+   HQQ's proximal updates, written for an integer zero point): with the codes fixed, fit
+   w ~ a * q + b by least squares, take zp = rint(-b / a) (clipped to 0..15), refit s given zp,
+   round it to float16, requantize, and accept the new (s, zp) only where a block's error drops.
+
+Every candidate is evaluated exactly as it will be stored (float16 scale, codes =
+clip(rint(w / s) + zp, 0, 15) with true division), and a block only ever moves to a strictly
+smaller error, so no block is ever worse than min/max; a block that min/max reproduces exactly
+(a weight on a 4-bit grid) stays exact. Pure NumPy on float32, no randomness: deterministic.
+
+Optional per-row importance (a weight per input channel, e.g. mean squared activation) turns
+the squared error into an importance-weighted one; the min/max guarantee then holds for that
+weighted error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Clipping ratios (r = 1 is min/max) and alternating steps. Measured on a Student-t (df 3)
+# [1024, 2048] tensor at block 32 (relative RMS error; min/max 0.1022): one ALS step alone
+# 0.1003, these five ratios + one step 0.0996, seven ratios + two steps 0.0995 at 1.8x the
+# time, an exhaustive 141 ratios x 16 zero points 0.0997 (ALS may also raise the scale).
+RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
+ALS_STEPS = 1
+_QMAX = 15
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+
+def _fp16(s: np.ndarray) -> np.ndarray:
+    """Round onto the float16 grid (kept as float32); out-of-range values become inf."""
+    with np.errstate(over="ignore"):
+        return s.astype(np.float16).astype(np.float32)
+
+
+def _centered_codes(
+    blocks: np.ndarray, s: np.ndarray, zp: np.ndarray, out: np.ndarray
+) -> np.ndarray:
+    """q - zp for q = clip(rint(w / s) + zp, 0, 15), as float32 into `out` (zp is integral)."""
+    safe = np.where(s == 0, np.float32(1), s)
+    np.divide(blocks, safe[:, None, :], out=out)
+    np.rint(out, out=out)
+    np.maximum(out, -zp[:, None, :], out=out)
+    np.minimum(out, (_QMAX - zp)[:, None, :], out=out)
+    zero = s == 0
+    if zero.any():  # a zero scale stores every code at the zero point
+        out[np.broadcast_to(zero[:, None, :], out.shape)] = 0
+    return out
+
+
+def _sse(
+    blocks: np.ndarray,
+    c: np.ndarray,
+    s: np.ndarray,
+    importance: np.ndarray | None,
+    tmp: np.ndarray,
+) -> np.ndarray:
+    """Per-block (importance-weighted) sum of squared errors of c * s against the weights."""
+    np.multiply(c, s[:, None, :], out=tmp)
+    np.subtract(tmp, blocks, out=tmp)
+    np.multiply(tmp, tmp, out=tmp)
+    if importance is not None:
+        tmp *= importance
+    return tmp.sum(axis=1)
+
+
+def search_params(
+    blocks: np.ndarray,
+    symmetric: bool = False,
+    importance: np.ndarray | None = None,
+    ratios: tuple[float, ...] = RATIOS,
+    als_steps: int = ALS_STEPS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Scales (float16) and zero points (float32, integral) for float32 blocks [nb, B, n].
+
+    `importance`, if given, is [nb, B, 1] (one non-negative weight per row of each block).
+    Symmetric mode keeps zp = 8 and searches the scale only (from max|w| / 7 down).
+    """
+    nb, _, n = blocks.shape
+    c = np.empty_like(blocks)
+    tmp = np.empty_like(blocks)
+    if symmetric:
+        base = np.abs(blocks).max(axis=1) / np.float32(7)
+        zp_of = None
+        lo = None
+    else:
+        lo = np.minimum(blocks.min(axis=1), 0)
+        base = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(_QMAX)
+        zp_of = lo
+    if float(base.max(initial=0.0)) > _FP16_MAX:
+        raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
+    best_s = best_zp = best_err = None
+    for r in ratios:
+        s = _fp16(base * np.float32(r))
+        if symmetric:
+            zp = np.full(s.shape, 8, np.float32)
+        else:
+            safe = np.where(s == 0, np.float32(1), s)
+            zp = np.clip(np.rint(-(zp_of * np.float32(r)) / safe), 0, _QMAX)
+            zp[s == 0] = 0
+        _centered_codes(blocks, s, zp, c)
+        err = _sse(blocks, c, s, importance, tmp)
+        if best_err is None:
+            best_s, best_zp, best_err = s, zp, err
+            continue
+        better = err < best_err
+        best_s = np.where(better, s, best_s)
+        best_zp = np.where(better, zp, best_zp)
+        best_err = np.where(better, err, best_err)
+    assert best_s is not None and best_zp is not None and best_err is not None
+    for _ in range(als_steps):
+        c = _centered_codes(blocks, best_s, best_zp, c)
+        s, zp = _least_squares(blocks, c, best_zp, symmetric, importance, tmp)
+        _centered_codes(blocks, s, zp, c)
+        err = _sse(blocks, c, s, importance, tmp)
+        better = err < best_err
+        if not better.any():
+            break
+        best_s = np.where(better, s, best_s)
+        best_zp = np.where(better, zp, best_zp)
+        best_err = np.where(better, err, best_err)
+    return best_s.astype(np.float16), best_zp
+
+
+def _least_squares(
+    blocks: np.ndarray,
+    c: np.ndarray,
+    zp: np.ndarray,
+    symmetric: bool,
+    importance: np.ndarray | None,
+    tmp: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One alternating step: given the codes q = c + zp, the (s, zp) that fit them best.
+
+    Asymmetric: least-squares line w ~ a*q + b, zp = clip(rint(-b/a)); then s given that zp.
+    Symmetric: s only. Degenerate blocks (all codes equal, a <= 0, non-finite) keep s = 0,
+    which the caller's error test then rejects unless the block is all zeros.
+    """
+
+    def wsum(x: np.ndarray) -> np.ndarray:
+        if importance is None:
+            return x.sum(axis=1)
+        np.multiply(x, importance, out=tmp)
+        return tmp.sum(axis=1)
+
+    if importance is None:
+        sw = np.full(zp.shape, np.float32(blocks.shape[1]))
+    else:
+        sw = np.broadcast_to(importance, blocks.shape).sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        if not symmetric:
+            q = c + zp[:, None, :]
+            sq = wsum(q)
+            sy = wsum(blocks)
+            sqq = wsum(q * q)
+            sqy = wsum(q * blocks)
+            den = sw * sqq - sq * sq
+            a = (sw * sqy - sq * sy) / den
+            b = (sy - a * sq) / sw
+            zp = np.clip(np.rint(-b / a), 0, _QMAX)
+            zp = np.where(np.isfinite(zp) & (a > 0), zp, 0).astype(np.float32)
+            c = q - zp[:, None, :]
+        s = wsum(c * blocks) / wsum(c * c)
+    s = np.where(np.isfinite(s) & (s > 0) & (s < _FP16_MAX), s, 0).astype(np.float32)
+    return _fp16(s), zp
