@@ -18,10 +18,12 @@ def cli() -> None:
 def _register() -> None:
     # Each command lives in the module named for its job.
     from fuselm.converter.bench_cmd import bench
+    from fuselm.converter.chat_cmd import chat
     from fuselm.converter.convert_cmd import convert, demo
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
-    from fuselm.converter.run_cmd import chat, run, validate
+    from fuselm.converter.run_cmd import run
+    from fuselm.converter.validate_cmd import validate
 
     for command in (convert, inspect, optimize, demo, run, chat, validate, bench):
         cli.add_command(command)

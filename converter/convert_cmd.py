@@ -43,11 +43,14 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--block-size",
+    "--q-group-size",
     type=int,
     default=32,
     show_default=True,
     help="Q4 block size along the reduction axis (32, 64 or 128).",
 )
+@click.option("--q-bits", type=click.Choice(["4"]), default=None,
+              help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
 @click.option("--quant-lm-head", is_flag=True, help="Also quantize the LM head.")
 @click.option("--quant-embeddings", is_flag=True, help="Also quantize the embedding table.")
@@ -62,6 +65,7 @@ def convert_command(
     dtype: str,
     quant: str,
     block_size: int,
+    q_bits: str | None,
     sym: bool,
     quant_lm_head: bool,
     quant_embeddings: bool,
@@ -71,7 +75,13 @@ def convert_command(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Convert an HF decoder checkpoint (MODEL_DIR) into a fused ONNX artifact."""
+    """Convert an HF decoder checkpoint (MODEL_DIR, or a hub id ORG/NAME) into a fused ONNX
+    artifact."""
+    from fuselm.converter.hub import resolve_source
+
+    if q_bits is not None:
+        quant = "q4"
+    model_dir = resolve_source(model_dir)
     opts = ConvertOptions(
         dtype=dtype,
         optimize=not no_optimize,

@@ -27,6 +27,10 @@ class Engine(Protocol):
         """Room for n cached positions, before a generation (a hint; engines may ignore it)."""
         ...
 
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        ...
+
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed ids [1, s] after the cached positions; return float32 logits of the last
         position [vocab] (or of all positions [s, vocab])."""

@@ -6,6 +6,7 @@ greedy agreement with HF over n tokens. Users check their own conversions with i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ class Rung:
     logits_rel: list[float] = field(default_factory=list)  # vs the rung above
     logits_rel_hf: list[float] = field(default_factory=list)
     greedy_agree: list[int] = field(default_factory=list)  # leading tokens identical to HF
+    nonfinite: list[bool] = field(default_factory=list)  # NaN/Inf in this prompt's logits
 
 
 @dataclass
@@ -86,7 +88,9 @@ def agreement(a: list[int], b: list[int]) -> int:
 
 def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
              n_tokens: int = 32, prefill_chunk: int = 512,
-             engines: tuple[str, ...] = ("onnxruntime", "mlx")) -> Report:
+             engines: tuple[str, ...] = ("onnxruntime", "mlx"),
+             on_prompt: Callable[[int], None] | None = None) -> Report:
+    """Run the ladder; `on_prompt(i)` is called after prompt i (progress)."""
     model = hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
@@ -95,17 +99,21 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
         opts = {"accuracy_level": 0} if name == "onnxruntime" else {}
         opened[name] = make_engine(out_dir, name, **opts)
         rungs.append(Rung(name))
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         ref = hf_logits(model, ids)
         ref_tokens = hf_greedy(model, ids, n_tokens)
         rungs[0].greedy_agree.append(n_tokens)
+        rungs[0].nonfinite.append(not bool(np.isfinite(ref).all()))
         above = ref
         for rung in rungs[1:]:
             eng = opened[rung.name]
             got = engine_logits(eng, ids, prefill_chunk)
             rung.logits_rel.append(rel(got, above))
             rung.logits_rel_hf.append(rel(got, ref))
+            rung.nonfinite.append(not bool(np.isfinite(got).all()))
             res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
             rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
             above = got
+        if on_prompt is not None:
+            on_prompt(i)
     return Report(n_tokens, prompts, rungs)
