@@ -29,6 +29,7 @@ HELP = """commands:
   /help          this list
   /reset         forget the conversation (asks first)
   /system TEXT   set the system prompt (empty TEXT removes it)
+  /history       show the conversation so far
   /quit, /exit   end the session (Ctrl-D too)
 Ctrl-C stops the current reply; the conversation is kept. Up/down arrows recall earlier lines."""
 
@@ -83,6 +84,9 @@ class Chat:
                 click.echo("(conversation cleared)")
             else:
                 click.echo("(kept)")
+        elif name == "/history":
+            for m in self.messages():
+                click.echo(f"[{m['role']}] {m['content']}")
         elif name == "/system":
             self.system = arg.strip() or None
             click.echo(f"(system prompt {'set' if self.system else 'removed'})")
