@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -41,7 +42,19 @@ def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False)
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
         return manifest, make_engine(out_dir, name, accuracy_level=accuracy_level), None
+    warn_mlx_on_cpu(manifest, engine)
     return manifest, make_engine(out_dir, name, profiler=profiler), profiler
+
+
+def warn_mlx_on_cpu(manifest: Any, engine: str) -> None:
+    """An explicit --engine mlx without a GPU: say how slow it will be and what is faster."""
+    from fuselm.runtime_metal.engine import mlx_has_gpu
+    from fuselm.runtime_metal.model_size import mlx_cpu_warning
+
+    if engine == "mlx" and not mlx_has_gpu():
+        message = mlx_cpu_warning(manifest.model)
+        if message:
+            click.echo(message, err=True)
 
 
 def _parse_ids(text: str) -> list[int]:
