@@ -22,10 +22,11 @@ def _register() -> None:
     from fuselm.converter.convert_cmd import convert, demo
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
+    from fuselm.converter.report_cmd import report
     from fuselm.converter.run_cmd import run
     from fuselm.converter.validate_cmd import validate
 
-    for command in (convert, inspect, optimize, demo, run, chat, validate, bench):
+    for command in (convert, inspect, optimize, demo, run, chat, validate, bench, report):
         cli.add_command(command)
 
 

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from fuselm.converter.graph_layers import nodes_per_layer
+from fuselm.passes.layers import nodes_per_layer
 
 KV = re.compile(r"^(past_key_values|present)\.(\d+)\.(key|value)$")
 

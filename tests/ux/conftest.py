@@ -39,4 +39,4 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def artifact(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert(hf_dir, tmp_path_factory.mktemp("ux") / "out", keep_intermediate=True)
+    return convert(hf_dir, tmp_path_factory.mktemp("ux") / "out")
