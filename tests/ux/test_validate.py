@@ -52,3 +52,37 @@ def test_different_vocabulary_is_a_clear_error(artifact: Path, tmp_path: Path) -
     r = cli("validate", str(other), str(artifact))
     assert r.returncode == 2, r.stderr
     assert "different vocabularies (vocab_size: 512" in r.stderr and "384" in r.stderr
+
+
+def test_thresholds_per_precision() -> None:
+    from fuselm.runtime_metal.verdict import judge, precision
+
+    assert precision("float32", None) == "float32" and precision("float16", {"bits": 4}) == "q4"
+    assert judge([5e-5], [False], "float32").status == "PASS"
+    assert judge([5e-4], [False], "float32").status == "WARN"
+    assert judge([5e-4], [False], "float16").status == "PASS"
+    assert judge([0.1], [False], "float16").status == "FAIL"
+    assert judge([0.1], [False], "q4").status == "PASS"
+    assert judge([1e-9], [True], "q4").status == "FAIL"  # NaN/Inf anywhere fails
+    assert judge([float("nan")], [False], "float32").status == "FAIL"
+
+
+def test_mlx_on_cpu_warning_names_speed_and_alternative() -> None:
+    from fuselm.converter.builtin import QWEN3_0_6B
+    from fuselm.runtime_metal.artifact import ModelInfo
+    from fuselm.runtime_metal.model_size import mlx_cpu_warning, parameter_count
+
+    def info(shape: dict) -> ModelInfo:
+        return ModelInfo("Qwen3ForCausalLM", "qwen3", shape["hidden_size"],
+                         shape["num_hidden_layers"], shape["num_attention_heads"],
+                         shape["num_key_value_heads"], shape["head_dim"],
+                         shape["intermediate_size"], shape["vocab_size"], 1e-6,
+                         shape.get("tie_word_embeddings", False), 4096)
+
+    big = info(QWEN3_0_6B)
+    assert 0.5e9 < parameter_count(big) < 0.7e9  # Qwen3-0.6B
+    message = mlx_cpu_warning(big)
+    assert message and "tokens/s" in message and "--engine onnxruntime" in message
+    from fuselm.converter.builtin import TINY
+
+    assert mlx_cpu_warning(info(TINY)) is None
