@@ -19,16 +19,19 @@ def cli() -> None:
 def _register() -> None:
     # Each command lives in the module named for its job.
     from fuselm.converter.bench_cmd import bench
+    from fuselm.converter.chat_cmd import chat
     from fuselm.converter.convert_cmd import convert, demo
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
     from fuselm.converter.perplexity_cmd import perplexity
     from fuselm.converter.quant_report_cmd import quant_report
-    from fuselm.converter.run_cmd import chat, run, validate
+    from fuselm.converter.report_cmd import report
+    from fuselm.converter.run_cmd import run
+    from fuselm.converter.validate_cmd import validate
     from fuselm.converter.verify_cmd import verify
 
     for command in (
-        convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity
+        convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity, report
     ):
         cli.add_command(command)
     cli.add_command(quant_report)

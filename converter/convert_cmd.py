@@ -44,11 +44,14 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--block-size",
+    "--q-group-size",
     type=int,
     default=32,
     show_default=True,
     help="Q4 block size along the reduction axis (32, 64 or 128).",
 )
+@click.option("--q-bits", type=click.Choice(["4"]), default=None,
+              help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
 @click.option(
     "--quant-lm-head/--no-quant-lm-head",
@@ -77,6 +80,7 @@ def convert_command(
     dtype: str,
     quant: str,
     block_size: int,
+    q_bits: str | None,
     sym: bool,
     quant_lm_head: bool | None,
     quant_embeddings: bool,
@@ -89,7 +93,13 @@ def convert_command(
     quiet: bool,
     allow_nonfinite: bool,
 ) -> None:
-    """Convert an HF decoder checkpoint (MODEL_DIR) into a fused ONNX artifact."""
+    """Convert an HF decoder checkpoint (MODEL_DIR, or a hub id ORG/NAME) into a fused ONNX
+    artifact."""
+    from fuselm.converter.hub import resolve_source
+
+    if q_bits is not None:
+        quant = "q4"
+    model_dir = resolve_source(model_dir)
     opts = ConvertOptions(
         dtype=dtype,
         optimize=not no_optimize,

@@ -66,17 +66,29 @@ def describe(path: Path) -> dict[str, Any]:
 @click.command("inspect")
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
-def inspect(model: Path, as_json: bool) -> None:
-    """Show MODEL's (a .onnx file or an output directory) I/O signature and op histogram."""
+@click.option("--full", is_flag=True, help="Every I/O row (KV rows are collapsed otherwise).")
+def inspect(model: Path, as_json: bool, full: bool) -> None:
+    """Show MODEL's (a .onnx file or an output directory) summary, I/O signature and op
+    histogram."""
+    from fuselm.converter.inspect_summary import collapse_io, summary
+
     info = describe(model)
+    nodes = list(onnx.load(info["path"], load_external_data=False).graph.node)
+    rows = summary(model, info, nodes)
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        click.echo(json.dumps({**info, "summary": dict(rows)}, indent=2))
         return
-    io = Table(title=f"{info['path']}  opsets {info['opsets']}")
+    head = Table(title=info["path"], show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    for label, value in rows:
+        head.add_row(label, value)
+    io = Table(title=f"inputs / outputs  opsets {info['opsets']}"
+               + ("" if full else "  (--full: every row)"))
     for col in ("", "name", "type", "shape"):
         io.add_column(col)
     for kind in ("inputs", "outputs"):
-        for v in info[kind]:
+        for v in info[kind] if full else collapse_io(info[kind]):
             io.add_row(kind[:-1], v["name"], v["type"], str(v["shape"]))
     ops = Table(title=f"{info['nodes']} nodes, {info['weight_bytes'] / 1e6:.1f} MB of weights")
     ops.add_column("op")
@@ -84,5 +96,6 @@ def inspect(model: Path, as_json: bool) -> None:
     for name, count in info["ops"].items():
         ops.add_row(name, str(count))
     console = stderr.__class__()  # stdout
+    console.print(head)
     console.print(io)
     console.print(ops)

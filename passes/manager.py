@@ -82,10 +82,13 @@ class PassEntry:
 class Report:
     entries: list[PassEntry] = field(default_factory=list)
     opset_upgraded_from: int | None = None
+    # One decoder layer of the input graph, node by node (fuselm report draws it before fusion)
+    layer_before: list[dict[str, object]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "opset_upgraded_from": self.opset_upgraded_from,
+            "layer_before": self.layer_before,
             "passes": [
                 {**asdict(e), "refused": [list(r) for r in e.refused]} for e in self.entries
             ],
@@ -127,6 +130,14 @@ def select(passes: Sequence[str] | None, extra: Sequence[Pass] = ()) -> list[Pas
     return [*chosen, *extra, PIPELINE[-1]]
 
 
+def layer_nodes(nodes: list[onnx.NodeProto]) -> list[dict[str, object]]:
+    """Decoder layer 1's nodes (op, name, inputs, outputs): small, and enough to draw it."""
+    from fuselm.passes.layers import layer_window
+
+    return [{"op": n.op_type, "domain": n.domain, "name": n.name, "inputs": list(n.input),
+             "outputs": list(n.output)} for n in layer_window(nodes)]
+
+
 def run_pipeline(
     model: onnx.ModelProto,
     passes: Sequence[str] | None = None,
@@ -138,7 +149,8 @@ def run_pipeline(
     """Run the chosen passes; `base_dir` and `deferred` as in model_io.to_graph / to_model."""
     chosen = select(passes, extra)
     graph = to_graph(model, base_dir=base_dir)  # upgrades a lower opset to 23 first
-    report = Report(opset_upgraded_from=graph.upgraded_from)
+    report = Report(opset_upgraded_from=graph.upgraded_from,
+                    layer_before=layer_nodes(list(model.graph.node)))
     for p in chosen:
         before = histogram(graph)
         n_before = len(graph.nodes)

@@ -121,6 +121,12 @@ def read_manifest(out_dir: str | Path) -> Manifest:
     if not root.is_dir():
         raise ArtifactError(f"{root} is not a directory; pass the folder `fuselm convert` wrote")
     if not path.is_file():
+        if (root / "config.json").is_file():  # an HF checkpoint: convert it beside itself
+            sibling = root.resolve().parent / f"{root.resolve().name}-fuselm"
+            raise ArtifactError(
+                f"{root} is a Hugging Face checkpoint, not a fuselm artifact; convert it first: "
+                f"`fuselm convert {root} -o {sibling}`, then pass {sibling}"
+            )
         raise ArtifactError(
             f"{path} not found: {root} is not a fuselm artifact; create one with "
             f"`fuselm convert MODEL_DIR -o {root}`"

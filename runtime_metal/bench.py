@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,10 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int) -> tupl
 
 def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               engine: str = "auto", warmup: int = 1, profile: bool = False,
-              prefill_chunk: int = 512, seed: int = 0, **engine_options: Any) -> BenchResult:
+              prefill_chunk: int = 512, seed: int = 0,
+              on_run: Callable[[int, int], None] | None = None,
+              **engine_options: Any) -> BenchResult:
+    """on_run(done, total) after each run, warm-up included (progress)."""
     from fuselm.runtime_metal.artifact import read_manifest
 
     if p < 1 or n < 2 or r < 1:
@@ -119,15 +123,19 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
     load_s = time.perf_counter() - t0
     vocab = read_manifest(out_dir).model.vocab_size
     prompt = [int(i) for i in np.random.default_rng(seed).integers(0, vocab, size=p)]
-    for _ in range(warmup):
+    for i in range(warmup):
         eng.reset()
         timed_generation(eng, prompt, n, prefill_chunk)
+        if on_run is not None:
+            on_run(i + 1, warmup + r)
     pps, tgs = [], []
-    for _ in range(r):
+    for i in range(r):
         eng.reset()
         pp, tg = timed_generation(eng, prompt, n, prefill_chunk)
         pps.append(pp)
         tgs.append(tg)
+        if on_run is not None:
+            on_run(warmup + i + 1, warmup + r)
     mem, source = peak_memory(name)
     rows = None
     if profile:

@@ -64,6 +64,12 @@ class OrtEngine:
     def reserve(self, n: int) -> None:
         """Nothing to do: onnxruntime returns each call's present K/V as new tensors."""
 
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions (the K/V arrays keep their first offset - n)."""
+        keep = max(self._offset - n, 0)
+        self._past = {k: v[:, :, :keep] for k, v in self._past.items()}
+        self._offset = keep
+
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         s, start = ids.shape[1], self._offset
@@ -100,13 +106,6 @@ class OrtEngine:
 
     def decode_step(self, token: object) -> np.ndarray:
         return self.forward(np.array([[int(token)]], np.int64))  # type: ignore[call-overload]
-
-    def trim(self, n: int) -> None:
-        """Forget the last n cached positions."""
-        n = min(n, self._offset)
-        if n:
-            self._past = {k: v[:, :, : v.shape[2] - n] for k, v in self._past.items()}
-            self._offset -= n
 
     def end_profiling(self) -> str | None:
         try:

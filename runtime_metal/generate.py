@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -156,23 +157,41 @@ def generate(
     engine: Engine,
     prompt: Sequence[int],
     *,
+    on_text: Callable[[str], None] | None = None,
+    **options: Any,
+) -> GenerationResult:
+    """Generate after `prompt` (ids); text pieces go to `on_text`. Options: `iter_generate`'s."""
+    pieces = iter_generate(engine, prompt, **options)
+    while True:
+        try:
+            piece = next(pieces)
+        except StopIteration as done:
+            return done.value
+        if on_text is not None:
+            on_text(piece)
+
+
+def iter_generate(
+    engine: Engine,
+    prompt: Sequence[int],
+    *,
     max_new_tokens: int = 64,
     sampling: SamplingOptions | None = None,
     eos_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     decode: Callable[[list[int]], str] | None = None,
-    on_text: Callable[[str], None] | None = None,
     prefill_chunk: int = 512,
     context_length: int | None = None,
     reset: bool = True,
     device_sampling: bool | None = None,
-) -> GenerationResult:
-    """Generate after `prompt` (ids). With `decode`, text is produced, streamed to `on_text`
-    piece by piece and checked against `stop_strings`.
+) -> Generator[str, None, GenerationResult]:
+    """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`)
+    and returning the GenerationResult. Text is checked against `stop_strings`.
 
-    device_sampling (engines with a device decode step, i.e. MLX): None = on device when greedy
-    (the same tokens as the host, pipelined); True = also random sampling on device (MLX's
-    generator: draws differ from the host's); False = always on the host."""
+    reset=False continues after the engine's cached positions (the caller's prompt is only
+    what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
+    on device when greedy (the same tokens as the host, pipelined); True = also random sampling
+    on device (MLX's generator: draws differ from the host's); False = always on the host."""
     manifest = getattr(engine, "manifest", None)
     if manifest is not None:
         check_token_ids(prompt, manifest.model.vocab_size)
@@ -192,28 +211,32 @@ def generate(
     stop_reason = "length"
     text, emitted = "", 0
     eos = set(int(e) for e in eos_ids)
-    for token in generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
-                                prefill_chunk=prefill_chunk, timings=timings,
-                                device_sampler=device_sampler):
-        if token in eos:
-            stop_reason = "eos"
-            break
-        tokens.append(token)
-        if decode is None:
-            continue
-        text = decode(tokens)
-        hit = next((s for s in stop_strings if s and s in text), None)
-        if hit is not None:
-            text = text[: text.index(hit)]
-            stop_reason = "stop_string"
-        # Hold back a trailing replacement char (a partial UTF-8 sequence) until complete.
-        ready = len(text) if hit or not text.endswith("\ufffd") else len(text) - 1
-        if on_text is not None and ready > emitted:
-            on_text(text[emitted:ready])
-            emitted = ready
-        if hit is not None:
-            break
-    if decode is not None and on_text is not None and len(text) > emitted:
-        on_text(text[emitted:])
+    steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
+                           prefill_chunk=prefill_chunk, timings=timings,
+                           device_sampler=device_sampler)
+    try:
+        for token in steps:
+            if token in eos:
+                stop_reason = "eos"
+                break
+            tokens.append(token)
+            if decode is None:
+                continue
+            text = decode(tokens)
+            hit = next((s for s in stop_strings if s and s in text), None)
+            if hit is not None:
+                text = text[: text.index(hit)]
+                stop_reason = "stop_string"
+            # Hold back a trailing replacement char (a partial UTF-8 sequence) until complete.
+            ready = len(text) if hit or not text.endswith("\ufffd") else len(text) - 1
+            if ready > emitted:
+                yield text[emitted:ready]
+                emitted = ready
+            if hit is not None:
+                break
+    finally:
+        steps.close()  # the pipelined loop forgets a token fed ahead, before anyone reads offset
+    if decode is not None and len(text) > emitted:
+        yield text[emitted:]
     return GenerationResult(tokens, text, len(prompt), stop_reason, timings.get("prefill", 0.0),
                             timings.get("decode", 0.0), engine.describe())

@@ -6,6 +6,7 @@ greedy agreement with HF over n tokens. Users check their own conversions with i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ class Rung:
     logits_rel_hf: list[float] = field(default_factory=list)
     greedy_agree: list[int] = field(default_factory=list)  # leading tokens identical to HF
     perplexity: dict[str, float] | None = None  # PPL of the ladder's text (rung_perplexity)
+    nonfinite: list[bool] = field(default_factory=list)  # NaN/Inf in this prompt's logits
 
 
 @dataclass
@@ -88,7 +90,10 @@ def agreement(a: list[int], b: list[int]) -> int:
 def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
              n_tokens: int = 32, prefill_chunk: int = 512,
              engines: tuple[str, ...] = ("onnxruntime", "mlx"),
-             ppl_tokens: list[int] | None = None, ppl_context: int = 256) -> Report:
+             ppl_tokens: list[int] | None = None, ppl_context: int = 256,
+             on_prompt: Callable[[int], None] | None = None) -> Report:
+    """Run the ladder; `on_prompt(i)` is called after prompt i (progress); with `ppl_tokens`,
+    every rung's PPL on them too (rung_perplexity)."""
     model = hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
@@ -97,19 +102,23 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
         opts = {"accuracy_level": 0} if name == "onnxruntime" else {}
         opened[name] = make_engine(out_dir, name, **opts)
         rungs.append(Rung(name))
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         ref = hf_logits(model, ids)
         ref_tokens = hf_greedy(model, ids, n_tokens)
         rungs[0].greedy_agree.append(n_tokens)
+        rungs[0].nonfinite.append(not bool(np.isfinite(ref).all()))
         above = ref
         for rung in rungs[1:]:
             eng = opened[rung.name]
             got = engine_logits(eng, ids, prefill_chunk)
             rung.logits_rel.append(rel(got, above))
             rung.logits_rel_hf.append(rel(got, ref))
+            rung.nonfinite.append(not bool(np.isfinite(got).all()))
             res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
             rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
             above = got
+        if on_prompt is not None:
+            on_prompt(i)
     if ppl_tokens is not None:
         rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context)
     return Report(n_tokens, prompts, rungs)

@@ -1,0 +1,110 @@
+"""The public Python API (`import fuselm`): convert a checkpoint, load an artifact, generate.
+
+A thin layer over converter.pipeline and the runtime (engine, generation loop, tokenizer);
+`fuselm/__init__.py` re-exports these names lazily so `import fuselm` stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fuselm.converter.errors import UserError
+
+Messages = Sequence[dict[str, str]]
+
+
+def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
+    """Convert an HF checkpoint folder (or hub id ORG/NAME) into a fused ONNX artifact at `out`.
+
+    Options are ConvertOptions' fields: dtype ("auto" | "float32" | "float16"), quant (None |
+    "q4"), block_size, symmetric, quant_lm_head, quant_embeddings, passes, optimize,
+    keep_intermediate. Returns the artifact folder."""
+    from fuselm.converter.hub import resolve_source
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.pipeline import convert as run_convert
+
+    known = {f.name for f in fields(ConvertOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise UserError(f"unknown convert option(s) {', '.join(unknown)}; "
+                        f"choose from {', '.join(sorted(known))}")
+    return run_convert(resolve_source(src), out, ConvertOptions(**options)).out_dir
+
+
+@dataclass
+class Generation:
+    """One reply: its text and token ids, why it stopped, and speed figures."""
+
+    text: str
+    tokens: list[int]
+    stop_reason: str  # eos | stop_string | length
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Model:
+    """A loaded artifact. `generate`/`stream` take a prompt string (the chat template is applied
+    when the tokenizer has one) or a list of chat messages ({"role", "content"})."""
+
+    def __init__(self, out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> None:
+        from fuselm.runtime_metal.artifact import read_manifest
+        from fuselm.runtime_metal.engine import make_engine
+        from fuselm.runtime_metal.session import CachedSession
+        from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
+
+        self.path = Path(out_dir)
+        self.manifest = read_manifest(out_dir)
+        self.engine = make_engine(out_dir, engine, **engine_options)
+        self.tokenizer = load_tokenizer(out_dir)
+        self.eos_ids = eos_ids(self.manifest, generation_config(out_dir), self.tokenizer)
+        # Successive calls that share a prefix (a growing conversation) reuse the KV cache.
+        self._session = CachedSession(self.engine)
+
+    def encode(self, prompt: str | Messages, raw: bool = False) -> list[int]:
+        from fuselm.runtime_metal.tokenizer import encode_prompt
+
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt, raw=raw)
+        messages = list(prompt)
+        if not messages or messages[-1].get("role") != "user":
+            raise UserError("messages must end with a user message")
+        return encode_prompt(self.tokenizer, messages[-1]["content"], history=messages[:-1])
+
+    def stream(self, prompt: str | Messages, *, max_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               repetition_penalty: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] = (), raw: bool = False,
+               result: list[Generation] | None = None) -> Iterator[str]:
+        """Yield the reply's text piece by piece; the finished Generation is appended to
+        `result` when given."""
+        from fuselm.runtime_metal.sampling import SamplingOptions
+
+        sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+        sampling.validate()
+        ids = self.encode(prompt, raw=raw)
+        tok = self.tokenizer
+        done = yield from self._session.stream(
+            ids, max_new_tokens=max_tokens, sampling=sampling, eos_ids=self.eos_ids,
+            stop_strings=tuple(stop), decode=lambda t: tok.decode(t, skip_special_tokens=True),
+            context_length=self.manifest.model.context_length)
+        if result is not None:
+            result.append(Generation(done.text, done.tokens, done.stop_reason, {
+                "prompt_tokens": len(ids), "prefilled_tokens": done.prompt_tokens,
+                "cached_tokens": self._session.reused, "new_tokens": len(done.tokens),
+                "prefill_tokens_per_s": done.pp, "decode_tokens_per_s": done.tg,
+                "engine": done.engine.get("engine")}))
+
+    def generate(self, prompt: str | Messages, **options: Any) -> Generation:
+        """The whole reply at once; options as `stream`'s."""
+        out: list[Generation] = []
+        for _ in self.stream(prompt, result=out, **options):
+            pass
+        return out[0]
+
+
+def load(out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> Model:
+    """Open a converted artifact. engine: "auto" (MLX on a GPU, onnxruntime otherwise), "mlx"
+    or "onnxruntime"; engine_options go to the engine (e.g. accuracy_level=0)."""
+    return Model(out_dir, engine, **engine_options)

@@ -1,0 +1,53 @@
+"""PASS / WARN / FAIL for a validation rung: thresholds on rel = max|a-b| / max|b| of the
+logits against HF float32, one pair per weight precision.
+
+Why these numbers (measured on the test suite's models and on real checkpoints):
+- float32: the artifact computes what HF computes, only in another order; fused ops and
+  onnxruntime/MLX kernels leave rel around 1e-6..1e-5. 1e-4 still passes (the suite's own
+  bound); beyond 1e-3 something is computed differently (a wrong op, a wrong constant).
+- float16: every weight and activation is rounded to 11 bits (relative step 2^-11 ≈ 5e-4)
+  and the rounding accumulates over layers: 1e-2 passes; beyond 5e-2 the model is damaged.
+- Q4 (4-bit blocks): the weights themselves change by up to half a quantization step (1/30
+  of a block's range), so logits move by several percent: 0.2 passes, beyond 0.5 the logits
+  are no longer the model's (a wrong scale, a wrong block layout).
+Greedy agreement with HF is reported but not judged: two near-equal logits may swap under
+any rounding and the texts then diverge, although the model is right.
+NaN or Inf in any logits is a FAIL, whatever the precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# precision -> (pass at or below, fail above); in between: WARN
+THRESHOLDS: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-3),
+    "float16": (1e-2, 5e-2),
+    "q4": (0.2, 0.5),
+}
+
+
+def precision(dtype: str, quantization: dict | None) -> str:
+    """The threshold key of an artifact: q4 when its weights are quantized, else its dtype."""
+    if quantization:
+        return "q4"
+    return dtype if dtype in THRESHOLDS else "float16"  # bfloat16 and such: the 16-bit bound
+
+
+@dataclass
+class Verdict:
+    status: str  # PASS | WARN | FAIL
+    reason: str
+
+
+def judge(rel_hf: list[float], nonfinite: list[bool], key: str) -> Verdict:
+    ok, bad = THRESHOLDS[key]
+    if any(nonfinite) or any(math.isnan(r) for r in rel_hf):
+        return Verdict("FAIL", "NaN/Inf in the logits")
+    worst = max(rel_hf)
+    if worst <= ok:
+        return Verdict("PASS", f"rel {worst:.2e} <= {ok:g} ({key})")
+    if worst <= bad:
+        return Verdict("WARN", f"rel {worst:.2e} > {ok:g} but <= {bad:g} ({key})")
+    return Verdict("FAIL", f"rel {worst:.2e} > {bad:g} ({key})")

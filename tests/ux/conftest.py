@@ -1,0 +1,42 @@
+"""Session-scoped tiny models for the user-facing commands (chat, validate, API, report)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuselm.converter.builtin import build_model
+
+ROOT = Path(__file__).resolve().parents[2]
+FUSELM = str(Path(sys.executable).with_name("fuselm"))
+
+
+def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.pipeline import convert as run_convert
+
+    run_convert(model_dir, out_dir, ConvertOptions(**{"dtype": "float32", **options}))  # type: ignore[arg-type]
+    return out_dir
+
+
+def cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None,
+        timeout: int = 300) -> subprocess.CompletedProcess:
+    """`fuselm ARGS` in a subprocess (text output)."""
+    return subprocess.run([FUSELM, *args], input=input, capture_output=True, timeout=timeout,
+                          text=not isinstance(input, bytes), env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A qwen3 checkpoint (GQA, head_dim != hidden/heads) with a long context for chat."""
+    return build_model(tmp_path_factory.mktemp("ux") / "hf", "qwen3", seed=3,
+                       max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
+def artifact(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert(hf_dir, tmp_path_factory.mktemp("ux") / "out")

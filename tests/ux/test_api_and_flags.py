@@ -1,0 +1,93 @@
+"""The README's Python example runs; familiar flag spellings; hub ids offline; hints."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.ux.conftest import ROOT, cli
+
+
+def test_readme_python_example_runs(tmp_path: Path) -> None:
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code, "the README shows the Python API"
+    r = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((tmp_path / "tiny-onnx" / "fuselm.json").read_text())
+    assert manifest["quantization"]["bits"] == 4
+    assert re.search(r"(eos|length|stop_string) \d+(\.\d+)?", r.stdout), r.stdout
+
+
+def test_import_fuselm_stays_light() -> None:
+    code = ("import sys, fuselm; "
+            "print(sorted(m for m in ('torch', 'mlx', 'onnx') if m in sys.modules)); "
+            "print(fuselm.load.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.split("\n")[:2] == ["[]", "fuselm.converter.api"], r.stderr
+
+
+def test_familiar_run_flags(artifact: Path) -> None:
+    a = cli("run", "-m", str(artifact), "--prompt", "Hi", "--max-tokens", "5", "--temp", "0.8",
+            "--seed", "3", "--engine", "onnxruntime", "--json")
+    b = cli("run", str(artifact), "--prompt", "Hi", "-n", "5", "--temperature", "0.8",
+            "--seed", "3", "--engine", "onnxruntime", "--json")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
+    assert len(json.loads(a.stdout)["tokens"]) <= 5
+    both = cli("run", str(artifact), "-m", str(artifact), "--prompt", "Hi")
+    assert both.returncode == 2 and "OUT_DIR or -m/--model" in both.stderr
+
+
+def test_bench_grid_one_table(artifact: Path) -> None:
+    r = cli("bench", "-m", str(artifact), "-p", "8,16", "-n", "4,6", "-r", "1",
+            "--engine", "onnxruntime")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:5] == ["model", "size", "params", "quant", "engine"]
+    tests = [ln.split()[-3] for ln in lines[1:5]]
+    assert tests == ["pp8", "pp16", "tg4", "tg6"]
+    assert all("Qwen3ForCausalLM" in ln and "float32" in ln for ln in lines[1:5])
+    js = cli("bench", str(artifact), "-p", "8,16", "-n", "4", "-r", "1", "--engine",
+             "onnxruntime", "--json")
+    out = json.loads(js.stdout)
+    assert [row["test"] for row in out["results"]] == ["pp8", "pp16", "tg4"]
+    assert all(row["median"] > 0 for row in out["results"])
+
+
+def test_convert_aliases_and_hub_offline(hf_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    r = cli("convert", str(hf_dir), "-o", str(out), "--q-bits", "4", "--q-group-size", "64",
+            "--quiet")
+    assert r.returncode == 0, r.stderr
+    q = json.loads((out / "fuselm.json").read_text())["quantization"]
+    assert q["bits"] == 4 and q["block_size"] == 64
+    offline = cli("convert", "SomeOrg/Some-Model-0.5B", "-o", str(tmp_path / "h"),
+                  env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://nonexistent.invalid"})
+    assert offline.returncode == 2, offline.stderr
+    assert offline.stderr.count("\n") == 1 and "Traceback" not in offline.stderr
+    assert "`hf download SomeOrg/Some-Model-0.5B --local-dir Some-Model-0.5B`" in offline.stderr
+
+
+def test_run_on_an_hf_dir_suggests_a_sibling(hf_dir: Path) -> None:
+    r = cli("run", str(hf_dir), "--prompt", "Hi")
+    assert r.returncode == 2
+    sibling = hf_dir.resolve().parent / f"{hf_dir.name}-fuselm"
+    assert f"-o {sibling}`" in r.stderr, r.stderr
+
+
+def test_inspect_summary_first_and_collapsed(artifact: Path) -> None:
+    r = cli("inspect", str(artifact))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.index("architecture") < out.index("input_ids")
+    for label in ("parameters", "layers", "heads", "context", "dtype", "quantization",
+                  "bits / weight", "per layer", "FusedQKV x2"):
+        assert label in out
+    assert "past_key_values.{0..1}.key" in out and "past_key_values.0.key" not in out
+    full = cli("inspect", str(artifact), "--full").stdout
+    assert "past_key_values.1.value" in full

@@ -1,0 +1,162 @@
+"""`fuselm chat`: driven through a pseudo-terminal (readline, Ctrl-C) and through pipes."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.session import CachedSession
+from fuselm.runtime_metal.tokenizer import encode_prompt, load_tokenizer
+from tests.ux.conftest import FUSELM, cli
+
+
+class Terminal:
+    """A child process on a pseudo-terminal; reads everything it prints."""
+
+    def __init__(self, *argv: str) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: becomes the program
+            os.execv(argv[0], list(argv))
+        self.out = b""
+
+    def read_until(self, marker: bytes, timeout: float = 120) -> bytes:
+        end = time.monotonic() + timeout
+        while marker not in self.out:
+            left = end - time.monotonic()
+            assert left > 0, f"timed out waiting for {marker!r}; got {self.out[-800:]!r}"
+            ready, _, _ = select.select([self.fd], [], [], min(left, 1.0))
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                self.out += chunk
+        assert marker in self.out, self.out[-800:]
+        at = self.out.index(marker) + len(marker)
+        seen, self.out = self.out[:at], self.out[at:]
+        return seen
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def close(self) -> int:
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        finally:
+            os.close(self.fd)
+        return os.waitstatus_to_exitcode(status)
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except ProcessLookupError:
+            pass
+
+
+def test_ctrl_c_mid_reply_keeps_the_session_and_history(artifact: Path) -> None:
+    # -n 3000: the reply runs for seconds, so Ctrl-C lands in the middle of it.
+    term = Terminal(FUSELM, "chat", str(artifact), "-n", "3000", "--engine", "onnxruntime")
+    try:
+        term.read_until(b">>> ")
+        term.send(b"hello there\r")
+        term.read_until(b"hello there")
+        time.sleep(2.0)  # the reply is streaming
+        term.send(b"\x03")
+        term.read_until(b"[stopped]")
+        term.read_until(b">>> ")  # the session goes on
+        term.send(b"/history\r")
+        shown = term.read_until(b">>> ")
+        assert b"[user] hello there" in shown and b"[assistant]" in shown
+        term.send(b"\x1b[A")  # up arrow: readline recalls the last line
+        recalled = term.read_until(b"/history")
+        assert b"^[[A" not in recalled
+        term.send(b"\x15/quit\r")  # Ctrl-U clears the recalled line
+        assert term.close() == 0
+    finally:
+        term.kill()
+
+
+def test_slash_commands_are_answered_locally(artifact: Path) -> None:
+    r = cli("chat", str(artifact), "-n", "4", "--engine", "onnxruntime",
+            input="\n/help\n/frobnicate\n/system be brief\n/reset\ny\n/history\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    assert "/system TEXT" in r.stdout  # /help
+    assert "unknown command /frobnicate" in r.stdout
+    assert "(system prompt set)" in r.stdout and "(conversation cleared)" in r.stdout
+    assert "[system] be brief" in r.stdout  # the system prompt survives /reset
+
+
+def test_cut_reply_is_marked(artifact: Path) -> None:
+    r = cli("chat", str(artifact), "--max-tokens", "3", "--temp", "0", "--engine",
+            "onnxruntime", input="hello\n")
+    assert r.returncode == 0, r.stderr
+    assert "[reply cut at 3 tokens" in r.stdout
+
+
+def test_invalid_utf8_line_is_refused_and_the_session_continues(artifact: Path) -> None:
+    r = cli("chat", str(artifact), "-n", "2", "--engine", "onnxruntime",
+            input=b"caf\xe9 \xff\n/history\nhello\n/history\n")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "not valid UTF-8" in err and "Traceback" not in err
+    assert b"[user] hello" in r.stdout
+
+
+def test_closed_stdin_is_one_error_line(artifact: Path) -> None:
+    r = subprocess.run(f"{FUSELM} chat {artifact} <&-", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error: stdin is closed"), r.stderr
+    empty = cli("chat", str(artifact), input="")  # end of input at once: a clean exit
+    assert empty.returncode == 0, empty.stderr
+
+
+def test_no_tokenizer_error_names_no_chat_flag(artifact: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("model.onnx", "model.onnx.data", "fuselm.json"):
+        (bare / f).symlink_to(artifact / f)
+    r = cli("chat", str(bare), input="hi\n")
+    assert r.returncode == 2 and "has no tokenizer" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "fuselm run --prompt-ids" in r.stderr
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
+def test_second_turn_reuses_the_cache_and_matches_a_fresh_run(artifact: Path,
+                                                              engine: str) -> None:
+    tok = load_tokenizer(artifact)
+    session = CachedSession(make_engine(artifact, engine))
+    first = encode_prompt(tok, "hello there")
+    r1 = session.stream(first, max_new_tokens=6)
+    while True:
+        try:
+            next(r1)
+        except StopIteration as done:
+            reply = done.value
+            break
+    history = [{"role": "user", "content": "hello there"},
+               {"role": "assistant", "content": tok.decode(reply.tokens,
+                                                           skip_special_tokens=True)}]
+    second = encode_prompt(tok, "and then?", history=history)
+    gen = session.stream(second, max_new_tokens=6)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            cont = done.value
+            break
+    assert session.reused >= len(first)  # the first turn's prompt was not prefilled again
+    assert cont.prompt_tokens == len(second) - session.reused
+    fresh = generate(make_engine(artifact, engine), second, max_new_tokens=6)
+    assert cont.tokens == fresh.tokens

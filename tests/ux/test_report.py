@@ -1,0 +1,84 @@
+"""`fuselm report`: the HTML page renders in a real headless Chromium (Debian's package):
+drawings and charts have a size, nothing logs an error to the console."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.ux.conftest import cli
+
+CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--window-size=1280,2000")
+
+
+def browser(profile_dir: Path):  # noqa: ANN201 - a selenium WebDriver
+    if not (CHROMIUM.is_file() and DRIVER.is_file()):
+        pytest.skip("needs Debian's chromium and chromium-driver (scripts/test installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for flag in (*FLAGS, f"--user-data-dir={profile_dir}"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(str(DRIVER)), options=opts)
+
+
+def render(page: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
+    """Load the page, screenshot it, return the rendered size of each drawing and chart."""
+    from selenium.webdriver.common.by import By
+
+    driver = browser(tmp_path / "chromium-profile")
+    try:
+        driver.get(page.resolve().as_uri())
+        assert driver.save_screenshot(str(tmp_path / "report.png"))
+        sizes = {el.get_attribute("id"): (el.size["width"], el.size["height"])
+                 for el in driver.find_elements(By.CSS_SELECTOR, "svg[id]")}
+        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        text = driver.find_element(By.TAG_NAME, "body").text
+    finally:
+        driver.quit()
+    assert not errors, errors
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    sizes["_text"] = text  # type: ignore[assignment]
+    return sizes
+
+
+def test_report_renders_in_headless_chromium(artifact: Path, tmp_path: Path) -> None:
+    recorded = json.loads((artifact / "fuselm.json").read_text())["passes"]["layer_before"]
+    assert [n["op"] for n in recorded].count("MatMul") >= 3  # q, k, v not yet fused
+    page = tmp_path / "report.html"
+    r = cli("report", str(artifact), "-o", str(page), "--profile")
+    assert r.returncode == 0, r.stderr
+    sizes = render(page, tmp_path)
+    for drawing in ("layer-before", "layer-after", "histogram", "profile"):
+        w, h = sizes[drawing]
+        assert w > 100 and h > 50, (drawing, sizes[drawing])
+    # before fusion the layer has more nodes than after (QKV and gate/up fused)
+    assert sizes["layer-before"][1] > sizes["layer-after"][1]
+    text = sizes["_text"]
+    assert "qkv" in text and "fuselm.FusedQKV +2" in text and "not quantized" in text
+
+
+def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -> None:
+    q4 = tmp_path / "q4"
+    shutil.copytree(artifact, q4)
+    manifest = json.loads((q4 / "fuselm.json").read_text())
+    manifest["quantization"] = {"bits": 4, "block_size": 32, "symmetric": False}
+    (q4 / "fuselm.json").write_text(json.dumps(manifest))
+    assert cli("report", str(q4)).returncode == 0
+    assert "not recorded" in (q4 / "report.html").read_text()
+    # A quantizer that records per-tensor error gets a chart.
+    manifest["quantization"]["tensor_errors"] = {"model.layers.0.mlp.down_proj": 0.031,
+                                                 "model.layers.1.self_attn.q_proj": 0.012}
+    (q4 / "fuselm.json").write_text(json.dumps(manifest))
+    assert cli("report", str(q4), "-o", str(tmp_path / "r.html")).returncode == 0
+    sizes = render(tmp_path / "r.html", tmp_path)
+    assert sizes["quant-error"][0] > 100 and "down_proj" in sizes["_text"]
