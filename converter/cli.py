@@ -22,8 +22,9 @@ def _register() -> None:
     from fuselm.converter.inspect_cmd import inspect
     from fuselm.converter.optimize_cmd import optimize
     from fuselm.converter.run_cmd import chat, run, validate
+    from fuselm.converter.serve_cmd import serve
 
-    for command in (convert, inspect, optimize, demo, run, chat, validate, bench):
+    for command in (convert, inspect, optimize, demo, run, chat, validate, bench, serve):
         cli.add_command(command)
 
 
