@@ -9,6 +9,8 @@ import click
 
 from fuselm.runtime_metal.errors import RuntimeUserError
 
+DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
+
 
 def _need_serve_extra() -> None:
     try:
@@ -19,11 +21,12 @@ def _need_serve_extra() -> None:
             "`fuselm serve` needs the serve extra: pip install 'fuselm[serve]'") from None
 
 
-def make_decoder(engine, prefill_chunk: int):  # noqa: ANN001, ANN201 - a BatchDecoder
+def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
+                 prefill_chunk: int):
     """The batch decoder the scheduler drives for this engine."""
     from fuselm.runtime_metal.serial_batch import SerialBatch
 
-    return SerialBatch(engine, prefill_chunk=prefill_chunk)
+    return SerialBatch(engine, max_context, prefill_chunk=prefill_chunk)
 
 
 @click.command("serve")
@@ -40,7 +43,8 @@ def make_decoder(engine, prefill_chunk: int):  # noqa: ANN001, ANN201 - a BatchD
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
               help="requests allowed to wait for a slot; more get HTTP 503")
 @click.option("--max-context", type=click.IntRange(2), default=None,
-              help="tokens per sequence (prompt + completion); default: the model's context")
+              help="tokens per sequence (prompt + completion); KV memory is reserved for "
+              f"max-batch x max-context  [default: the model's context, at most {DEFAULT_CONTEXT}]")
 @click.option("--default-max-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="completion length when a chat request gives no max_tokens")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True)
@@ -71,6 +75,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, 
     if max_context is not None and max_context > context:
         raise RuntimeUserError(f"--max-context {max_context} is over the model's context "
                                f"({context}); give at most {context}")
+    max_context = max_context or min(context, DEFAULT_CONTEXT)
     name = resolve_engine(engine)
     options = {"accuracy_level": accuracy_level} if name == "onnxruntime" else {}
     eng = make_engine(out_dir, name, **options)
@@ -78,11 +83,11 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, 
     # other (a fast tokenizer is not safe to share across threads).
     tok_handlers, tok_engine = load_tokenizer(out_dir), load_tokenizer(out_dir)
     eos = eos_ids(manifest, generation_config(out_dir), tok_engine)
-    scheduler = Scheduler(make_decoder(eng, prefill_chunk),
+    scheduler = Scheduler(make_decoder(eng, max_batch, max_context, prefill_chunk),
                           lambda t: tok_engine.decode(t, skip_special_tokens=True), eos,
                           max_batch=max_batch, max_queue=max_queue)
     state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
-                       max_context or context, manifest.model.vocab_size, default_max_tokens,
+                       max_context, manifest.model.vocab_size, default_max_tokens,
                        max_body, eng.describe())
     app = create_app(state)
     scheduler.start()

@@ -22,8 +22,7 @@ log = logging.getLogger("fuselm.serve")
 
 
 class BatchDecoder(Protocol):
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
-            max_new_tokens: int) -> int: ...
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
 
     def step(self) -> dict[int, int]: ...
 
@@ -132,7 +131,7 @@ class Scheduler:
             if job is None or job.cancelled.is_set():
                 continue
             try:
-                slot = self.decoder.add(job.prompt, job.sampling, job.max_tokens)
+                slot = self.decoder.add(job.prompt, job.sampling)
             except RuntimeUserError as e:
                 job.emit("error", 400, str(e))
                 continue

@@ -24,7 +24,6 @@ from fuselm.runtime_metal.sampling import SamplingOptions, make_device_sampler, 
 class _Slot:
     prompt: list[int]
     sampling: SamplingOptions
-    max_new_tokens: int
     steps: Iterator[int] | None = None
     yielded: list[int] = field(default_factory=list)
     cached_tokens: int = 0
@@ -44,21 +43,24 @@ class SerialBatch:
 
     batched = False
 
-    def __init__(self, engine: Engine, prefill_chunk: int = 512) -> None:
+    def __init__(self, engine: Engine, max_context: int, prefill_chunk: int = 512) -> None:
         self.engine = engine
+        self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self._slots: dict[int, _Slot] = {}
         self._ids = itertools.count()
         self._cached: list[int] = []  # the token ids whose K/V the engine's cache holds now
         engine.reset()
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
-            max_new_tokens: int) -> int:
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
         if not len(prompt_ids):
             raise RuntimeUserError("the prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise RuntimeUserError(f"the prompt has {len(prompt_ids)} tokens; the context is "
+                                   f"{self.max_context}")
         sampling.validate()
         slot = next(self._ids)
-        self._slots[slot] = _Slot([int(i) for i in prompt_ids], sampling, max_new_tokens)
+        self._slots[slot] = _Slot([int(i) for i in prompt_ids], sampling)
         return slot
 
     def cached_tokens(self, slot: int) -> int:
@@ -74,7 +76,7 @@ class SerialBatch:
         if s.steps is None:
             s.steps = self._start(s)
         token = next(s.steps, None)
-        if token is None:  # max_new_tokens reached: the scheduler should have removed it
+        if token is None:  # the context is full: the scheduler should have removed it
             self.remove(slot)
             return {}
         s.yielded.append(token)
@@ -107,7 +109,8 @@ class SerialBatch:
         device = None
         if hasattr(self.engine, "decode_step") and opts.temperature == 0:
             device = make_device_sampler(opts)  # greedy: the same tokens, pipelined on device
-        return generate_steps(self.engine, s.prompt[keep:], max_new_tokens=s.max_new_tokens,
+        return generate_steps(self.engine, s.prompt[keep:],
+                              max_new_tokens=self.max_context - len(s.prompt),
                               sampler=make_sampler(opts), prefill_chunk=self.prefill_chunk,
                               device_sampler=device)
 
