@@ -78,19 +78,24 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, 
     max_context = max_context or min(context, DEFAULT_CONTEXT)
     name = resolve_engine(engine)
     options = {"accuracy_level": accuracy_level} if name == "onnxruntime" else {}
-    eng = make_engine(out_dir, name, **options)
+    described: dict[str, object] = {}
+
+    def build():  # noqa: ANN202 - on the engine thread (MLX streams are per thread)
+        eng = make_engine(out_dir, name, **options)
+        described.update(eng.describe())
+        return make_decoder(eng, max_batch, max_context, prefill_chunk)
+
     # Two tokenizers: the handlers encode with one while the engine thread decodes with the
     # other (a fast tokenizer is not safe to share across threads).
     tok_handlers, tok_engine = load_tokenizer(out_dir), load_tokenizer(out_dir)
     eos = eos_ids(manifest, generation_config(out_dir), tok_engine)
-    scheduler = Scheduler(make_decoder(eng, max_batch, max_context, prefill_chunk),
-                          lambda t: tok_engine.decode(t, skip_special_tokens=True), eos,
+    scheduler = Scheduler(build, lambda t: tok_engine.decode(t, skip_special_tokens=True), eos,
                           max_batch=max_batch, max_queue=max_queue)
+    scheduler.start()
     state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
                        max_context, manifest.model.vocab_size, default_max_tokens,
-                       max_body, eng.describe())
+                       max_body, described)
     app = create_app(state)
-    scheduler.start()
     logging.getLogger("fuselm.serve").info(
         "serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
         name, max_batch, state.max_context, host, port)

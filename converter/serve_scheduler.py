@@ -64,9 +64,16 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, decoder: BatchDecoder, decode: Callable[[list[int]], str],
-                 eos_ids: Sequence[int], max_batch: int = 8, max_queue: int = 64) -> None:
-        self.decoder = decoder
+    """`make_decoder` runs on the engine thread: MLX binds its streams (and compiled programs)
+    to the thread that makes them, so the engine is built where it will run."""
+
+    def __init__(self, make_decoder: Callable[[], BatchDecoder],
+                 decode: Callable[[list[int]], str], eos_ids: Sequence[int],
+                 max_batch: int = 8, max_queue: int = 64) -> None:
+        self._make_decoder = make_decoder
+        self.decoder: BatchDecoder | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
         self.decode = decode
         self.eos = set(int(e) for e in eos_ids)
         self.max_batch = max_batch
@@ -78,7 +85,11 @@ class Scheduler:
 
     # -- called from the server's event loop --------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; return once its decoder is built (re-raising its error)."""
         self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def stop(self) -> None:
         self._stopping.set()
@@ -100,11 +111,19 @@ class Scheduler:
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self.decoder = self._make_decoder()
+        except BaseException as e:  # handed to start(): a user error prints as one line
+            self._failure = e
+            return
+        finally:
+            self._ready.set()
         while not self._stopping.is_set():
             self._admit()
             self._drop_cancelled()
             if not self._active:
                 continue
+            assert self.decoder is not None
             try:
                 out = self.decoder.step()
             except Exception:  # an engine bug must not kill the server: fail these requests
@@ -123,6 +142,7 @@ class Scheduler:
             job.emit("error", 503, "the server is shutting down")
 
     def _admit(self) -> None:
+        assert self.decoder is not None
         while len(self._active) < self.max_batch:
             try:
                 job = self._pending.get(block=not self._active, timeout=0.5)
@@ -144,7 +164,7 @@ class Scheduler:
                 self._finish(slot, job, "cancelled")
 
     def _on_token(self, slot: int, job: Job, token: int) -> None:
-        assert job.text is not None
+        assert job.text is not None and self.decoder is not None
         if job.generated == 0:
             job.t_first = time.perf_counter()
             job.cached = self.decoder.cached_tokens(slot)
@@ -167,6 +187,7 @@ class Scheduler:
             self._finish(slot, job, finish)
 
     def _finish(self, slot: int, job: Job, reason: str) -> None:
+        assert self.decoder is not None
         self.decoder.remove(slot)
         del self._active[slot]
         now = time.perf_counter()

@@ -4,6 +4,7 @@ server is stopped by PID. Every wait is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ class Server:
     pid: int
     out_dir: Path
     log: Path
+    engine: str
 
     def client(self, **kw: object):  # noqa: ANN201 - openai.OpenAI
         import openai
@@ -59,16 +61,16 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+@contextlib.contextmanager
+def running_server(artifact: Path, log: Path, engine: str) -> Iterator[Server]:
+    """`fuselm serve` in its own process until the block ends (SIGTERM by PID, then SIGKILL)."""
     port = free_port()
-    log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(serve_artifact),
-           "--port", str(port), "--engine", "onnxruntime", "--max-batch", str(MAX_BATCH),
+    cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(artifact),
+           "--port", str(port), "--engine", engine, "--max-batch", str(MAX_BATCH),
            "--max-queue", str(MAX_QUEUE), "--max-context", str(MAX_CONTEXT)]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", proc.pid, serve_artifact, log)
+    srv = Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
     try:
         deadline = time.monotonic() + STARTUP_S
         while True:
@@ -90,3 +92,26 @@ def server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """onnxruntime: the CPU default engine."""
+    log = tmp_path_factory.mktemp("serve_log") / "server.log"
+    with running_server(serve_artifact, log, "onnxruntime") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def mlx_server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Server]:
+    """MLX: sequences decode together in one batched step."""
+    log = tmp_path_factory.mktemp("serve_log") / "server_mlx.log"
+    with running_server(serve_artifact, log, "mlx") as srv:
+        yield srv
+
+
+@pytest.fixture(params=["onnxruntime", "mlx"])
+def any_server(request: pytest.FixtureRequest) -> Server:
+    """The tests of output equality and slot handling, on both engines."""
+    return request.getfixturevalue("server" if request.param == "onnxruntime" else "mlx_server")

@@ -24,10 +24,10 @@ PROMPTS = [f"{w} the quick brown fox {i}" for i, w in enumerate(
 assert len(PROMPTS) == 16
 
 
-def fuselm_run(out_dir, prompt: str, n: int, raw: bool = False) -> dict:
+def fuselm_run(srv: Server, prompt: str, n: int, raw: bool = False) -> dict:
     """What `fuselm run --temperature 0` prints for this prompt (same engine)."""
-    args = ["run", str(out_dir), "--prompt", prompt, "-n", str(n), "--temperature", "0",
-            "--engine", "onnxruntime", "--json"] + (["--raw"] if raw else [])
+    args = ["run", str(srv.out_dir), "--prompt", prompt, "-n", str(n), "--temperature", "0",
+            "--engine", srv.engine, "--json"] + (["--raw"] if raw else [])
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -46,8 +46,9 @@ def test_models_and_health(server: Server) -> None:
     assert h["status"] == "ok" and h["max_batch"] == MAX_BATCH
 
 
-def test_chat_greedy_equals_fuselm_run(server: Server) -> None:
-    want = fuselm_run(server.out_dir, PROMPTS[0], 12)
+def test_chat_greedy_equals_fuselm_run(any_server: Server) -> None:
+    server = any_server
+    want = fuselm_run(server, PROMPTS[0], 12)
     r = chat(server, PROMPTS[0], 12)
     assert r.choices[0].message.content == want["text"]
     assert r.choices[0].message.role == "assistant"
@@ -58,8 +59,9 @@ def test_chat_greedy_equals_fuselm_run(server: Server) -> None:
                                           else "stop")
 
 
-def test_completion_greedy_equals_fuselm_run(server: Server) -> None:
-    want = fuselm_run(server.out_dir, PROMPTS[1], 10, raw=True)
+def test_completion_greedy_equals_fuselm_run(any_server: Server) -> None:
+    server = any_server
+    want = fuselm_run(server, PROMPTS[1], 10, raw=True)
     r = server.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10,
                                            temperature=0)
     assert r.choices[0].text == want["text"]
@@ -104,9 +106,10 @@ def test_seed_reproducible(server: Server) -> None:
     assert any(sample(s) != a for s in (8, 9, 10))  # the seed does steer the draws
 
 
-def test_sixteen_concurrent_streams_equal_solo(server: Server) -> None:
+def test_sixteen_concurrent_streams_equal_solo(any_server: Server) -> None:
     import openai
 
+    server = any_server
     solo = [chat(server, p, 12).choices[0].message.content for p in PROMPTS]
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
                                 timeout=120)
@@ -135,7 +138,8 @@ def _wait_idle(server: Server, timeout: float = 30) -> dict:
         time.sleep(0.1)
 
 
-def test_client_killed_mid_stream(server: Server) -> None:
+def test_client_killed_mid_stream(any_server: Server) -> None:
+    server = any_server
     client = textwrap.dedent(f"""
         import openai, sys
         c = openai.OpenAI(base_url={server.url + '/v1'!r}, api_key="none", max_retries=0)
@@ -228,7 +232,7 @@ def test_queue_full_is_503(server: Server) -> None:
     assert _wait_idle(server)["status"] == "ok"
 
 
-def test_prompt_cache_multi_turn(server: Server) -> None:
+def test_prompt_cache_multi_turn(any_server: Server) -> None:
     """Turn 2 extends turn 1's prompt and reply: its prefix comes from the cache, and the
     reply is the one a fresh generation of the whole conversation gives."""
     from fuselm.runtime_metal.artifact import read_manifest
@@ -236,6 +240,7 @@ def test_prompt_cache_multi_turn(server: Server) -> None:
     from fuselm.runtime_metal.generate import generate
     from fuselm.runtime_metal.tokenizer import load_tokenizer
 
+    server = any_server
     client = server.client()
     first = [{"role": "user", "content": "Hello metal"}]
     r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=8,
@@ -248,7 +253,7 @@ def test_prompt_cache_multi_turn(server: Server) -> None:
     tok = load_tokenizer(server.out_dir)
     ids = tok.apply_chat_template(turn2, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-    eng = make_engine(server.out_dir, "onnxruntime")
+    eng = make_engine(server.out_dir, server.engine)
     fresh = generate(eng, list(ids), max_new_tokens=8,
                      decode=lambda t: tok.decode(t, skip_special_tokens=True),
                      context_length=read_manifest(server.out_dir).model.context_length)
