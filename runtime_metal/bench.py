@@ -96,7 +96,7 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int) -> tupl
     """One greedy generation of n tokens; returns (pp, tg) in tokens/s."""
     opts = SamplingOptions()
     timings: dict[str, float] = {}
-    device = make_device_sampler(opts) if hasattr(engine, "decode_step") else None
+    device = make_device_sampler(opts) if engine.device_loop else None
     count = 0
     for _ in generate_steps(engine, prompt, max_new_tokens=n, sampler=make_sampler(opts),
                             prefill_chunk=chunk, timings=timings, device_sampler=device):

@@ -42,11 +42,9 @@ import mlx.core as mx
 import numpy as np
 
 from fuselm.runtime_metal import kernels, program_ops, qweight
-from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
+from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.executor import call_step
 from fuselm.runtime_metal.kv_cache import KVCache
-from fuselm.runtime_metal.plan import Plan, Step
 from fuselm.runtime_metal.program_masks import (
     MaskUnsupported,
     check_decode,
@@ -54,9 +52,8 @@ from fuselm.runtime_metal.program_masks import (
     mask_subgraph,
     tainted,
 )
-
-# Per layer: (kv_heads, key head_dim, value head_dim, dtype) of the cache buffers
-KVLayout = list[tuple[int, int, int, mx.Dtype]]
+from fuselm.runtime_metal.program_ops import ProgramOp
+from fuselm.runtime_metal.step import KVLayout, Plan, Step, call_step, lm_head_rows
 
 
 class DecodeUnsupported(Exception):
@@ -64,16 +61,8 @@ class DecodeUnsupported(Exception):
 
 
 @dataclass
-class _Op:
-    kind: str  # "step" | "rope" | "attention" | "add_norm" | "rope_attention" (with partner)
-    step: Step
-    args: list[tuple[str, object]]  # ("const", value) | ("env", name) | ("none", None)
-    partner: _Op | None = None  # the step fused with this one (program_ops.fuse_pairs)
-
-
-@dataclass
 class DecodeProgram:
-    ops: list[_Op]
+    ops: list[ProgramOp]
     logits: str
     num_layers: int
     dropped: int  # mask-subgraph steps removed
@@ -93,7 +82,7 @@ class DecodeProgram:
             raise DecodeUnsupported("the graph has no 'input_ids' input")
         mask_only = mask_subgraph(plan)
         dyn = tainted(plan)
-        ops: list[_Op] = []
+        ops: list[ProgramOp] = []
         for s in plan.steps:
             if s.name in mask_only:
                 continue
@@ -106,7 +95,7 @@ class DecodeProgram:
                     args.append(("const", plan.constants[n]))
                 else:
                     args.append(("env", n))
-            ops.append(_Op(kind, s, args))
+            ops.append(ProgramOp(kind, s, args))
         try:
             check_decode(plan)
         except MaskUnsupported as e:
@@ -116,8 +105,8 @@ class DecodeProgram:
                       len(plan.steps) - len(live), kernels=kernels.enabled(kernel_mode))
         try:
             check_prefill(plan)
-            program.kv_layout = _kv_layout(plan)
-        except MaskUnsupported as e:
+            program.kv_layout = plan.kv_layout()
+        except (MaskUnsupported, RuntimeUserError) as e:
             program.prefill_refused = str(e)
         return program
 
@@ -125,7 +114,9 @@ class DecodeProgram:
 
     def __call__(self, tokens: mx.array, offset: mx.array, *kv: mx.array
                  ) -> tuple[mx.array, ...]:
-        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions."""
+        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions;
+        or a batch: tokens [b, s] (one row per sequence, cache buffers [b, ...]) after
+        `offset` [b] positions per row, logits [b, vocab]."""
         return self.run(tokens, offset, kv, fresh=False)
 
     def fresh(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
@@ -134,13 +125,15 @@ class DecodeProgram:
 
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool
             ) -> tuple[mx.array, ...]:
-        ids = tokens.reshape(1, -1).astype(mx.int32)
+        batched = tokens.ndim == 2
+        ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
         mask: mx.array | str = "causal"
         if not fresh:
-            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached
-            mask = (mx.arange(capacity)[None, :] <= (offset + mx.arange(s))[:, None]
-                    ).reshape(1, 1, s, capacity)
+            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached.
+            # [b or 1, 1, s, capacity]: one offset per batch row, or one for all.
+            mask = mx.arange(capacity) <= (offset.reshape(-1, 1, 1, 1)
+                                           + mx.arange(s).reshape(s, 1))
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
         with qweight.tracing():
@@ -170,17 +163,14 @@ class DecodeProgram:
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue
                 if o.kind == "rope":
-                    values = call_step(o.step, args, {"_offset": offset})
+                    values = call_step(o.step, args, {"device_offset": offset})
                 else:
-                    if (s > 1 and o.step.op_type == "MatMul" and self.logits in o.step.outputs
-                            and getattr(args[0], "ndim", 0) == 3):
-                        args[0] = args[0][:, -1:, :]  # type: ignore[index]  # LM head: last row
-                    values = call_step(o.step, args)
+                    values = call_step(o.step, lm_head_rows(o.step, args))
                 _bind(env, o.step.outputs, values)
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
-        return (logits.reshape(-1, logits.shape[-1])[-1].astype(mx.float32), offset + s,
-                *out_kv)
+        last = logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].astype(mx.float32)
+        return (last if batched else last[0], offset + s, *out_kv)
 
 
 def _resolve(args: list[tuple[str, object]], env: dict[str, object]) -> list[object]:
@@ -197,9 +187,7 @@ def _bind(env: dict[str, object], names: list[str], values: tuple[object, ...]) 
 def _kind(s: Step, tainted: set[str]) -> str:
     dyn = {i for i, n in enumerate(s.inputs) if n and n in tainted}
     if s.op_type == "Attention" and s.layer is not None:
-        if float(s.attrs.get("softcap", 0.0) or 0.0) > 0:
-            raise DecodeUnsupported(f"{s.name}: Attention softcap has no fused decode kernel")
-        if int(s.attrs.get("_n_outputs", 1)) > 3 or (len(s.inputs) > 6 and s.inputs[6]):
+        if int(s.attrs.get("n_outputs", 1)) > 3 or (len(s.inputs) > 6 and s.inputs[6]):
             raise DecodeUnsupported(f"{s.name}: Attention with qk output / nonpad_kv_seqlen")
         if any(i < 3 for i in dyn):
             raise DecodeUnsupported(f"{s.name}: q/k/v depend on attention_mask/position_ids")
@@ -216,7 +204,7 @@ def _kind(s: Step, tainted: set[str]) -> str:
     return "step"
 
 
-def _live(ops: list[_Op], output: str) -> list[_Op]:
+def _live(ops: list[ProgramOp], output: str) -> list[ProgramOp]:
     """Drop what only fed the dropped mask subgraph (e.g. Shape(input_ids))."""
     needed, live = {output}, []
     for o in reversed(ops):
@@ -224,25 +212,6 @@ def _live(ops: list[_Op], output: str) -> list[_Op]:
             live.append(o)
             needed.update(v for k, v in o.args if k == "env")  # type: ignore[misc]
     return live[::-1]
-
-
-def _kv_layout(plan: Plan) -> KVLayout:
-    """The cache buffers' shapes and dtype per layer, from the graph's past_key_values inputs
-    (what the executor's first chunk would allocate)."""
-    layout: dict[int, tuple[int, int, int, mx.Dtype]] = {}
-    for s in plan.steps:
-        if s.op_type != "Attention" or s.layer is None:
-            continue
-        dims = []
-        for name in s.inputs[4:6]:
-            t = plan.inputs[name].tensor_type
-            d = [x.dim_value if x.HasField("dim_value") else 0 for x in t.shape.dim]
-            if len(d) != 4 or not d[1] or not d[3]:
-                raise MaskUnsupported(f"{name}: kv_heads and head_dim are not static")
-            dims.append((d[1], d[3], onnx_dtype(mx, t.elem_type)))
-        (hk, dk, dtype), (_, dv, _) = dims
-        layout[s.layer] = (hk, dk, dv, dtype)
-    return [layout[i] for i in range(plan.num_layers)]
 
 
 class FastDecoder:
@@ -291,33 +260,21 @@ class FastDecoder:
         self.reserve(pos + s)
         if self._offset is None or self._offset_at != pos:
             self._offset = mx.array(pos, mx.int32)
-        kv = [a for c in caches for a in (c.keys, c.values)]
+        kv = [a for c in caches for a in c.buffers()]
         logits, self._offset, *new_kv = fn(tokens, self._offset, *kv)
         for i, c in enumerate(caches):
-            c.keys, c.values = new_kv[2 * i], new_kv[2 * i + 1]
-            c.offset = pos + s
+            c.adopt(new_kv[2 * i], new_kv[2 * i + 1], pos + s)
         self._offset_at = pos + s
         return logits
 
     def reserve(self, n: int) -> None:
-        """Capacity for n positions, in whole KVCache.step blocks (each capacity is one compiled
-        shape: traced once, then cached). A generation reserves prompt + new tokens up front, so
-        its prefill and decode see one capacity and a repeated generation traces nothing."""
+        """Capacity for n positions (KVCache.reserve: whole blocks, each capacity one compiled
+        shape). A generation reserves prompt + new tokens up front, so its prefill and decode
+        see one capacity and a repeated generation traces nothing."""
         layout = self.program.kv_layout
         for i, c in enumerate(self.caches):
             if c.keys is None:
                 assert layout is not None
                 hk, dk, dv, dtype = layout[i]
-                c.keys = mx.zeros((1, hk, 0, dk), dtype)
-                c.values = mx.zeros((1, hk, 0, dv), dtype)
-            while n > c.keys.shape[2]:  # type: ignore[union-attr]
-                _grow(c)
-
-
-def _grow(c: KVCache) -> None:
-    """One more KVCache.step of capacity (a new compiled shape: traced once, then cached)."""
-    assert c.keys is not None and c.values is not None
-    b, h, n, d = c.keys.shape
-    c.keys = mx.concatenate([c.keys, mx.zeros((b, h, c.step, d), c.keys.dtype)], axis=2)
-    c.values = mx.concatenate(
-        [c.values, mx.zeros((b, h, c.step, c.values.shape[3]), c.values.dtype)], axis=2)
+                c.allocate(1, hk, dk, dv, dtype)
+            c.reserve(n)

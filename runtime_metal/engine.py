@@ -4,7 +4,7 @@ onnxruntime on CPU-only hosts, where MLX's CPU backend is single-threaded and sl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -14,7 +14,12 @@ ENGINES = ("auto", "mlx", "onnxruntime")
 
 
 class Engine(Protocol):
+    """What the generation loop (generate.py) and the batch decoder (batch.py) drive. Every
+    engine implements all of it; `device_loop` says whether decode_step's logits stay on a
+    device (MLX: the loop samples there and pipelines) or are host arrays (onnxruntime)."""
+
     name: str
+    device_loop: bool
 
     @property
     def offset(self) -> int:
@@ -24,12 +29,36 @@ class Engine(Protocol):
     def reset(self) -> None: ...
 
     def reserve(self, n: int) -> None:
-        """Room for n cached positions, before a generation (a hint; engines may ignore it)."""
+        """Room for n cached positions, before a generation (engines may have nothing to do)."""
+        ...
+
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
         ...
 
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed ids [1, s] after the cached positions; return float32 logits of the last
         position [vocab] (or of all positions [s, vocab])."""
+        ...
+
+    def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> Any:
+        """`forward` without the copy to the host: lazy device logits where the engine has a
+        device (MLX), the host array otherwise."""
+        ...
+
+    def decode_step(self, token: Any) -> Any:
+        """Feed one token (an int, or a device scalar that may still be lazy); return its
+        logits [vocab] (device array for a device_loop engine, else host float32)."""
+        ...
+
+    def swap_cache(self, state: Any = None) -> Any:
+        """Install a cache state returned by an earlier swap (None: a fresh, empty cache) and
+        return the one in use: how batch.py serves several sequences on one engine."""
+        ...
+
+    def batch_program(self) -> tuple[Any, list[Any]] | None:
+        """(function, KV layout) that decodes one token for each of b sequences at once
+        (decode.DecodeProgram over [b, ...] caches), or None where the engine has none."""
         ...
 
     def describe(self) -> dict[str, object]: ...

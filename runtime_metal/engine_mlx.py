@@ -29,6 +29,7 @@ from fuselm.runtime_metal.qweight import QWeight, probe_kernels, settle_affine, 
 
 class MLXEngine:
     name = "mlx"
+    device_loop = True
 
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool | None = None,
@@ -83,6 +84,25 @@ class MLXEngine:
         if self.fast is not None:
             self.fast.reserve(n)
 
+    def swap_cache(self, state: list[KVCache] | None = None) -> list[KVCache]:
+        """Install per-layer caches (None: fresh ones); return those in use. The list object is
+        kept (the compiled program's driver holds it): its entries are replaced."""
+        old = list(self.caches)
+        new = state if state is not None else [KVCache() for _ in old]
+        if len(new) != len(old):
+            raise ValueError("a cache state has one KVCache per layer")
+        self.caches[:] = new
+        return old
+
+    def batch_program(self) -> tuple[object, list] | None:
+        """The compiled program for [b, 1] tokens at [b] offsets (its own traces: compiled
+        anew, not the single-sequence driver's), with the cache layout; None when the
+        program is refused or cannot allocate its cache."""
+        if self.fast is None or self.fast.program.kv_layout is None:
+            return None
+        program = self.fast.program
+        return (mx.compile(program) if self.fast.compiled else program), program.kv_layout
+
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
         for c in self.caches:
@@ -115,8 +135,11 @@ class MLXEngine:
                 *[c.values for c in self.caches if c.values is not None])
         return np.array(logits)
 
-    def decode_step(self, token: mx.array) -> mx.array:
-        """One token (device scalar, may be lazy) -> its logits [vocab], lazy float32."""
+    def decode_step(self, token: mx.array | int) -> mx.array:
+        """One token (an int, or a device scalar that may be lazy) -> its logits [vocab], lazy
+        float32."""
+        if not isinstance(token, mx.array):
+            token = mx.array(int(token), mx.int32)
         if self.fast is not None and self.offset > 0:
             return self.fast.step(token)
         return mx.array(self.forward(np.array(token, np.int64).reshape(1, 1)))

@@ -20,6 +20,7 @@ from fuselm.runtime_metal.ort_session import OPTIMIZATION_LEVELS, make_session
 
 class OrtEngine:
     name = "onnxruntime"
+    device_loop = False
 
     def __init__(self, out_dir: str | Path, manifest: Manifest, accuracy_level: int = 4,
                  optimization: str = "all", threads: int | None = None,
@@ -75,6 +76,34 @@ class OrtEngine:
         self._offset += s
         logits = values["logits"][0]
         return (logits if all_logits else logits[-1]).astype(np.float32)
+
+    def swap_cache(self, state: tuple[dict[str, np.ndarray], int] | None = None
+                   ) -> tuple[dict[str, np.ndarray], int]:
+        """Install (past feeds, offset) from an earlier swap (None: empty); return the current."""
+        old = (self._past, self._offset)
+        if state is None:
+            self.reset()
+        else:
+            self._past, self._offset = dict(state[0]), state[1]
+        return old
+
+    def batch_program(self) -> None:
+        """None: batch.py serves onnxruntime one sequence at a time."""
+        return None
+
+    def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """onnxruntime (CPU) has no device side: the host logits."""
+        return self.forward(ids, all_logits)
+
+    def decode_step(self, token: object) -> np.ndarray:
+        return self.forward(np.array([[int(token)]], np.int64))  # type: ignore[call-overload]
+
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        n = min(n, self._offset)
+        if n:
+            self._past = {k: v[:, :, : v.shape[2] - n] for k, v in self._past.items()}
+            self._offset -= n
 
     def end_profiling(self) -> str | None:
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -69,11 +68,10 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
     # One capacity for the whole generation: growing the cache mid-decode would copy it and
     # trace a new shape, and the next generation's prefill would meet yet another capacity.
     engine.reserve(engine.offset + len(prompt) + max_new_tokens)
-    if device_sampler is not None and hasattr(engine, "decode_step"):
+    if device_sampler is not None and engine.device_loop:
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
         return
-    step = getattr(engine, "decode_step", None)
     history = list(prompt)
     t0 = time.perf_counter()
     logits = prefill(engine, prompt, prefill_chunk)
@@ -86,18 +84,13 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
         history.append(token)
         if i + 1 == max_new_tokens:
             break
-        if step is not None:
-            import mlx.core as mx
-
-            logits = np.array(step(mx.array(token, mx.int32)))
-        else:
-            logits = engine.forward(np.array([[token]], np.int64))
+        logits = np.asarray(engine.decode_step(token), np.float32)
         token = sampler(logits, history)
         if timings is not None:
             timings["decode"] = time.perf_counter() - t1
 
 
-def _pipelined_steps(engine: Any, prompt: Sequence[int], max_new_tokens: int,
+def _pipelined_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
                      sample: DeviceSampler, chunk: int, timings: dict[str, float] | None
                      ) -> Iterator[int]:
     import mlx.core as mx
@@ -174,7 +167,7 @@ def generate(
     opts = sampling or SamplingOptions()
     sampler = make_sampler(opts)
     device_sampler = None
-    if hasattr(engine, "decode_step") and device_sampling is not False and (
+    if engine.device_loop and device_sampling is not False and (
             device_sampling or opts.temperature == 0):
         device_sampler = make_device_sampler(opts)
     timings: dict[str, float] = {}

@@ -1,12 +1,11 @@
 """Plan a graph once at load: order, constants resolved and folded, Q4 weights packed, dead work
 dropped, and Attention nodes bound to KV-cache layers.
 
-What stays is a flat list of steps; running it is a loop (executor.py).
+What stays is a flat list of steps (step.py); running it is a loop (executor.py) or one
+compiled function (decode.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -19,38 +18,12 @@ from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.graph_io import PAST, PRESENT
 from fuselm.runtime_metal.loader import LoadedGraph
-from fuselm.runtime_metal.ops import OpImpl, lookup
+from fuselm.runtime_metal.ops import lookup
+from fuselm.runtime_metal.q4_gather import Lineage, fuse_quantized_gathers
+from fuselm.runtime_metal.step import Plan, Step, call_step
 
 # Integer/bool constants up to this size stay on the host: they are shapes, axes and indices.
 _HOST_CONST_MAX = 4096
-
-
-@dataclass
-class Step:
-    impl: OpImpl
-    name: str
-    inputs: list[str]  # "" = optional input not given
-    outputs: list[str]
-    attrs: dict[str, object]
-    layer: int | None = None  # KV-cache layer this Attention node reads and writes in place
-
-    @property
-    def op_type(self) -> str:
-        return self.impl.op_type
-
-
-@dataclass
-class Plan:
-    steps: list[Step]
-    constants: dict[str, object]
-    inputs: dict[str, onnx.TypeProto]
-    outputs: list[str]
-    num_layers: int = 0
-    # True when every layer's past/present pair is consumed/produced by one Attention node,
-    # so the executor can keep K/V in a preallocated cache written in place.
-    cache_bound: bool = False
-    dropped: int = 0  # nodes removed as dead or folded
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 def attrs_of(node: onnx.NodeProto) -> dict[str, object]:
@@ -66,7 +39,7 @@ def attrs_of(node: onnx.NodeProto) -> dict[str, object]:
         elif a.type in (AttributeProto.INTS, AttributeProto.FLOATS):
             v = list(v)
         out[a.name] = v
-    out["_n_outputs"] = len(node.output)
+    out["n_outputs"] = len(node.output)
     return out
 
 
@@ -131,8 +104,6 @@ def _bind_kv(steps: list[Step], graph_inputs: set[str]) -> tuple[int, bool]:
 
 
 def build_plan(loaded: LoadedGraph) -> Plan:
-    from fuselm.runtime_metal.executor import call_step
-
     model = loaded.model
     graph = model.graph
     opsets = {o.domain or "": o.version for o in model.opset_import}
@@ -143,8 +114,6 @@ def build_plan(loaded: LoadedGraph) -> Plan:
     consts: dict[str, object] = {n: _initial_constant(v) for n, v in loaded.weights.items()}
     steps: list[Step] = []
     folded = 0
-    from fuselm.runtime_metal.q4_gather import Lineage, fuse_quantized_gathers
-
     lineage = Lineage()
     for node in graph.node:
         domain = node.domain or ""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fuselm.runtime_metal.plan import Step
+    from fuselm.runtime_metal.step import Step
 
 
 @dataclass

@@ -15,8 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.executor import call_step
-from fuselm.runtime_metal.plan import Plan, Step
+from fuselm.runtime_metal.step import Plan, Step, call_step
 
 DYNAMIC_INPUTS = ("attention_mask", "position_ids")
 _DECODE_LENGTHS = (1, 2, 7, 300)

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 from fuselm.runtime_metal import qweight
 from fuselm.runtime_metal.dtypes import FOUR_BIT, like_dtype, to_host
 from fuselm.runtime_metal.ops import lookup
-from fuselm.runtime_metal.plan import Step
+from fuselm.runtime_metal.step import Step
 
 
 @dataclass
@@ -103,7 +103,7 @@ def fuse_quantized_gathers(steps: list[Step], consts: dict[str, object], opset: 
         name = f"{s.outputs[0]}::q4_rows"
         consts[name] = rows
         steps[i] = Step(lookup("", "Gather", opset, s.name), s.name, [name, ids],
-                        list(s.outputs[:1]), {"axis": 0, "_n_outputs": 1})
+                        list(s.outputs[:1]), {"axis": 0, "n_outputs": 1})
         rewritten += 1
     return rewritten
 

@@ -52,15 +52,16 @@ def fused_rope(  # noqa: ANN201
     head_dim: int, rotary_dim: int = 0, inv_freq: list[float] | None = None,
     attention_scale: float = 1.0, interleaved: int = 0, norm_eps: float = 1e-6,
     dynamic_factor: float = 0.0, dynamic_max_positions: int = 0, rope_theta: float = 10000.0,
-    _offset: mx.array | None = None,
+    device_offset: mx.array | None = None,
 ):
-    """`_offset` (the compiled decode step, runtime_metal/decode.py): the device-side start
-    position of contiguous rows, given instead of host `position_ids`, so one trace serves every
-    step. The decode program refuses dynamic NTK, whose frequencies depend on host positions."""
+    """`device_offset` (the compiled program, runtime_metal/decode.py): the device-side start
+    position of contiguous rows (a scalar, or [b] one per batch row), given instead of host
+    `position_ids`, so one trace serves every step. The program refuses dynamic NTK, whose
+    frequencies depend on host positions."""
     rotary_dim = rotary_dim or head_dim
     freqs_inv = np.asarray(inv_freq or [], np.float32)
-    if _offset is not None:
-        pos, offset = None, _offset
+    if device_offset is not None:
+        pos, offset = None, device_offset
     else:
         pos = np.asarray(position_ids)
         if dynamic_factor > 0:

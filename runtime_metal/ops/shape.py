@@ -86,12 +86,12 @@ def concat(xp: ModuleType, *xs, axis: int):  # noqa: ANN001, ANN201
 
 @op("", "Split", since=13, host=True, static=(1,))
 def split(xp: ModuleType, x, sizes=None, *, axis: int = 0,  # noqa: ANN001, ANN201
-          num_outputs: int | None = None, _n_outputs: int = 0):
+          num_outputs: int | None = None, n_outputs: int = 0):
     dim = x.shape[axis]
     if sizes is not None:
         parts = _ints(sizes)
     else:
-        n = num_outputs or _n_outputs
+        n = num_outputs or n_outputs
         chunk = -(-dim // n)  # the last chunk is smaller when dim % n != 0 (opset 18)
         parts = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
     cuts = list(np.cumsum(parts)[:-1])

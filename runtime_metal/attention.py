@@ -1,0 +1,134 @@
+"""Attention, defined once: what ONNX `Attention` (opset 23) means, for the node-by-node
+executor (ops/attention.py, over a past/present pair or a bound KVCache) and for the compiled
+program (program_ops.py, over fixed-capacity cache buffers written at a device offset), with
+one or many sequences (batch.py: one offset per row).
+
+GQA runs without repeating K/V (MLX's SDPA takes fewer KV heads); prefill uses the fused kernel
+with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fused kernel lacks
+(softcap) take the explicit softmax path here; new per-layer attributes belong on `Attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from fuselm.runtime_metal.kv_cache import write_rows
+
+Mask = mx.array | str | None  # bool (True = attend) or additive; "causal"; None = all visible
+
+
+def to_heads(x: mx.array, heads: int) -> mx.array:
+    """[b, s, H*D] -> [b, H, s, D]; 4-D inputs are already [b, H, s, D]."""
+    if x.ndim == 4:
+        return x
+    b, s, hidden = x.shape
+    return x.reshape(b, s, heads, hidden // heads).transpose(0, 2, 1, 3)
+
+
+def from_heads(y: mx.array) -> mx.array:
+    """[b, H, s, D] -> [b, s, H*D]."""
+    b, h, s, d = y.shape
+    return y.transpose(0, 2, 1, 3).reshape(b, s, h * d)
+
+
+def additive(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+    return mask.astype(dtype)
+
+
+def causal(q_len: int, total: int, past: int) -> np.ndarray:
+    """Query i (position past + i) sees key j iff j <= past + i."""
+    return np.tri(q_len, total, past, dtype=bool)
+
+
+@dataclass(frozen=True)
+class Attention:
+    q_heads: int
+    kv_heads: int
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    softcap: float = 0.0  # tanh soft-capping of the scores (0: off)
+    is_causal: bool = False
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, object]) -> Attention:
+        scale = attrs.get("scale")
+        return cls(int(attrs.get("q_num_heads") or 1),  # type: ignore[call-overload]
+                   int(attrs.get("kv_num_heads") or 1),  # type: ignore[call-overload]
+                   None if scale is None else float(scale),  # type: ignore[arg-type]
+                   float(attrs.get("softcap", 0.0) or 0.0),  # type: ignore[arg-type]
+                   bool(int(attrs.get("is_causal", 0) or 0)))  # type: ignore[call-overload]
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def heads(self, q: mx.array, k: mx.array, v: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array]:
+        return to_heads(q, self.q_heads), to_heads(k, self.kv_heads), to_heads(v, self.kv_heads)
+
+    def attend(self, qh: mx.array, kh: mx.array, vh: mx.array, mask: Mask,
+               may_empty: bool = True) -> mx.array:
+        """softmax(q·kᵀ·scale [+ mask]) · v over [b, H, s, D] heads; returns [b, Hq, s, D].
+        A query that may attend nothing yields zeros (ONNX), not softmax's NaNs; a caller whose
+        mask always shows a query its own key says `may_empty=False` and skips that check."""
+        sc = self.scale_for(qh.shape[-1])
+        if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
+            mask = mask.astype(qh.dtype)
+        if self.softcap > 0:
+            if isinstance(mask, str):
+                n, t = qh.shape[2], kh.shape[2]
+                mask = mx.array(causal(n, t, t - n))
+            y = self._explicit(qh, kh, vh, mask, sc)
+        else:
+            y = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=sc, mask=mask)
+        if may_empty and isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+            y = mx.where(mask.any(axis=-1, keepdims=True), y, mx.zeros((), y.dtype))
+        return y
+
+    def _explicit(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array | None,
+                  scale: float) -> mx.array:
+        """The materialized softmax(QKᵀ) path, for softcap (MLX's fused kernel has none)."""
+        hq, hk = q.shape[1], k.shape[1]
+        if hq != hk:
+            k = mx.repeat(k, hq // hk, axis=1)
+            v = mx.repeat(v, hq // hk, axis=1)
+        scores = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+        if self.softcap > 0:
+            scores = mx.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores + additive(mask, mx.float32)
+        return (mx.softmax(scores, axis=-1) @ v.astype(mx.float32)).astype(q.dtype)
+
+    def with_causal(self, mask: Mask, q_len: int, total: int, past: int) -> Mask:
+        """The graph's mask combined with is_causal (ONNX: query i sees keys j <= past + i).
+        MLX's "causal" aligns at the bottom right: the same when past = total - q_len."""
+        if not self.is_causal:
+            return mask
+        if past == total - q_len and (mask is None or isinstance(mask, str)):
+            return "causal"
+        tri = mx.array(causal(q_len, total, past))
+        if mask is None or isinstance(mask, str):
+            return tri
+        if mask.dtype == mx.bool_:
+            return mx.logical_and(mask, tri)
+        return mask + additive(tri, mask.dtype)
+
+    def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
+                   values: mx.array, offset: mx.array, mask: Mask
+                   ) -> tuple[mx.array, mx.array, mx.array]:
+        """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
+        at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
+        with `mask` ([.., s, capacity], built by the caller), or, for mask "causal" (a fresh
+        prompt at offset 0), over the chunk's own rows only. Returns (y, keys', values')."""
+        qh, kh, vh = self.heads(q, k, v)
+        keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
+        if isinstance(mask, str):
+            n = qh.shape[2]
+            y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
+        else:
+            y = self.attend(qh, keys, values, mask, may_empty=False)
+        return (from_heads(y) if q.ndim == 3 else y), keys, values
