@@ -24,9 +24,9 @@ def _need_serve_extra() -> None:
 def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
                  prefill_chunk: int):
     """The batch decoder the scheduler drives for this engine."""
-    from fuselm.runtime_metal.serial_batch import SerialBatch
+    from fuselm.converter.serve_decoder import ServeDecoder
 
-    return SerialBatch(engine, max_context, prefill_chunk=prefill_chunk)
+    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk)
 
 
 @click.command("serve")
@@ -82,8 +82,9 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, 
 
     def build():  # noqa: ANN202 - on the engine thread (MLX streams are per thread)
         eng = make_engine(out_dir, name, **options)
-        described.update(eng.describe())
-        return make_decoder(eng, max_batch, max_context, prefill_chunk)
+        decoder = make_decoder(eng, max_batch, max_context, prefill_chunk)
+        described.update(eng.describe(), batch=decoder.describe())
+        return decoder
 
     # Two tokenizers: the handlers encode with one while the engine thread decodes with the
     # other (a fast tokenizer is not safe to share across threads).
