@@ -27,11 +27,13 @@ def _register() -> None:
     from fuselm.converter.quant_report_cmd import quant_report
     from fuselm.converter.report_cmd import report
     from fuselm.converter.run_cmd import run
+    from fuselm.converter.serve_cmd import serve
     from fuselm.converter.validate_cmd import validate
     from fuselm.converter.verify_cmd import verify
 
     for command in (
-        convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity, report
+        convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity, report,
+        serve,
     ):
         cli.add_command(command)
     cli.add_command(quant_report)

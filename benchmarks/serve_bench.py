@@ -1,0 +1,221 @@
+"""`fuselm serve` and `mlx_lm.server` side by side under the same load: aggregate decode tokens/s
+and time to first token at 1, 4, 8 and 16 concurrent streaming clients.
+
+Both servers run as their own processes on the same random-weight checkpoint, quantized the same
+way (4-bit affine, group G, embeddings and LM head included; benchmarks/side_by_side.py builds
+and converts it). One load script drives both through the OpenAI chat API (streaming, greedy,
+`stream_options.include_usage`): N clients start together, each asks for the same number of new
+tokens after a distinct prompt. The systems alternate per concurrency level, round after round;
+each (system, concurrency) gets a warm-up burst first. Figures are medians over the rounds:
+
+  agg_tps  = all clients' completion tokens / wall time of the burst (first request sent to
+             last stream closed): what the server delivers to N users together
+  ttft_ms  = median over clients of the time from sending the request to the first content
+  decode_tps_per_stream = median over clients of (tokens - 1) / (last token - first token)
+
+    python benchmarks/serve_bench.py --shape tiny --streams 1 4 8 16 --rounds 3 -n 32
+    python benchmarks/serve_bench.py --shape qwen3-0.6b --group-size 32 --rounds 3 -n 128 \
+        --json-out serve_qwen3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "benchmarks"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from side_by_side import ensure_checkpoint, ensure_fuselm, ensure_mlx_lm, log  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over the lazy dog while rotary embeddings rotate queries "
+         "and keys and grouped attention shares values across heads").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, name: str, cmd: list[str], model: str, port: int, log_path: Path
+                 ) -> None:
+        self.name, self.model, self.url = name, model, f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_up(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not up after {timeout} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+async def one_stream(http: httpx.AsyncClient, srv: ServerProc, prompt: str, n: int
+                     ) -> dict[str, float]:
+    body = {"model": srv.model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": n, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = 0.0
+    tokens = pieces = 0
+    async with http.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices") or []:
+                if (c.get("delta") or {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces += 1
+    return {"t0": t0, "first": first or time.perf_counter(), "last": last or
+            time.perf_counter(), "tokens": tokens or pieces, "end": time.perf_counter()}
+
+
+async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: int
+                ) -> dict[str, float]:
+    prompts = [" ".join(WORDS[(i * 7 + salt + j) % len(WORDS)] for j in range(prompt_words))
+               + f" {salt}.{i}" for i in range(streams)]
+    limits = httpx.Limits(max_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(one_stream(http, srv, p, n) for p in prompts))
+        wall = time.perf_counter() - t0
+    total = sum(r["tokens"] for r in res)
+    per = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in res
+           if r["tokens"] > 1 and r["last"] > r["first"]]
+    return {"agg_tps": total / wall, "ttft_ms": statistics.median(
+        (r["first"] - r["t0"]) * 1e3 for r in res),
+            "decode_tps_per_stream": statistics.median(per) if per else 0.0,
+            "tokens": total, "wall_s": wall}
+
+
+def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list[ServerProc]:
+    work = Path(args.work)
+    servers = []
+    max_batch = str(max(args.streams))
+    if "fuselm" in args.systems:
+        port = free_port()
+        cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(fl_dir), "--port",
+               str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
+               "--log-level", "warning", "--model-name", "bench"]
+        servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))
+    if "mlx-lm" in args.systems:
+        port = free_port()
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port",
+               str(port), "--log-level", "WARNING", "--decode-concurrency", max_batch]
+        servers.append(ServerProc("mlx-lm", cmd, "default_model", port,
+                                  work / "mlxlm_server.log"))
+    for s in servers:
+        s.wait_up(args.startup_timeout)
+    return servers
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("tiny", "qwen3-0.6b", "llama-3.2-1b"), default="tiny")
+    ap.add_argument("--work", default="/tmp/fuselm_serve_bench")
+    ap.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32)
+    ap.add_argument("--dtype", choices=("auto", "float16", "float32"), default="auto")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64, help="new tokens per client")
+    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--systems", nargs="+", choices=("fuselm", "mlx-lm"),
+                    default=["fuselm", "mlx-lm"])
+    ap.add_argument("--fuselm-engine", choices=("auto", "mlx", "onnxruntime"), default="auto")
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--json-out")
+    args = ap.parse_args(argv)
+
+    import mlx.core as mx
+
+    gpu = mx.default_device().type == mx.gpu
+    dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    hf = ensure_checkpoint(work, args.shape, None)
+    tag = f"{args.shape}_g{args.group_size}_{dtype}"
+    fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, dtype)
+    mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype)
+    servers = start_servers(args, fl_dir, mlx_dir)
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {
+        s.name: {k: [] for k in args.streams} for s in servers}
+    try:
+        for k in args.streams:  # warm-up: every batch size each server will see
+            for s in servers:
+                asyncio.run(burst(s, k, min(args.n, 8), args.prompt_words, salt=999))
+        for r in range(args.rounds):
+            for k in args.streams:
+                order = servers if r % 2 == 0 else servers[::-1]
+                for s in order:
+                    res = asyncio.run(burst(s, k, args.n, args.prompt_words, salt=r))
+                    runs[s.name][k].append(res)
+                    log(f"round {r} {s.name:7s} x{k:<3d} agg {res['agg_tps']:8.1f} tok/s  "
+                        f"ttft {res['ttft_ms']:7.1f} ms  per-stream "
+                        f"{res['decode_tps_per_stream']:7.1f} tok/s")
+    finally:
+        for s in servers:
+            s.stop()
+    summary: dict[str, Any] = {
+        "shape": args.shape, "group_size": args.group_size, "dtype": dtype,
+        "device": str(mx.default_device()), "n": args.n, "rounds": args.rounds,
+        "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine, "results": {}}
+    for name, by_k in runs.items():
+        summary["results"][name] = {
+            str(k): {m: statistics.median(x[m] for x in v) for m in
+                     ("agg_tps", "ttft_ms", "decode_tps_per_stream")} for k, v in by_k.items()}
+    for by_k in summary["results"].values():
+        one = by_k.get("1", {}).get("agg_tps")
+        for v in by_k.values():
+            v["x_single_stream"] = v["agg_tps"] / one if one else None
+    if "fuselm" in runs and "mlx-lm" in runs:
+        summary["fuselm_over_mlx_lm_agg"] = {
+            k: summary["results"]["fuselm"][k]["agg_tps"] /
+            summary["results"]["mlx-lm"][k]["agg_tps"] for k in summary["results"]["fuselm"]}
+    text = json.dumps(summary, indent=2)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""OpenAI request bodies (validated with pydantic) and the response / chunk / error objects
+`fuselm serve` returns, in the shapes the official `openai` client parses."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored (clients send extras such as `user`); known fields are checked.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        return [s for s in stops if s]
+
+    def stop_list(self) -> list[str]:
+        return list(self.stop or [])  # type: ignore[arg-type]
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        """Plain text; a content-part list may only hold text parts."""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            out.append(part["text"])
+        return "".join(out)
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] = Field(
+        description="text, token ids, or a list of one text")
+    echo: bool = Field(False, le=False)
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("one prompt per request (n=1)")
+            return v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        return v  # type: ignore[return-value]
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, Any]
+                  ) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, use: dict[str, Any]
+                        ) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
+               finish: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish}]}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str,
+                     finish: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict[str, Any]
+                ) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}
