@@ -10,8 +10,9 @@ A small hand schema, not pydantic, because:
   past_key_values inputs), which is hand-written code under either;
 - errors must be one line naming the field, the value and what is allowed (pydantic's are
   multi-line reports that would be re-worded anyway);
-- it runs on every load: this costs microseconds and no import (pydantic is not a dependency of
-  fuselm; importing it and building a schema costs tens of milliseconds).
+- it runs on every load: this costs microseconds and no import (importing pydantic and building
+  a schema costs tens of milliseconds; the convert-side config schema, export/config_check.py, uses
+  pydantic because there the input is foreign JSON with many optional fields).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from fuselm.runtime_metal.artifact import (
+from fuselm.runtime_metal.graph_io import PAST
+from fuselm.runtime_metal.manifest_types import (
     FORMAT,
     FORMAT_VERSION,
     ArtifactError,
@@ -33,7 +35,6 @@ from fuselm.runtime_metal.artifact import (
     ModelInfo,
     RopeInfo,
 )
-from fuselm.runtime_metal.graph_io import PAST
 
 DTYPES = ("float32", "float16")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
