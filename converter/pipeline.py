@@ -218,6 +218,11 @@ def convert(
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
         exported = export_model(src, raw, opts.dtype, progress, opts.allow_nonfinite)
+        if exported.nonfinite and opts.quant:
+            raise UserError(
+                f"tensor {exported.nonfinite[0]} holds NaN/Inf values, which 4-bit blocks cannot "
+                "represent; convert it without --quant, or fix the checkpoint"
+            )
         seconds["export"] = time.perf_counter() - t0
         steps = ["export"]
         report = None

@@ -138,6 +138,8 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
     "bf16 beyond float16": (
         lambda m: edit_tensors(m, lambda t: _set(t, UP, 1e6, torch.bfloat16)), [],
         [UP, "float16", "--dtype float32"]),
+    "NaN weight allowed, q4": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))),
+                               ["--quant", "q4", "--allow-nonfinite"], [UP, "without --quant"]),
     # checkpoint vs config
     "fewer layers in config": (_fewer_layers, [], ["2 decoder layers", "num_hidden_layers is 1"]),
     "unused tensor": (_extra_tensor, [], ["model.extra_gate.weight", "does not use"]),

@@ -2,9 +2,10 @@
 files and tokenizers. Every generated case must end in exit 0 or exactly one `error:` line
 with exit 2, never a traceback (an exception escaping the CLI fails the test).
 
-Bounded twice: 25 examples per target, and a wall-clock budget per target after which the
-remaining examples return at once (a case that converts runs a whole export). Derandomized,
-so CI sees the same cases every run. `pytest -s` prints the outcomes per target.
+Bounded twice: 25 examples per target (FUSELM_FUZZ_EXAMPLES), and a wall-clock budget per
+target (FUSELM_FUZZ_BUDGET_S) after which the remaining examples return at once (a case that
+converts runs a whole tiny export). Derandomized, so CI sees the same cases every run.
+`pytest -s` prints the outcomes per target.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.export.inputs import copy_model, error_line, run_cli, split_safetenso
 # Seconds per target (a case that converts costs a whole tiny export); raise it to fuzz longer.
 BUDGET_S = float(os.environ.get("FUSELM_FUZZ_BUDGET_S", "30"))
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("FUSELM_FUZZ_EXAMPLES", "25")),
     deadline=None,
     derandomize=True,
     database=None,
