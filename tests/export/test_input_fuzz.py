@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from tests.export.inputs import copy_model, error_line, run_cli, split_safetensors
 
 # Seconds per target (a case that converts costs a whole tiny export); raise it to fuzz longer.
-BUDGET_S = float(os.environ.get("FUSELM_FUZZ_BUDGET_S", "30"))
+BUDGET_S = float(os.environ.get("FUSELM_FUZZ_BUDGET_S", "20"))
 SETTINGS = settings(
     max_examples=int(os.environ.get("FUSELM_FUZZ_EXAMPLES", "25")),
     deadline=None,
