@@ -20,6 +20,7 @@ from typing import Any
 import onnx
 
 from fuselm.converter import out_dir as out_dir_safety
+from fuselm.converter.errors import UserError
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf_file import is_gguf
 from fuselm.export.onnx_export import export_model
@@ -195,6 +196,11 @@ def convert(
         exported = export_model(
             src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
         )
+        if exported.nonfinite and opts.quant:
+            raise UserError(
+                f"tensor {exported.nonfinite[0]} holds NaN/Inf values, which 4-bit blocks cannot "
+                "represent; convert it without --quant, or fix the checkpoint"
+            )
         seconds["export"] = time.perf_counter() - t0
         steps = ["export"]
         report = None

@@ -82,6 +82,8 @@ def read_raw_config(model_dir: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ExportError(f"{path} is not valid JSON ({e})") from e
+    except PermissionError as e:
+        raise ExportError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     check_config(raw, path, ROPE_TYPES)  # types, ranges, ids: before transformers sees them
     return raw
 

@@ -104,6 +104,11 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
                              ["architectures", "a string", '["Qwen3ForCausalLM"]']),
     "kv heads do not divide": (lambda m: edit_config(m, num_key_value_heads=3), [],
                                ["num_key_value_heads 3"]),
+    "config is a list": (lambda m: (m / "config.json").write_text("[1]"), [],
+                         ["config.json", "JSON object"]),
+    "generation_config eos string": (
+        lambda m: (m / "generation_config.json").write_text('{"eos_token_id": "x"}'), [],
+        ["generation_config.json", "eos_token_id", '"x"']),
     # safetensors headers
     "header is a list": (lambda m: edit_header(m, lambda h: [1, 2]), [],
                          ["not a valid safetensors", "JSON list"]),
@@ -138,6 +143,8 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
     "bf16 beyond float16": (
         lambda m: edit_tensors(m, lambda t: _set(t, UP, 1e6, torch.bfloat16)), [],
         [UP, "float16", "--dtype float32"]),
+    "NaN weight allowed, q4": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))),
+                               ["--quant", "q4", "--allow-nonfinite"], [UP, "without --quant"]),
     # checkpoint vs config
     "fewer layers in config": (_fewer_layers, [], ["2 decoder layers", "num_hidden_layers is 1"]),
     "unused tensor": (_extra_tensor, [], ["model.extra_gate.weight", "does not use"]),
