@@ -23,11 +23,36 @@ def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
     return out_dir
 
 
-def cli(*args: str, input: str | bytes | None = None, env: dict[str, str] | None = None,
-        timeout: int = 300) -> subprocess.CompletedProcess:
-    """`fuselm ARGS` in a subprocess (text output)."""
+def cli_process(*args: str, input: str | bytes | None = None,
+                env: dict[str, str] | None = None, timeout: int = 300
+                ) -> subprocess.CompletedProcess:
+    """`fuselm ARGS` in a subprocess (for what must be read at start-up: environment)."""
     return subprocess.run([FUSELM, *args], input=input, capture_output=True, timeout=timeout,
                           text=not isinstance(input, bytes), env={**os.environ, **(env or {})})
+
+
+def cli(*args: str, input: str | bytes | None = None) -> subprocess.CompletedProcess:
+    """The real entry point (`fuselm.converter.cli:main`: error lines, exit codes) run in this
+    process with stdin/stdout/stderr swapped, so each call does not pay the imports again."""
+    from click.testing import CliRunner
+
+    from fuselm.converter.cli import main
+
+    code = 0
+    argv = sys.argv
+    with CliRunner().isolation(input=input) as (out, err, _):
+        sys.argv = ["fuselm", *args]
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = argv
+        stdout, stderr = out.getvalue(), err.getvalue()  # type: ignore[union-attr]
+    if isinstance(input, bytes):
+        return subprocess.CompletedProcess(args, code, stdout, stderr)
+    return subprocess.CompletedProcess(args, code, stdout.decode(errors="replace"),
+                                       stderr.decode(errors="replace"))
 
 
 @pytest.fixture(scope="session")

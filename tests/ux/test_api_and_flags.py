@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.ux.conftest import ROOT, cli
+from tests.ux.conftest import ROOT, cli, cli_process
 
 
 def test_readme_python_example_runs(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_convert_aliases_and_hub_offline(hf_dir: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     q = json.loads((out / "fuselm.json").read_text())["quantization"]
     assert q["bits"] == 4 and q["block_size"] == 64
-    offline = cli("convert", "SomeOrg/Some-Model-0.5B", "-o", str(tmp_path / "h"),
+    offline = cli_process("convert", "SomeOrg/Some-Model-0.5B", "-o", str(tmp_path / "h"),
                   env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://nonexistent.invalid"})
     assert offline.returncode == 2, offline.stderr
     assert offline.stderr.count("\n") == 1 and "Traceback" not in offline.stderr
