@@ -28,18 +28,17 @@ def _hist_before(after: dict[str, int], passes: list[dict[str, Any]]) -> dict[st
 
 
 def quant_errors(quantization: dict[str, Any] | None) -> tuple[dict[str, float] | None, str]:
-    """Per-tensor Q4 error from fuselm.json's quantization record, when the quantizer kept it
-    (a name -> error mapping, or a list of {"name", "rel"} rows)."""
+    """Per-tensor Q4 error (relative RMS) from fuselm.json's quantization record, as
+    `fuselm quant-report` reads it."""
+    from fuselm.converter.quant_report_cmd import rows
+
     if not quantization:
         return None, "not quantized: the artifact's weights are in floating point"
-    for key in ("tensor_errors", "errors", "per_tensor_error"):
-        raw = quantization.get(key)
-        if isinstance(raw, dict) and raw:
-            return {str(k): float(v) for k, v in raw.items()}, f"rel error per tensor ({key})"
-        if isinstance(raw, list) and raw and isinstance(raw[0], dict):
-            return ({str(r.get("name")): float(r.get("rel", r.get("error", 0.0)))
-                     for r in raw}, f"rel error per tensor ({key})")
-    return None, "not recorded: this artifact's fuselm.json has no per-tensor Q4 error"
+    tensors = quantization.get("tensors") or []
+    if not tensors or any("rel_rms_error" not in t for t in tensors):
+        return None, "not recorded: this artifact's fuselm.json has no per-tensor Q4 error"
+    return ({r["name"]: float(r["rel_rms_error"]) for r in rows(quantization)},
+            "relative RMS error per tensor (worst first)")
 
 
 def _profile(out_dir: str, measure: bool, profile_json: Path | None

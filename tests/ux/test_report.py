@@ -76,8 +76,12 @@ def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -
     assert cli("report", str(q4)).returncode == 0
     assert "not recorded" in (q4 / "report.html").read_text()
     # A quantizer that records per-tensor error gets a chart.
-    manifest["quantization"]["tensor_errors"] = {"model.layers.0.mlp.down_proj": 0.031,
-                                                 "model.layers.1.self_attn.q_proj": 0.012}
+    # (the record's shape is the quantizer's: see passes/quantize.py and quant-report)
+    manifest["quantization"]["tensors"] = [
+        {"name": n, "role": "linear", "shape": [64, 64], "rel_rms_error": e,
+         "bits_per_weight": 4.625}
+        for n, e in (("model.layers.0.mlp.down_proj", 0.031),
+                     ("model.layers.1.self_attn.q_proj", 0.012))]
     (q4 / "fuselm.json").write_text(json.dumps(manifest))
     assert cli("report", str(q4), "-o", str(tmp_path / "r.html")).returncode == 0
     sizes = render(tmp_path / "r.html", tmp_path)
