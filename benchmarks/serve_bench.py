@@ -116,15 +116,23 @@ async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: 
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one_stream(http, srv, p, n) for p in prompts))
+        got = await asyncio.gather(*(one_stream(http, srv, p, n) for p in prompts),
+                                   return_exceptions=True)
         wall = time.perf_counter() - t0
+    res = [r for r in got if isinstance(r, dict)]
+    errors = [repr(r) for r in got if not isinstance(r, dict)]
+    if errors:
+        log(f"{srv.name} x{streams}: {len(errors)} stream(s) failed: {errors[0]}")
+    if not res:
+        return {"agg_tps": 0.0, "ttft_ms": float("nan"), "decode_tps_per_stream": 0.0,
+                "tokens": 0, "wall_s": wall, "failed": len(errors)}
     total = sum(r["tokens"] for r in res)
     per = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in res
            if r["tokens"] > 1 and r["last"] > r["first"]]
     return {"agg_tps": total / wall, "ttft_ms": statistics.median(
         (r["first"] - r["t0"]) * 1e3 for r in res),
             "decode_tps_per_stream": statistics.median(per) if per else 0.0,
-            "tokens": total, "wall_s": wall}
+            "tokens": total, "wall_s": wall, "failed": len(errors)}
 
 
 def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list[ServerProc]:
@@ -135,7 +143,8 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list
         port = free_port()
         cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(fl_dir), "--port",
                str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
-               "--log-level", "warning", "--model-name", "bench"]
+               "--log-level", "warning", "--model-name", "bench",
+               "--max-context", str(args.fuselm_max_context)]
         servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))
     if "mlx-lm" in args.systems:
         port = free_port()
@@ -162,6 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", choices=("fuselm", "mlx-lm"),
                     default=["fuselm", "mlx-lm"])
     ap.add_argument("--fuselm-engine", choices=("auto", "mlx", "onnxruntime"), default="auto")
+    ap.add_argument("--fuselm-max-context", type=int, default=1024,
+                    help="fuselm serve --max-context: KV rows are reserved (and attended) at "
+                    "this length")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
@@ -198,11 +210,13 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict[str, Any] = {
         "shape": args.shape, "group_size": args.group_size, "dtype": dtype,
         "device": str(mx.default_device()), "n": args.n, "rounds": args.rounds,
-        "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine, "results": {}}
+        "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine,
+        "fuselm_max_context": args.fuselm_max_context, "results": {}}
     for name, by_k in runs.items():
         summary["results"][name] = {
-            str(k): {m: statistics.median(x[m] for x in v) for m in
-                     ("agg_tps", "ttft_ms", "decode_tps_per_stream")} for k, v in by_k.items()}
+            str(k): {**{m: statistics.median(x[m] for x in v) for m in
+                        ("agg_tps", "ttft_ms", "decode_tps_per_stream")},
+                     "failed_streams": sum(x["failed"] for x in v)} for k, v in by_k.items()}
     for by_k in summary["results"].values():
         one = by_k.get("1", {}).get("agg_tps")
         for v in by_k.values():
