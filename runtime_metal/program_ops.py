@@ -110,7 +110,8 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                         float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         y, k_new, v_new = kernels_cuda.rope_attend(
-            q, k, v, qn, kn, inv_freq, prm, offset.reshape(-1), keys, values,  # type: ignore[arg-type]
+            q, k, v, qn, kn, inv_freq, prm, mx.broadcast_to(offset.reshape(-1), keys.shape[:1]),
+            keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
             interleaved=bool(int(ra.get("interleaved", 0))))  # type: ignore[call-overload]
         return y, write_rows(keys, k_new, offset), write_rows(values, v_new, offset)
