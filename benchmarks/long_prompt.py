@@ -4,10 +4,10 @@
 
 Builds (or reuses, under --work) a random-weight Qwen3 checkpoint of the shape, converts it
 (float32), and prefills each prompt length through the MLX engine three ways:
-- "prefix": chunked, each chunk attending rows 0..offset+s with MLX's fused causal attention
-  (the default path);
-- "mask": chunked, the compiled call with a device mask over the whole cache capacity (the path
-  before prefix prefill);
+- "prefix": chunked, each later chunk attending rows 0..offset+s with MLX's fused causal
+  attention (FastDecoder.prefix_prefill, uncompiled);
+- "mask": chunked, the compiled call with a device mask over the whole cache capacity (the
+  default path);
 - "oneshot": the whole prompt as one chunk (fresh: fused causal attention), for reference.
 Peak memory is MLX's allocator peak (mx.get_peak_memory) over the prefill, the KV cache
 included; `full_scores_bytes` is what one layer's materialized [heads, n, n] float32 score

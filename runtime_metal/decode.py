@@ -25,9 +25,9 @@ and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as i
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
 path mlx-lm's prefill takes, with no [s, capacity] mask read. A later chunk of a long prompt
-(offset known on the host) attends the cached rows 0..offset+s the same way (`prefix`): no
-mask over the whole capacity, no work on rows not yet written; that call is not compiled
-(its shapes change with every chunk, and a 512-token chunk's matmuls dwarf the Python walk).
+can attend the cached rows 0..offset+s the same way (`prefix`, FastDecoder.prefix_prefill):
+no mask over the whole capacity, no work on rows not yet written, but not compiled (its shapes
+change with every chunk); measured slower than the compiled masked call, so off by default.
 
 The program refuses (and the engine keeps the node-by-node executor) when a graph needs host
 values per step that it cannot move to load time: dynamic-NTK RoPE, Attention softcap,
@@ -237,9 +237,11 @@ class FastDecoder:
             mx.compile(program) if compiled else program)
         self._fresh: Callable[..., tuple[mx.array, ...]] = (
             mx.compile(program.fresh) if compiled else program.fresh)
-        # A later prompt chunk attends its rows with MLX's causal mask (the host knows the
-        # offset); False keeps the compiled call with the device mask over the whole capacity.
-        self.prefix_prefill = True
+        # True: a later prompt chunk attends rows 0..offset+s with MLX's causal mask (host
+        # offset, uncompiled call). Off by default: measured (benchmarks/long_prompt.py, H200
+        # and CPU, small shape) the compiled call with the device mask over the capacity was
+        # as lean in memory and faster (2048: 224k vs 155k tok/s; 8192: 162k vs 126k).
+        self.prefix_prefill = False
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
