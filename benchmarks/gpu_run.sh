@@ -5,6 +5,7 @@
 #   benchmarks/gpu_run.sh tests                 # fused-kernel equivalence tests (TF32 off)
 #   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py, p512 n128 r5 -> $OUT/SHAPE_gGROUP.json
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
+#   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
 # must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them). Results go to
@@ -15,7 +16,14 @@ OUT=${OUT:-gpu_results}
 WORK=${WORK:-/tmp/sbs}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-part=${1:?tests | sbs SHAPE GROUP | ncu SHAPE GROUP}
+# Not pip-installed there: map the top-level folders to the fuselm.* namespace (pyproject's
+# package-dir) with links.
+if ! python3 -c "import fuselm.converter" 2>/dev/null; then
+  mkdir -p /tmp/fuselm_pkg/fuselm && cp fuselm/__init__.py /tmp/fuselm_pkg/fuselm/
+  for d in converter export passes runtime_metal; do ln -sfn "$PWD/$d" "/tmp/fuselm_pkg/fuselm/$d"; done
+  export PYTHONPATH=/tmp/fuselm_pkg:$PYTHONPATH
+fi
+part=${1:?tests | sbs SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
 case "$part" in
   tests)
     NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py
@@ -39,6 +47,11 @@ case "$part" in
     done
     python3 benchmarks/side_by_side.py --launches-from-ncu "${files[@]}" --steps 1 2 \
       | tee "$OUT/launches_$2_g$3.json"
+    ;;
+  serve)
+    python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams 1 4 8 16 \
+      --rounds "${ROUNDS:-3}" -n "${NEW_TOKENS:-128}" --work "$WORK" --json-out "$OUT/serve_$2_g$3.json"
+    cp "$WORK"/*_server.log "$OUT/" 2>/dev/null || true
     ;;
   *)
     echo "unknown part $part: tests | sbs SHAPE GROUP | ncu SHAPE GROUP" >&2

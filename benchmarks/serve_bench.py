@@ -8,10 +8,13 @@ and converts it). One load script drives both through the OpenAI chat API (strea
 tokens after a distinct prompt. The systems alternate per concurrency level, round after round;
 each (system, concurrency) gets a warm-up burst first. Figures are medians over the rounds:
 
-  agg_tps  = all clients' completion tokens / wall time of the burst (first request sent to
-             last stream closed): what the server delivers to N users together
-  ttft_ms  = median over clients of the time from sending the request to the first content
-  decode_tps_per_stream = median over clients of (tokens - 1) / (last token - first token)
+  agg_tps  = all clients' completion tokens (usage) / wall time of the burst (first request
+             sent to last stream closed): what the server delivers to N users together
+  ttft_ms  = median latency of N concurrent non-streaming requests for max_tokens=1 (a second
+             burst): prefill + first token under the same concurrency. Not read from the stream:
+             a random-weight model emits ids its small trained tokenizer decodes to nothing, so
+             the first streamed text can come at the very end
+  first_content_ms = median time to the first non-empty streamed text (null if none came)
 
     python benchmarks/serve_bench.py --shape tiny --streams 1 4 8 16 --rounds 3 -n 32
     python benchmarks/serve_bench.py --shape qwen3-0.6b --group-size 32 --rounds 3 -n 128 \
@@ -105,8 +108,27 @@ async def one_stream(http: httpx.AsyncClient, srv: ServerProc, prompt: str, n: i
                     last = time.perf_counter()
                     first = first or last
                     pieces += 1
-    return {"t0": t0, "first": first or time.perf_counter(), "last": last or
-            time.perf_counter(), "tokens": tokens or pieces, "end": time.perf_counter()}
+    return {"t0": t0, "first": first, "last": last, "tokens": tokens or pieces,
+            "end": time.perf_counter()}
+
+
+async def ttft_burst(srv: ServerProc, streams: int, prompt_words: int, salt: int) -> float:
+    """Median latency of `streams` concurrent one-token requests (ms)."""
+    async def one(http: httpx.AsyncClient, prompt: str) -> float:
+        t0 = time.perf_counter()
+        r = await http.post(srv.url + "/v1/chat/completions", json={
+            "model": srv.model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 1, "temperature": 0})
+        r.raise_for_status()
+        return (time.perf_counter() - t0) * 1e3
+
+    prompts = [" ".join(WORDS[(i * 5 + salt + j) % len(WORDS)] for j in range(prompt_words))
+               + f" t{salt}.{i}" for i in range(streams)]
+    async with httpx.AsyncClient(timeout=600,
+                                 limits=httpx.Limits(max_connections=streams + 4)) as http:
+        got = await asyncio.gather(*(one(http, p) for p in prompts), return_exceptions=True)
+    ok = [x for x in got if isinstance(x, float)]
+    return statistics.median(ok) if ok else float("nan")
 
 
 async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: int
@@ -116,15 +138,18 @@ async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: 
     limits = httpx.Limits(max_connections=streams + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         t0 = time.perf_counter()
-        res = await asyncio.gather(*(one_stream(http, srv, p, n) for p in prompts))
+        got = await asyncio.gather(*(one_stream(http, srv, p, n) for p in prompts),
+                                   return_exceptions=True)
         wall = time.perf_counter() - t0
+    res = [r for r in got if isinstance(r, dict)]
+    errors = [repr(r) for r in got if not isinstance(r, dict)]
+    if errors:
+        log(f"{srv.name} x{streams}: {len(errors)} stream(s) failed: {errors[0]}")
     total = sum(r["tokens"] for r in res)
-    per = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in res
-           if r["tokens"] > 1 and r["last"] > r["first"]]
-    return {"agg_tps": total / wall, "ttft_ms": statistics.median(
-        (r["first"] - r["t0"]) * 1e3 for r in res),
-            "decode_tps_per_stream": statistics.median(per) if per else 0.0,
-            "tokens": total, "wall_s": wall}
+    firsts = [(r["first"] - r["t0"]) * 1e3 for r in res if r["first"]]
+    return {"agg_tps": total / wall,
+            "first_content_ms": statistics.median(firsts) if firsts else float("nan"),
+            "tokens": total, "wall_s": wall, "failed": len(errors)}
 
 
 def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list[ServerProc]:
@@ -135,7 +160,8 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list
         port = free_port()
         cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(fl_dir), "--port",
                str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
-               "--log-level", "warning", "--model-name", "bench"]
+               "--log-level", "warning", "--model-name", "bench",
+               "--max-context", str(args.fuselm_max_context)]
         servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))
     if "mlx-lm" in args.systems:
         port = free_port()
@@ -162,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", nargs="+", choices=("fuselm", "mlx-lm"),
                     default=["fuselm", "mlx-lm"])
     ap.add_argument("--fuselm-engine", choices=("auto", "mlx", "onnxruntime"), default="auto")
+    ap.add_argument("--fuselm-max-context", type=int, default=1024,
+                    help="fuselm serve --max-context: KV rows are reserved (and attended) at "
+                    "this length")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
@@ -188,21 +217,24 @@ def main(argv: list[str] | None = None) -> None:
                 order = servers if r % 2 == 0 else servers[::-1]
                 for s in order:
                     res = asyncio.run(burst(s, k, args.n, args.prompt_words, salt=r))
+                    res["ttft_ms"] = asyncio.run(ttft_burst(s, k, args.prompt_words, salt=r))
                     runs[s.name][k].append(res)
                     log(f"round {r} {s.name:7s} x{k:<3d} agg {res['agg_tps']:8.1f} tok/s  "
-                        f"ttft {res['ttft_ms']:7.1f} ms  per-stream "
-                        f"{res['decode_tps_per_stream']:7.1f} tok/s")
+                        f"ttft {res['ttft_ms']:7.1f} ms  first text "
+                        f"{res['first_content_ms']:7.1f} ms  failed {res['failed']}")
     finally:
         for s in servers:
             s.stop()
     summary: dict[str, Any] = {
         "shape": args.shape, "group_size": args.group_size, "dtype": dtype,
         "device": str(mx.default_device()), "n": args.n, "rounds": args.rounds,
-        "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine, "results": {}}
+        "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine,
+        "fuselm_max_context": args.fuselm_max_context, "results": {}}
     for name, by_k in runs.items():
         summary["results"][name] = {
-            str(k): {m: statistics.median(x[m] for x in v) for m in
-                     ("agg_tps", "ttft_ms", "decode_tps_per_stream")} for k, v in by_k.items()}
+            str(k): {**{m: statistics.median(x[m] for x in v) for m in
+                        ("agg_tps", "ttft_ms", "first_content_ms")},
+                     "failed_streams": sum(x["failed"] for x in v)} for k, v in by_k.items()}
     for by_k in summary["results"].values():
         one = by_k.get("1", {}).get("agg_tps")
         for v in by_k.values():

@@ -111,12 +111,12 @@ def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> Non
                             f"{state.model_id!r}", param="model", code="model_not_found")
 
 
-def _limit(state: ServeState, n_prompt: int, requested: int | None) -> int:
+def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str) -> int:
     """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating."""
     if n_prompt >= state.max_context:
         raise ApiError(400, f"the prompt has {n_prompt} tokens; this server's context is "
                             f"{state.max_context} tokens. Shorten the prompt.",
-                       param="messages", code="context_length_exceeded")
+                       param=prompt_param, code="context_length_exceeded")
     room = state.max_context - n_prompt
     if requested is None:
         return min(room, state.default_max_tokens)
@@ -166,7 +166,7 @@ async def _submit(request: Request, kind: str) -> Response:
     req = _parse(ChatRequest if chat else CompletionRequest, data)
     _check_model(state, req)
     ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req)
-    max_tokens = _limit(state, len(ids), req.token_limit())
+    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
     sampling = SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
     job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
               req.stop_list(), asyncio.get_running_loop())

@@ -118,16 +118,18 @@ class Attention:
         return mask + additive(tri, mask.dtype)
 
     def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-                   values: mx.array, offset: mx.array, mask: Mask
+                   values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None
                    ) -> tuple[mx.array, mx.array, mx.array]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
-        with `mask` ([.., s, capacity], built by the caller), or, for mask "causal" (a fresh
-        prompt at offset 0), over the chunk's own rows only. Returns (y, keys', values')."""
+        with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
+        first `rows` cache rows (default s: a fresh prompt at offset 0; offset + s for a later
+        chunk whose offset the caller knows), bottom-right aligned: MLX's fused causal path, no
+        mask read, no work on rows past the chunk. Returns (y, keys', values')."""
         qh, kh, vh = self.heads(q, k, v)
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
-            n = qh.shape[2]
+            n = rows if rows is not None else qh.shape[2]
             y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
         else:
             y = self.attend(qh, keys, values, mask, may_empty=False)

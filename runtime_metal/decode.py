@@ -24,7 +24,10 @@ and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as i
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
-path mlx-lm's prefill takes, with no [s, capacity] mask read.
+path mlx-lm's prefill takes, with no [s, capacity] mask read. A later chunk of a long prompt
+can attend the cached rows 0..offset+s the same way (`prefix`, FastDecoder.prefix_prefill):
+no mask over the whole capacity, no work on rows not yet written, but not compiled (its shapes
+change with every chunk); measured slower than the compiled masked call, so off by default.
 
 The program refuses (and the engine keeps the node-by-node executor) when a graph needs host
 values per step that it cannot move to load time: dynamic-NTK RoPE, Attention softcap,
@@ -123,13 +126,16 @@ class DecodeProgram:
         """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
         return self.run(tokens, offset, kv, fresh=True)
 
-    def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool
-            ) -> tuple[mx.array, ...]:
+    def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
+            prefix: int | None = None) -> tuple[mx.array, ...]:
+        """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
+        attention takes rows 0..prefix+s with MLX's causal mask; else a device mask."""
         batched = tokens.ndim == 2
         ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
         mask: mx.array | str = "causal"
-        if not fresh:
+        rows = s if fresh else None if prefix is None else prefix + s
+        if rows is None:
             # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached.
             # [b or 1, 1, s, capacity]: one offset per batch row, or one for all.
             mask = mx.arange(capacity) <= (offset.reshape(-1, 1, 1, 1)
@@ -155,10 +161,11 @@ class DecodeProgram:
                         v = _resolve(attn.args[2:3], env)[0]
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            self.kernels)
+                            self.kernels, rows)
                     else:
                         y, k_new, v_new = program_ops.attend(
-                            o.step, args[0], args[1], args[2], k_old, v_old, offset, mask)  # type: ignore[arg-type]
+                            o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
+                            rows)
                     out_kv[2 * layer], out_kv[2 * layer + 1] = k_new, v_new
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue
@@ -230,6 +237,11 @@ class FastDecoder:
             mx.compile(program) if compiled else program)
         self._fresh: Callable[..., tuple[mx.array, ...]] = (
             mx.compile(program.fresh) if compiled else program.fresh)
+        # True: a later prompt chunk attends rows 0..offset+s with MLX's causal mask (host
+        # offset, uncompiled call). Off by default: measured (benchmarks/long_prompt.py, H200
+        # and CPU, small shape) the compiled call with the device mask over the capacity was
+        # as lean in memory and faster (2048: 224k vs 155k tok/s; 8192: 162k vs 126k).
+        self.prefix_prefill = False
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
@@ -249,8 +261,14 @@ class FastDecoder:
         (the cache writes are in the same graph: evaluating the logits performs them)."""
         assert self.can_prefill
         ids = np.asarray(ids).reshape(-1)
-        fresh = self.caches[0].offset == 0
-        return self._call(self._fresh if fresh else self._fn, mx.array(ids.astype(np.int32)),
+        pos = self.caches[0].offset
+        fn = self._fresh if pos == 0 else self._fn
+        if pos and ids.size > 1 and self.prefix_prefill:
+            program = self.program
+
+            def fn(tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+                return program.run(tokens, offset, kv, fresh=False, prefix=pos)
+        return self._call(fn, mx.array(ids.astype(np.int32)),
                           ids.size)
 
     def _call(self, fn: Callable[..., tuple[mx.array, ...]], tokens: mx.array, s: int

@@ -53,10 +53,10 @@ def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
 def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, object],
                      keys: mx.array, values: mx.array, hq: int, hk: int, head_dim: int,
                      rotary_dim: int) -> bool:
-    """One token (3-D [1, 1, H*D] q/k/v), head_dim a multiple of 32 up to 256 for keys and
-    values alike, even rotary width, whole GQA groups, cache of the activation dtype, q/k-norm
-    scales (when present) of one head's width."""
-    if not all(isinstance(a, mx.array) and a.ndim == 3 and a.shape[:2] == (1, 1)
+    """One token per batch row (3-D [b, 1, H*D] q/k/v, b = the cache's batch), head_dim a
+    multiple of 32 up to 256 for keys and values alike, even rotary width, whole GQA groups,
+    cache of the activation dtype, q/k-norm scales (when present) of one head's width."""
+    if not all(isinstance(a, mx.array) and a.ndim == 3 and a.shape[:2] == (keys.shape[0], 1)
                for a in (q, k, v)):
         return False
     assert isinstance(q, mx.array) and isinstance(k, mx.array) and isinstance(v, mx.array)

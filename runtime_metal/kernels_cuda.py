@@ -3,7 +3,8 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
 
 * `add_rms_norm`: the residual Add and the RMSNorm that reads it -> one launch, two outputs
   (the sum, kept as the next residual, and the normalized row).
-* `rope_attend`: one decoded token's q/k RMSNorm (Qwen3), RoPE at the device-side position,
+* `rope_attend`: one decoded token's (per batch row, each at its own position) q/k RMSNorm
+  (Qwen3), RoPE at the device-side position,
   and attention over the fixed-capacity cache rows 0..pos (the new key/value taken from
   registers, not the cache) -> one launch instead of norm x2, rope x2 and MLX-CUDA's SDPA,
   which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
@@ -58,18 +59,20 @@ _ADD_RMS_NORM = """
 """
 
 _ROPE_ATTEND = """
-  // block h = one query head; NW warps; lane l owns elements [l*VPT, (l+1)*VPT) of a row
+  // block (h, b) = query head h of batch row b; NW warps; lane l owns elements
+  // [l*VPT, (l+1)*VPT) of a row. Row b decodes at its own position offset[b].
   constexpr int VPT = D / 32, G = HQ / HK;
-  const int h = blockIdx.x, g = h / G;
+  const int h = blockIdx.x, g = h / G, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int pos = offset[0];
+  const int pos = offset[b];
   const int cap = kc_shape[2];
+  const size_t qh = (size_t)b * HQ + h, kh = (size_t)b * HK + g;
   __shared__ float sq[D], sk[D], sv[D], tq[D], tk[D], rs[2];
   __shared__ float wm[NW], wl[NW], wacc[NW][D];
   if (tid < D) {
-    sq[tid] = static_cast<float>(q[h * D + tid]);
-    sk[tid] = static_cast<float>(k[g * D + tid]);
-    sv[tid] = static_cast<float>(v[g * D + tid]);
+    sq[tid] = static_cast<float>(q[qh * D + tid]);
+    sk[tid] = static_cast<float>(k[kh * D + tid]);
+    sv[tid] = static_cast<float>(v[kh * D + tid]);
   }
   __syncthreads();
   if (warp < 2) {  // warp 0: q's sum of squares, warp 1: k's
@@ -111,16 +114,16 @@ _ROPE_ATTEND = """
     sk[tid] = static_cast<float>(kb);
     sv[tid] = static_cast<float>(vb);
     if (h % G == 0) {
-      k_new[g * D + tid] = kb;
-      v_new[g * D + tid] = vb;
+      k_new[kh * D + tid] = kb;
+      v_new[kh * D + tid] = vb;
     }
   }
   __syncthreads();
   float qr[VPT], acc[VPT];
   for (int e = 0; e < VPT; ++e) { qr[e] = sq[lane * VPT + e]; acc[e] = 0.f; }
   float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
-  const T* kb = kc + (size_t)g * cap * D;
-  const T* vb = vc + (size_t)g * cap * D;
+  const T* kb = kc + kh * cap * D;
+  const T* vb = vc + kh * cap * D;
   for (int j = warp; j <= pos; j += NW) {  // online softmax over this warp's keys
     float kr[VPT], vr[VPT];
     if (j < pos) {
@@ -151,7 +154,7 @@ _ROPE_ATTEND = """
       den += wl[w] * c;
       num += wacc[w][tid] * c;
     }
-    out[h * D + tid] = T(num / den);
+    out[qh * D + tid] = T(num / den);
   }
 """
 
@@ -188,10 +191,11 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
                 kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
                 interleaved: bool) -> tuple[mx.array, mx.array, mx.array]:
-    """One token: q [.., hq*D], k/v [.., hk*D], the caches [1, hk, capacity, D] holding rows
-    0..offset-1. prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention
-    output [1, 1, hq*D] and the new key/value rows [1, hk, 1, D] (RoPE'd, normed) to write."""
-    d = kc.shape[-1]
+    """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
+    [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
+    prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
+    [b, 1, hq*D] and the new key/value rows [b, hk, 1, D] (RoPE'd, normed) to write."""
+    d, rows = kc.shape[-1], kc.shape[0]
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
     dummy = inv_freq
     out, k_new, v_new = _rope_attend_kernel()(
@@ -200,7 +204,7 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps)],
-        grid=(hq * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(1, 1, hq * d), (1, hk, 1, d), (1, hk, 1, d)],
+        grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(rows, 1, hq * d), (rows, hk, 1, d), (rows, hk, 1, d)],
         output_dtypes=[kc.dtype] * 3)
     return out, k_new, v_new

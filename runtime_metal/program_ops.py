@@ -91,7 +91,8 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
 
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,
                    keys: mx.array, values: mx.array, offset: mx.array, mask: Mask,
-                   use_kernel: bool) -> tuple[mx.array, mx.array, mx.array]:
+                   use_kernel: bool, rows: int | None = None
+                   ) -> tuple[mx.array, mx.array, mx.array]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each)."""
     q, k = rargs[0], rargs[1]
@@ -110,16 +111,18 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                         float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         y, k_new, v_new = kernels_cuda.rope_attend(
-            q, k, v, qn, kn, inv_freq, prm, offset.reshape(-1), keys, values,  # type: ignore[arg-type]
+            q, k, v, qn, kn, inv_freq, prm, mx.broadcast_to(offset.reshape(-1), keys.shape[:1]),
+            keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
             interleaved=bool(int(ra.get("interleaved", 0))))  # type: ignore[call-overload]
         return y, write_rows(keys, k_new, offset), write_rows(values, v_new, offset)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
-    return attn.over_cache(qr, kr, v, keys, values, offset, mask)  # type: ignore[arg-type]
+    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows)  # type: ignore[arg-type]
 
 
 def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-           values: mx.array, offset: mx.array, mask: Mask
+           values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None
            ) -> tuple[mx.array, mx.array, mx.array]:
     """An Attention with no RoPE partner: Attention.over_cache."""
-    return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask)
+    return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask,
+                                                            rows)

@@ -62,3 +62,16 @@ def test_engines_implement_the_protocol(qwen3_artifact) -> None:  # noqa: ANN001
         assert rel(got, want) <= 1e-5, e.name
         step = np.asarray(e.decode_step(int(np.argmax(got))), np.float32)
         assert step.shape == want.shape and e.offset == prompt.shape[1] + 1
+
+
+def test_prefix_prefill_matches_masked_prefill(qwen3_artifact) -> None:  # noqa: ANN001
+    """A later prompt chunk over rows 0..offset+s with MLX's causal mask (prefix_prefill) gives
+    the logits of the compiled call with the device mask over the whole capacity."""
+    ids = np.random.default_rng(5).integers(4, 384, 300).astype(np.int64)[None]
+    logits = {}
+    for prefix in (False, True):
+        engine = make_engine(qwen3_artifact, "mlx")
+        engine.fast.prefix_prefill = prefix
+        logits[prefix] = [engine.forward(ids[:, s:s + 64]) for s in range(0, 300, 64)]
+    for a, b in zip(logits[True], logits[False], strict=True):
+        assert rel(a, b) <= 1e-5

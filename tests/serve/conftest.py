@@ -4,7 +4,6 @@ server is stopped by PID. Every wait is bounded."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -61,57 +60,64 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@contextlib.contextmanager
-def running_server(artifact: Path, log: Path, engine: str) -> Iterator[Server]:
-    """`fuselm serve` in its own process until the block ends (SIGTERM by PID, then SIGKILL)."""
+def _start(artifact: Path, log: Path, engine: str) -> tuple[subprocess.Popen, Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(artifact),
            "--port", str(port), "--engine", engine, "--max-batch", str(MAX_BATCH),
            "--max-queue", str(MAX_QUEUE), "--max-context", str(MAX_CONTEXT)]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
+    return proc, Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
+
+
+def _wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{srv.log.read_text()}")
+        try:
+            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not up after {STARTUP_S} s:\n{srv.log.read_text()}")
+        time.sleep(0.3)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def servers(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Server]]:
+    """`fuselm serve` on onnxruntime (the CPU default; its slots run one after another) and
+    on MLX (sequences decode together in one batched step), started together, each in its own
+    process; stopped by PID (SIGTERM, then SIGKILL)."""
+    logs = tmp_path_factory.mktemp("serve_log")
+    started = [_start(serve_artifact, logs / f"{e}.log", e) for e in ("onnxruntime", "mlx")]
     try:
         deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not up after {STARTUP_S} s:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield srv
+        for proc, srv in started:
+            _wait_up(proc, srv, deadline)
+        yield {srv.engine: srv for _, srv in started}
     finally:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        for proc, _ in started:
+            _stop(proc)
 
 
 @pytest.fixture(scope="session")
-def server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """onnxruntime: the CPU default engine."""
-    log = tmp_path_factory.mktemp("serve_log") / "server.log"
-    with running_server(serve_artifact, log, "onnxruntime") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def mlx_server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[Server]:
-    """MLX: sequences decode together in one batched step."""
-    log = tmp_path_factory.mktemp("serve_log") / "server_mlx.log"
-    with running_server(serve_artifact, log, "mlx") as srv:
-        yield srv
+def server(servers: dict[str, Server]) -> Server:
+    return servers["onnxruntime"]
 
 
 @pytest.fixture(params=["onnxruntime", "mlx"])
-def any_server(request: pytest.FixtureRequest) -> Server:
+def any_server(request: pytest.FixtureRequest, servers: dict[str, Server]) -> Server:
     """The tests of output equality and slot handling, on both engines."""
-    return request.getfixturevalue("server" if request.param == "onnxruntime" else "mlx_server")
+    return servers[request.param]

@@ -50,3 +50,12 @@ def test_incomplete_utf8_is_held_until_complete() -> None:
     assert ts.push(0) == "a"
     assert ts.push(1) == ""
     assert ts.push(2) == "é"
+
+
+def test_a_replacement_char_that_never_completes_is_released() -> None:
+    ts = TextStream(lambda ids: "a\ufffd" + "".join("" for _ in ids))  # undecodable ids
+    k = TextStream.MAX_PARTIAL
+    out = [ts.push(i) for i in range(k + 1)]
+    # held for k - 1 tokens (a 4-byte character's first 3), released on the k-th
+    assert out[0] == "a" and out[1:k - 1] == [""] * (k - 2) and out[k - 1] == "\ufffd"
+    assert "".join(out) == "a\ufffd"

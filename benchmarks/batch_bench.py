@@ -1,0 +1,65 @@
+"""Batched decode throughput (runtime_metal/batch.py): tokens/s over all sequences and per
+sequence, for batch sizes b, JSON out.
+
+    python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8]
+
+Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps, then -n
+timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
+benchmarks/long_prompt.py (same --work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from long_prompt import SHAPES, artifact  # noqa: E402
+
+from fuselm.runtime_metal.batch import BatchDecoder  # noqa: E402
+from fuselm.runtime_metal.engine import make_engine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("-b", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("-p", type=int, default=128)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_long_prompt"))
+    args = ap.parse_args()
+    engine = make_engine(artifact(args.work, args.shape, args.dtype, args.p + args.n), "mlx")
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.b:
+        dec = BatchDecoder(engine, max_batch=b, max_context=args.p + (args.r + 1) * args.n + 8)
+        for _ in range(b):
+            dec.add([int(t) for t in rng.integers(4, 1000, args.p)])
+        dec.step()  # the first tokens (from the prompts)
+        times = []
+        for r in range(args.r + 1):
+            t0 = time.perf_counter()
+            for _ in range(args.n):
+                dec.step()
+            if r:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        rows.append({"batch": b, "mode": dec.mode, "step_ms": t / args.n * 1e3,
+                     "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t})
+    print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
+                      "shape": args.shape, "dtype": args.dtype, "prompt": args.p,
+                      "steps": args.n, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
