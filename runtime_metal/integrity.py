@@ -20,6 +20,7 @@ its tensor's) and one at verify time (the file's; the tensors' only after a mism
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ def check_sizes(out_dir: str | Path, manifest: Manifest) -> None:
                 raise ArtifactError(
                     f"{path} is missing; copy the whole output folder, or re-run `fuselm convert`")
             continue  # an older artifact: the loader reports what the model needs
+        if not os.access(path, os.R_OK):  # onnxruntime would only say "SystemError : 13"
+            raise ArtifactError(f"cannot read {path}: permission denied; fix its permissions")
         size = path.stat().st_size
         if size == 0:
             raise ArtifactError(
