@@ -9,10 +9,17 @@ from typing import Any
 
 import click
 import onnx
+from rich.console import Console
 from rich.table import Table
 
 from fuselm.converter.errors import UserError
-from fuselm.converter.progress import stderr
+
+
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 here; a reader that stopped early (`| head`) is no error: the CLI's
+        # BrokenPipeError handler exits 0
+        raise BrokenPipeError
 
 _TYPES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
 
@@ -95,7 +102,7 @@ def inspect(model: Path, as_json: bool, full: bool) -> None:
     ops.add_column("count", justify="right")
     for name, count in info["ops"].items():
         ops.add_row(name, str(count))
-    console = stderr.__class__()  # stdout
+    console = _Stdout()
     console.print(head)
     console.print(io)
     console.print(ops)

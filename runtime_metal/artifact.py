@@ -69,7 +69,11 @@ def read_manifest(out_dir: str | Path) -> Manifest:
     root = Path(out_dir)
     path = root / MANIFEST
     if not root.is_dir():
-        raise ArtifactError(f"{root} is not a directory; pass the folder `fuselm convert` wrote")
+        aside = sorted(root.parent.glob(f".{root.name}.old-*"))  # converter/out_dir.py's swap
+        hint = (f" (a conversion killed mid-swap set it aside as {aside[0]}; run the same "
+                "`fuselm convert` again to restore it)" if aside else "")
+        raise ArtifactError(
+            f"{root} is not a directory; pass the folder `fuselm convert` wrote{hint}")
     if not path.is_file():
         if (root / "config.json").is_file():  # an HF checkpoint: convert it beside itself
             sibling = root.resolve().parent / f"{root.resolve().name}-fuselm"

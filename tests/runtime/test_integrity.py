@@ -169,3 +169,19 @@ def test_manifest_dtype_disagrees_with_graph(capsys, art: Path, engine: str) -> 
     _edit_manifest(art, _set("dtype", "float16"))
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
     assert "dtype = float16" in line and "float32" in line
+
+
+def test_one_pass_digests_match_direct_ones(art: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The single-read digests equal the SHA-256 of the file and the CRC-32 of each slice, also
+    when tensors straddle read chunks (a 1000-byte chunk here)."""
+    import hashlib
+    import zlib
+
+    from fuselm.runtime_metal import integrity
+
+    data = (art / "model.onnx.data").read_bytes()
+    spans = tensor_ranges(art / "model.onnx")["model.onnx.data"]
+    monkeypatch.setattr(integrity, "CHUNK", 1000)
+    sha, crcs = integrity.digests(art / "model.onnx.data", spans)
+    assert sha == hashlib.sha256(data).hexdigest()
+    assert crcs == {n: f"{zlib.crc32(data[o:o + n_]):08x}" for o, n_, n in spans}
