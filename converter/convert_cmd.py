@@ -149,31 +149,35 @@ convert = convert_command
     "out_dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Where to put the built-in checkpoint and its conversion (default: a temp dir).",
+    help="Where to write the converted model (default: a temp dir).",
 )
-@click.option("--prompt", default="Hello world", show_default=True)
-@click.option("-n", "max_new_tokens", type=int, default=16, show_default=True)
-def demo(out_dir: Path | None, prompt: str, max_new_tokens: int) -> None:
-    """Build a small random-weight Qwen3-style model, convert it, and generate from it."""
-    from fuselm.converter.builtin import build_model
+@click.option("--prompt", default="What is the capital of France?", show_default=True)
+@click.option("-n", "max_new_tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "mlx", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise",
+)
+def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
+    """Convert the bundled SmolLM2-135M-Instruct GGUF to Q4 and answer a question with it."""
+    from fuselm.converter.run_cmd import run
+    from fuselm.converter.smollm2 import bundled_gguf
 
-    root = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-"))
-    ckpt = root / "checkpoint"
-    if root.exists() and not root.is_dir():
-        raise UserError(f"-o {root} exists and is not a directory; give a new folder for the demo")
-    if ckpt.exists():  # never overwrite a model the user may have put there
-        raise UserError(f"{ckpt} already exists; give the demo a new -o folder")
-    artifact_dir = root / "artifact"
-    stderr.print(f"building a random-weight Qwen3-style checkpoint in {ckpt}")
-    build_model(ckpt, "qwen3", seed=0)
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise UserError(
+            f"-o {out_dir} exists and is not a directory; give a new folder for the demo")
+    gguf = bundled_gguf()
+    artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
+    stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")
     with stage_progress() as progress:
-        result = pipeline.convert(ckpt, artifact_dir, ConvertOptions(), progress)
+        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant="q4"), progress)
     if result.report is not None:
         stderr.print(result.report.render())
-    stderr.print(f"[green]converted[/] → {artifact_dir}")
-    from fuselm.converter.run_cmd import run
-
-    stderr.print(f"generating {max_new_tokens} tokens (random weights: the text is gibberish)")
+    stderr.print(f"[green]converted[/] in {result.seconds['total']:.1f}s → {artifact_dir}")
+    stderr.print(f"[bold]>>> {prompt}[/]  (chat template applied)")
     click.get_current_context().invoke(
-        run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens
+        run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens,
+        engine=engine
     )

@@ -142,6 +142,12 @@ def prepare(out_dir: Path) -> Path:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         recover(out)
+        held = [p.name for p in out.iterdir() if p.name == "config.json"
+                or p.suffix in (".safetensors", ".gguf")] if out.is_dir() else []
+        if held:  # a checkpoint with a stray fuselm.json: its tokenizer files would be replaced
+            raise UserError(
+                f"output directory {out_dir} holds a model checkpoint ({', '.join(sorted(held))});"
+                " a conversion would replace its tokenizer files. Choose another -o")
         if out.is_dir() and any(out.iterdir()) and not (out / artifact.MANIFEST).is_file():
             raise UserError(
                 f"output directory {out_dir} is not empty and holds no fuselm artifact; "

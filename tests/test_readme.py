@@ -26,14 +26,17 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_demo_command_runs(tmp_path: Path) -> None:
+    """The demo converts the real SmolLM2-135M-Instruct GGUF to Q4 and answers its question
+    through the chat template (greedy, so the answer is fixed)."""
     demo = readme_commands()[0]
     r = subprocess.run(
-        [str(ROOT / demo.removeprefix("./")), "-o", str(tmp_path), "-n", "4"],
+        [str(ROOT / demo.removeprefix("./")), "-o", str(tmp_path / "q4"), "-n", "16"],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (tmp_path / "artifact" / "model.onnx").is_file()
+    assert (tmp_path / "q4" / "model.onnx").is_file()
     assert "tg" in r.stderr and "FusedQKV" in r.stderr
+    assert "Paris" in r.stdout, r.stdout

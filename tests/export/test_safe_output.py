@@ -195,7 +195,7 @@ def test_demo_never_overwrites(capsys, tmp_path: Path) -> None:  # noqa: ANN001
     (tmp_path / "d" / "checkpoint").mkdir(parents=True)
     (tmp_path / "d" / "checkpoint" / "config.json").write_text('{"mine": 1}')
     line = one_error(*cli(capsys, "demo", "-o", str(tmp_path / "d")))
-    assert "checkpoint already exists" in line
+    assert "holds no fuselm artifact" in line
     assert json.loads((tmp_path / "d" / "checkpoint" / "config.json").read_text()) == {"mine": 1}
 
 
