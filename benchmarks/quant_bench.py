@@ -41,8 +41,10 @@ def _child(code: str, env_extra: dict[str, str] | None = None) -> dict[str, Any]
         "import resource, time, json, sys\n"
         "t0 = time.perf_counter()\n"
         f"{code}\n"
+        "ru = resource.getrusage(resource.RUSAGE_SELF)\n"
         "print('@@' + json.dumps({'seconds': time.perf_counter() - t0, "
-        "'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+        "'cpu_seconds': ru.ru_utime + ru.ru_stime, "  # wall time lies on a shared CPU
+        "'peak_rss_mb': ru.ru_maxrss / 1024, "
         "**globals().get('EXTRA', {})}))\n"
     )
     out = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True)
