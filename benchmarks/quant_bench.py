@@ -41,8 +41,10 @@ def _child(code: str, env_extra: dict[str, str] | None = None) -> dict[str, Any]
         "import resource, time, json, sys\n"
         "t0 = time.perf_counter()\n"
         f"{code}\n"
+        "ru = resource.getrusage(resource.RUSAGE_SELF)\n"
         "print('@@' + json.dumps({'seconds': time.perf_counter() - t0, "
-        "'peak_rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+        "'cpu_seconds': ru.ru_utime + ru.ru_stime, "  # wall time lies on a shared CPU
+        "'peak_rss_mb': ru.ru_maxrss / 1024, "
         "**globals().get('EXTRA', {})}))\n"
     )
     out = subprocess.run([sys.executable, "-c", wrapper], env=env, capture_output=True, text=True)
@@ -108,10 +110,12 @@ def _timed_runs(fn: Any, runs: int) -> list[tuple[float, float]]:
     return [fn() for _ in range(runs)]
 
 
-def bench_fuselm(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[str, Any]:
+def bench_fuselm(
+    out: Path, prompt: np.ndarray, n_new: int, runs: int, threads: int | None = None
+) -> dict[str, Any]:
     from fuselm.runtime_metal.ort_session import make_session
 
-    sess, info = make_session(out / "model.onnx", accuracy_level=4)
+    sess, info = make_session(out / "model.onnx", accuracy_level=4, threads=threads)
     inputs = {i.name: i for i in sess.get_inputs()}
     past_names = [n for n in inputs if n.startswith("past_key_values.")]
     np_type = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -148,10 +152,25 @@ def bench_fuselm(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[s
     return {**_rates(times, len(prompt), n_new), "session": info}
 
 
-def bench_builder(out: Path, prompt: np.ndarray, n_new: int, runs: int) -> dict[str, Any]:
+def _with_threads(out: Path, threads: int) -> Path:
+    """A view of the builder's folder whose genai_config sets onnxruntime's intra-op threads."""
+    view = out.parent / f"{out.name}_t{threads}"
+    view.mkdir(exist_ok=True)
+    for f in out.iterdir():
+        if f.name != "genai_config.json" and not (view / f.name).exists():
+            (view / f.name).symlink_to(f)
+    cfg = json.loads((out / "genai_config.json").read_text())
+    cfg["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    (view / "genai_config.json").write_text(json.dumps(cfg))
+    return view
+
+
+def bench_builder(
+    out: Path, prompt: np.ndarray, n_new: int, runs: int, threads: int | None = None
+) -> dict[str, Any]:
     import onnxruntime_genai as og
 
-    model = og.Model(str(out))
+    model = og.Model(str(out if threads is None else _with_threads(out, threads)))
 
     def once() -> tuple[float, float]:
         params = og.GeneratorParams(model)
@@ -182,7 +201,7 @@ def _bench_child(kind: str, out: Path, args: argparse.Namespace) -> dict[str, An
         "from benchmarks.quant_bench import bench_fuselm, bench_builder\n"
         f"prompt = np.random.default_rng(0).integers(10, {args.vocab}, {args.prompt})\n"
         f"EXTRA = bench_{kind}(__import__('pathlib').Path({str(out)!r}), prompt, {args.new}, "
-        f"{args.runs})\n"
+        f"{args.runs}, {args.threads})\n"
     )
     res = _child(code)
     res.pop("seconds", None)
@@ -200,6 +219,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="override the depth")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides")
     ap.add_argument("--reuse", action="store_true", help="reuse conversions found in --work")
+    ap.add_argument("--threads", type=int, default=None, help="intra-op threads, both sides")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="quant_bench_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -218,6 +238,7 @@ def main() -> None:
         "new_tokens": args.new,
         "runs": args.runs,
         "rounds": args.rounds,
+        "threads": args.threads or "onnxruntime default",
         "cpu_count": os.cpu_count(),
         "load_average_before": os.getloadavg(),
     }

@@ -87,17 +87,13 @@ def search_params(
     `importance`, if given, is [nb, B, 1] (one non-negative weight per row of each block).
     Symmetric mode keeps zp = 8 and searches the scale only (from max|w| / 7 down).
     """
-    nb, _, n = blocks.shape
     c = np.empty_like(blocks)
     tmp = np.empty_like(blocks)
+    lo = np.minimum(blocks.min(axis=1), 0)
     if symmetric:
         base = np.abs(blocks).max(axis=1) / np.float32(7)
-        zp_of = None
-        lo = None
     else:
-        lo = np.minimum(blocks.min(axis=1), 0)
         base = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(_QMAX)
-        zp_of = lo
     if float(base.max(initial=0.0)) > _FP16_MAX:
         raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
     best_s = best_zp = best_err = None
@@ -107,7 +103,7 @@ def search_params(
             zp = np.full(s.shape, 8, np.float32)
         else:
             safe = np.where(s == 0, np.float32(1), s)
-            zp = np.clip(np.rint(-(zp_of * np.float32(r)) / safe), 0, _QMAX)
+            zp = np.clip(np.rint(-(lo * np.float32(r)) / safe), 0, _QMAX)
             zp[s == 0] = 0
         _centered_codes(blocks, s, zp, c)
         err = _sse(blocks, c, s, importance, tmp)
