@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+
 def longrope(original: int) -> dict[str, Any]:
     """Phi-3's LongRoPE over 8 rotary dims (partial_rotary_factor 0.5 of head_dim 16: Phi-3's
     config validates the factors against hidden / heads, so this config keeps them equal)."""

@@ -2,7 +2,8 @@
 the node-by-node executor and onnxruntime: every prefill chunk's last logits and every step's
 within rel 1e-5, 64 greedy tokens identical, for the tiny families (Qwen3: head_dim !=
 hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases; Granite: multipliers; SmolLM3: a
-NoPE layer; Phi-3: LongRoPE across its switch) and a Q4 artifact, with prompt
+NoPE layer; Gemma 2/3 and Phi-3: sliding windows crossed, soft-capping, sandwich norms,
+LongRoPE (also across its switch, below)) and a Q4 artifact, with prompt
 chunks and decode crossing the 256-position cache-capacity boundary."""
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _compare(out_dir, prompt, ort_tol: float, chunk: int = 16, **ort_options) ->
     assert fast.offset == plain.offset == len(prompt) + N_STEPS - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "granite", "smollm3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "llama", "qwen2", "granite", "smollm3", "gemma2", "gemma3_text", "phi3"])
 def test_compiled_decode_matches_executor_and_onnxruntime(family: str, family_models) -> None:  # noqa: ANN001
     _compare(family_models[family][1], _prompt(40), 1e-5)
 
