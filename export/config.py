@@ -17,7 +17,7 @@ import numpy as np
 from fuselm.export.config_check import check_config
 from fuselm.export.errors import ExportError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass
@@ -29,6 +29,9 @@ class RopeSpec:
     attention_scale: float = 1.0
     dynamic_factor: float = 0.0  # > 0: dynamic NTK, inv_freq recomputed from the positions
     dynamic_max_positions: int = 0
+    # LongRoPE: long_inv_freq replaces inv_freq when max(position_ids) + 1 > long_after
+    long_inv_freq: np.ndarray | None = None
+    long_after: int = 0
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,6 +135,18 @@ def rope_spec(hf_config: Any, head_dim: int, layer_type: str | None = None) -> R
         attention_scale=float(scale),
         parameters={k: v for k, v in params.items() if isinstance(v, (int, float, str))},
     )
+    if rope_type == "longrope":
+        after = params.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None
+        )
+        if not after:
+            raise ExportError("longrope RoPE needs original_max_position_embeddings in config.json")
+        with torch.device("cpu"):
+            long, _ = ROPE_INIT_FUNCTIONS[rope_type](
+                hf_config, "cpu", seq_len=int(after) + 1, layer_type=layer_type
+            )
+        spec.long_inv_freq = np.asarray(long, dtype=np.float32)
+        spec.long_after = int(after)
     if rope_type == "dynamic":
         spec.dynamic_factor = float(params["factor"])
         spec.dynamic_max_positions = int(hf_config.max_position_embeddings)

@@ -98,6 +98,8 @@ class Layer(nn.Module):
                 r.dynamic_factor,
                 r.dynamic_max_positions,
                 r.theta,
+                [] if r.long_inv_freq is None else [float(f) for f in r.long_inv_freq],
+                r.long_after,
             )
         scale = s.attention_scale if s.attention_scale is not None else s.head_dim**-0.5
         y, present_key, present_value = torch.ops.fuselm.attention(

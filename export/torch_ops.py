@@ -54,8 +54,12 @@ def fused_rope(
     dynamic_factor: float,
     dynamic_max_positions: int,
     rope_theta: float,
+    long_inv_freq: list[float],
+    long_after: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if dynamic_factor > 0:
+    if long_after > 0 and int(position_ids.max()) + 1 > long_after:
+        freq = torch.tensor(long_inv_freq, dtype=torch.float32)
+    elif dynamic_factor > 0:
         freq = _dynamic_inv_freq(
             position_ids, rope_theta, rotary_dim, dynamic_factor, dynamic_max_positions
         )
@@ -102,6 +106,8 @@ def _rope_onnx(
     dynamic_factor: float,
     dynamic_max_positions: int,
     rope_theta: float,
+    long_inv_freq: list[float],
+    long_after: int,
 ):  # noqa: ANN202
     attrs = dict(
         head_dim=head_dim,
@@ -114,6 +120,8 @@ def _rope_onnx(
         dynamic_max_positions=int(dynamic_max_positions),
         rope_theta=float(rope_theta),
     )
+    if long_after > 0:  # only LongRoPE nodes carry these: every other graph stays as it was
+        attrs.update(long_inv_freq=[float(f) for f in long_inv_freq], long_after=int(long_after))
     if q_norm is None:
         return _fuselm.FusedRoPE(q, k, position_ids, **attrs, _outputs=2)
     return _fuselm.FusedRoPE(q, k, position_ids, q_norm, k_norm, **attrs, _outputs=2)

@@ -56,6 +56,10 @@ ROPE_ATTRS: dict[str, object] = {
     "dynamic_factor": 0.0,
     "dynamic_max_positions": 0,
     "rope_theta": 10000.0,
+    # LongRoPE (HF "longrope"): 0 = off; else long_inv_freq replaces inv_freq when
+    # max(position_ids) + 1 > long_after (the checkpoint's original context length).
+    "long_inv_freq": [],
+    "long_after": 0,
 }
 
 
@@ -84,6 +88,8 @@ def _schemas() -> list[defs.OpSchema]:
             defs.OpSchema.Attribute("dynamic_factor", _A.FLOAT, "", required=False),
             defs.OpSchema.Attribute("dynamic_max_positions", _A.INT, "", required=False),
             defs.OpSchema.Attribute("rope_theta", _A.FLOAT, "", required=False),
+            defs.OpSchema.Attribute("long_inv_freq", _A.FLOATS, "", required=False),
+            defs.OpSchema.Attribute("long_after", _A.INT, "", required=False),
         ],
     )
     weight_inputs = [
@@ -252,7 +258,9 @@ def fused_rope_reference(
     a = {**ROPE_ATTRS, **attrs}
     head_dim, rotary_dim = int(a["head_dim"]), int(a["rotary_dim"])
     inv_freq = np.asarray(a["inv_freq"], dtype=np.float32)
-    if float(a["dynamic_factor"]) > 0:
+    if int(a["long_after"]) > 0 and int(position_ids.max()) + 1 > int(a["long_after"]):
+        inv_freq = np.asarray(a["long_inv_freq"], dtype=np.float32)
+    elif float(a["dynamic_factor"]) > 0:
         inv_freq = dynamic_inv_freq(
             int(position_ids.max()) + 1,
             float(a["rope_theta"]),
@@ -367,6 +375,7 @@ class Variant:
     present: tuple[bool, ...]  # per optional input, in schema order
     activation: str = "silu"  # FusedGateUp's
     dynamic: bool = False
+    long: bool = False  # LongRoPE's switch to long_inv_freq
     partial: bool = False
     interleaved: bool = False
 
@@ -390,6 +399,7 @@ def variant_of(node: NodeProto) -> Variant:
             "FusedRoPE",
             (_has(node, 3), _has(node, 4)),
             dynamic=float(_attr(node, "dynamic_factor", 0.0)) > 0,
+            long=int(_attr(node, "long_after", 0)) > 0,
             partial=rotary_dim != head_dim,
             interleaved=bool(_attr(node, "interleaved", 0)),
         )
@@ -475,6 +485,15 @@ def _rope_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
             _n("Div", ["evens", "rd_f"], ["exps"]),
             _n("Pow", ["base", "exps"], ["base_pow"]),
             _n("Reciprocal", ["base_pow"], ["inv_freq"]),
+        ]
+    elif v.long:
+        nodes += [
+            _const_ref("short_freq", "inv_freq", "value_floats"),
+            _const_ref("long_freq", "long_inv_freq", "value_floats"),
+            _const_ref("long_after", "long_after", "value_int"),
+            _n("ReduceMax", ["position_ids"], ["pmax"], keepdims=0),
+            _n("GreaterOrEqual", ["pmax", "long_after"], ["use_long"]),  # max + 1 > after
+            _n("Where", ["use_long", "long_freq", "short_freq"], ["inv_freq"]),
         ]
     else:
         nodes.append(_const_ref("inv_freq", "inv_freq", "value_floats"))

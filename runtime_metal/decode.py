@@ -11,11 +11,13 @@ reads the positions, which Attention writes which cache layer. What is left is a
 over a KV cache of fixed capacity (the preallocated buffers of kv_cache.KVCache): new K/V are
 written at `offset` with `mx.slice_update` (in place: the buffers are donated), attention runs
 over the whole buffer with the device-built mask `key j <= offset + i` ([s, capacity]; for one
-token, every cached position), RoPE takes `offset` as a device scalar, and the LM head runs on
-the last position only. Shapes therefore depend only on (s, capacity), so `mx.compile` traces
-once per pair (capacity moves every `KVCache.step` positions; prefill chunk lengths are few:
-the chunk size and one tail), fuses the elementwise chains, and each later call costs one call
-into the compiled graph: no Python walk over the nodes, no host mask, no host sync.
+token, every cached position; a sliding-window layer also `j > offset + i - W`, its window read
+off the graph's mask at load by program_masks.check_decode), RoPE takes `offset` as a device
+scalar, and the LM head runs on the last position only. Shapes therefore depend only on (s,
+capacity), so `mx.compile` traces once per pair (capacity moves every `KVCache.step` positions;
+prefill chunk lengths are few: the chunk size and one tail), fuses the elementwise chains, and
+each later call costs one call into the compiled graph: no Python walk over the nodes, no host
+mask, no host sync.
 
 Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with the RMSNorm
 that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
@@ -39,12 +41,13 @@ static (decode then still runs compiled).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from fuselm.runtime_metal import kernels, program_ops, qweight
+from fuselm.runtime_metal.attention import Mask
 from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import KVCache
@@ -71,6 +74,7 @@ class DecodeProgram:
     dropped: int  # mask-subgraph steps removed
     kv_layout: KVLayout | None = None  # to allocate the cache for a fresh prompt
     prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
+    windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
 
     # ---- load time -------------------------------------------------------------------------
@@ -100,14 +104,15 @@ class DecodeProgram:
                     args.append(("env", n))
             ops.append(ProgramOp(kind, s, args))
         try:
-            check_decode(plan)
+            windows = check_decode(plan)
         except MaskUnsupported as e:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
-                      len(plan.steps) - len(live), kernels=kernels.enabled(kernel_mode))
+                      len(plan.steps) - len(live), kernels=kernels.enabled(kernel_mode),
+                      windows=windows)
         try:
-            check_prefill(plan)
+            check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
         except (MaskUnsupported, RuntimeUserError) as e:
             program.prefill_refused = str(e)
@@ -133,13 +138,28 @@ class DecodeProgram:
         batched = tokens.ndim == 2
         ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
-        mask: mx.array | str = "causal"
         rows = s if fresh else None if prefix is None else prefix + s
-        if rows is None:
-            # query i (position offset + i) sees key j iff j <= offset + i; s = 1: all cached.
-            # [b or 1, 1, s, capacity]: one offset per batch row, or one for all.
-            mask = mx.arange(capacity) <= (offset.reshape(-1, 1, 1, 1)
-                                           + mx.arange(s).reshape(s, 1))
+        masks: dict[int | None, Mask] = {}
+
+        def mask_for(attn: Step) -> Mask:
+            """The layer's mask: query i (position offset + i) sees key j iff j <= offset + i
+            (s = 1: all cached) and, with a sliding window w, j > offset + i - w. A full layer
+            whose cached row count is known (`rows`) uses MLX's fused "causal" over those rows;
+            else an array mask [b or 1, 1, s, capacity], one offset per batch row or one for all.
+            """
+            w = _window(self.windows, attn)
+            if w not in masks:
+                if w is None and rows is not None:
+                    masks[w] = "causal"
+                else:
+                    keys = mx.arange(capacity)
+                    q = offset.reshape(-1, 1, 1, 1) + mx.arange(s).reshape(s, 1)
+                    seen = keys <= q
+                    if w is not None:
+                        seen = mx.logical_and(seen, keys > q - w)
+                    masks[w] = seen
+            return masks[w]
+
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
         with qweight.tracing():
@@ -157,11 +177,14 @@ class DecodeProgram:
                     layer = attn.step.layer
                     assert layer is not None
                     k_old, v_old = out_kv[2 * layer], out_kv[2 * layer + 1]
+                    mask = mask_for(attn.step)
+                    # the fused kernel reads every cached row: full-attention layers only
+                    use_kernel = self.kernels and _window(self.windows, attn.step) is None
                     if o.partner is not None:
                         v = _resolve(attn.args[2:3], env)[0]
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            self.kernels, rows)
+                            use_kernel, rows)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
@@ -178,6 +201,10 @@ class DecodeProgram:
         assert isinstance(logits, mx.array)
         last = logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].astype(mx.float32)
         return (last if batched else last[0], offset + s, *out_kv)
+
+
+def _window(windows: dict[str, int | None], attn: Step) -> int | None:
+    return windows.get(attn.inputs[3]) if len(attn.inputs) > 3 else None
 
 
 def _resolve(args: list[tuple[str, object]], env: dict[str, object]) -> list[object]:

@@ -4,9 +4,10 @@ The program drops the subgraph that computes the attention masks from attention_
 position_ids (host values that change every call) and applies its own mask on the device. That
 is only right if the graph's mask means what the program's does; these checks run the subgraph
 on the host at load, for a few shapes, and say so:
-- decode (one token after T-1 cached): every position visible;
+- decode (one token after T-1 cached): every position visible, or the last W (a sliding window
+  W, per mask);
 - prefill (s tokens after T-s cached): causal, aligned at the bottom right (query i sees keys
-  j <= T-s+i), after the Attention node's own is_causal is applied.
+  j <= T-s+i; with a window also j > T-s+i-W), after the Attention node's own is_causal.
 """
 
 from __future__ import annotations
@@ -106,22 +107,38 @@ def _visible(plan: Plan, steps: list[Step], names: set[str], s: int, total: int
     return out
 
 
-def check_decode(plan: Plan) -> None:
-    """One new token after T-1 cached ones: every mask must allow all T positions."""
+def _rows(m: np.ndarray, s: int, total: int) -> np.ndarray:
+    return np.broadcast_to(m, (*m.shape[:-2], s, total)).reshape(-1, s, total)
+
+
+def check_decode(plan: Plan) -> dict[str, int | None]:
+    """One new token after T-1 cached ones: every mask must show all T positions, or exactly
+    the last W of them (a sliding window W, read off at the longest length). Returns each mask
+    name's window (None: full attention)."""
     names = {s.inputs[3] for s in _bound_attention(plan) if len(s.inputs) > 3 and s.inputs[3]}
     if not names:
-        return
+        return {}
     steps = _mask_steps(plan, names)
+    longest = max(_DECODE_LENGTHS)
+    windows: dict[str, int | None] = {}
+    for n, m in _visible(plan, steps, names, 1, longest).items():
+        seen = int(_rows(m, 1, longest)[0].sum()) if m.shape[-1] in (1, longest) else 0
+        windows[n] = None if seen == longest else seen
     for total in _DECODE_LENGTHS:
         for n, m in _visible(plan, steps, names, 1, total).items():
-            if not m.all() or m.shape[-1] not in (1, total):
-                raise MaskUnsupported(f"the attention mask {n!r} is not all-visible for one "
-                                      f"decoded token at length {total}")
+            w = windows[n]
+            want = np.arange(total) > total - 1 - (w if w is not None else total)
+            if w == 0 or m.shape[-1] not in (1, total) or not (
+                    _rows(m, 1, total) == want).all():
+                raise MaskUnsupported(f"the attention mask {n!r} is neither all-visible nor a "
+                                      f"sliding window for one decoded token at length {total}")
+    return windows
 
 
-def check_prefill(plan: Plan) -> None:
+def check_prefill(plan: Plan, windows: dict[str, int | None] | None = None) -> None:
     """s new tokens after T-s cached ones: what every Attention applies (its mask and its
-    is_causal) must be exactly bottom-right-aligned causal."""
+    is_causal) must be exactly bottom-right-aligned causal, limited to the mask's sliding
+    window where check_decode found one."""
     attn = _bound_attention(plan)
     names = {s.inputs[3] for s in attn if len(s.inputs) > 3 and s.inputs[3]}
     steps = _mask_steps(plan, names) if names else []
@@ -134,6 +151,10 @@ def check_prefill(plan: Plan) -> None:
                 else np.ones((s, total), bool)
             if int(a.attrs.get("is_causal", 0) or 0):
                 seen = seen & causal
-            if not (seen.reshape(-1, s, total) == causal).all():
+            want = causal
+            w = (windows or {}).get(name)
+            if w is not None:
+                want = causal & ~np.tri(s, total, total - s - w, dtype=bool)
+            if not (seen.reshape(-1, s, total) == want).all():
                 raise MaskUnsupported(f"{a.name}: its mask is not causal for {s} tokens at "
                                       f"length {total}")

@@ -53,24 +53,33 @@ def fused_rope(  # noqa: ANN201
     head_dim: int, rotary_dim: int = 0, inv_freq: list[float] | None = None,
     attention_scale: float = 1.0, interleaved: int = 0, norm_eps: float = 1e-6,
     dynamic_factor: float = 0.0, dynamic_max_positions: int = 0, rope_theta: float = 10000.0,
+    long_inv_freq: list[float] | None = None, long_after: int = 0,
     device_offset: mx.array | None = None,
 ):
     """`device_offset` (the compiled program, runtime_metal/decode.py): the device-side start
     position of contiguous rows (a scalar, or [b] one per batch row), given instead of host
     `position_ids`, so one trace serves every step. The program refuses dynamic NTK, whose
-    frequencies depend on host positions."""
+    frequencies depend on host positions; LongRoPE's switch is a device-side select."""
     rotary_dim = rotary_dim or head_dim
     freqs_inv = np.asarray(inv_freq or [], np.float32)
     if device_offset is not None:
         pos, offset = None, device_offset
     else:
         pos = np.asarray(position_ids)
-        if dynamic_factor > 0:
+        if long_after > 0 and int(pos.max()) + 1 > long_after:
+            freqs_inv = np.asarray(long_inv_freq or [], np.float32)
+        elif dynamic_factor > 0:
             freqs_inv = contract.dynamic_inv_freq(int(pos.max()) + 1, rope_theta, rotary_dim,
                                                   dynamic_factor, dynamic_max_positions)
         offset = _offsets(pos)
     # MLX wants periods, not inverse frequencies (inv_freq itself gives garbage).
     periods = mx.array((1.0 / freqs_inv.astype(np.float64)).astype(np.float32))
+    if device_offset is not None and long_after > 0:
+        # LongRoPE on the device: the long frequencies once the chunk's last position
+        # (offset + s - 1) reaches long_after, chosen in the graph (no host sync).
+        long = np.asarray(long_inv_freq or [], np.float64)
+        last = mx.max(device_offset) + q.shape[1]
+        periods = mx.where(last > long_after, mx.array((1.0 / long).astype(np.float32)), periods)
 
     def one(x: mx.array, norm) -> mx.array:  # noqa: ANN001
         b, s, _ = x.shape

@@ -11,6 +11,7 @@ import pytest
 
 from fuselm.converter.builtin import build_model
 from fuselm.export.onnx_export import export_model
+from tests.families import TEST_CONFIGS, longrope
 
 # id -> (family, build kwargs). Every case has perturbed norms/biases; TINY has
 # head_dim 24 != hidden 64 / 4 heads. GQA ratios: kv heads 4 (1:1), 2 (2:1), 1 (4:1, MQA).
@@ -51,6 +52,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "llama-bf16-sharded": ("llama", {"dtype": "bfloat16", "shard_size": "100KB"}),
+    "phi3": (
+        "phi3",
+        {**TEST_CONFIGS["phi3"], "head_dim": 24, "original_max_position_embeddings": 512,
+         "rope_scaling": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ),
+    # LongRoPE: the 12-token prefill uses the short factors, decoding crosses position 16
+    "phi3-longrope": (
+        "phi3",
+        {**TEST_CONFIGS["phi3"], "original_max_position_embeddings": 16,
+         "rope_scaling": longrope(16)},
+    ),
 }
 
 

@@ -68,7 +68,12 @@ def _drop_tensor(model: Path) -> None:
 CASES = {
     "unknown architecture": (
         _edit_config(architectures=["GPT2LMHeadModel"]),
-        ["not supported", "LlamaForCausalLM", "Qwen3ForCausalLM"],
+        ["not supported", "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+         "Phi3ForCausalLM"],
+    ),
+    "unsupported activation": (
+        _edit_config(hidden_act="relu"),
+        ["hidden_act 'relu' is not supported", "silu", "gelu_pytorch_tanh"],
     ),
     "missing config key": (
         _edit_config(hidden_size=None),

@@ -1,7 +1,9 @@
 """The compiled program (runtime_metal/decode.py: chunked prefill and the decode step) against
 the node-by-node executor and onnxruntime: every prefill chunk's last logits and every step's
 within rel 1e-5, 64 greedy tokens identical, for the tiny families (Qwen3: head_dim !=
-hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases) and a Q4 artifact, with prompt
+hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases; Granite: multipliers; SmolLM3: a
+NoPE layer; Gemma 2/3 and Phi-3: sliding windows crossed, soft-capping, sandwich norms,
+LongRoPE (also across its switch, below)) and a Q4 artifact, with prompt
 chunks and decode crossing the 256-position cache-capacity boundary."""
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _compare(out_dir, prompt, ort_tol: float, chunk: int = 16, **ort_options) ->
     assert fast.offset == plain.offset == len(prompt) + N_STEPS - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize(
+    "family", ["qwen3", "llama", "qwen2", "granite", "smollm3", "gemma2", "gemma3_text", "phi3"])
 def test_compiled_decode_matches_executor_and_onnxruntime(family: str, family_models) -> None:  # noqa: ANN001
     _compare(family_models[family][1], _prompt(40), 1e-5)
 
@@ -157,3 +160,18 @@ def test_generation_runs_at_one_capacity_and_repeats_without_tracing(qwen3_artif
     again = generate(engine, prompt, max_new_tokens=40)
     assert again.tokens == first.tokens
     assert seen and set(seen) <= traced
+
+
+def test_longrope_switch_in_the_compiled_program(tmp_path) -> None:  # noqa: ANN001
+    """Phi-3's LongRoPE switches to its long factors once a position reaches the original
+    context (16 here): the compiled program selects them on the device; decoding across the
+    switch matches the executor and onnxruntime step by step."""
+    from fuselm.converter.builtin import build_model
+    from tests.families import TEST_CONFIGS, longrope
+    from tests.runtime.conftest import convert
+
+    kw = {**TEST_CONFIGS["phi3"], "sliding_window": None,
+          "original_max_position_embeddings": 16, "rope_scaling": longrope(16)}
+    out = convert(build_model(tmp_path / "hf", "phi3", seed=3, tokenizer=False, **kw),
+                  tmp_path / "out")
+    _compare(out, _prompt(12), 1e-5, chunk=12)

@@ -79,3 +79,21 @@ def test_eos_and_stop_strings(qwen3_artifact) -> None:  # noqa: ANN001
     cut = free.tokens.index(free.tokens[1])  # the first occurrence of the stop token
     assert text.text == "".join(f"<{t}>" for t in free.tokens[:cut])
     assert "".join(pieces) == text.text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_q4_runs_every_family(family: str, family_models, tmp_path) -> None:  # noqa: ANN001
+    """Every family's artifact through the Q4 pass (tied/untied head and embeddings included):
+    the MLX engine matches onnxruntime at float compute, and both decode the same tokens."""
+    from tests.runtime.conftest import quantized_copy
+
+    out = quantized_copy(family_models[family][1], tmp_path / "q4", lm_head=True,
+                         embeddings=True)
+    prompt = _prompt(384)[:24]
+    mlx_engine = make_engine(out, "mlx")
+    ort_engine = make_engine(out, "onnxruntime", accuracy_level=0)
+    assert rel(engine_logits(mlx_engine, prompt, CHUNK), engine_logits(ort_engine, prompt, CHUNK)
+               ) <= 1e-3
+    runs = [generate(e, prompt, max_new_tokens=16, prefill_chunk=CHUNK).tokens
+            for e in (mlx_engine, ort_engine)]
+    assert runs[0] == runs[1]
