@@ -92,12 +92,20 @@ def main() -> None:
     results["gguf_q4_1_file"] = {"bits_per_weight": round(gguf.stat().st_size * 8 / params, 3)}
     hf_dir = work / "hf"
     if not hf_dir.is_dir():
-        model.save_pretrained(str(hf_dir))
-        tok.save_pretrained(str(hf_dir))
-        cfg = json.loads((hf_dir / "config.json").read_text())
-        cfg.pop("quantization_config", None)  # the GGUF marker; the saved weights are float
-        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        # transformers refuses save_pretrained on a GGUF-loaded model; its weights are plain
+        # float32 tensors, so write the HF directory directly
+        from safetensors.torch import save_file
 
+        hf_dir.mkdir(parents=True)
+        tied = bool(model.config.tie_word_embeddings)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}
+        save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)  # the GGUF marker; the saved weights are float
+        cfg["torch_dtype"] = "float32"
+        (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(str(hf_dir))
 
     # imports alone: the floor under any conversion's peak RSS
     results["import_baseline"] = timed(

@@ -70,6 +70,15 @@ def chat_prompts(smol_f32: Path) -> list[list[int]]:
     return [encode_prompt(tok, q) for q in QUESTIONS]
 
 
+@pytest.fixture(scope="session")
+def hf_reference(smol_hf: tuple[Any, Any],
+                 chat_prompts: list[list[int]]) -> tuple[np.ndarray, list[list[int]]]:
+    """HF float32 logits of the first prompt and N_GREEDY greedy tokens of each prompt."""
+    model = smol_hf[0]
+    return (hf_logits(model, chat_prompts[0]),
+            [hf_greedy(model, ids, N_GREEDY) for ids in chat_prompts])
+
+
 def _engine(out: Path, name: str) -> Any:
     return make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime" else {}))
 
@@ -103,16 +112,14 @@ def test_tokenizer_and_chat_template_match_transformers(smol_f32: Path,
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
-def test_float32_logits_and_greedy_equal_hf(smol_f32: Path, smol_hf: tuple[Any, Any],
-                                            chat_prompts: list[list[int]], engine: str) -> None:
-    model = smol_hf[0]
+def test_float32_logits_and_greedy_equal_hf(
+        smol_f32: Path, hf_reference: tuple[np.ndarray, list[list[int]]],
+        chat_prompts: list[list[int]], engine: str) -> None:
+    ref_logits, ref_tokens = hf_reference
     eng = _engine(smol_f32, engine)
-    ids = chat_prompts[0]
-    assert rel(engine_logits(eng, ids, 512), hf_logits(model, ids)) <= 1e-4
-    for ids in chat_prompts:
-        want = hf_greedy(model, ids, N_GREEDY)
-        got = generate(eng, ids, max_new_tokens=N_GREEDY).tokens
-        assert got == want
+    assert rel(engine_logits(eng, chat_prompts[0], 512), ref_logits) <= 1e-4
+    for ids, want in zip(chat_prompts, ref_tokens, strict=True):
+        assert generate(eng, ids, max_new_tokens=N_GREEDY).tokens == want
 
 
 def test_answers_the_question(smol_f32: Path, chat_prompts: list[list[int]]) -> None:
