@@ -277,6 +277,19 @@ def test_bad_block_size_lists_valid_values() -> None:
     assert validate_options(None) is None and BLOCK_SIZES == (32, 64, 128)
 
 
+def test_defaults_quantize_the_head_with_the_search() -> None:
+    from fuselm.passes.errors import PassesError
+
+    q = validate_options("q4")
+    assert q.lm_head and not q.embeddings and q.method == "search"  # the peers' default
+    assert not validate_options("q4", lm_head=False).lm_head  # --no-quant-lm-head
+    assert validate_options("none", lm_head=False) is None
+    with pytest.raises(PassesError, match="search, minmax"):
+        validate_options("q4", method="gptq")
+    with pytest.raises(PassesError, match="need --quant q4"):
+        validate_options("none", lm_head=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole models: tiny HF checkpoints exported by torch.onnx.export
 # ---------------------------------------------------------------------------------------------
