@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter import pipeline
-from fuselm.converter.errors import UserError
 from fuselm.converter.pipeline import ConvertOptions
 from fuselm.converter.progress import stage_progress, stderr
 
@@ -165,9 +165,8 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
     from fuselm.converter.run_cmd import run
     from fuselm.converter.smollm2 import bundled_gguf
 
-    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
-        raise UserError(
-            f"-o {out_dir} exists and is not a directory; give a new folder for the demo")
+    if out_dir is not None:  # before any output: a refused -o is one error line
+        out_dir_safety.check_target(out_dir)
     gguf = bundled_gguf()
     artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
     stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")

@@ -134,24 +134,34 @@ def recover(out_dir: Path) -> list[str]:
     return done
 
 
-def prepare(out_dir: Path) -> Path:
-    """Check OUT_DIR can be (re)written, repair leftovers; return a fresh temp folder beside it."""
+def check_target(out_dir: Path) -> None:
+    """Refuse an OUT_DIR that is a file, holds a model checkpoint, or holds other files but no
+    fuselm artifact (a conversion replaces OUT_DIR as a whole)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output path {out_dir} exists and is not a directory; choose another -o")
+    if not out_dir.is_dir():
+        return
+    entries = list(out_dir.iterdir())
+    held = sorted(p.name for p in entries
+                  if p.name == "config.json" or p.suffix in (".safetensors", ".gguf"))
+    if held:  # a checkpoint with a stray fuselm.json: its tokenizer files would be replaced
+        raise UserError(
+            f"output directory {out_dir} holds a model checkpoint ({', '.join(held)}); a "
+            "conversion would replace its tokenizer files. Choose another -o")
+    if entries and not (out_dir / artifact.MANIFEST).is_file():
+        raise UserError(
+            f"output directory {out_dir} is not empty and holds no fuselm artifact; "
+            "choose an empty or new directory")
+
+
+def prepare(out_dir: Path) -> Path:
+    """Check OUT_DIR can be (re)written, repair leftovers; return a fresh temp folder beside it."""
+    check_target(out_dir)
     out = out_dir.resolve()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         recover(out)
-        held = [p.name for p in out.iterdir() if p.name == "config.json"
-                or p.suffix in (".safetensors", ".gguf")] if out.is_dir() else []
-        if held:  # a checkpoint with a stray fuselm.json: its tokenizer files would be replaced
-            raise UserError(
-                f"output directory {out_dir} holds a model checkpoint ({', '.join(sorted(held))});"
-                " a conversion would replace its tokenizer files. Choose another -o")
-        if out.is_dir() and any(out.iterdir()) and not (out / artifact.MANIFEST).is_file():
-            raise UserError(
-                f"output directory {out_dir} is not empty and holds no fuselm artifact; "
-                "choose an empty or new directory")
+        check_target(out)  # what recovery restored is checked too
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise UserError(
