@@ -139,5 +139,5 @@ def test_perplexity_float16_and_q4_within_bounds(smol_f16: Path, smol_q4: Path,
     assert ref.chunks == f16.chunks == q4.chunks == 4
     assert 2 < ref.ppl < 50  # a trained model on plain English prose
     assert abs(f16.ppl / ref.ppl - 1) <= 0.01
-    assert 1 <= q4.ppl / ref.ppl <= 1.35
+    assert 0.97 <= q4.ppl / ref.ppl <= 1.35
     assert np.isfinite(q4.ppl_stderr)
