@@ -117,6 +117,8 @@ def test_torch_eager_op_matches_hf() -> None:
         0.0,
         0,
         10000.0,
+        [],  # no LongRoPE
+        0,
     )
     for ours, ref in zip(out, _hf(q, k, pos, inv_freq), strict=True):
         assert rel(ours.numpy(), ref) <= 1e-6

@@ -48,8 +48,11 @@ def test_fused_rope(case: str) -> None:
         pos = np.array([[0, 2, 3, 9, 10], [4, 4, 5, 6, 7]], np.int64)
     inv_freq = (1.0 / (10000.0 ** (np.arange(0, rd, 2) / rd))).astype(np.float32)
     # every attribute set, as the exporter does (the function body references each one)
+    # (LongRoPE's pair only where used: an empty list has no ONNX attribute type)
     attrs = {**contract.ROPE_ATTRS, "head_dim": hd, "rotary_dim": rd,
              "inv_freq": inv_freq.tolist(), **c}
+    if not attrs["long_after"]:
+        del attrs["long_inv_freq"], attrs["long_after"]
     feeds = {"q": q, "k": k, "position_ids": pos}
     inputs = ["q", "k", "position_ids"]
     inits = {}
