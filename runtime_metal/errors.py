@@ -7,6 +7,10 @@ class RuntimeUserError(Exception):
     """Bad input to the runtime (model, prompt, options); the message names the problem and fix."""
 
 
+class NonFiniteLogitsError(RuntimeUserError):
+    """The model produced NaN/Inf logits: generation stops (validate turns it into a FAIL)."""
+
+
 class UnsupportedOpError(RuntimeUserError, NotImplementedError):
     """A graph node the op registry has no implementation for."""
 

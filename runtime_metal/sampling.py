@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.errors import NonFiniteLogitsError, RuntimeUserError
 
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
 
@@ -43,7 +43,7 @@ def check_finite(logits: np.ndarray) -> None:
     would pick token 0 forever (argmax) or fail deep inside numpy."""
     if not np.isfinite(logits).all():
         bad = "NaN" if np.isnan(logits).any() else "infinite"
-        raise RuntimeUserError(
+        raise NonFiniteLogitsError(
             f"the model produced {bad} logits, so no token can be chosen; the weights hold "
             "NaN/Inf or overflow this dtype (re-convert with --dtype float32, or check the "
             "checkpoint)")

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.errors import NonFiniteLogitsError
 from fuselm.runtime_metal.generate import generate
 
 
@@ -114,8 +115,11 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
             rung.logits_rel.append(rel(got, above))
             rung.logits_rel_hf.append(rel(got, ref))
             rung.nonfinite.append(not bool(np.isfinite(got).all()))
-            res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
-            rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
+            try:
+                res = generate(eng, ids, max_new_tokens=n_tokens, prefill_chunk=prefill_chunk)
+                rung.greedy_agree.append(agreement(res.tokens, ref_tokens))
+            except NonFiniteLogitsError:  # recorded as nonfinite above: a FAIL, not an error
+                rung.greedy_agree.append(0)
             above = got
         if on_prompt is not None:
             on_prompt(i)
