@@ -8,16 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuselm.runtime_metal.engine import Engine
+from fuselm.runtime_metal.prefix import common_prefix
 from fuselm.runtime_metal.sampling import SamplingOptions
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ServeDecoder:

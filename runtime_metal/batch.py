@@ -41,6 +41,7 @@ from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
 
 
@@ -55,13 +56,6 @@ class _Slot:
     state: object = None  # sequential mode: the slot's engine cache state
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class BatchDecoder:

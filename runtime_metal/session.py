@@ -13,15 +13,7 @@ from typing import Any
 
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.generate import GenerationResult, iter_generate
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+from fuselm.runtime_metal.prefix import common_prefix
 
 
 class CachedSession:

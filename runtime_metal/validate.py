@@ -16,6 +16,7 @@ import numpy as np
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import NonFiniteLogitsError
 from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.prefix import common_prefix as agreement
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -79,13 +80,6 @@ class Report:
                 "rungs": [r.__dict__ for r in self.rungs]}
 
 
-def agreement(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
