@@ -16,32 +16,11 @@ from pathlib import Path
 import pytest
 
 from fuselm.converter.builtin import build_model
-from fuselm.converter.cli import main
 from fuselm.converter.out_dir import recover
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.integrity import verify
-
-
-def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
-    old = sys.argv
-    sys.argv = ["fuselm", *args]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    finally:
-        sys.argv = old
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
-
-
-def one_error(code: int, err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    return lines[0]
+from tests.cli_run import cli, one_error
 
 
 def tree_digest(root: Path) -> dict[str, str]:

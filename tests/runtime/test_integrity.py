@@ -8,37 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fuselm.converter.cli import main
 from fuselm.runtime_metal.integrity import tensor_ranges
+from tests.cli_run import cli, one_error
 
 ENGINES = ("mlx", "onnxruntime")
-
-
-def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
-    old = sys.argv
-    sys.argv = ["fuselm", *args]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    finally:
-        sys.argv = old
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
-
-
-def one_error(code: int, err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    return lines[0]
 
 
 @pytest.fixture()
