@@ -192,10 +192,12 @@ def write_weights(
     with data_path.open("wb") as f:
         for i, (name, src) in enumerate(sources.items()):
             tensor = ckpt.get(src.hf_name)
-            if screen is not None:
-                screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
             if src.rows is not None:
                 tensor = tensor[src.rows[0] : src.rows[1]]
+            if screen is not None:
+                # after the row slice: a fused checkpoint tensor (Phi-3's qkv_proj) is read once
+                # per slice, and the slices cover it exactly once
+                screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
             if src.offset:
                 tensor = tensor.float() + src.offset
             if src.transpose:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path, PurePosixPath
 
 from fuselm.export.errors import ExportError
+from fuselm.export.json_file import read_json
 
 INDEX = "model.safetensors.index.json"
 
@@ -42,12 +43,7 @@ def _confined(root: Path, written: str, index: Path) -> Path:
 def shard_files(root: Path) -> list[Path]:
     """The distinct shard files the index in `root` names, confined and present, sorted."""
     index = root / INDEX
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except PermissionError as e:
-        raise ExportError(f"cannot read {index} ({e.strerror}); check its permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{index} is not valid JSON ({e}); re-save the checkpoint") from None
+    data = read_json(index, "re-save the checkpoint")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         shown = json.dumps(weight_map)[:60] if isinstance(data, dict) else "missing"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fuselm.export.errors import ExportError
+from fuselm.export.json_file import read_json
 
 TOKENIZER_JSON = "tokenizer.json"
 _JSON_SIDE_FILES = (
@@ -28,12 +29,7 @@ _JSON_SIDE_FILES = (
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except PermissionError as e:
-        raise ExportError(f"cannot read {path} ({e.strerror}); check its permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path} is not valid JSON ({e}); re-download the tokenizer") from None
+    data = read_json(path, "re-download the tokenizer")
     if not isinstance(data, dict):
         raise ExportError(f"{path} must hold a JSON object, not a JSON {type(data).__name__}")
     return data
