@@ -4,11 +4,14 @@ onnxruntime on CPU-only hosts, where MLX's CPU backend is single-threaded and sl
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from fuselm.runtime_metal.errors import RuntimeUserError
+
+if TYPE_CHECKING:
+    from fuselm.runtime_metal.manifest_types import Manifest
 
 ENGINES = ("auto", "mlx", "onnxruntime")
 
@@ -20,6 +23,7 @@ class Engine(Protocol):
 
     name: str
     device_loop: bool
+    manifest: Manifest
 
     @property
     def offset(self) -> int:

@@ -192,9 +192,7 @@ def iter_generate(
     what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host."""
-    manifest = getattr(engine, "manifest", None)
-    if manifest is not None:
-        check_token_ids(prompt, manifest.model.vocab_size)
+    check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
     if context_length is not None:
