@@ -7,8 +7,9 @@ Matches HF's `eager_attention_forward` / SDPA as exporters write them, on head v
     key_states = repeat_kv(key_states, n_rep)                      # Unsqueeze->Expand->Reshape
     attn = softmax(q @ key_states.T * scaling + causal_mask) @ value_states
 
-- decomposed: MatMul(q*s1, kT*s2) [*s | /s] [soft-cap] [+ mask] -> Softmax [-> Where(IsNaN, 0, .)] -> MatMul;
-  kT as Transpose(0,1,3,2) or the Reshape/Transpose(0,2,1)/Reshape trick; a bool mask turned
+- decomposed: MatMul(q*s1, kT*s2) [*s | /s] [cap*tanh(./cap)] [+ mask] -> Softmax
+  [-> Where(IsNaN, 0, .)] -> MatMul; the soft-cap becomes Attention's `softcap`; kT as
+  Transpose(0,1,3,2) or the Reshape/Transpose(0,2,1)/Reshape trick; a bool mask turned
   additive by Where(mask, 0, -big) is handed to Attention as the bool it was;
 - ONNX Attention on 4-D q/k/v (torch.onnx at opset 23) with the repeat_kv and the KV concat
   outside it.
