@@ -1,4 +1,4 @@
-"""RoPE fusion -> fuselm.FusedRoPE, folding Qwen3's per-head q/k RMSNorm in.
+"""RoPE fusion -> fuselm.FusedRoPE, folding a per-head q/k RMSNorm in (Qwen3, Gemma 3).
 
 Matches the two forms exporters emit for HF's `apply_rotary_pos_emb`:
 
@@ -11,6 +11,10 @@ with cos/sin = Cos/Sin(cat(freqs, freqs)) [* attention_scale] built from
 `freqs = position_ids[..., None].float() * inv_freq` — so FusedRoPE needs no tables, only the
 inv_freq values. Each rotation acts on a head view of a 3-D projection; the q and the k rotation
 of one layer are the two whose projections read the same activation with the same frequencies.
+Also taken: partial rotary (Phi-3: Concat(rotate(x[..., :rd]), x[..., rd:]) -> rotary_dim),
+LongRoPE's switch between two inv_freq tables (passes.heads.freqs_of -> long_inv_freq,
+long_after), per-layer frequencies (Gemma 3's local base) and a per-head norm either side of
+the head transpose (Gemma 3 at opset 23).
 
 The rewrite puts one FusedRoPE on the 3-D projections and re-creates the head views the old
 rotations produced, so the graph stays valid; attention fusion then peels those views.
