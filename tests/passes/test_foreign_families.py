@@ -76,6 +76,8 @@ def test_fuses_to_our_layer_shape(case: str, fused) -> None:  # noqa: ANN001
     check(out)
     feeds = decoder_feeds(raw)
     assert max_rel(run(out, feeds), run(raw, feeds)) <= 1e-5
+    twice, _ = run_pipeline(out)  # idempotent: nothing left to match
+    assert twice.SerializeToString() == out.SerializeToString()
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)
