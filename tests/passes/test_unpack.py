@@ -1,5 +1,6 @@
-"""UnpackProjections on hand-written graphs: a fused projection cut into parts becomes one
-projection per part (numerics unchanged); cuts that do not partition the output stay."""
+"""Foreign-family forms on hand-written graphs: UnpackProjections (a fused projection cut into
+parts becomes one projection per part, numerics unchanged; cuts that do not partition the
+output stay) and the decomposed tanh-GELU gate that Gate/Up pairing takes as GeGLU."""
 
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ def test_leaves_other_cuts_alone(cuts) -> None:  # noqa: ANN001
     out, result = apply(model, UnpackProjections())
     assert result.count == 0
     assert op_counts(out) == op_counts(model)
+
+
+def test_decomposed_gelu_tanh_pairs_as_geglu() -> None:
+    """Below opset 20 torch writes Gemma's GeGLU gate as the tanh formula (no Gelu op); Gate/Up
+    pairing takes it as FusedGateUp(activation="gelu_tanh")."""
+    from fuselm.passes.pair_gate_up import GateUpPairing
+
+    g = G()
+    x = g.input("x", ["b", "s", 8])
+    gate, up = g.op("MatMul", x, g.weight(8, 12)), g.op("MatMul", x, g.weight(8, 12))
+    inner = g.op("Add", gate, g.op("Mul", g.const(np.float32(0.044715)),
+                                   g.op("Pow", gate, g.const(np.float32(3.0)))))
+    t = g.op("Tanh", g.op("Mul", g.const(np.float32(np.sqrt(2 / np.pi))), inner))
+    act = g.op("Mul", gate, g.op("Mul", g.const(np.float32(0.5)),
+                                 g.op("Add", t, g.const(np.float32(1.0)))))
+    g.output(g.op("Mul", act, up), "y")
+    model = g.model()
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)}
+    out, result = apply(model, GateUpPairing())
+    assert result.count == 1
+    node = next(n for n in out.graph.node if n.op_type == "FusedGateUp")
+    assert node.attribute[0].s == b"gelu_tanh"
+    assert "Tanh" not in op_counts(out) and "Pow" not in op_counts(out)
+    assert max_rel(run(out, feeds), run(model, feeds)) <= 1e-6
