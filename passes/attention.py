@@ -7,8 +7,9 @@ Matches HF's `eager_attention_forward` / SDPA as exporters write them, on head v
     key_states = repeat_kv(key_states, n_rep)                      # Unsqueeze->Expand->Reshape
     attn = softmax(q @ key_states.T * scaling + causal_mask) @ value_states
 
-- decomposed: MatMul(q*s1, kT*s2) [*s | /s] [+ mask] -> Softmax [-> Where(IsNaN, 0, .)] -> MatMul;
-  kT as Transpose(0,1,3,2) or the Reshape/Transpose(0,2,1)/Reshape trick; a bool mask turned
+- decomposed: MatMul(q*s1, kT*s2) [*s | /s] [cap*tanh(./cap)] [+ mask] -> Softmax
+  [-> Where(IsNaN, 0, .)] -> MatMul; the soft-cap becomes Attention's `softcap`; kT as
+  Transpose(0,1,3,2) or the Reshape/Transpose(0,2,1)/Reshape trick; a bool mask turned
   additive by Where(mask, 0, -big) is handed to Attention as the bool it was;
 - ONNX Attention on 4-D q/k/v (torch.onnx at opset 23) with the repeat_kv and the KV concat
   outside it.
@@ -54,6 +55,7 @@ class Core:
     mask: gs.Tensor | None
     scale: float | None  # None: Attention's default 1/sqrt(D)
     is_causal: int = 0
+    softcap: float = 0.0  # 0: none; else scores -> cap * tanh(scores / cap) before the mask
 
 
 def _peel_scale(t: gs.Tensor) -> tuple[gs.Tensor, float]:
@@ -69,6 +71,22 @@ def _peel_scale(t: gs.Tensor) -> tuple[gs.Tensor, float]:
         if s is not None:
             return a, s
     return t, 1.0
+
+
+def _peel_softcap(t: gs.Tensor) -> tuple[gs.Tensor, float]:
+    """(x, cap) for cap * tanh(x / cap) (Gemma 2's attention soft-capping, as exporters write
+    it: Mul(Tanh(Div(x, cap) | Mul(x, 1/cap)), cap)); else (t, 0)."""
+    mul = maybe_producer(t, "Mul")
+    if mul is None:
+        return t, 0.0
+    for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        cap, tanh = scalar(b), maybe_producer(a, "Tanh")
+        if cap is None or cap <= 0 or tanh is None:
+            continue
+        x, inv = _peel_scale(tanh.inputs[0])
+        if x is not tanh.inputs[0] and math.isclose(inv * cap, 1.0, rel_tol=1e-6):
+            return x, cap
+    return t, 0.0
 
 
 def _untranspose_k(kt: gs.Tensor) -> gs.Tensor:
@@ -113,30 +131,31 @@ def _decomposed_core(graph: gs.Graph, sm: gs.Node) -> Core:
     add = maybe_producer(scores, "Add")
     if add is not None:
         for s, m in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
-            inner, _ = _peel_scale(s)
+            inner, _ = _peel_scale(_peel_softcap(s)[0])
             if maybe_producer(inner, "MatMul") is not None:
                 scores, mask = s, _bool_mask(m)
                 break
         else:
             raise NoMatch
+    scores, cap = _peel_softcap(scores)
     scores, s0 = _peel_scale(scores)
     qk = producer(scores, "MatMul")
     q4, s1 = _peel_scale(qk.inputs[0])
     kt, s2 = _peel_scale(qk.inputs[1])
-    return Core(sm, q4, _untranspose_k(kt), pv.inputs[1], pv.outputs[0], mask, s0 * s1 * s2)
+    return Core(sm, q4, _untranspose_k(kt), pv.inputs[1], pv.outputs[0], mask, s0 * s1 * s2,
+                softcap=cap)
 
 
 def _op_core(node: gs.Node) -> Core:
     if len(node.inputs) > 4 and any(t.name for t in node.inputs[4:]):
         raise NoMatch  # already carries its own cache: a 3-D Attention we wrote, or foreign
-    if float(node.attrs.get("softcap", 0.0)) != 0.0:
-        raise Refused("Attention with softcap")
     if int(node.attrs.get("qk_matmul_output_mode", 0)) != 0 or len(node.outputs) > 1:
         raise Refused("Attention exposes intermediate outputs")
     mask = node.inputs[3] if len(node.inputs) > 3 and node.inputs[3].name else None
     scale = node.attrs.get("scale")
     return Core(node, node.inputs[0], node.inputs[1], node.inputs[2], node.outputs[0], mask,
-                None if scale is None else float(scale), int(node.attrs.get("is_causal", 0)))
+                None if scale is None else float(scale), int(node.attrs.get("is_causal", 0)),
+                float(node.attrs.get("softcap", 0.0)))
 
 
 def _peel_repeat_kv(t: gs.Tensor) -> gs.Tensor:
@@ -252,6 +271,8 @@ class AttentionFusion:
             "scale": float(core.scale if core.scale is not None else 1.0 / math.sqrt(d)),
             "is_causal": core.is_causal,
         }
+        if core.softcap:
+            attrs["softcap"] = float(core.softcap)
         empty = gs.Variable.empty
         inputs = [q.x3, k.x3, v.x3, core.mask if core.mask is not None else empty()]
         outputs = [variable(namer, "y", y3.dtype, y3.shape)]

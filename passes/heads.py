@@ -12,26 +12,45 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from fuselm.passes.graph import NoMatch, axes_of, const, last_const, maybe_producer, producer
+from fuselm.passes.graph import (
+    NoMatch,
+    axes_of,
+    const,
+    last_const,
+    maybe_producer,
+    producer,
+    scalar,
+)
 
 
 @dataclass
 class HeadView:
     x3: gs.Tensor  # [b, s, H*D]
     head_dim: int
-    norm: gs.Node | None  # per-head RMSNormalization between reshape and transpose
+    norm: gs.Node | None  # per-head RMSNormalization (before or after the transpose)
+
+
+def _head_norm(t: gs.Tensor) -> gs.Node | None:
+    norm = maybe_producer(t, "RMSNormalization")
+    if norm is not None and int(norm.attrs.get("axis", -1)) not in (-1, 3):
+        raise NoMatch
+    return norm
 
 
 def head_view(x4: gs.Tensor) -> HeadView:
-    tr = producer(x4, "Transpose")
+    # The per-head norm may also come after the transpose (torch.onnx at opset 23 writes
+    # Gemma 3's that way): over the last axis alone, it is the same norm either side of it.
+    outer = _head_norm(x4)
+    tr = producer(outer.inputs[0] if outer is not None else x4, "Transpose")
     if list(tr.attrs.get("perm", [])) != [0, 2, 1, 3]:
         raise NoMatch
     y = tr.inputs[0]
-    norm = maybe_producer(y, "RMSNormalization")
-    if norm is not None:
-        if int(norm.attrs.get("axis", -1)) not in (-1, 3):
-            raise NoMatch
-        y = norm.inputs[0]
+    inner = _head_norm(y)
+    if inner is not None:
+        if outer is not None:
+            raise NoMatch  # two norms in one view
+        y = inner.inputs[0]
+    norm = inner or outer
     r = producer(y, "Reshape")
     d = last_const(r.inputs[1])
     if d is None or d <= 0:
@@ -74,13 +93,46 @@ def width(t: gs.Tensor, depth: int = 4) -> int | None:
 class Freqs:
     position_ids: gs.Tensor  # int [b, s]
     inv_freq: np.ndarray  # [rotary_dim / 2]
+    # LongRoPE: long_inv_freq replaces inv_freq once max(position_ids) + 1 > long_after
+    long_inv_freq: np.ndarray | None = None
+    long_after: int = 0
+
+    def key(self) -> tuple:
+        long = b"" if self.long_inv_freq is None else self.long_inv_freq.tobytes()
+        return (self.inv_freq.tobytes(), long, self.long_after)
+
+
+def _long_rope(inv: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray, int] | None:
+    """(position_ids, short, long, after) for HF's LongRoPE switch as exporters write it:
+    Where(Greater(ReduceMax(position_ids) + 1, after), long_inv_freq, short_inv_freq)."""
+    where = maybe_producer(inv, "Where")
+    if where is None:
+        return None
+    long, short = const(where.inputs[1]), const(where.inputs[2])
+    gt = maybe_producer(where.inputs[0], "Greater")
+    add = maybe_producer(gt.inputs[0], "Add") if gt is not None else None
+    after = scalar(gt.inputs[1]) if gt is not None else None
+    if long is None or short is None or add is None or after is None or \
+            long.size != short.size:
+        return None
+    for a, b in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+        rmax = maybe_producer(a, "ReduceMax")
+        if rmax is not None and scalar(b) == 1.0 and axes_of(rmax) in (None, []) and \
+                not int(rmax.attrs.get("noop_with_empty_axes", 0)):
+            return (rmax.inputs[0], short.reshape(-1).astype(np.float32),
+                    long.reshape(-1).astype(np.float32), int(after))
+    return None
 
 
 def freqs_of(f: gs.Tensor) -> Freqs:
-    """position_ids and inv_freq from `freqs = position_ids[..., None].float() * inv_freq`."""
+    """position_ids and inv_freq from `freqs = position_ids[..., None].float() * inv_freq`
+    (inv_freq a constant, or LongRoPE's switch between two)."""
     mul = producer(f, "Mul")
     for p, inv in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
         v = const(inv)
+        long = _long_rope(inv) if v is None else None
+        if long is not None:
+            v = long[1]
         if v is None or v.size < 1:
             continue
         pos = p
@@ -95,5 +147,9 @@ def freqs_of(f: gs.Tensor) -> Freqs:
             pos = node.inputs[0]
         if pos.dtype is not None and np.dtype(pos.dtype).kind not in "iu":
             raise NoMatch
-        return Freqs(pos, v.reshape(-1).astype(np.float32))
+        if long is None:
+            return Freqs(pos, v.reshape(-1).astype(np.float32))
+        if long[0] is not pos:
+            raise NoMatch  # the switch reads other positions than the rotation
+        return Freqs(pos, long[1], long[2], long[3])
     raise NoMatch

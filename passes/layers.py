@@ -43,3 +43,47 @@ def layer_window(nodes: list[Any], layer: int = 1) -> list[Any]:
     else:
         end = start + period
     return nodes[start:end]
+
+
+def residual_layer_sizes(nodes: list[Any]) -> list[int]:
+    """Nodes per decoder layer on its residual path, one figure per layer.
+
+    Layer i runs from its input `x_i` (what the norm feeding its FusedQKV reads) to `x_{i+1}`
+    (the final norm's input after the last layer); its nodes are those that both read `x_i`
+    (transitively) and feed `x_{i+1}`. What a graph computes once for all layers (masks,
+    positions) or only for the cache (a sliding window's Slice of present K/V) is not on that
+    path, so graphs from different exporters compare layer by layer. `nodes`: ONNX NodeProtos.
+    """
+    producer = {o: n for n in nodes for o in n.output}
+    norms = [n for n in nodes if n.op_type in NORM_OPS]
+    qkv_inputs = {n.input[0] for n in nodes if n.op_type == "FusedQKV"}
+    starts = [n.input[0] for n in norms if n.output[0] in qkv_inputs]
+    if not starts or not norms:
+        return []
+    bounds = [*starts, norms[-1].input[0]]
+    readers: dict[str, list[Any]] = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def downstream(t: str) -> set[int]:
+        seen: set[int] = set()
+        todo = list(readers.get(t, []))
+        while todo:
+            n = todo.pop()
+            if id(n) not in seen:
+                seen.add(id(n))
+                todo += [r for o in n.output for r in readers.get(o, [])]
+        return seen
+
+    def upstream(t: str) -> set[int]:
+        seen: set[int] = set()
+        todo = [producer[t]] if t in producer else []
+        while todo:
+            n = todo.pop()
+            if id(n) not in seen:
+                seen.add(id(n))
+                todo += [producer[i] for i in n.input if i in producer]
+        return seen
+
+    return [len(downstream(a) & upstream(b)) for a, b in zip(bounds, bounds[1:], strict=False)]

@@ -37,6 +37,7 @@ from fuselm.passes.pair_qkv import QKVPairing
 from fuselm.passes.reorder import ReorderQKVProjections
 from fuselm.passes.rmsnorm import RMSNormFusion
 from fuselm.passes.rope import RoPEFusion
+from fuselm.passes.unpack import UnpackProjections
 
 
 class Pass(Protocol):
@@ -48,6 +49,7 @@ class Pass(Protocol):
 # The order is the contract; each line says what it must come after.
 PIPELINE: list[Pass] = [
     RemoveDeadShapeOp(),  # first: later patterns see static shapes as constants
+    UnpackProjections(),  # before RoPE: q and k must be projections of one activation
     RMSNormFusion(),  # before RoPE: q/k-norm must be RMSNormalization to fold into FusedRoPE
     RoPEFusion(),  # before attention: attention peels the head views FusedRoPE leaves
     AttentionFusion(),  # makes q/k/v 3-D and drops repeat_kv, so projections become pairable

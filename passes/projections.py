@@ -97,7 +97,10 @@ def projections_of(graph: gs.Graph, x: gs.Tensor) -> list[Projection]:
 def _packed(name: str, parts: list[gs.Constant], axis: int) -> gs.Constant:
     """The parts' concatenation as a lazy constant: a recipe, read only when its values are
     needed (quantization) or written (passes/writer.py), so pairing reads no weights."""
-    return gs.Constant(name, values=PackedValues(name, [weights.source(p) for p in parts], axis))
+    sources = [weights.source(p) for p in parts]
+    whole = weights.whole_of(sources, axis)  # a split checkpoint tensor packs back as itself
+    return gs.Constant(name, values=PackedValues(name, sources if whole is None else [whole],
+                                                 axis))
 
 
 def _zeros(n: int, like: gs.Constant) -> gs.Constant:

@@ -1,4 +1,4 @@
-"""RoPE fusion -> fuselm.FusedRoPE, folding Qwen3's per-head q/k RMSNorm in.
+"""RoPE fusion -> fuselm.FusedRoPE, folding a per-head q/k RMSNorm in (Qwen3, Gemma 3).
 
 Matches the two forms exporters emit for HF's `apply_rotary_pos_emb`:
 
@@ -11,6 +11,10 @@ with cos/sin = Cos/Sin(cat(freqs, freqs)) [* attention_scale] built from
 `freqs = position_ids[..., None].float() * inv_freq` — so FusedRoPE needs no tables, only the
 inv_freq values. Each rotation acts on a head view of a 3-D projection; the q and the k rotation
 of one layer are the two whose projections read the same activation with the same frequencies.
+Also taken: partial rotary (Phi-3: Concat(rotate(x[..., :rd]), x[..., rd:]) -> rotary_dim),
+LongRoPE's switch between two inv_freq tables (passes.heads.freqs_of -> long_inv_freq,
+long_after), per-layer frequencies (Gemma 3's local base) and a per-head norm either side of
+the head transpose (Gemma 3 at opset 23).
 
 The rewrite puts one FusedRoPE on the 3-D projections and re-creates the head views the old
 rotations produced, so the graph stays valid; attention fusion then peels those views.
@@ -33,6 +37,7 @@ from fuselm.passes.graph import (
     const_shape,
     constant,
     insert_before,
+    is_graph_output,
     maybe_producer,
     producer,
     replace_all_uses,
@@ -50,6 +55,7 @@ class Rotation:
     freqs: gs.Tensor
     scale: float
     interleaved: int
+    rotary_dim: int | None = None  # partial rotary: the leading dims rotated; None = all
 
 
 def _trig(t: gs.Tensor, op: str) -> tuple[gs.Tensor, float]:
@@ -144,6 +150,40 @@ def match_rotation(node: gs.Node) -> Rotation:
     raise NoMatch
 
 
+def _slice_of(t: gs.Tensor) -> tuple[gs.Tensor, int, int] | None:
+    """(x, start, end) for Slice(x, start, end) along the last axis with step 1 and static
+    bounds (end as written: INT64_MAX for "to the end")."""
+    s = maybe_producer(t, "Slice")
+    if s is None:
+        return None
+    vals = [const(i) for i in s.inputs[1:]]
+    if len(vals) < 3 or any(v is None or v.size != 1 for v in vals):
+        return None
+    start, end, axis = (int(v.reshape(-1)[0]) for v in vals[:3])
+    if axis not in (-1, 3) or (len(vals) > 3 and int(vals[3].reshape(-1)[0]) != 1):
+        return None
+    return s.inputs[0], start, end
+
+
+def widen_partial(graph: gs.Graph, rot: Rotation) -> Rotation:
+    """HF's partial rotary (Phi-3 and kin) rotates the leading `rotary_dim` dims of each head
+    and passes the rest through: Concat(rotate(Slice(x, 0:rd)), Slice(x, rd:)) on the last
+    axis. Returns the rotation of the whole head with `rotary_dim` set; else `rot` as it was."""
+    lead = _slice_of(rot.x4)
+    out = rot.node.outputs[0]
+    if lead is None or lead[1] != 0 or len(out.outputs) != 1 or is_graph_output(graph, out):
+        return rot
+    x, _, rd = lead
+    cat = out.outputs[0]
+    if cat.op != "Concat" or int(cat.attrs.get("axis", 0)) not in (-1, 3) or \
+            len(cat.inputs) != 2 or cat.inputs[0] is not out:
+        return rot
+    rest = _slice_of(cat.inputs[1])
+    if rest is None or rest[0] is not x or rest[1] != rd or rest[2] < 2**62 or rd <= 0:
+        return rot
+    return Rotation(cat, x, rot.freqs, rot.scale, rot.interleaved, rd)
+
+
 def _source(x3: gs.Tensor) -> gs.Tensor:
     """The activation a projection reads: peel a constant bias Add, then the MatMul."""
     t = x3
@@ -172,7 +212,7 @@ class RoPEFusion:
             if node.op not in ("Add", "RotaryEmbedding") or node.domain:
                 continue
             try:
-                rot = match_rotation(node)
+                rot = widen_partial(graph, match_rotation(node))
                 view = head_view(rot.x4)
                 freqs = freqs_of(rot.freqs)
             except NoMatch:
@@ -180,7 +220,7 @@ class RoPEFusion:
             except Refused as e:
                 result.refuse(node, str(e))
                 continue
-            key = (id(_source(view.x3)), id(freqs.position_ids), freqs.inv_freq.tobytes())
+            key = (id(_source(view.x3)), id(freqs.position_ids), freqs.key())
             groups.setdefault(key, []).append(_Found(rot, view, freqs))
         for found in groups.values():
             try:
@@ -202,8 +242,11 @@ class RoPEFusion:
         d = q.view.head_dim
         if k.view.head_dim != d:
             raise Refused(f"q and k head sizes differ ({d} vs {k.view.head_dim})")
-        if q.freqs.inv_freq.size * 2 != d:
-            raise Refused(f"partial rotary ({q.freqs.inv_freq.size * 2} of {d} dims)")
+        rd = q.rot.rotary_dim or d
+        if (k.rot.rotary_dim or d) != rd or rd > d:
+            raise Refused("q and k rotate different numbers of dims")
+        if q.freqs.inv_freq.size * 2 != rd:
+            raise Refused(f"{q.freqs.inv_freq.size} frequencies for {rd} rotated dims")
         if (q.rot.scale, q.rot.interleaved) != (k.rot.scale, k.rot.interleaved):
             raise Refused("q and k rotate with different scale or layout")
         eps = {float(f.view.norm.attrs.get("epsilon", 1e-5)) for f in found if f.view.norm}
@@ -221,12 +264,15 @@ class RoPEFusion:
                 for n, f in (("q_rot", q), ("k_rot", k))]
         attrs = {
             "head_dim": d,
-            "rotary_dim": d,
+            "rotary_dim": rd,
             "inv_freq": [float(v) for v in q.freqs.inv_freq],
             "attention_scale": float(q.rot.scale),
             "interleaved": int(q.rot.interleaved),
             "norm_eps": eps.pop() if eps else 1e-6,
         }
+        if q.freqs.long_inv_freq is not None:
+            attrs["long_inv_freq"] = [float(v) for v in q.freqs.long_inv_freq]
+            attrs["long_after"] = q.freqs.long_after
         order = {id(n): i for i, n in enumerate(graph.nodes)}
         anchor = min((f.rot.node for f in found), key=lambda n: order[id(n)])
         fused = gs.Node("FusedRoPE", name=namer("node"), domain="fuselm", inputs=inputs,

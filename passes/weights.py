@@ -172,6 +172,41 @@ class PackedValues(LazyValues):
         return np.concatenate([array(p) for p in self.parts], self.axis)
 
 
+class SlicedValues(PackedValues):
+    """Columns [start, stop) of another constant along `axis`, computed only on `load`.
+
+    A checkpoint's fused projection (Phi-3's qkv_proj, gate_up_proj) split back into its parts;
+    a recipe like PackedValues (and handled wherever one is), so splitting reads no weights.
+    """
+
+    def __init__(self, name: str, whole: LazyValues | np.ndarray, axis: int, start: int,
+                 stop: int) -> None:
+        dims = list(_shape(whole))
+        dims[axis] = stop - start
+        LazyValues.__init__(self, TensorProto(name=name, data_type=_data_type(whole), dims=dims))
+        self.parts = [whole]
+        self.axis, self.start, self.stop = axis, start, stop
+
+    def load(self) -> np.ndarray:
+        index = [slice(None)] * len(self.tensor.dims)
+        index[self.axis] = slice(self.start, self.stop)
+        return np.ascontiguousarray(array(self.parts[0])[tuple(index)])
+
+
+def whole_of(parts: list[LazyValues | np.ndarray], axis: int) -> LazyValues | np.ndarray | None:
+    """The one constant that `parts` cut into consecutive slices along `axis`, covering all of
+    it, in order; else None. Packing such parts back is the original tensor itself."""
+    if not parts or not all(isinstance(p, SlicedValues) and p.axis == axis for p in parts):
+        return None
+    whole = parts[0].parts[0]
+    end = 0
+    for p in parts:
+        if p.parts[0] is not whole or p.start != end:
+            return None
+        end = p.stop
+    return whole if end == _shape(whole)[axis] else None
+
+
 def _data_type(v: LazyValues | np.ndarray) -> int:
     if isinstance(v, LazyValues):
         return int(v.tensor.data_type)

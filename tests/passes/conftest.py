@@ -11,6 +11,9 @@ import onnx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # passes_support, passes_foreign
+sys.path.insert(0, str(Path(__file__).parents[2]))  # tests.families, however pytest is run
+
+from tests.families import TEST_CONFIGS  # noqa: E402
 
 # Every case: perturbed norms/biases, head_dim 24 != hidden 64 / 4 heads, GQA 4:2 (TINY).
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -18,6 +21,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),  # q/k/v biases
     "llama": ("llama", {"mlp_bias": True, "num_key_value_heads": 1}),  # gate/up bias, MQA
     "mistral": ("mistral", {"num_key_value_heads": 4}),  # MHA
+}
+
+# The families added after the move, as their foreign exports meet the passes: each with its
+# suite-wide test config (TINY shapes: GQA 4:2; Gemma's head_dim 24 != 64 / 4 heads).
+FAMILY_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": ("gemma2", TEST_CONFIGS["gemma2"]),  # soft-capping, sliding layer, GeGLU
+    "gemma3": ("gemma3_text", TEST_CONFIGS["gemma3_text"]),  # q/k-norm, local RoPE base
+    # head_dim 16 = 64 / 4: Phi-3 validates LongRoPE's factors against hidden / heads
+    "phi3-longrope": ("phi3", TEST_CONFIGS["phi3"]),  # qkv_proj, gate_up_proj, partial rotary
 }
 
 # (dynamo, opset, with_cache)
@@ -41,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 
     def get(case: str) -> Path:
         if case not in cache:
-            family, kw = CASES[case]
+            family, kw = {**CASES, **FAMILY_CASES}[case]
             cache[case] = build_model(tmp_path_factory.mktemp(case), family, tokenizer=False, **kw)
         return cache[case]
 

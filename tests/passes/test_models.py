@@ -23,6 +23,7 @@ from passes_support import (
     run,
 )
 
+from fuselm.passes.layers import residual_layer_sizes
 from fuselm.passes.manager import PIPELINE, run_pipeline
 from fuselm.passes.model_io import check
 
@@ -61,6 +62,8 @@ def test_ours(case: str, ours, model_dir) -> None:  # noqa: ANN001
     again, result = apply(out, PIPELINE[0])
     assert result.count == 0
     assert all(not e.refused for e in report.entries), [e.refused for e in report.entries]
+    per_layer = 11 if case == "llama" else 10  # llama's mlp_bias: down_proj's bias Add
+    assert residual_layer_sizes(list(out.graph.node)) == [per_layer] * LAYERS
     assert_matches_hf(out, model_dir(case))
 
 
