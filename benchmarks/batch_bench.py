@@ -37,14 +37,22 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_long_prompt"))
+    ap.add_argument("--artifact", type=Path,
+                    help="a converted artifact to run instead of --shape's (e.g. side_by_side's "
+                    "Q4 conversion)")
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="the decoder's context (default: what the rounds need)")
     args = ap.parse_args()
-    engine = make_engine(artifact(args.work, args.shape, args.dtype, args.p + args.n), "mlx")
+    out_dir = args.artifact or artifact(args.work, args.shape, args.dtype, args.p + args.n)
+    engine = make_engine(out_dir, "mlx")
     rng = np.random.default_rng(0)
+    vocab = engine.manifest.model.vocab_size
     rows = []
     for b in args.b:
-        dec = BatchDecoder(engine, max_batch=b, max_context=args.p + (args.r + 1) * args.n + 8)
+        dec = BatchDecoder(engine, max_batch=b,
+                           max_context=args.max_context or args.p + (args.r + 1) * args.n + 8)
         for _ in range(b):
-            dec.add([int(t) for t in rng.integers(4, 1000, args.p)])
+            dec.add([int(t) for t in rng.integers(4, min(1000, vocab), args.p)])
         dec.step()  # the first tokens (from the prompts)
         times = []
         for r in range(args.r + 1):
@@ -57,7 +65,8 @@ def main() -> None:
         rows.append({"batch": b, "mode": dec.mode, "step_ms": t / args.n * 1e3,
                      "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t})
     print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
-                      "shape": args.shape, "dtype": args.dtype, "prompt": args.p,
+                      "shape": str(args.artifact or args.shape), "dtype": args.dtype,
+                      "engine": engine.describe(), "prompt": args.p,
                       "steps": args.n, "rows": rows}, indent=1))
 
 

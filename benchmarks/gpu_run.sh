@@ -3,7 +3,11 @@
 # H200; the checkpoints and conversions under $WORK are reused while the machine stays up).
 #
 #   benchmarks/gpu_run.sh tests                 # fused-kernel equivalence tests (TF32 off)
-#   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py, p512 n128 r5 -> $OUT/SHAPE_gGROUP.json
+#   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py --separate: each system in its own
+#                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
+#                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
+#   benchmarks/gpu_run.sh batch SHAPE GROUP     # batch_bench.py on the Q4 conversion, b = 1 4 8 16,
+#                                               # Q4 GEMV kernel on and off
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #
@@ -23,14 +27,28 @@ if ! python3 -c "import fuselm.converter" 2>/dev/null; then
   for d in converter export passes runtime_metal; do ln -sfn "$PWD/$d" "/tmp/fuselm_pkg/fuselm/$d"; done
   export PYTHONPATH=/tmp/fuselm_pkg:$PYTHONPATH
 fi
-part=${1:?tests | sbs SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
+part=${1:?tests | sbs SHAPE GROUP | batch SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
 case "$part" in
   tests)
     NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py
     ;;
   sbs)
-    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" -p 512 -n 128 -r 5 \
-      --work "$WORK" --json-out "$OUT/$2_g$3.json"
+    # shellcheck disable=SC2086
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" -p 512 -n 128 -r 3 \
+      --separate "${ROUNDS:-3}" --pp-extra ${PP_EXTRA:-} --work "$WORK" \
+      --json-out "$OUT/$2_g$3.json"
+    ;;
+  batch)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
+      -n 4 > /dev/null  # build + convert once
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    for g in 1 0; do
+      FUSELM_Q4_GEMV=$g python3 benchmarks/batch_bench.py --artifact "$art" -b 1 4 8 16 \
+        -p 32 -n 64 -r 3 --max-context 1024 > "$OUT/batch_$2_g$3_gemv$g.json"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
+        [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
+        "$OUT/batch_$2_g$3_gemv$g.json"
+    done
     ;;
   ncu)
     s=(--shape "$2" --group-size "$3" --work "$WORK" -p 8)

@@ -18,6 +18,17 @@ pre-fill, sampler and `mx.async_eval` pipelining); fuselm runs its generation lo
 alternate between the systems so drift hits both alike. Activations: `--dtype auto` is float16
 on a GPU and float32 on CPU (MLX's CPU backend is slow in half precision), the same for both.
 
+Separate processes (`--separate R`, what `benchmarks/gpu_run.sh sbs` runs): one process per
+system and round, the systems alternating (fuselm, mlx-lm, then mlx-lm, fuselm, ...), R rounds;
+each process loads its system alone, warms up, then times -r generations (and, with
+`--pp-extra 2048 8192`, -r prefills of each longer prompt); medians and min-max are over all
+rounds' runs. One process that holds both systems can favour one of them (allocator and
+compile caches, the order of warm-ups): a cross-process check once read 335 vs 251 tok/s
+where the one-process table read 393 vs 209.
+
+    python benchmarks/side_by_side.py --shape qwen3-0.6b --group-size 32 -p 512 -n 128 -r 3 \
+        --separate 3 --pp-extra 2048 8192 --json-out sbs.json
+
 Kernel launches per decode step (NVIDIA, Nsight Compute). `--count-launches SYSTEM --steps K`
 loads one system, prefills, decodes W warm-up steps (compiling), then K counted steps between
 NVTX range "count_decode" pushes (libnvToolsExt through ctypes, when it is found). Run each
@@ -52,6 +63,7 @@ import ctypes
 import ctypes.util
 import importlib
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -280,6 +292,101 @@ def side_by_side(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path
     return out
 
 
+def _prompt(hf: Path, n: int, seed: int = 0) -> list[int]:
+    import numpy as np
+
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    return [int(i) for i in np.random.default_rng(seed).integers(0, vocab, size=n)]
+
+
+def worker(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path) -> dict[str, Any]:
+    """One system in this process (--only): warm-up, -r timed generations, -r prefills of each
+    --pp-extra length."""
+    from fuselm.runtime_metal.bench import device_info
+
+    system = Fuselm(fl_dir, args.fuselm_engine) if args.only == "fuselm" else MlxLm(mlx_dir)
+    prompt = _prompt(hf, args.p)
+    longer = {n: _prompt(hf, n, seed=n) for n in args.pp_extra}
+    for _ in range(args.warmup):
+        system.generate(prompt, args.n)
+    for p in longer.values():
+        system.generate(p, 2)  # traces/allocates the longer prompt's chunk shapes
+    pp, tg = [], []
+    for _ in range(args.r):
+        a, b = system.generate(prompt, args.n)
+        pp.append(a)
+        tg.append(b)
+    extra = {str(n): [system.generate(p, 2)[0] for _ in range(args.r)]
+             for n, p in longer.items()}
+    return {"system": system.name, "pp": pp, "tg": tg, "pp_extra": extra,
+            "weight_bytes": system.weight_bytes(), "engine": system.describe(),
+            "device": device_info()}
+
+
+def separate(args: argparse.Namespace, hf: Path) -> dict[str, Any]:
+    """Each system in its own process per round, alternating; see the module doc."""
+    import subprocess
+    import tempfile
+
+    import mlx.core as mx
+
+    from fuselm.runtime_metal.bench import Stat, device_info
+
+    names = ["fuselm", "mlx-lm"]
+    runs: dict[str, dict[str, Any]] = {}
+    order_log = []
+    base = [sys.executable, str(Path(__file__).resolve()), "--shape", args.shape, "--work",
+            args.work, "-p", str(args.p), "-n", str(args.n), "-r", str(args.r), "--warmup",
+            str(args.warmup), "--group-size", str(args.group_size), "--dtype",
+            args.dtype_resolved, "--fuselm-engine", args.fuselm_engine]
+    if args.checkpoint:
+        base += ["--checkpoint", args.checkpoint]
+    if args.pp_extra:
+        base += ["--pp-extra", *map(str, args.pp_extra)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.separate):
+            for name in names if r % 2 == 0 else names[::-1]:
+                out = Path(tmp) / f"{name}_{r}.json"
+                t = time.perf_counter()
+                subprocess.run([*base, "--only", name, "--json-out", str(out)], check=True)
+                got = json.loads(out.read_text())
+                log(f"round {r} {name}: pp {statistics.median(got['pp']):.1f} tg "
+                    f"{statistics.median(got['tg']):.1f} ({time.perf_counter() - t:.0f} s)")
+                order_log.append(name)
+                acc = runs.setdefault(name, {"pp": [], "tg": [], "pp_extra": {}, "last": got})
+                acc["pp"] += got["pp"]
+                acc["tg"] += got["tg"]
+                for n, v in got["pp_extra"].items():
+                    acc["pp_extra"].setdefault(n, []).extend(v)
+                acc["last"] = got
+    big = 256 << 20 if mx.default_device().type == mx.gpu else 64 << 20
+    bw = copy_bandwidth(big)
+    out: dict[str, Any] = {
+        "shape": args.shape, "checkpoint": str(hf), "p": args.p, "n": args.n, "r": args.r,
+        "rounds": args.separate, "mode": "separate processes, alternating",
+        "order": order_log, "group_size": args.group_size, "dtype": args.dtype_resolved,
+        "bits": 4, "device": device_info(), "versions": versions(),
+        "copy_bandwidth_GBps": bw / 1e9, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "systems": {}}
+    for name, acc in runs.items():
+        pp, tg = Stat.of(acc["pp"]), Stat.of(acc["tg"])
+        wb = acc["last"]["weight_bytes"]
+        floor_ms = wb / bw * 1e3
+        ms = 1e3 / tg.median if tg.median else float("nan")
+        out["systems"][name] = {
+            "pp": pp.median, "tg": tg.median, "pp_stats": pp.__dict__, "tg_stats": tg.__dict__,
+            "pp_extra": {n: Stat.of(v).__dict__ for n, v in acc["pp_extra"].items()},
+            "ms_per_token": ms, "weight_bytes": wb, "floor_ms_per_token": floor_ms,
+            "floor_fraction": floor_ms / ms if ms == ms else None,
+            "engine": acc["last"]["engine"]}
+    f, m = out["systems"]["fuselm"], out["systems"]["mlx-lm"]
+    out["ratio"] = {"pp": f["pp"] / m["pp"], "tg": f["tg"] / m["tg"],
+                    **{f"pp{n}": f["pp_extra"][n]["median"] / m["pp_extra"][n]["median"]
+                       for n in f["pp_extra"]}}
+    out["pp"], out["tg"] = f["pp"], f["tg"]
+    return out
+
+
 def table(res: dict[str, Any]) -> str:
     d = res["device"]
     lines = [f"{res['shape']} q4 g{res['group_size']} {res['dtype']} on "
@@ -293,7 +400,11 @@ def table(res: dict[str, Any]) -> str:
         lines.append(f"{name:<8}{s['pp']:>11.1f}{s['tg']:>10.1f}{s['ms_per_token']:>9.3f}"
                      f"{s['floor_ms_per_token']:>10.3f}{100 * (s['floor_fraction'] or 0):>8.1f}%"
                      f"{s['weight_bytes'] / 1e6:>12.1f}{steps!s:>7}")
-    lines.append(f"fuselm / mlx-lm: pp {res['ratio']['pp']:.3f}x, tg {res['ratio']['tg']:.3f}x")
+    for name, s in res["systems"].items():
+        for n, st in s.get("pp_extra", {}).items():
+            lines.append(f"{name:<8} pp{n}: {st['median']:.1f} [{st['min']:.1f}-{st['max']:.1f}]")
+    lines.append("fuselm / mlx-lm: " + ", ".join(f"{k} {v:.3f}x"
+                                                  for k, v in res["ratio"].items()))
     return "\n".join(lines)
 
 
@@ -381,6 +492,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, nargs="+", default=[8])
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--launches-from-ncu", nargs="+", metavar="CSV")
+    ap.add_argument("--separate", type=int, default=0, metavar="ROUNDS",
+                    help="each system in its own process per round, alternating")
+    ap.add_argument("--only", choices=("fuselm", "mlx-lm"), help=argparse.SUPPRESS)
+    ap.add_argument("--pp-extra", type=int, nargs="*", default=[],
+                    help="also time prefill of these prompt lengths")
     args = ap.parse_args(argv)
 
     if args.launches_from_ncu:
@@ -401,7 +517,14 @@ def main(argv: list[str] | None = None) -> None:
         args.steps = args.steps[0]
         count_launches(args, hf, fl_dir, mlx_dir)
         return
-    res = side_by_side(args, hf, fl_dir, mlx_dir)
+    if args.only:
+        text = json.dumps(worker(args, hf, fl_dir, mlx_dir))
+        if args.json_out:
+            Path(args.json_out).write_text(text)
+        else:
+            print(text)
+        return
+    res = separate(args, hf) if args.separate else side_by_side(args, hf, fl_dir, mlx_dir)
     print(table(res), file=sys.stderr if not args.json_out else sys.stdout)
     text = json.dumps(res, indent=2)
     if args.json_out:

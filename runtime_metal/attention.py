@@ -122,7 +122,8 @@ class Attention:
                    ) -> tuple[mx.array, mx.array, mx.array]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
-        with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
+        with `mask` ([.., s, capacity], built by the caller; a mask [.., s, n] narrower than
+        the capacity reads the first n rows only), or, for mask "causal", over the
         first `rows` cache rows (default s: a fresh prompt at offset 0; offset + s for a later
         chunk whose offset the caller knows), bottom-right aligned: MLX's fused causal path, no
         mask read, no work on rows past the chunk. Returns (y, keys', values')."""
@@ -130,6 +131,9 @@ class Attention:
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
+            y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
+        elif mask is not None and mask.shape[-1] < keys.shape[2]:
+            n = mask.shape[-1]  # a mask over the first n rows (batch.py's span): read only those
             y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
         else:
             y = self.attend(qh, keys, values, mask, may_empty=False)

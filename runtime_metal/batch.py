@@ -79,9 +79,11 @@ class BatchDecoder:
                 f"engine {engine.name!r} has no batched program here; use batched=None")
         self.mode = "batched" if program is not None and batched is not False else "sequential"
         self.caches: list[KVCache] = []
+        self._spans: dict[int, mx.array] = {}
+        self._span_step = 0
         if self.mode == "batched":
             assert program is not None
-            fn, layout = program
+            fn, layout, self._span_step = program
             for hk, dk, dv, dtype in layout:
                 c = KVCache()
                 c.allocate(max_batch, hk, dk, dv, dtype, self.capacity)
@@ -206,14 +208,31 @@ class BatchDecoder:
                 s.state = engine.swap_cache(saved)
         return self._sample(logits)
 
+    def _span(self, feed: list[int]) -> mx.array:
+        """Key positions 0..L-1 that the step's attention reads: L covers the longest fed
+        row's new position, rounded up to the span step (a few compiled traces in all, not one
+        per token), or the whole capacity (span step 0). Idle rows may lie past L: their
+        output is never read."""
+        cap = self.capacity
+        step = self._span_step
+        need = max(len(self.slots[i].cached) for i in feed) + 1
+        n = cap if not step else min(cap, -(-need // step) * step)
+        if n not in self._spans:
+            self._spans[n] = mx.arange(n, dtype=mx.int32)
+        return self._spans[n]
+
     def _batched(self, feed: list[int]) -> dict[int, int]:
         b = self.max_batch
         tokens = np.zeros((b, 1), np.int32)
         offsets = np.array([len(s.cached) for s in self.slots], np.int32)
         for i in feed:
             tokens[i, 0] = self.slots[i].pending  # type: ignore[assignment]
-        kv = [a for c in self.caches for a in c.buffers()]
-        logits, _, *new_kv = self._fn(mx.array(tokens), mx.array(offsets), *kv)
+        # The buffers go to the call straight from the caches, with no list of them kept past
+        # it: adopt() drops the caches' references, so the program's row writes (plain path)
+        # update donated buffers in place; a list still alive at mx.eval below made MLX copy
+        # every layer's whole [max_batch, heads, capacity, dim] buffers each step.
+        logits, _, *new_kv = self._fn(mx.array(tokens), mx.array(offsets), self._span(feed),
+                                      *(a for c in self.caches for a in c.buffers()))
         for j, c in enumerate(self.caches):
             c.adopt(new_kv[2 * j], new_kv[2 * j + 1], 0)
         greedy = [i for i in feed if self.slots[i].greedy]

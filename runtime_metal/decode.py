@@ -76,6 +76,7 @@ class DecodeProgram:
     prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
+    gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
 
     # ---- load time -------------------------------------------------------------------------
 
@@ -108,9 +109,10 @@ class DecodeProgram:
         except MaskUnsupported as e:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
+        on = kernels.enabled(kernel_mode)
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
-                      len(plan.steps) - len(live), kernels=kernels.enabled(kernel_mode),
-                      windows=windows)
+                      len(plan.steps) - len(live), kernels=on, windows=windows,
+                      gemv=kernels.gemv_enabled(on))
         try:
             check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
@@ -131,10 +133,18 @@ class DecodeProgram:
         """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
         return self.run(tokens, offset, kv, fresh=True)
 
+    def spanned(self, tokens: mx.array, offset: mx.array, span: mx.array, *kv: mx.array
+                ) -> tuple[mx.array, ...]:
+        """A batch step whose attention (the plain path) reads only the first len(span) cache
+        rows (span = arange(L), L covering every fed row's position; batch.py buckets L so
+        that a compiled trace serves many steps). The writes still go to the whole buffers."""
+        return self.run(tokens, offset, kv, fresh=False, span=span)
+
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
-            prefix: int | None = None) -> tuple[mx.array, ...]:
+            prefix: int | None = None, span: mx.array | None = None) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
-        attention takes rows 0..prefix+s with MLX's causal mask; else a device mask."""
+        attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
+        whole capacity, or over the rows of `span` (positions 0..L-1) when given."""
         batched = tokens.ndim == 2
         ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
@@ -151,8 +161,8 @@ class DecodeProgram:
             if w not in masks:
                 if w is None and rows is not None:
                     masks[w] = "causal"
-                else:
-                    keys = mx.arange(capacity)
+                else:  # the mask's width is the key span attention reads (over_cache)
+                    keys = mx.arange(capacity) if span is None else span
                     q = offset.reshape(-1, 1, 1, 1) + mx.arange(s).reshape(s, 1)
                     seen = keys <= q
                     if w is not None:
@@ -162,7 +172,8 @@ class DecodeProgram:
 
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
-        with qweight.tracing():
+        # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
+        with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
             for o in self.ops:
                 args = _resolve(o.args, env)
                 if o.kind == "add_norm":

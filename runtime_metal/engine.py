@@ -60,9 +60,12 @@ class Engine(Protocol):
         return the one in use: how batch.py serves several sequences on one engine."""
         ...
 
-    def batch_program(self) -> tuple[Any, list[Any]] | None:
-        """(function, KV layout) that decodes one token for each of b sequences at once
-        (decode.DecodeProgram over [b, ...] caches), or None where the engine has none."""
+    def batch_program(self) -> tuple[Any, list[Any], int] | None:
+        """(function, KV layout, span step) that decodes one token for each of b sequences at
+        once (decode.DecodeProgram.spanned over [b, ...] caches: fn(tokens, offsets, span,
+        *kv)), or None where the engine has none. Span step: the multiple of positions that
+        attention's key span is rounded up to (0: always the whole capacity, where the
+        attention kernel reads each row's own length anyway)."""
         ...
 
     def describe(self) -> dict[str, object]: ...

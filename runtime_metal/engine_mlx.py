@@ -102,14 +102,18 @@ class MLXEngine:
         self.caches[:] = new
         return old
 
-    def batch_program(self) -> tuple[object, list] | None:
+    def batch_program(self) -> tuple[object, list, int] | None:
         """The compiled program for [b, 1] tokens at [b] offsets (its own traces: compiled
-        anew, not the single-sequence driver's), with the cache layout; None when the
-        program is refused or cannot allocate its cache."""
+        anew, not the single-sequence driver's), with the cache layout and the span step
+        (Engine.batch_program); None when the program is refused or cannot allocate its
+        cache. With the CUDA attention kernel on every layer (no sliding window), attention
+        already stops at each row's length: one span, one trace."""
         if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
-        return (mx.compile(program) if self.fast.compiled else program), program.kv_layout
+        fn = mx.compile(program.spanned) if self.fast.compiled else program.spanned
+        whole = program.kernels and not any(w is not None for w in program.windows.values())
+        return fn, program.kv_layout, 0 if whole else KVCache.step
 
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
@@ -162,7 +166,9 @@ class MLXEngine:
             "decode": self.fast_reason,
             "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
-            "fused_kernels": ("cuda (add+rms_norm, rope+attention)"
-                              if self.fast is not None and self.fast.program.kernels
-                              else "off (MLX built-ins)"),
+            "fused_kernels": (
+                "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
+                    ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
+                if self.fast is not None and self.fast.program.kernels
+                else "off (MLX built-ins)"),
         }

@@ -40,6 +40,15 @@ def enabled(mode: str | None = None) -> bool:
     return cuda_device()
 
 
+GEMV_ENV = "FUSELM_Q4_GEMV"
+
+
+def gemv_enabled(kernels_on: bool) -> bool:
+    """The Q4 GEMV kernel (kernels_q4.py) for decode steps: with the other kernels, unless
+    FUSELM_Q4_GEMV=0 keeps MLX's quantized matmul (to measure one against the other)."""
+    return kernels_on and os.environ.get(GEMV_ENV, "1").strip() != "0"
+
+
 def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
     """Same-shape, same-dtype residual Add feeding a last-axis RMSNorm with a 1-D scale."""
     if not all(isinstance(a, mx.array) for a in (x, r, scale)):

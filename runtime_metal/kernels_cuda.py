@@ -8,7 +8,7 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   and attention over the fixed-capacity cache rows 0..pos (the new key/value taken from
   registers, not the cache) -> one launch instead of norm x2, rope x2 and MLX-CUDA's SDPA,
   which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
-  It also returns the new key/value rows for the cache write.
+  It writes the new key/value rows into the cache itself (no scatter launches).
 
 The plain-MLX paths they replace are in runtime_metal/program_ops.py, eligibility and the
 on/off switch in runtime_metal/kernels.py, the equivalence tests in
@@ -113,9 +113,9 @@ _ROPE_ATTEND = """
     sq[tid] = static_cast<float>(qa) * prm[1];  // the softmax scale, folded into q
     sk[tid] = static_cast<float>(kb);
     sv[tid] = static_cast<float>(vb);
-    if (h % G == 0) {
-      k_new[kh * D + tid] = kb;
-      v_new[kh * D + tid] = vb;
+    if (h % G == 0) {  // the new row goes into the cache in place (see rope_attend)
+      const_cast<T*>(kc)[(kh * cap + pos) * D + tid] = kb;
+      const_cast<T*>(vc)[(kh * cap + pos) * D + tid] = vb;
     }
   }
   __syncthreads();
@@ -171,7 +171,7 @@ def _rope_attend_kernel() -> Any:
     return mx.fast.cuda_kernel(
         name="fuselm_rope_attend",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out", "k_new", "v_new"], source=_ROPE_ATTEND, header=_HEADER)
+        output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)
 
 
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
@@ -194,17 +194,23 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
     prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
-    [b, 1, hq*D] and the new key/value rows [b, hk, 1, D] (RoPE'd, normed) to write."""
+    [b, 1, hq*D] and the caches kc, vc themselves: the kernel wrote each row's new key/value
+    (RoPE'd, normed) at position offset[i] IN PLACE, so no scatter launch follows.
+
+    In place means outside MLX's value semantics: the caller must own kc/vc (the compiled
+    program's cache buffers: row-contiguous, so MLX passes them uncopied) and give up the
+    old value, as a donated buffer would be; later readers of the cache depend on this step
+    through the decoded token, so they run after the write. Rows past offset[i] are never
+    read by this call, so the write races with no reader."""
     d, rows = kc.shape[-1], kc.shape[0]
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
     dummy = inv_freq
-    out, k_new, v_new = _rope_attend_kernel()(
+    (out,) = _rope_attend_kernel()(
         inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps)],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(rows, 1, hq * d), (rows, hk, 1, d), (rows, hk, 1, d)],
-        output_dtypes=[kc.dtype] * 3)
-    return out, k_new, v_new
+        output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
+    return out, kc, vc

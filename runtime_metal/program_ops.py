@@ -5,7 +5,7 @@ plain-MLX path it falls back to.
 Pairs (found at load by `fuse_pairs`, executed at trace time):
 * a residual `Add` and the `RMSNormalization` that reads it -> kernels_cuda.add_rms_norm;
 * a `FusedRoPE` and the `Attention` that reads both its outputs -> kernels_cuda.rope_attend
-  for one decoded token per sequence, then the cache write of the new key/value rows.
+  for one decoded token per sequence, which also writes the new key/value rows into the cache.
 Where the kernels are off (not MLX-CUDA, FUSELM_KERNELS=off) or the shapes do not fit, the
 pair runs as its two steps, exactly what the graph says, through attention.Attention.
 """
@@ -19,7 +19,6 @@ import numpy as np
 
 from fuselm.runtime_metal import kernels, kernels_cuda
 from fuselm.runtime_metal.attention import Attention, Mask
-from fuselm.runtime_metal.kv_cache import write_rows
 from fuselm.runtime_metal.step import Step, call_step
 
 
@@ -110,12 +109,11 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                         attn.scale_for(head_dim),
                         float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
-        y, k_new, v_new = kernels_cuda.rope_attend(
+        return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, mx.broadcast_to(offset.reshape(-1), keys.shape[:1]),
             keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
             interleaved=bool(int(ra.get("interleaved", 0))))  # type: ignore[call-overload]
-        return y, write_rows(keys, k_new, offset), write_rows(values, v_new, offset)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
     return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows)  # type: ignore[arg-type]
 

@@ -17,10 +17,25 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal import kernels_q4
 from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
+_gemv = 0  # > 0 while the compiled program traces a decode step with fuselm's CUDA kernels on
+
+
+@contextmanager
+def gemv_kernel(on: bool = True) -> Iterator[None]:
+    """Inside (when `on`), a matmul of at most kernels_q4.MAX_ROWS rows runs fuselm's Q4 GEMV
+    kernel (runtime_metal/kernels_q4.py) where it fits: the compiled program's decode steps on
+    MLX-CUDA, one row per sequence. Prefill chunks and the executor keep MLX's matmul."""
+    global _gemv
+    _gemv += int(on)
+    try:
+        yield
+    finally:
+        _gemv -= int(on)
 
 
 @contextmanager
@@ -82,6 +97,9 @@ class QWeight:
     def matmul(self, x: mx.array) -> mx.array:
         """x @ W as ONE quantized matmul."""
         s, b = self.affine(x.dtype)
+        if _gemv and kernels_q4.fits(x, self.packed, s, self.group_size, self.bits,
+                                     self.transposed):
+            return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
         rows = x.size // x.shape[-1]
         if self._cast.get(_DENSE_ALL) or (self._cast.get(_DENSE_ROWS) and rows > 1):
             # This MLX build has no quantized kernel for this weight and input (probe_kernels
@@ -97,6 +115,17 @@ class QWeight:
         # W = M.T  ->  x @ M.T is MLX's transpose=True form (groups along the reduction axis).
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
+
+    def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
+        """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
+        or None where the kernel is off or does not fit (the caller runs the plain path)."""
+        if not _gemv:
+            return None
+        s, b = self.affine(x.dtype)
+        if not kernels_q4.fits(x, self.packed, s, self.group_size, self.bits, self.transposed,
+                               activation):
+            return None
+        return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size, activation)
 
     def take_rows(self, indices: mx.array) -> mx.array:
         """W[indices] for an untransposed W (a quantized embedding): dequantize only those rows."""

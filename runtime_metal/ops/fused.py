@@ -132,6 +132,10 @@ def fused_gate_up(  # noqa: ANN201
             f"FusedGateUp activation {activation!r} (supported: "
             f"{', '.join(contract.GATE_ACTIVATIONS)})")
     w = _dense_or_q(weight, scales, zero_points, block_size)
+    if isinstance(w, QWeight) and bias is None:  # one kernel with the gate in its epilogue
+        fused = w.gated_matmul(x, activation)
+        if fused is not None:
+            return fused
     y = project(x, w.astype(x.dtype) if isinstance(w, mx.array) else w, bias)
     n = y.shape[-1] // 2
     gate, up = y[..., :n], y[..., n:]

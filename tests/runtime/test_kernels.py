@@ -153,12 +153,19 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
     prm = mx.array([1e-6, scale, ascale], mx.float32)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
         *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter))
-    y, k_new, v_new = fn(q, k, v, qn, kn, mx.array(inv_freq), prm, mx.array([pos], mx.int32),
-                         kc, vc)
+    y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
+                             mx.array([pos], mx.int32), kc, vc)
     tol = TOL[dtype]
     assert rel(np.array(y.astype(mx.float32)).reshape(-1), y_ref) <= tol * 2
-    assert rel(np.array(k_new.astype(mx.float32)).reshape(hk, d), k_row) <= tol
-    assert np.array_equal(np.array(v_new.astype(mx.float32)).reshape(-1), vf.reshape(-1))
+    # the new row was written into the cache in place, and nothing else was
+    k_after = np.array(k_cache.astype(mx.float32))
+    v_after = np.array(v_cache.astype(mx.float32))
+    assert rel(k_after[0, :, pos], k_row) <= tol
+    assert np.array_equal(v_after[0, :, pos].reshape(-1), vf.reshape(-1))
+    keep = np.ones(cap, bool)
+    keep[pos] = False
+    assert np.array_equal(k_after[:, :, keep], kcf[:, :, keep])
+    assert np.array_equal(v_after[:, :, keep], vcf[:, :, keep])
 
 
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
@@ -216,12 +223,11 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype) -> Non
                                         mx.array(pos, mx.int32), kc[rows], vc[rows], hq=hq,
                                         hk=hk, rotary_dim=d, interleaved=False)
 
-    together = run(slice(0, b), positions)
+    together = run(slice(0, b), positions)[0]
     for i, p in enumerate(positions):
-        alone = run(slice(i, i + 1), [p])
-        for t, a in zip(together, alone, strict=True):
-            assert np.array_equal(np.array(t[i:i + 1].astype(mx.float32)),
-                                  np.array(a.astype(mx.float32)))
+        alone = run(slice(i, i + 1), [p])[0]
+        assert np.array_equal(np.array(together[i:i + 1].astype(mx.float32)),
+                              np.array(alone.astype(mx.float32)))
 
 
 @cuda
@@ -251,3 +257,105 @@ def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
         for slot, token in dec.step().items():
             got[slot].append(token)
     assert [got[s][:16] for s in sorted(got)] == want
+
+
+# ---- MLX-CUDA: the Q4 GEMV kernel (kernels_q4.py) ----------------------------------------------
+
+def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int):  # noqa: ANN202
+    """A QWeight as the planner makes it (blocked DequantizeLinear along K of a [K, N] weight),
+    stored as M [N, K] (transposed)."""
+    import ml_dtypes
+
+    from fuselm.runtime_metal.qweight import from_dequantize_linear
+
+    codes = rng.integers(0, 16, (k, n)).astype(ml_dtypes.uint4)
+    scales = rng.uniform(0.01, 0.05, (k // group, n)).astype(np.float32)
+    zp = rng.integers(0, 16, (k // group, n)).astype(ml_dtypes.uint4)
+    w = from_dequantize_linear(codes, scales, zp, axis=0, block_size=group)
+    assert w.transposed and w.packed.shape == (n, k // 8)
+    return w, codes.astype(np.float64)
+
+
+GEMV_CASES = [
+    # rows, K, N, group, gated activation
+    (1, 1024, 2048, 32, None),  # Qwen3-0.6B's q/k/v rows, one sequence
+    (16, 1024, 6144, 64, "silu"),  # a 16-row batch through a gate/up weight
+    (3, 96, 64, 32, "gelu_tanh"),  # K below one warp's 256 codes
+    (8, 3072, 1024, 128, None),  # down projection
+    (1, 14336, 256, 32, None),  # Llama-3.1-8B's down projection width
+]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n,group,act", GEMV_CASES)
+def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
+                        act: str | None) -> None:
+    """Against the dequantized weight in float64 (the weight's affine terms as the kernel
+    reads them, in the activation dtype); each row alone gives exactly its row of the batch."""
+    from fuselm.runtime_metal import kernels_q4, qweight
+
+    rng = np.random.default_rng(rows * k + n)
+    w, codes = _q4_weight(rng, k, n, group)
+    x, xf = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    s, b = w.affine(dtype)
+    sf = np.array(s.astype(mx.float32)).astype(np.float64)  # [N, K/G]
+    bf = np.array(b.astype(mx.float32)).astype(np.float64)
+    dense = codes * np.repeat(sf.T, group, axis=0) + np.repeat(bf.T, group, axis=0)  # [K, N]
+    y_ref = xf.reshape(rows, k).astype(np.float64) @ dense
+    assert kernels_q4.fits(x, w.packed, s, group, 4, True, act)
+    with qweight.gemv_kernel():
+        y = w.gated_matmul(x, act) if act else w.matmul(x)
+    assert y is not None
+    tol = TOL[dtype]
+    if act:
+        half = n // 2
+        g = np.array(mx.array(y_ref[:, :half].astype(np.float32)).astype(dtype)
+                     .astype(mx.float32)).astype(np.float64)
+        u = np.array(mx.array(y_ref[:, half:].astype(np.float32)).astype(dtype)
+                     .astype(mx.float32)).astype(np.float64)
+        if act == "silu":
+            a = g / (1 + np.exp(-g))
+        else:
+            a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+        y_ref, tol = a * u, tol * 3
+    got = np.array(y.astype(mx.float32)).reshape(rows, -1)
+    assert got.shape == y_ref.shape
+    assert rel(got, y_ref) <= tol
+    for i in range(rows):
+        alone = kernels_q4.q4_gemv(x[i:i + 1], w.packed, s, b, group, act)
+        assert np.array_equal(np.array(alone.astype(mx.float32)).reshape(-1), got[i])
+
+
+@cuda
+def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized), float32: the
+    decode step's logits with every kernel on (Q4 GEMV, gated epilogue, in-place K/V) against
+    MLX's built-ins, step after step from the same prompt, and the same greedy tokens."""
+    from fuselm.converter.builtin import build_model
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+    from tests.runtime.conftest import quantized_copy
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    hf = build_model(tmp_path / "hf", "qwen3", seed=6, hidden_size=128, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    out = quantized_copy(convert(hf, tmp_path / "f32"), tmp_path / "q4", lm_head=True,
+                         embeddings=True)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 384, 40)]
+    logits, tokens = {}, {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv(kernels.ENV, mode)
+        engine = make_engine(out, "mlx")
+        assert engine.fast.program.gemv is (mode == "on")
+        tokens[mode] = generate(engine, prompt, max_new_tokens=16).tokens
+        engine.reset()
+        engine.reserve(len(prompt) + 8)
+        engine.forward(np.asarray([prompt]))
+        rows = []
+        for t in tokens[mode][:8]:
+            rows.append(np.array(engine.decode_step(mx.array(t, mx.int32))))
+        logits[mode] = np.stack(rows)
+    assert rel(logits["on"], logits["off"]) <= 1e-4
+    assert tokens["on"] == tokens["off"]

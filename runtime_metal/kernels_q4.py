@@ -1,0 +1,176 @@
+"""A Q4 matrix-vector kernel for decode steps (mx.fast.cuda_kernel), for R rows at once (one
+token per sequence of a batch: R = the batch), with an optional gated epilogue.
+
+Why not MLX's own quantized matmul: MLX-CUDA picks its vector kernel only for one row
+(M = 1 and no batch); an input of R > 1 rows goes to its tiled GEMM, which costs about what a
+512-token prefill costs (a batched decode step of 16 rows measured ~14 ms for Qwen3-0.6B on
+an H200 against ~3 ms for one row). Here each warp computes one output column for all R rows:
+the weight row is read once and dequantized once, each row's input only multiplies it.
+
+* `q4_gemv(x, w)`: x [..., K] with R = x.size / K rows, w a QWeight stored as M [N, K]
+  (W = M.T, groups along K): x @ W -> [..., N].
+* `q4_gemv(x, w, act)`: the FusedGateUp form: M's first N/2 rows are the gate, the rest the
+  up projection; one warp computes both for its column and writes act(gate) * up -> [..., N/2]
+  (the separate SwiGLU/GeGLU launch is gone). act: "silu" | "gelu_tanh".
+
+Arithmetic: float32 accumulation (MLX's vector kernel accumulates half-precision inputs in
+half precision); each row's sum is formed in the same order whatever R is, so a row's result
+does not depend on the batch it runs in (batch-invariance of the server). The results round
+to the activation dtype like a matmul output; the gated epilogue rounds gate and up first, as
+the plain path's matmul output would be, then act(gate), then the product.
+
+Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
+ops/fused.fused_gate_up); the on/off switch is kernels.py's; tests/runtime/test_kernels.py
+checks it against the dequantized weights in float64.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+MAX_ROWS = 16  # a server batch; more rows (a prefill chunk) go to MLX's tiled GEMM
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_WARPS = 8  # outputs per block
+
+_HEADER = """
+__device__ __forceinline__ float fl_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+// 8 consecutive activations as float32 (16-byte loads for half types; rows are 16-byte
+// aligned: K is a multiple of the group size, >= 32)
+__device__ __forceinline__ void fl_load8(const float* p, float* o) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+__device__ __forceinline__ void fl_load8(const __half* p, float* o) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+"""
+
+_GEMV = """
+  // warp `warp` of block b computes output column n = b * NW + warp for all R rows.
+  // wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
+  constexpr int KW = K / 8, KG = K / G, WPG = G / 8, NR = EPI ? 2 : 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * NW + warp;
+  if (n >= NO) return;
+  float acc[NR][R];
+  #pragma unroll
+  for (int j = 0; j < NR; ++j)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
+  #pragma unroll 2
+  for (int w = lane; w < KW; w += 32) {
+    const int g = w / WPG;
+    uint32_t q[NR];
+    float s[NR], bb[NR];
+    #pragma unroll
+    for (int j = 0; j < NR; ++j) {
+      const size_t row = (size_t)(n + j * NO);
+      q[j] = wq[row * KW + w];
+      s[j] = static_cast<float>(sc[row * KG + g]);
+      bb[j] = static_cast<float>(bi[row * KG + g]);
+    }
+    float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
+    #pragma unroll
+    for (int j = 0; j < NR; ++j)
+      #pragma unroll
+      for (int e = 0; e < 8; ++e)
+        f[j][e] = __uint_as_float(0x4B000000u | ((q[j] >> (4 * e)) & 15u)) - 8388608.f;
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float xv[8];
+      fl_load8(x + (size_t)r * K + (size_t)w * 8, xv);
+      float xs = 0.f;
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) xs += xv[e];
+      #pragma unroll
+      for (int j = 0; j < NR; ++j) {
+        float d = 0.f;
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
+        acc[j][r] += s[j] * d + bb[j] * xs;  // sum_e x_e (s q_e + b)
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float v[NR];
+    #pragma unroll
+    for (int j = 0; j < NR; ++j) v[j] = fl_warp_sum(acc[j][r]);
+    if (lane == 0) {
+      if (EPI == 0) {
+        out[(size_t)r * NO + n] = T(v[0]);
+      } else {
+        const float gt = static_cast<float>(T(v[0])), up = static_cast<float>(T(v[NR - 1]));
+        float a;
+        if (EPI == 1) {
+          const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
+          a = static_cast<float>(T(gt * sg));
+        } else {
+          const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
+          a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
+        }
+        out[(size_t)r * NO + n] = T(a * up);
+      }
+    }
+  }
+"""
+
+
+@cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
+                               output_names=["out"], source=_GEMV, header=_HEADER)
+
+
+def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
+         transposed: bool, act: str | None = None) -> bool:
+    """x [..., K] of at most MAX_ROWS rows against a 4-bit M [N, K] grouped along K (W = M.T),
+    scales/biases of x's dtype; for a gated epilogue, an even N."""
+    if not (transposed and bits == 4 and x.dtype in _DTYPES and x.ndim >= 1):
+        return False
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    n = packed.shape[0]
+    return (0 < rows <= MAX_ROWS and packed.ndim == 2 and packed.dtype == mx.uint32
+            and packed.shape[1] * 8 == k and group_size in (32, 64, 128) and k % group_size == 0
+            and scales.shape == (n, k // group_size) and scales.dtype == x.dtype
+            and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
+
+
+def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+            group_size: int, act: str | None = None) -> mx.array:
+    """See the module doc; the caller checked `fits`."""
+    k = x.shape[-1]
+    rows = x.size // k
+    n_out = packed.shape[0] // (2 if act else 1)
+    blocks = -(-n_out // _WARPS)
+    (out,) = _kernel()(
+        inputs=[x, packed, scales, biases],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
+                  ("EPI", ACTIVATIONS[act] if act else 0), ("NW", _WARPS)],
+        grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[x.dtype])
+    return out
