@@ -45,6 +45,8 @@ class ConvertOptions:
     quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
     quant_embeddings: bool = False
     quant_method: str = "search"
+    calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
+    bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -103,7 +105,7 @@ def _manifest(
     )
 
 
-def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
+def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any = None) -> Any:
     """Run the pass pipeline (and quantization) on raw.onnx, write the fused model.
 
     The weights stay in raw.onnx.data: the passes see references, quantization reads one
@@ -123,6 +125,8 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
                 lm_head=opts.quant_lm_head is not False,
                 embeddings=opts.quant_embeddings,
                 method=opts.quant_method,
+                bits_budget=opts.bits_budget,
+                calibration=calibration,
             )
         )
     deferred: dict[str, Any] = {}
@@ -189,6 +193,11 @@ def convert(
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     check_tokenizer(src, decoder_spec(src).vocab_size)
+    calib = None
+    if opts.quant == "q4" and opts.calibration:
+        from fuselm.converter.calibration_input import load_calibration
+
+        calib = load_calibration(src, opts.calibration)
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:
@@ -208,7 +217,7 @@ def convert(
             t1 = time.perf_counter()
             if progress:
                 progress("passes", 0, 1)
-            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts)
+            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib)
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
             if opts.quant == "q4":
