@@ -66,6 +66,10 @@ def _passes(value: str | None) -> list[str] | None:
     show_default=True,
     help="Q4 scale/zero-point choice: error-minimizing search, or plain min/max.",
 )
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Q4: a text (a few hundred words or more, not your evaluation text) run "
+              "through the float model; weights are rounded with error feedback on its "
+              "activations (GPTQ-style). Slower convert.")
 @click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")
 @click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
 @click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
@@ -85,6 +89,7 @@ def convert_command(
     quant_lm_head: bool | None,
     quant_embeddings: bool,
     quant_method: str,
+    calibration: str | None,
     report: bool,
     passes: str | None,
     no_optimize: bool,
@@ -110,6 +115,7 @@ def convert_command(
         quant_lm_head=quant_lm_head,
         quant_embeddings=quant_embeddings,
         quant_method=quant_method,
+        calibration=calibration,
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
     )

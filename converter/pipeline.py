@@ -194,6 +194,8 @@ def convert(
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     check_tokenizer(src, decoder_spec(src).vocab_size)
     calib = None
+    if opts.calibration and opts.quant != "q4":
+        raise UserError("--calibration needs --quant q4")
     if opts.quant == "q4" and opts.calibration:
         from fuselm.converter.calibration_input import load_calibration
 

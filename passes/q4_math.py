@@ -173,7 +173,19 @@ def quantize_gptq(
         raise ValueError("weight has NaN or Inf values; refusing to quantize")
     codes, scales, zps = gptq_params(wf, gram, block_size, symmetric)
     q = Q4Tensor(codes, scales, zps.astype(np.uint8), block_size)
+    # Never worse than the importance-weighted search on the calibration activations: keep
+    # whichever has the smaller output error tr(D^T H D), D = w' - w (a guard, by construction).
+    alt = quantize_array(wf, block_size, symmetric, "search", np.diag(gram))
+    h = np.asarray(gram, np.float64)
+    if output_error(alt, wf, h) < output_error(q, wf, h):
+        q = alt
     d = q.dequantize(np.float32) - wf
     ssw = float(np.vdot(wf, wf))
     q.rel_rms_error = float(np.sqrt(float(np.vdot(d, d)) / ssw)) if ssw > 0 else 0.0
     return q
+
+
+def output_error(q: Q4Tensor, w: np.ndarray, gram: np.ndarray) -> float:
+    """Mean squared output error on the calibration activations: tr(D^T H D), D = w' - w."""
+    d = (q.dequantize(np.float32) - np.asarray(w, np.float32)).astype(np.float64)
+    return float(np.einsum("kn,kn->", d, gram @ d))
