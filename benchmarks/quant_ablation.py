@@ -79,9 +79,34 @@ class Harness:
         self.importance = {n: (sums[n] / counts[n]).float().numpy() for n in sums}
         self.grams = {n: (grams[n] / counts[n]).numpy() for n in grams}
 
-    def quantized(self, name: str, block: int, imp: bool, method: str = "search") -> torch.Tensor:
+    def norm_proxy(self, name: str) -> np.ndarray | None:
+        """Data-free importance: the squared RMSNorm weight feeding this Linear, if any."""
+        if name == "lm_head":
+            return (self.model.model.norm.weight.detach().float().numpy() ** 2)
+        parts = name.split(".")
+        if not name.startswith("model.layers."):
+            return None
+        layer = self.model.model.layers[int(parts[2])]
+        if parts[-1] in ("q_proj", "k_proj", "v_proj"):
+            return layer.input_layernorm.weight.detach().float().numpy() ** 2
+        if parts[-1] in ("gate_proj", "up_proj"):
+            return layer.post_attention_layernorm.weight.detach().float().numpy() ** 2
+        return None
+
+    def quantized(self, name: str, block: int, imp: bool | str,
+                  method: str = "search") -> torch.Tensor:
         key = (name, block, imp, method)
+        disk = Path("/tmp/qa_cache") / f"{name}-{block}-{imp}-{method}.npy"
+        if key not in self.cache and disk.is_file():
+            self.cache[key] = torch.from_numpy(np.load(disk))
         if key not in self.cache:
+            self.cache[key] = self._quantize(name, block, imp, method)
+            disk.parent.mkdir(exist_ok=True)
+            np.save(disk, self.cache[key].numpy())
+        return self.cache[key]
+
+    def _quantize(self, name: str, block: int, imp: bool | str, method: str) -> torch.Tensor:
+        if True:
             w = self.orig[name].numpy()  # [out, in]; fuselm quantizes W.T [K=in, N=out]
             if method == "gptq":
                 from fuselm.passes.ops import dequantize_reference
@@ -89,12 +114,11 @@ class Harness:
 
                 c, s, z = gptq_params(w.T, self.grams[name], block)
                 deq = dequantize_reference(c, s.astype(np.float32), z.astype(np.uint8), block)
-                self.cache[key] = torch.from_numpy(np.ascontiguousarray(deq.T))
-                return self.cache[key]
-            q = quantize_array(w.T, block, method=method,
-                               importance=self.importance[name] if imp else None)
-            self.cache[key] = torch.from_numpy(q.dequantize().T.copy())
-        return self.cache[key]
+                return torch.from_numpy(np.ascontiguousarray(deq.T))
+            importance = (self.norm_proxy(name) if imp == "proxy"
+                          else self.importance[name] if imp else None)
+            q = quantize_array(w.T, block, method=method, importance=importance)
+            return torch.from_numpy(q.dequantize().T.copy())
 
     def apply(self, plan: dict[str, tuple[int, bool] | None]) -> None:
         for n, m in self.linears.items():
@@ -151,6 +175,32 @@ def main() -> None:
                 run(f"only {gname} b32", {n: (32, False) for n in members})
                 run(f"all but {gname} b32",
                     {n: (32, False) for n in names if n not in members})
+        elif exp == "proxy":
+            for b in (32, 64):
+                run(f"all b{b} norm-proxy", {n: (b, "proxy") for n in names})
+        elif exp == "b64imat":
+            run("all b64 imatrix", {n: (64, True) for n in names})
+        elif exp == "abl":
+            for gname in ("head", "attn", "mlp", "first2", "last2"):
+                run(f"only {gname} b32", {n: (32, False) for n in g[gname]})
+        elif exp.startswith("alloc"):
+            from fuselm.passes.q4_allocate import allocate_blocks
+
+            mode = exp.split(":")[1]  # imatrix | proxy | none
+            budget = float(exp.split(":")[2])
+            items = [(n, lambda n=n: h.orig[n].numpy().T, n) for n in names]
+            imp = ({n: h.importance[n] for n in names} if mode == "imatrix" else
+                   {n: p for n in names if (p := h.norm_proxy(n)) is not None}
+                   if mode == "proxy" else None)
+            blocks = allocate_blocks(items, 32, budget, importance=imp)
+            flag = True if mode == "imatrix" else ("proxy" if mode == "proxy" else False)
+            n32 = sum(h.orig[n].numel() for n in names if blocks[n] == 32)
+            tot = sum(h.orig[n].numel() for n in names)
+            print(json.dumps({"alloc": exp, "frac32": round(n32 / tot, 3),
+                              "head": blocks["lm_head"],
+                              "b32": sorted({n.split(".")[-1] for n in names
+                                             if blocks[n] == 32})}), flush=True)
+            run(f"{exp}", {n: (blocks[n], flag) for n in names})
         elif exp == "gptq":
             for b in (32, 64):
                 run(f"all b{b} gptq", {n: (b, False, "gptq") for n in names})

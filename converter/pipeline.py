@@ -47,6 +47,7 @@ class ConvertOptions:
     quant_method: str = "search"
     calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
     bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
+    norm_importance: bool = False  # Q4 without calibration: RMSNorm weights as importance
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -127,6 +128,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
                 method=opts.quant_method,
                 bits_budget=opts.bits_budget,
                 calibration=calibration,
+                norm_importance=opts.norm_importance,
             )
         )
     deferred: dict[str, Any] = {}

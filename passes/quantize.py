@@ -267,7 +267,7 @@ class _Writer:
         else:
             imp = None if stats is None else stats.sq
             q = quantize_array(w_kn, block_size, self.symmetric, self.method, imp)
-            calibrated = None if imp is None else "importance"
+            calibrated = None if stats is None else "importance" if stats.count else "norm-weight"
         err = q.rel_rms_error or 0.0
         sdtype, cast_to = _scale_dtype(src.data_type)
         codes, scales, zps = q.codes, q.scales.astype(sdtype), q.zero_points
@@ -508,6 +508,25 @@ def _apply(
     w.dead.add(t.name)
 
 
+def _norm_moments(g: _Graph, jobs: list[_Job]) -> dict[str, Moments]:
+    """Data-free importance: a weight fed by RMSNormalization(x, gamma) sees inputs whose
+    channel k is gamma_k times a unit-RMS value, so gamma_k^2 stands in for the mean squared
+    activation (a calibration text's measurement) of that input channel. Other inputs (the
+    attention output, the MLP's product) have no such proxy and keep the plain search."""
+    out: dict[str, Moments] = {}
+    for job in jobs:
+        act = job.activation
+        node = g.producer.get(act) if act else None
+        if node is None or node.op_type != "RMSNormalization" or len(node.input) < 2:
+            continue
+        scale = g.inits.get(node.input[1])
+        if scale is None or len(scale.dims) != 1:
+            continue
+        gamma = np.asarray(g.array(scale), np.float64)
+        out[act] = Moments(gamma * gamma, None, 0)
+    return out
+
+
 def quantize_q4(
     model: onnx.ModelProto,
     *,
@@ -520,6 +539,7 @@ def quantize_q4(
     load: Callable[[TensorProto], np.ndarray] | None = None,
     bits_budget: float | None = None,
     calibration: Calibration | None = None,
+    norm_importance: bool = False,
 ) -> tuple[onnx.ModelProto, PassResult]:
     """Quantize every linear weight of `model` to 4 bits in place; returns (model, result).
 
@@ -559,13 +579,15 @@ def quantize_q4(
         moments = calibration.moments(
             model, g.array, {j.activation: j.t.data_type for j in jobs if j.activation}
         )
+    if moments is None and norm_importance:
+        moments = _norm_moments(g, jobs)
     blocks = allocate_blocks(
         [(j.t.name, lambda j=j: j.kn(g), j.activation) for j in jobs], block_size, bits_budget,
         symmetric, method, None if moments is None else {k: v.sq for k, v in moments.items()},
     ) if bits_budget is not None else dict.fromkeys((j.t.name for j in jobs), block_size)
     tied_names: list[str] = []
     for job in jobs:
-        stats = None if moments is None or job.activation is None else moments[job.activation]
+        stats = None if moments is None or job.activation is None else moments.get(job.activation)
         _apply(w, g, job, blocks[job.t.name], stats, gathers)
         if job.kind == "tied":
             tied_names.append(job.t.name)
@@ -580,6 +602,7 @@ def quantize_q4(
         "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
         "bits_budget": bits_budget,
         "calibration": None if calibration is None else calibration.record(),
+        "norm_importance": norm_importance and calibration is None,
         "symmetric": symmetric,
         "zero_point": "fixed 8 (uint4)" if symmetric else "uint4 per block",
         "scale_dtype": "float16 values (stored in the graph's float type)",
@@ -681,6 +704,7 @@ class QuantizeQ4:
     method: str = DEFAULT_METHOD
     bits_budget: float | None = None
     calibration: Calibration | None = None
+    norm_importance: bool = False
     name: str = "quantize_q4"
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -713,6 +737,7 @@ class QuantizeQ4:
             load=load,
             bits_budget=self.bits_budget,
             calibration=self.calibration,
+            norm_importance=self.norm_importance,
         )
         infer_shapes(model)
         new = gs.import_onnx(model)
@@ -763,9 +788,11 @@ def quantize_pass(
     method: str = DEFAULT_METHOD,
     bits_budget: float | None = None,
     calibration: Calibration | None = None,
+    norm_importance: bool = False,
 ) -> QuantizeQ4:
     """The pass for `run_pipeline(..., extra=[quantize_pass(...)])`; options as validated by
     `validate_options` (raises ValueError on a block size outside BLOCK_SIZES)."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
-    return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method, bits_budget, calibration)
+    return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method, bits_budget, calibration,
+                      norm_importance)
