@@ -46,10 +46,12 @@ def _passes(value: str | None) -> list[str] | None:
     "--block-size",
     "--q-group-size",
     type=int,
-    default=32,
-    show_default=True,
-    help="Q4 block size along the reduction axis (32, 64 or 128).",
+    default=None,
+    help="Q4 block size along the reduction axis (32, 64 or 128) for every tensor. Default: "
+    "32 or 64 per tensor, chosen by measured error under --bits-budget.",
 )
+@click.option("--bits-budget", type=float, default=None, metavar="BITS",
+              help="Q4 mean bits per weight for the per-tensor block sizes (default 4.45).")
 @click.option("--q-bits", type=click.Choice(["4"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -83,7 +85,8 @@ def convert_command(
     out_dir: Path,
     dtype: str,
     quant: str,
-    block_size: int,
+    block_size: int | None,
+    bits_budget: float | None,
     q_bits: str | None,
     sym: bool,
     quant_lm_head: bool | None,
@@ -111,6 +114,7 @@ def convert_command(
         passes=_passes(passes),
         quant=None if quant == "none" else quant,
         block_size=block_size,
+        bits_budget=bits_budget,
         symmetric=sym,
         quant_lm_head=quant_lm_head,
         quant_embeddings=quant_embeddings,

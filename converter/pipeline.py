@@ -40,14 +40,14 @@ class ConvertOptions:
     optimize: bool = True
     passes: list[str] | None = None  # None = the whole pipeline
     quant: str | None = None  # None | "q4"
-    block_size: int = 32
+    block_size: int | None = None  # None: per tensor (32/64) under bits_budget's default
     symmetric: bool = False
     quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
     quant_embeddings: bool = False
     quant_method: str = "search"
     calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
     bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
-    norm_importance: bool = False  # Q4 without calibration: RMSNorm weights as importance
+    norm_importance: bool = True  # Q4 without calibration: RMSNorm weights as importance
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -117,16 +117,19 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
     model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from fuselm.passes.quantize import quantize_pass
+        from fuselm.passes.quantize import DEFAULT_BITS_BUDGET, DEFAULT_BLOCK_SIZE, quantize_pass
 
+        budget = opts.bits_budget
+        if budget is None and opts.block_size is None:
+            budget = DEFAULT_BITS_BUDGET
         extra.append(
             quantize_pass(
-                block_size=opts.block_size,
+                block_size=opts.block_size or DEFAULT_BLOCK_SIZE,
                 symmetric=opts.symmetric,
                 lm_head=opts.quant_lm_head is not False,
                 embeddings=opts.quant_embeddings,
                 method=opts.quant_method,
-                bits_budget=opts.bits_budget,
+                bits_budget=budget,
                 calibration=calibration,
                 norm_importance=opts.norm_importance,
             )
@@ -190,6 +193,7 @@ def convert(
         lm_head=opts.quant_lm_head,
         embeddings=opts.quant_embeddings,
         method=opts.quant_method,
+        bits_budget=opts.bits_budget,
     )
     out_dir_safety.check_paths(src, out)
     if opts.optimize:

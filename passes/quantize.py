@@ -83,6 +83,11 @@ BITS = 4
 BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
+# `--quant q4` without --block-size: a block size per tensor (32 or 64, passes/q4_allocate.py)
+# with the stored weights' mean at most this many bits, fewer than mlx-lm's default 4.5 (4-bit
+# codes + bf16 scale + bf16 bias per 64) with room for the float norms; measured in
+# BENCHMARKS.md (issue 12).
+DEFAULT_BITS_BUDGET = 4.45
 DEFAULT_METHOD = "search"
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -105,11 +110,12 @@ class QuantOptions:
 def validate_options(
     quant: str | None = "q4",
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
     lm_head: bool | None = None,
     embeddings: bool = False,
     method: str = DEFAULT_METHOD,
+    bits_budget: float | None = None,
 ) -> QuantOptions | None:
     """Check the CLI's quantization options; None means "no quantization".
 
@@ -121,7 +127,11 @@ def validate_options(
         raise PassesError(
             f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
         )
-    if block_size not in BLOCK_SIZES:
+    if bits_budget is not None and not 4.3125 <= bits_budget <= 4.625:
+        raise PassesError(
+            f"--bits-budget {bits_budget} is out of range; give 4.3125 .. 4.625 bits/weight "
+            "(every tensor in blocks of 64 .. of 32)")
+    if block_size is not None and block_size not in BLOCK_SIZES:
         raise PassesError(
             f"--block-size {block_size} is not supported; valid values: "
             f"{', '.join(str(b) for b in BLOCK_SIZES)}"
@@ -134,7 +144,8 @@ def validate_options(
         if symmetric or lm_head or embeddings:
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         return None
-    return QuantOptions(block_size, symmetric, lm_head is not False, embeddings, method)
+    return QuantOptions(block_size or DEFAULT_BLOCK_SIZE, symmetric, lm_head is not False,
+                        embeddings, method)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hf": hf,
         "float": convert(hf, root / "float"),
         "q4": convert(hf, root / "q4", quant="q4", calibration=str(CALIB), bits_budget=BUDGET),
+        "default": convert(hf, root / "default", quant="q4"),
     }
 
 
@@ -106,3 +107,34 @@ def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(UserError, match="does not exist"):
         convert(models["hf"], tmp_path / "y", quant="q4", calibration=str(tmp_path / "none.txt"))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_default_is_budgeted_and_norm_weighted(models: dict[str, Path]) -> None:
+    """`--quant q4` alone: block sizes per tensor under the default budget, and every weight fed
+    by an RMSNorm quantized with gamma^2 as its input channels' importance."""
+    from fuselm.passes.quantize import DEFAULT_BITS_BUDGET
+    from fuselm.runtime_metal.artifact import read_manifest
+
+    q = read_manifest(models["default"]).quantization
+    assert q is not None and q["bits_budget"] == DEFAULT_BITS_BUDGET and q["norm_importance"]
+    ts = q["tensors"]
+    n = sum(int(np.prod(t["shape"])) for t in ts)
+    assert sum(int(np.prod(t["shape"])) * bits_per_weight(t["block_size"]) for t in ts) / n \
+        <= DEFAULT_BITS_BUDGET
+    by_role = {t["role"]: t.get("calibration") for t in ts}
+    assert by_role["fused:FusedQKV"] == by_role["fused:FusedGateUp"] == "norm-weight"
+    assert by_role["tied_embedding_lm_head"] == "norm-weight"  # fed by the final norm
+    assert by_role["linear"] is None  # o_proj / down_proj: no norm in front, plain search
+    # the stored codes are the importance-weighted search's, gamma^2 from the graph's norm
+    model = onnx.load(str(models["float"] / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    prod = {o: nd for nd in model.graph.node for o in nd.output}
+    rec = next(t for t in ts if t["role"] == "fused:FusedQKV")
+    qkv = next(nd for nd in model.graph.node if nd.op_type == "FusedQKV"
+               and nd.input[1] == rec["name"])
+    gamma = inits[prod[qkv.input[0]].input[1]].astype(np.float64)
+    want = quantize_array(inits[qkv.input[1]], rec["block_size"], importance=gamma**2)
+    qm = onnx.load(str(models["default"] / "model.onnx"))
+    qinits = {t.name: t for t in qm.graph.initializer}
+    got = numpy_helper.to_array(qinits[rec["codes"]]).astype(np.uint8)
+    assert np.array_equal(got, want.codes)
