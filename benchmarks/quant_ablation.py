@@ -181,7 +181,7 @@ def main() -> None:
         elif exp == "b64imat":
             run("all b64 imatrix", {n: (64, True) for n in names})
         elif exp == "abl":
-            for gname in ("head", "attn", "mlp", "first2", "last2"):
+            for gname in ("head", "attn", "mlp"):
                 run(f"only {gname} b32", {n: (32, False) for n in g[gname]})
         elif exp.startswith("alloc"):
             from fuselm.passes.q4_allocate import allocate_blocks

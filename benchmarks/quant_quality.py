@@ -146,12 +146,16 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--only", default=None, help="|-separated variant names to run")
     ap.add_argument("--no-mlx", action="store_true", help="skip the mlx-lm row (no mlx-lm)")
+    ap.add_argument("--base", type=float, default=None,
+                    help="HF float32 PPL measured before (skips the transformers run)")
     args = ap.parse_args()
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
 
     text = read_text(SAMPLE_TEXT)
     args.work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"HF float32 (transformers)": hf_ppl(args.hf_dir, text, args.context)}
+    results: dict[str, Any] = {
+        "HF float32 (transformers)": {"ppl": args.base} if args.base else hf_ppl(
+            args.hf_dir, text, args.context)}
     base = results["HF float32 (transformers)"]["ppl"]
     print(json.dumps(results), flush=True)
     if not args.no_mlx:

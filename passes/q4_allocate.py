@@ -9,7 +9,7 @@ every tensor starts at the largest block, then the step with the best error drop
 (weighted by the tensor's share of the weights, so the objective is the weights' mean relative
 squared error) is taken until the next step would exceed the budget.
 
-The error is measured on an evenly strided subset of at most SAMPLE_COLUMNS output columns
+The error is measured on an evenly strided subset of at most SAMPLE_COLUMNS (256) output columns
 (columns are quantized independently, so the subset's error is the full tensor's in
 expectation), keeping the measurement a fraction of the quantization itself. The bits count the
 format as a float16 graph stores it (float16 scales); a float32 graph stores the same float16
@@ -25,7 +25,7 @@ import numpy as np
 from fuselm.passes.q4_math import quantize_array
 
 CHOICES = (32, 64)  # block sizes the allocation picks from
-SAMPLE_COLUMNS = 1024
+SAMPLE_COLUMNS = 256
 
 
 def bits_per_weight(block_size: int) -> float:
