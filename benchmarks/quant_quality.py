@@ -22,12 +22,20 @@ from typing import Any
 
 import numpy as np
 
+# The calibration text (original, not the evaluation text): passes/calibration.txt.
+CALIB = str(Path(__file__).resolve().parent.parent / "passes" / "calibration.txt")
 VARIANTS: dict[str, dict[str, Any]] = {
     "q4 default (search, LM head q4, block 32)": {"quant": "q4"},
     "q4 minmax (LM head q4, block 32)": {"quant": "q4", "quant_method": "minmax"},
     "q4 search block 64": {"quant": "q4", "block_size": 64},
     "q4 minmax block 64": {"quant": "q4", "block_size": 64, "quant_method": "minmax"},
     "q4 search, --no-quant-lm-head": {"quant": "q4", "quant_lm_head": False},
+    "q4 norm-weight importance, block 64": {"quant": "q4", "block_size": 64,
+                                            "norm_importance": True},
+    "q4 norm-weight importance, budget 4.45": {"quant": "q4", "norm_importance": True,
+                                               "bits_budget": 4.45},
+    "q4 --calibration, block 64": {"quant": "q4", "block_size": 64, "calibration": CALIB},
+    "q4 --calibration, budget 4.45": {"quant": "q4", "calibration": CALIB, "bits_budget": 4.45},
 }
 
 
@@ -68,7 +76,18 @@ def fuselm_ppl(hf_dir: Path, out: Path, text: str, context: int, **opts: Any) ->
         "bits_per_weight_quantized": q.get("bits_per_weight"),
         "bits_per_weight_overall": q.get("bits_per_weight_overall", 32.0),
         "max_rel_rms_error": max((t["rel_rms_error"] for t in q.get("tensors", [])), default=None),
+        "block_size": q.get("block_size"),
+        "bits_f16_graph_quantized": _f16_bits(q),
     }
+
+
+def _f16_bits(q: dict[str, Any]) -> float | None:
+    """Bits per quantized weight as a float16 graph stores them (4 + 20 / block per tensor),
+    for a float32-graph measurement run."""
+    ts = q.get("tensors") or []
+    n = sum(int(np.prod(t["shape"])) for t in ts)
+    return round(sum(int(np.prod(t["shape"])) * (4 + 20 / t["block_size"]) for t in ts) / n, 4) \
+        if n else None
 
 
 def mlx_lm_default(hf_dir: Path, work: Path) -> tuple[Path, dict[str, Any]]:
@@ -125,21 +144,27 @@ def main() -> None:
     ap.add_argument("hf_dir", type=Path)
     ap.add_argument("work", type=Path)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--only", default=None, help="comma-separated variant names to run")
+    ap.add_argument("--only", default=None, help="|-separated variant names to run")
+    ap.add_argument("--no-mlx", action="store_true", help="skip the mlx-lm row (no mlx-lm)")
+    ap.add_argument("--base", type=float, default=None,
+                    help="HF float32 PPL measured before (skips the transformers run)")
     args = ap.parse_args()
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
 
     text = read_text(SAMPLE_TEXT)
     args.work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"HF float32 (transformers)": hf_ppl(args.hf_dir, text, args.context)}
+    results: dict[str, Any] = {
+        "HF float32 (transformers)": {"ppl": args.base} if args.base else hf_ppl(
+            args.hf_dir, text, args.context)}
     base = results["HF float32 (transformers)"]["ppl"]
     print(json.dumps(results), flush=True)
-    deq_dir, info = mlx_lm_default(args.hf_dir, args.work)
-    r = fuselm_ppl(deq_dir, args.work / "mlx_eval", text, args.context)
-    results["mlx-lm default 4-bit"] = {**r, **info}
-    print(json.dumps(results["mlx-lm default 4-bit"]), flush=True)
+    if not args.no_mlx:
+        deq_dir, info = mlx_lm_default(args.hf_dir, args.work)
+        r = fuselm_ppl(deq_dir, args.work / "mlx_eval", text, args.context)
+        results["mlx-lm default 4-bit"] = {**r, **info}
+        print(json.dumps(results["mlx-lm default 4-bit"]), flush=True)
     for i, (name, opts) in enumerate(VARIANTS.items()):
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only.split("|"):
             continue
         results[name] = fuselm_ppl(args.hf_dir, args.work / f"v{i}", text, args.context, **opts)
         print(json.dumps({name: results[name]}), flush=True)

@@ -46,10 +46,12 @@ def _passes(value: str | None) -> list[str] | None:
     "--block-size",
     "--q-group-size",
     type=int,
-    default=32,
-    show_default=True,
-    help="Q4 block size along the reduction axis (32, 64 or 128).",
+    default=None,
+    help="Q4 block size along the reduction axis (32, 64 or 128) for every tensor. Default: "
+    "32 or 64 per tensor, chosen by measured error under --bits-budget.",
 )
+@click.option("--bits-budget", type=float, default=None, metavar="BITS",
+              help="Q4 mean bits per weight for the per-tensor block sizes (default 4.45).")
 @click.option("--q-bits", type=click.Choice(["4"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -66,6 +68,10 @@ def _passes(value: str | None) -> list[str] | None:
     show_default=True,
     help="Q4 scale/zero-point choice: error-minimizing search, or plain min/max.",
 )
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Q4: a text (a few hundred words or more, not your evaluation text) run "
+              "through the float model; weights are rounded with error feedback on its "
+              "activations (GPTQ-style). Slower convert.")
 @click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")
 @click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
 @click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
@@ -79,12 +85,14 @@ def convert_command(
     out_dir: Path,
     dtype: str,
     quant: str,
-    block_size: int,
+    block_size: int | None,
+    bits_budget: float | None,
     q_bits: str | None,
     sym: bool,
     quant_lm_head: bool | None,
     quant_embeddings: bool,
     quant_method: str,
+    calibration: str | None,
     report: bool,
     passes: str | None,
     no_optimize: bool,
@@ -106,10 +114,12 @@ def convert_command(
         passes=_passes(passes),
         quant=None if quant == "none" else quant,
         block_size=block_size,
+        bits_budget=bits_budget,
         symmetric=sym,
         quant_lm_head=quant_lm_head,
         quant_embeddings=quant_embeddings,
         quant_method=quant_method,
+        calibration=calibration,
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
     )

@@ -40,11 +40,14 @@ class ConvertOptions:
     optimize: bool = True
     passes: list[str] | None = None  # None = the whole pipeline
     quant: str | None = None  # None | "q4"
-    block_size: int = 32
+    block_size: int | None = None  # None: per tensor (32/64) under bits_budget's default
     symmetric: bool = False
     quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
     quant_embeddings: bool = False
     quant_method: str = "search"
+    calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
+    bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
+    norm_importance: bool = True  # Q4 without calibration: RMSNorm weights as importance
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -103,7 +106,7 @@ def _manifest(
     )
 
 
-def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
+def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any = None) -> Any:
     """Run the pass pipeline (and quantization) on raw.onnx, write the fused model.
 
     The weights stay in raw.onnx.data: the passes see references, quantization reads one
@@ -114,15 +117,21 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
     model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from fuselm.passes.quantize import quantize_pass
+        from fuselm.passes.quantize import DEFAULT_BITS_BUDGET, DEFAULT_BLOCK_SIZE, quantize_pass
 
+        budget = opts.bits_budget
+        if budget is None and opts.block_size is None:
+            budget = DEFAULT_BITS_BUDGET
         extra.append(
             quantize_pass(
-                block_size=opts.block_size,
+                block_size=opts.block_size or DEFAULT_BLOCK_SIZE,
                 symmetric=opts.symmetric,
                 lm_head=opts.quant_lm_head is not False,
                 embeddings=opts.quant_embeddings,
                 method=opts.quant_method,
+                bits_budget=budget,
+                calibration=calibration,
+                norm_importance=opts.norm_importance,
             )
         )
     deferred: dict[str, Any] = {}
@@ -184,11 +193,19 @@ def convert(
         lm_head=opts.quant_lm_head,
         embeddings=opts.quant_embeddings,
         method=opts.quant_method,
+        bits_budget=opts.bits_budget,
     )
     out_dir_safety.check_paths(src, out)
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     check_tokenizer(src, decoder_spec(src).vocab_size)
+    calib = None
+    if opts.calibration and opts.quant != "q4":
+        raise UserError("--calibration needs --quant q4")
+    if opts.quant == "q4" and opts.calibration:
+        from fuselm.converter.calibration_input import load_calibration
+
+        calib = load_calibration(src, opts.calibration)
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:
@@ -208,7 +225,7 @@ def convert(
             t1 = time.perf_counter()
             if progress:
                 progress("passes", 0, 1)
-            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts)
+            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib)
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
             if opts.quant == "q4":

@@ -41,6 +41,7 @@ def rows(record: dict[str, Any]) -> list[dict[str, Any]]:
             "shape": t["shape"],
             "rel_rms_error": t["rel_rms_error"],
             "bits_per_weight": t["bits_per_weight"],
+            "block_size": t.get("block_size", record.get("block_size")),
         }
         for t in record["tensors"]
     ]
@@ -58,12 +59,13 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
         f"{record.get('bits_per_weight_overall', '?')} overall · "
         f"LM head {'q4' if record.get('lm_head') else 'float'} · "
         f"embeddings {'q4' if record.get('embeddings') else 'float'}",
-        f"{'rel RMS err':>11}  {'bits/w':>6}  {'role':<24} {'shape':<14} name",
+        f"{'rel RMS err':>11}  {'bits/w':>6}  {'block':>5}  {'role':<24} {'shape':<14} name",
     ]
     for r in table[:top] if top else table:
         shape = "x".join(str(d) for d in r["shape"])
         lines.append(
-            f"{r['rel_rms_error']:>11.5f}  {r['bits_per_weight']:>6.3f}  {r['role']:<24} "
+            f"{r['rel_rms_error']:>11.5f}  {r['bits_per_weight']:>6.3f}  {r['block_size']!s:>5}  "
+            f"{r['role']:<24} "
             f"{shape:<14} {r['name']}"
         )
     return "\n".join(lines)
@@ -81,6 +83,8 @@ def quant_report(out_dir: Path, top: int | None, as_json: bool) -> None:
             k: record.get(k)
             for k in (
                 "block_size",
+                "bits_budget",
+                "calibration",
                 "method",
                 "bits_per_weight",
                 "bits_per_weight_overall",

@@ -13,6 +13,7 @@ import numpy as np
 from onnx import TensorProto
 
 from fuselm.passes import ops
+from fuselm.passes.q4_gptq import gptq_params
 from fuselm.passes.q4_search import search_params
 
 SYMMETRIC_ZERO_POINT = 8
@@ -158,3 +159,33 @@ def uint4_tensor(codes: np.ndarray, name: str) -> TensorProto:
     t = TensorProto(name=name, data_type=TensorProto.UINT4, dims=list(codes.shape))
     t.raw_data = packed.tobytes()
     return t
+
+
+def quantize_gptq(
+    w: np.ndarray, gram: np.ndarray, block_size: int = 32, symmetric: bool = False
+) -> Q4Tensor:
+    """Quantize a [K, N] weight with error feedback on its inputs' second moments `gram`
+    ([K, K]; passes/q4_gptq.py). Same stored format as quantize_array."""
+    if w.ndim != 2 or gram.shape != (w.shape[0], w.shape[0]):
+        raise ValueError(f"expected [K, N] weight and [K, K] gram, got {w.shape}, {gram.shape}")
+    wf = np.asarray(w, np.float32)
+    if not np.isfinite(wf).all():
+        raise ValueError("weight has NaN or Inf values; refusing to quantize")
+    codes, scales, zps = gptq_params(wf, gram, block_size, symmetric)
+    q = Q4Tensor(codes, scales, zps.astype(np.uint8), block_size)
+    # Never worse than the importance-weighted search on the calibration activations: keep
+    # whichever has the smaller output error tr(D^T H D), D = w' - w (a guard, by construction).
+    alt = quantize_array(wf, block_size, symmetric, "search", np.diag(gram))
+    h = np.asarray(gram, np.float64)
+    if output_error(alt, wf, h) < output_error(q, wf, h):
+        q = alt
+    d = q.dequantize(np.float32) - wf
+    ssw = float(np.vdot(wf, wf))
+    q.rel_rms_error = float(np.sqrt(float(np.vdot(d, d)) / ssw)) if ssw > 0 else 0.0
+    return q
+
+
+def output_error(q: Q4Tensor, w: np.ndarray, gram: np.ndarray) -> float:
+    """Mean squared output error on the calibration activations: tr(D^T H D), D = w' - w."""
+    d = (q.dequantize(np.float32) - np.asarray(w, np.float32)).astype(np.float64)
+    return float(np.einsum("kn,kn->", d, gram @ d))

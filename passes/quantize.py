@@ -15,6 +15,11 @@ with it, stored once; an untied embedding table stays float unless `embeddings=T
 
 Scales and zero points are chosen per block by an error-minimizing search (passes/q4_search.py,
 `method="search"`, the default; never worse than the min/max formula below on any block).
+Optional, decided before any weight is written (the jobs are found first): a block size per
+tensor under a bits budget (`bits_budget`, passes/q4_allocate.py); the search weighted by each
+input channel's importance — RMSNorm's gamma^2 data-free (`norm_importance`), or the activations
+of a calibration text (`calibration`, passes/q4_calibration.py) with GPTQ-style error feedback
+(passes/q4_gptq.py). The stored format is the same in every case.
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
@@ -67,11 +72,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops, weights
 from fuselm.passes.errors import PassesError
+from fuselm.passes.q4_allocate import allocate_blocks
+from fuselm.passes.q4_calibration import Calibration, Moments
 from fuselm.passes.q4_math import (  # noqa: F401 - part of this module's API
     METHODS,
     SYMMETRIC_ZERO_POINT,
     Q4Tensor,
     quantize_array,
+    quantize_gptq,
     to_uint4,
     uint4_tensor,
 )
@@ -80,6 +88,11 @@ BITS = 4
 BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
+# `--quant q4` without --block-size: a block size per tensor (32 or 64, passes/q4_allocate.py)
+# with the stored weights' mean at most this many bits, fewer than mlx-lm's default 4.5 (4-bit
+# codes + bf16 scale + bf16 bias per 64) with room for the float norms; measured in
+# BENCHMARKS.md (issue 12).
+DEFAULT_BITS_BUDGET = 4.45
 DEFAULT_METHOD = "search"
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -102,11 +115,12 @@ class QuantOptions:
 def validate_options(
     quant: str | None = "q4",
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = DEFAULT_BLOCK_SIZE,
     symmetric: bool = False,
     lm_head: bool | None = None,
     embeddings: bool = False,
     method: str = DEFAULT_METHOD,
+    bits_budget: float | None = None,
 ) -> QuantOptions | None:
     """Check the CLI's quantization options; None means "no quantization".
 
@@ -118,7 +132,11 @@ def validate_options(
         raise PassesError(
             f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
         )
-    if block_size not in BLOCK_SIZES:
+    if bits_budget is not None and not 4.3125 <= bits_budget <= 4.625:
+        raise PassesError(
+            f"--bits-budget {bits_budget} is out of range; give 4.3125 .. 4.625 bits/weight "
+            "(every tensor in blocks of 64 .. of 32)")
+    if block_size is not None and block_size not in BLOCK_SIZES:
         raise PassesError(
             f"--block-size {block_size} is not supported; valid values: "
             f"{', '.join(str(b) for b in BLOCK_SIZES)}"
@@ -131,7 +149,8 @@ def validate_options(
         if symmetric or lm_head or embeddings:
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         return None
-    return QuantOptions(block_size, symmetric, lm_head is not False, embeddings, method)
+    return QuantOptions(block_size or DEFAULT_BLOCK_SIZE, symmetric, lm_head is not False,
+                        embeddings, method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +259,7 @@ class _Writer:
         self.original_bytes = 0
         self.quantized_bytes = 0
         self.weights = 0
+        self.block_of: dict[str, int] = {}  # codes initializer -> its block size
 
     def _unique(self, base: str) -> str:
         name, i = base, 1
@@ -249,10 +269,21 @@ class _Writer:
         return name
 
     def quantize(
-        self, src: TensorProto, w_kn: np.ndarray, role: str, axis: int
+        self, src: TensorProto, w_kn: np.ndarray, role: str, axis: int, block_size: int,
+        stats: Moments | None = None,
     ) -> tuple[str, str, str, int | None]:
-        """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) and add its initializers."""
-        q = quantize_array(w_kn, self.block_size, self.symmetric, self.method)
+        """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) and add its initializers.
+
+        With calibration `stats` of its input: error feedback on the input's second moments
+        (passes/q4_gptq.py) when they hold a Gram matrix, else the importance-weighted search.
+        """
+        calibrated = None
+        if stats is not None and stats.gram is not None:
+            q, calibrated = quantize_gptq(w_kn, stats.gram, block_size, self.symmetric), "gptq"
+        else:
+            imp = None if stats is None else stats.sq
+            q = quantize_array(w_kn, block_size, self.symmetric, self.method, imp)
+            calibrated = None if stats is None else "importance" if stats.count else "norm-weight"
         err = q.rel_rms_error or 0.0
         sdtype, cast_to = _scale_dtype(src.data_type)
         codes, scales, zps = q.codes, q.scales.astype(sdtype), q.zero_points
@@ -286,11 +317,14 @@ class _Writer:
                 "codes": names[0],
                 "scales": names[1],
                 "zero_points": names[2],
-                "partial_block": k % self.block_size != 0,
+                "block_size": block_size,
+                "partial_block": k % block_size != 0,
                 "bits_per_weight": round(8 * nbytes / w_kn.size, 4),
                 "rel_rms_error": round(err, 6),
+                **({"calibration": calibrated} if calibrated else {}),
             }
         )
+        self.block_of[names[0]] = block_size
         return (*names, cast_to)
 
     def dq_node(
@@ -305,7 +339,7 @@ class _Writer:
                 [dq_out],
                 name=out + "_DequantizeLinear",
                 axis=axis,
-                block_size=self.block_size,
+                block_size=self.block_of[codes],
             )
         ]
         if cast_to is not None:
@@ -355,12 +389,158 @@ class _Writer:
                 [dq_out],
                 name=f"{base}_DequantizeLinear",
                 axis=-1,
-                block_size=self.block_size,
+                block_size=self.block_of[codes],
             )
         )
         if cast_to is not None:
             nodes.append(helper.make_node("Cast", [dq_out], [out], to=cast_to))
         return nodes
+
+
+@dataclass
+class _Job:
+    """One weight to quantize, found before any is: the plan (block sizes, calibration) needs
+    the whole list first."""
+
+    kind: str  # "tied" | "plain" | "fused" | "embedding"
+    node: onnx.NodeProto | None  # the MatMul / fused op (None for an untied embedding)
+    t: TensorProto
+    trans: onnx.NodeProto | None  # Transpose(perm=[1, 0]) between t and the MatMul
+    role: str
+
+    @property
+    def activation(self) -> str | None:
+        """The activation this weight multiplies (calibration statistics are keyed by it)."""
+        return None if self.node is None else self.node.input[0]
+
+    def kn(self, g: _Graph) -> np.ndarray:
+        """The weight as [K, N], blocks along K (read now; the caller drops it)."""
+        a = g.array(self.t)
+        return a.T if self.kind in ("tied", "embedding") or self.trans is not None else a
+
+
+def _find_jobs(
+    g: _Graph,
+    gathers: dict[str, list[onnx.NodeProto]],
+    is_head: Callable[[onnx.NodeProto, int], bool],
+    lm_head: bool,
+    embeddings: bool,
+) -> list[_Job]:
+    """Every weight the pass will quantize, in graph order (nothing is changed yet)."""
+    jobs: list[_Job] = []
+    tied: set[str] = set()
+    for node in g.model.graph.node:
+        if node.op_type == "MatMul" or (node.domain == ops.DOMAIN and node.op_type in FUSED_OPS):
+            fused = node.op_type != "MatMul"
+            if fused and len(node.input) > 2 and node.input[2]:
+                continue  # already quantized
+            wname = node.input[1]
+            t = g.float_init(wname)
+            trans = None
+            if t is None and not fused:
+                found = _transpose_of_init(g, wname)
+                if found is None:
+                    continue
+                trans, t = found
+            if t is None:
+                continue
+            n_out = int(t.dims[0] if trans is not None else t.dims[1])
+            head = not fused and is_head(node, n_out)
+            if trans is not None and t.name in gathers:
+                # One tensor for both uses; either flag asks for it (they name the same tensor).
+                if not (lm_head or embeddings):
+                    continue
+                users = [*gathers[t.name], trans]
+                if not g.used_only_by(t.name, users) or not g.used_only_by(trans.output[0], [node]):
+                    continue
+                jobs.append(_Job("tied", node, t, trans, "tied_embedding_lm_head"))
+                tied.add(t.name)
+                continue
+            if head and not lm_head:
+                continue
+            if trans is not None:
+                if not g.used_only_by(trans.output[0], [node]) or not g.used_only_by(
+                    t.name, [trans]
+                ):
+                    continue
+            elif not g.used_only_by(t.name, [node]):
+                continue
+            role = "lm_head" if head else ("fused:" + node.op_type if fused else "linear")
+            jobs.append(_Job("fused" if fused else "plain", node, t, trans, role))
+    if embeddings:  # untied tables: quantized [V, H] along H, rows gathered then dequantized
+        for name, users in gathers.items():
+            if name not in tied and g.used_only_by(name, users):
+                jobs.append(_Job("embedding", None, g.inits[name], None, "embedding"))
+    return jobs
+
+
+def _apply(
+    w: _Writer,
+    g: _Graph,
+    job: _Job,
+    block_size: int,
+    stats: Moments | None,
+    gathers: dict[str, list[onnx.NodeProto]],
+) -> None:
+    """Quantize one job's weight and rewire its consumers to the 4-bit form."""
+    t, node, trans = job.t, job.node, job.trans
+    arr = job.kn(g)
+    axis = 1 if job.kind == "embedding" else 0  # stored in the source's own layout
+    names = w.quantize(t, arr, job.role, axis, block_size, stats)
+    del arr  # the float copy goes before the next weight is read
+    if job.kind == "tied":
+        # Stored as the LM head's [K=H, N=V] (blocks along H, axis 1 of E): the head is then
+        # the plain DequantizeLinear + MatMul that onnxruntime fuses into MatMulNBits; the
+        # lookups gather rows from the same codes (see gather_nodes).
+        assert node is not None and trans is not None
+        dq_out = w._unique(t.name + "_dq")
+        w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
+        node.input[1] = dq_out
+        w.dead_nodes.add(id(trans))
+        for gather in gathers.pop(t.name):
+            w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=True))
+            w.dead_nodes.add(id(gather))
+    elif job.kind == "embedding":
+        for gather in gathers[t.name]:
+            w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=False))
+            w.dead_nodes.add(id(gather))
+    elif job.kind == "fused":
+        assert node is not None
+        codes, scales, zps, _ = names
+        bias = node.input[4] if len(node.input) > 4 else ""
+        x = node.input[0]
+        del node.input[:]
+        node.input.extend([x, codes, scales, zps] + ([bias] if bias else []))
+        kept = [a for a in node.attribute if a.name != "block_size"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("block_size", block_size)])
+    else:
+        assert node is not None
+        dq_out = w._unique(t.name + "_dq")
+        w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
+        node.input[1] = dq_out
+        if trans is not None:
+            w.dead_nodes.add(id(trans))
+    w.dead.add(t.name)
+
+
+def _norm_moments(g: _Graph, jobs: list[_Job]) -> dict[str, Moments]:
+    """Data-free importance: a weight fed by RMSNormalization(x, gamma) sees inputs whose
+    channel k is gamma_k times a unit-RMS value, so gamma_k^2 stands in for the mean squared
+    activation (a calibration text's measurement) of that input channel. Other inputs (the
+    attention output, the MLP's product) have no such proxy and keep the plain search."""
+    out: dict[str, Moments] = {}
+    for job in jobs:
+        act = job.activation
+        node = g.producer.get(act) if act else None
+        if node is None or node.op_type != "RMSNormalization" or len(node.input) < 2:
+            continue
+        scale = g.inits.get(node.input[1])
+        if scale is None or len(scale.dims) != 1:
+            continue
+        gamma = np.asarray(g.array(scale), np.float64)
+        out[act] = Moments(gamma * gamma, None, 0)
+    return out
 
 
 def quantize_q4(
@@ -373,6 +553,9 @@ def quantize_q4(
     method: str = DEFAULT_METHOD,
     base_dir: str | Path | None = None,
     load: Callable[[TensorProto], np.ndarray] | None = None,
+    bits_budget: float | None = None,
+    calibration: Calibration | None = None,
+    norm_importance: bool = False,
 ) -> tuple[onnx.ModelProto, PassResult]:
     """Quantize every linear weight of `model` to 4 bits in place; returns (model, result).
 
@@ -406,100 +589,36 @@ def quantize_q4(
         # any embedding table, only a MatMul producing the `logits` output counts.
         return n_out in vocab or (not vocab and node.output[0] == "logits")
 
+    jobs = _find_jobs(g, gathers, is_head, lm_head, embeddings)
+    moments = None
+    if calibration is not None:
+        moments = calibration.moments(
+            model, g.array, {j.activation: j.t.data_type for j in jobs if j.activation}
+        )
+    if moments is None and norm_importance:
+        moments = _norm_moments(g, jobs)
+    blocks = allocate_blocks(
+        [(j.t.name, lambda j=j: j.kn(g), j.activation) for j in jobs], block_size, bits_budget,
+        symmetric, method, None if moments is None else {k: v.sq for k, v in moments.items()},
+    ) if bits_budget is not None else dict.fromkeys((j.t.name for j in jobs), block_size)
     tied_names: list[str] = []
-    edits = 0
-    for node in list(model.graph.node):
-        if node.op_type == "MatMul" or (node.domain == ops.DOMAIN and node.op_type in FUSED_OPS):
-            fused = node.op_type != "MatMul"
-            if fused and len(node.input) > 2 and node.input[2]:
-                continue  # already quantized
-            wname = node.input[1]
-            t = g.float_init(wname)
-            trans = None
-            if t is None and not fused:
-                found = _transpose_of_init(g, wname)
-                if found is None:
-                    continue
-                trans, t = found
-            if t is None:
-                continue
-            n_out = int(t.dims[0] if trans is not None else t.dims[1])
-            head = not fused and is_head(node, n_out)
-            tied = trans is not None and t.name in gathers
-            if tied:
-                # One tensor for both uses; either flag asks for it (they name the same tensor).
-                if not (lm_head or embeddings):
-                    continue
-                users = [*gathers[t.name], trans]
-                if not g.used_only_by(t.name, users) or not g.used_only_by(trans.output[0], [node]):
-                    continue
-                # Stored as the LM head's [K=H, N=V] (blocks along H, axis 1 of E): the head is
-                # then the plain DequantizeLinear + MatMul that onnxruntime fuses into
-                # MatMulNBits; the lookups gather rows from the same codes (see _gather_nodes).
-                names = w.quantize(t, g.array(t).T, "tied_embedding_lm_head", axis=0)
-                dq_out = w._unique(t.name + "_dq")
-                w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
-                node.input[1] = dq_out
-                w.dead_nodes.add(id(trans))
-                for gather in gathers.pop(t.name):
-                    w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=True))
-                    w.dead_nodes.add(id(gather))
-                w.dead.add(t.name)
-                tied_names.append(t.name)
-                edits += 1
-                continue
-            if head and not lm_head:
-                continue
-            if trans is not None:
-                if not g.used_only_by(trans.output[0], [node]) or not g.used_only_by(
-                    t.name, [trans]
-                ):
-                    continue
-                arr = g.array(t).T
-            else:
-                if not g.used_only_by(t.name, [node]):
-                    continue
-                arr = g.array(t)
-            role = "lm_head" if head else ("fused:" + node.op_type if fused else "linear")
-            names = w.quantize(t, arr, role, axis=0)
-            del arr  # the float copy goes before the next weight is read
-            if fused:
-                codes, scales, zps, _ = names
-                bias = node.input[4] if len(node.input) > 4 else ""
-                x = node.input[0]
-                del node.input[:]
-                node.input.extend([x, codes, scales, zps] + ([bias] if bias else []))
-                kept = [a for a in node.attribute if a.name != "block_size"]
-                del node.attribute[:]
-                node.attribute.extend([*kept, helper.make_attribute("block_size", block_size)])
-            else:
-                dq_out = w._unique(t.name + "_dq")
-                w.new_nodes.append(w.dq_node(names, dq_out, axis=0))
-                node.input[1] = dq_out
-                if trans is not None:
-                    w.dead_nodes.add(id(trans))
-            w.dead.add(t.name)
-            edits += 1
-
-    # Untied embedding tables: quantized [V, H] along H, rows gathered then dequantized.
-    if embeddings:
-        for name, users in gathers.items():
-            t = g.inits[name]
-            if not g.used_only_by(name, users):
-                continue
-            names = w.quantize(t, g.array(t).T, "embedding", axis=1)
-            for gather in users:
-                w.new_nodes.append(w.gather_nodes(names, gather, stored_kn=False))
-                w.dead_nodes.add(id(gather))
-            w.dead.add(name)
-            edits += 1
+    for job in jobs:
+        stats = None if moments is None or job.activation is None else moments.get(job.activation)
+        _apply(w, g, job, blocks[job.t.name], stats, gathers)
+        if job.kind == "tied":
+            tied_names.append(job.t.name)
+    edits = len(jobs)
 
     _rewrite(model, w)
     if any(n.domain == ops.DOMAIN for n in model.graph.node):
         ops.attach_functions(model)
+    used = sorted({t["block_size"] for t in w.tensors})
     info = {
         "bits": BITS,
-        "block_size": block_size,
+        "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
+        "bits_budget": bits_budget,
+        "calibration": None if calibration is None else calibration.record(),
+        "norm_importance": norm_importance and calibration is None,
         "symmetric": symmetric,
         "zero_point": "fixed 8 (uint4)" if symmetric else "uint4 per block",
         "scale_dtype": "float16 values (stored in the graph's float type)",
@@ -599,6 +718,9 @@ class QuantizeQ4:
     lm_head: bool = True
     embeddings: bool = False
     method: str = DEFAULT_METHOD
+    bits_budget: float | None = None
+    calibration: Calibration | None = None
+    norm_importance: bool = False
     name: str = "quantize_q4"
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -629,6 +751,9 @@ class QuantizeQ4:
             embeddings=self.embeddings,
             method=self.method,
             load=load,
+            bits_budget=self.bits_budget,
+            calibration=self.calibration,
+            norm_importance=self.norm_importance,
         )
         infer_shapes(model)
         new = gs.import_onnx(model)
@@ -677,9 +802,13 @@ def quantize_pass(
     lm_head: bool = True,
     embeddings: bool = False,
     method: str = DEFAULT_METHOD,
+    bits_budget: float | None = None,
+    calibration: Calibration | None = None,
+    norm_importance: bool = False,
 ) -> QuantizeQ4:
     """The pass for `run_pipeline(..., extra=[quantize_pass(...)])`; options as validated by
     `validate_options` (raises ValueError on a block size outside BLOCK_SIZES)."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
-    return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method)
+    return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method, bits_budget, calibration,
+                      norm_importance)

@@ -123,18 +123,30 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 
 
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
-    """`fuselm convert --quant q4` end to end: norms are never decoded; the tied embedding / LM
-    head is read once when quantized (the default) and never with --no-quant-lm-head."""
+    """`fuselm convert --quant q4 --block-size 32` end to end: norms are read once; the tied
+    embedding / LM head is read once when quantized (the default) and never with
+    --no-quant-lm-head. The default bits budget reads each weight twice, one at a time: once to
+    measure its error at each block size, once to quantize it; and each norm weight once."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
     with weights.recording() as reads:
-        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4"))
+        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4", block_size=32))
     with weights.recording() as float_head_reads:
-        convert(
-            model_dir("qwen3"), tmp_path / "out2", ConvertOptions(quant="q4", quant_lm_head=False)
-        )
+        convert(model_dir("qwen3"), tmp_path / "out2",
+                ConvertOptions(quant="q4", quant_lm_head=False, block_size=32))
+    with weights.recording() as budget_reads:
+        convert(model_dir("qwen3"), tmp_path / "out3", ConvertOptions(quant="q4"))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = ("q", "k", "v", "o", "gate", "up", "down")
     want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
-    assert reads == [*want, "embed"]
-    assert float_head_reads == want
+
+    def weights_after_norms(got: list[str], n_norms: int) -> list[str]:
+        # each RMSNorm weight feeding a quantized weight is read once first (gamma^2 weights
+        # its input channels in the search); nothing else
+        norms = got[:n_norms]
+        assert len(set(norms)) == n_norms and all("norm" in n for n in norms), got
+        return got[n_norms:]
+
+    assert weights_after_norms(reads, 2 * layers + 1) == [*want, "embed"]
+    assert weights_after_norms(float_head_reads, 2 * layers) == want
+    assert weights_after_norms(budget_reads, 2 * layers + 1) == [*want, "embed"] * 2
