@@ -28,7 +28,7 @@ from fuselm.export.registry import decoder_spec
 from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
 from fuselm.passes.manager import select
-from fuselm.passes.quantize import validate_options
+from fuselm.passes.quantize import SPILL_FILE, validate_options
 from fuselm.runtime_metal import artifact, integrity
 
 Progress = Callable[[str, int, int], None]
@@ -123,6 +123,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
                 lm_head=opts.quant_lm_head is not False,
                 embeddings=opts.quant_embeddings,
                 method=opts.quant_method,
+                spill_dir=raw.parent,
             )
         )
     deferred: dict[str, Any] = {}
@@ -130,6 +131,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions) -> Any:
         model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred
     )
     save_model(model, final, base_dir=raw.parent, deferred=deferred)
+    (raw.parent / SPILL_FILE).unlink(missing_ok=True)  # the quantized tensors, now copied
     return report
 
 
