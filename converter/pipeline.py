@@ -21,6 +21,7 @@ import onnx
 
 from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter.errors import UserError
+from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf_file import is_gguf
 from fuselm.export.onnx_export import export_model
@@ -204,6 +205,7 @@ def convert(
                 "represent; convert it without --quant, or fix the checkpoint"
             )
         seconds["export"] = time.perf_counter() - t0
+        heap.release()  # the export's temporaries, before the passes start
         steps = ["export"]
         report = None
         if opts.optimize:

@@ -19,6 +19,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from fuselm.export import heap
 from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.config import DecoderSpec
 from fuselm.export.decoder import Decoder
@@ -272,6 +273,7 @@ def export_model(
     if progress:
         progress("trace", 0, 1)
     model, module = _trace(spec, graph_dtype)
+    heap.release()  # the trace's graphs are garbage now; the weights phase starts from here
     result.seconds["trace"] = time.perf_counter() - t0
     if progress:
         progress("trace", 1, 1)
