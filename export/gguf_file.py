@@ -21,7 +21,7 @@ from fuselm.export.errors import ExportError
 # Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 MAGIC = b"GGUF"
-_SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time
+SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -132,7 +132,7 @@ class GGUFFile:
         # twice the tensor (+120 MB on a 49152 x 576 embedding).
         rows = raw.reshape(_rows(t.shape), -1)
         out = np.empty((rows.shape[0], t.shape[-1]), np.float32)
-        step = max(1, _SLAB_BYTES // (4 * t.shape[-1]))
+        step = max(1, SLAB_BYTES // (4 * t.shape[-1]))
         for r in range(0, rows.shape[0], step):
             out[r : r + step] = dequantize(rows[r : r + step], qtype)
         return out.reshape(t.shape)

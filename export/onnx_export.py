@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
-_SLAB_BYTES = 32 << 20  # rows cast and written at a time (see _write_cast)
+SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time (see _write_cast)
 
 
 @dataclass
@@ -180,13 +180,13 @@ def _check_weights(module: Decoder, ckpt: Checkpoint) -> None:
 def _write_cast(f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype) -> int:
     """Write `tensor` cast to `dtype`, in C order, a slab of rows at a time; the byte count.
 
-    Slabs keep the cast (and, for a transposed view, the re-layout) at ~_SLAB_BYTES instead of
+    Slabs keep the cast (and, for a transposed view, the re-layout) at ~SLAB_BYTES instead of
     a whole second copy of the tensor: an 8B model's 128256 x 4096 LM head is 1 GB in float16.
     """
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
     row = max(1, tensor[0].numel() if len(tensor) else 1) * max(tensor.element_size(), 4)
-    step = max(1, _SLAB_BYTES // row)
+    step = max(1, SLAB_BYTES // row)
     nbytes = 0
     for r in range(0, len(tensor), step):
         part = tensor[r : r + step].to(dtype).contiguous().numpy()
