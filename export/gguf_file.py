@@ -1,6 +1,6 @@
-"""A GGUF file, read with the `gguf` package (llama.cpp's own reader): metadata and tensors.
+"""A GGUF file for fuselm: its metadata and tensor table, and tensors read one at a time.
 
-The header and metadata are parsed by `gguf.GGUFReader`; tensor bytes are read with plain
+The header and metadata are parsed by export/gguf_header.py; tensor bytes are read with plain
 file reads, one tensor at a time, and dequantized by `gguf.quants.dequantize`. Plain reads
 rather than the reader's memory map: mapped pages count toward the process's resident memory
 until the map goes away, so touching every tensor through the map makes conversion's peak
@@ -9,7 +9,6 @@ memory grow with the file (export/checkpoint.py does the same for safetensors).
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from fuselm.export.errors import ExportError
+from fuselm.export.gguf_header import HeaderError, Unreadable, read_header
 
 # Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -33,13 +33,6 @@ def is_gguf(path: str | Path) -> bool:
         return True
     with p.open("rb") as f:
         return f.read(4) == MAGIC
-
-
-@dataclass(frozen=True)
-class _Unreadable:
-    """A metadata value the reader could not decode; an error only if someone asks for it."""
-
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -60,7 +53,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise ExportError(f"{self.path} does not exist; pass a .gguf file or an HF model dir")
         try:
-            from gguf import GGUFReader
+            import gguf  # noqa: F401 - the type codes and dequantizers come from it
         except ImportError as e:  # a dependency of fuselm; only a broken install lacks it
             raise ExportError(f"reading GGUF needs the `gguf` package ({e}); pip install gguf") \
                 from e
@@ -69,33 +62,21 @@ class GGUFFile:
                 raise ExportError(
                     f"{self.path} is not a GGUF file (no GGUF magic); pass a .gguf model")
         try:
-            reader = GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError, TypeError) as e:
+            # plain values, not a numpy view per vocabulary entry (export/gguf_header.py)
+            self.metadata, entries = read_header(self.path)
+        except HeaderError as e:
             raise ExportError(
                 f"{self.path} is not a valid GGUF file ({e}); it is truncated or corrupt — "
                 "re-download it") from None
-        # The metadata as plain Python values, and the reader dropped: its fields hold a numpy
-        # view per vocabulary entry (~160 MB for a 49k vocabulary, 3x that for 128k) that would
-        # otherwise stay alive for the whole conversion.
-        self.metadata: dict[str, Any] = {}
-        for key, f in reader.fields.items():
-            try:
-                self.metadata[key] = f.contents()
-            except (ValueError, UnicodeDecodeError, IndexError) as e:
-                self.metadata[key] = _Unreadable(str(e))
         size = self.path.stat().st_size
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            info = GGUFTensor(t.name, t.tensor_type.name, shape, int(t.data_offset),
-                              int(t.n_bytes))
+        for e in entries.values():
+            info = GGUFTensor(e.name, _type_name(e.ggml_type), e.shape, e.offset, e.nbytes)
             if info.offset + info.nbytes > size:
                 raise ExportError(
-                    f"{self.path} is truncated: tensor {t.name} ends at byte "
+                    f"{self.path} is truncated: tensor {e.name} ends at byte "
                     f"{info.offset + info.nbytes} but the file has {size}; re-download it")
-            self.tensors[t.name] = info
-        del reader  # drops the memory map and the fields; tensor bytes are read on demand
-        gc.collect()  # the fields form reference cycles: free them now, before the next phase
+            self.tensors[e.name] = info
         bad = sorted({(t.type_name, n) for n, t in self.tensors.items()
                       if t.type_name not in SUPPORTED_TYPES}, key=lambda x: x[1])
         if bad:
@@ -108,7 +89,7 @@ class GGUFFile:
     def value(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python (str, int, float, bool, or a list of them)."""
         v = self.metadata.get(key, default)
-        if isinstance(v, _Unreadable):
+        if isinstance(v, Unreadable):
             raise ExportError(f"{self.path}: metadata {key} cannot be read ({v.reason})")
         return v
 
@@ -143,3 +124,13 @@ def _rows(shape: tuple[int, ...]) -> int:
     for d in shape[:-1]:
         n *= d
     return n
+
+
+def _type_name(code: int) -> str:
+    """GGMLQuantizationType name of a tensor type code (unknown codes named by number)."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(code).name
+    except ValueError:
+        return f"type {code}"

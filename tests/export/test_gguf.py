@@ -187,3 +187,25 @@ def test_reader_holds_no_map_and_slabs_match_whole_tensors(
         want = dequantize(raw.reshape(int(np.prod(t.shape[:-1])), -1),
                           GGMLQuantizationType[t.type_name]).reshape(t.shape)
         np.testing.assert_array_equal(got, want)
+
+
+def test_header_reader_matches_llama_cpp_reader(gguf_cases: dict[str, tuple[Path, dict]]) -> None:
+    """export/gguf_header.py (plain values, no per-entry numpy views) reads what gguf's
+    GGUFReader reads: every metadata value, every tensor's type, shape, offset and size."""
+    from gguf import GGUFReader
+
+    from fuselm.export.gguf_header import read_header
+
+    for path, _ in gguf_cases.values():
+        reader = GGUFReader(path)
+        metadata, tensors = read_header(path)
+        want = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert list(metadata) == list(want)
+        for key, value in want.items():
+            assert metadata[key] == pytest.approx(value), key
+        assert [t.name for t in reader.tensors] == list(tensors)
+        for t in reader.tensors:
+            e = tensors[t.name]
+            assert (e.ggml_type, e.shape, e.offset, e.nbytes) == (
+                int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                int(t.data_offset), int(t.n_bytes)), t.name
