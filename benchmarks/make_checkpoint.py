@@ -76,7 +76,8 @@ def main() -> None:
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     config = transformers.LlamaConfig(**cfg, bos_token_id=1, eos_token_id=2,
-                                      torch_dtype="bfloat16")
+                                      torch_dtype="bfloat16",
+                                      architectures=["LlamaForCausalLM"])
     config.save_pretrained(out)
     build_tokenizer(out, cfg["vocab_size"])
     gen = torch.Generator().manual_seed(args.seed)

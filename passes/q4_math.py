@@ -22,7 +22,9 @@ METHODS = ("search", "minmax")
 _SLAB = 1024  # columns per slab in quantize_array: bounds the temporaries' size
 # Slabs quantized at once (threads): one per core available to this process, at most 4, since
 # each holds ~6 float32 temporaries of K x _SLAB (a 14336-row weight: ~60 MB each).
-_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
+_CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Linux
+          else os.cpu_count() or 1)  # macOS has no affinity call
+THREADS = max(1, min(4, _CORES))
 _FP16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -121,10 +123,10 @@ def quantize_array(
         return float(np.vdot(d, d)), float(np.vdot(blocks, blocks))  # BLAS: fast
 
     starts = range(0, n, _SLAB)
-    if len(starts) > 1 and _THREADS > 1:
+    if len(starts) > 1 and THREADS > 1:
         # Slabs are independent and NumPy releases the GIL inside its loops: the cores share
         # them. Each writes its own columns; the sums are added in slab order (deterministic).
-        with ThreadPoolExecutor(_THREADS) as pool:
+        with ThreadPoolExecutor(THREADS) as pool:
             sums = list(pool.map(slab, starts))
     else:
         sums = [slab(c0) for c0 in starts]
