@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter import pipeline
+from fuselm.export import heap
 from fuselm.export.gguf_source import GGUFCheckpoint, source_record, stage
 
 
@@ -23,5 +24,6 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
     ckpt = GGUFCheckpoint(path)  # validates architecture, tensor types and size first
     with tempfile.TemporaryDirectory(prefix="fuselm-gguf-") as meta:
         stage(ckpt, Path(meta))
+        heap.release()  # the tokenizer converter's objects, before the trace starts
         source = {**source_record(ckpt), "path": str(path.resolve())}
         return pipeline.convert(meta, out_dir, options, progress, checkpoint=ckpt, source=source)

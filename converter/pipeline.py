@@ -21,6 +21,7 @@ import onnx
 
 from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter.errors import UserError
+from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf_file import is_gguf
 from fuselm.export.onnx_export import export_model
@@ -28,7 +29,7 @@ from fuselm.export.registry import decoder_spec
 from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
 from fuselm.passes.manager import select
-from fuselm.passes.quantize import validate_options
+from fuselm.passes.quantize import SPILL_FILE, validate_options
 from fuselm.runtime_metal import artifact, integrity
 
 Progress = Callable[[str, int, int], None]
@@ -132,6 +133,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
                 bits_budget=budget,
                 calibration=calibration,
                 norm_importance=opts.norm_importance,
+                spill_dir=raw.parent,
             )
         )
     deferred: dict[str, Any] = {}
@@ -139,6 +141,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
         model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred
     )
     save_model(model, final, base_dir=raw.parent, deferred=deferred)
+    (raw.parent / SPILL_FILE).unlink(missing_ok=True)  # the quantized tensors, now copied
     return report
 
 
@@ -219,6 +222,7 @@ def convert(
                 "represent; convert it without --quant, or fix the checkpoint"
             )
         seconds["export"] = time.perf_counter() - t0
+        heap.release()  # the export's temporaries, before the passes start
         steps = ["export"]
         report = None
         if opts.optimize:

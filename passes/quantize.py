@@ -60,6 +60,7 @@ quantizes it (the info records that).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ DEFAULT_BITS_BUDGET = 4.45
 DEFAULT_METHOD = "search"
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+SPILL_FILE = "quantized.data"  # QuantizeQ4(spill_dir=...): the new tensors' bytes, on disk
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,8 +249,12 @@ def _scale_dtype(data_type: int) -> tuple[np.dtype, int | None]:
 
 
 class _Writer:
-    def __init__(self, g: _Graph, block_size: int, symmetric: bool, method: str) -> None:
+    def __init__(
+        self, g: _Graph, block_size: int, symmetric: bool, method: str,
+        spill: Callable[[TensorProto], None] | None = None,
+    ) -> None:
         self.g = g
+        self.spill = spill
         self.block_size = block_size
         self.symmetric = symmetric
         self.method = method
@@ -298,9 +304,12 @@ class _Writer:
         # Appended straight to the model (after every original initializer, where _rewrite
         # keeps them): one copy of the codes in memory, not a second one on the way in.
         inits = self.g.model.graph.initializer
-        inits.append(uint4_tensor(codes, names[0]))
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(scales), names[1]))
-        inits.append(uint4_tensor(zps, names[2]))
+        for t in (uint4_tensor(codes, names[0]),
+                  numpy_helper.from_array(np.ascontiguousarray(scales), names[1]),
+                  uint4_tensor(zps, names[2])):
+            if self.spill is not None:
+                self.spill(t)  # its bytes go to disk now: memory stays at one tensor
+            inits.append(t)
         self.g.inits_dtype[names[1]] = helper.np_dtype_to_tensor_dtype(sdtype)
         k, n = w_kn.shape
         nbytes = (codes.size + zps.size + 1) // 2 + scales.nbytes
@@ -556,6 +565,7 @@ def quantize_q4(
     bits_budget: float | None = None,
     calibration: Calibration | None = None,
     norm_importance: bool = False,
+    spill: Callable[[TensorProto], None] | None = None,
 ) -> tuple[onnx.ModelProto, PassResult]:
     """Quantize every linear weight of `model` to 4 bits in place; returns (model, result).
 
@@ -566,14 +576,16 @@ def quantize_q4(
     `method` picks each block's scale and zero point ("search" or "minmax"). `base_dir` is where
     the model's external data lives, if its weights are not loaded yet; `load`, if given, reads a
     weight's values instead (for stand-ins whose values come from elsewhere). Weights are read
-    one at a time, each dropped once quantized.
+    one at a time, each dropped once quantized. `spill`, if given, is called with each new
+    initializer (codes, scales, zero points) and turns it into an external reference, its bytes
+    written out: the quantized model is then never held in memory (an 8B model's codes are 4 GB).
     """
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
     _ensure_opset(model)
     t0 = time.perf_counter()
     g = _Graph(model, None if base_dir is None else str(base_dir), load)
-    w = _Writer(g, block_size, symmetric, method)
+    w = _Writer(g, block_size, symmetric, method, spill)
 
     # Embedding tables: Gather(E, ids) with E a 2-D float initializer, gathered along axis 0.
     gathers: dict[str, list[onnx.NodeProto]] = {}
@@ -721,6 +733,7 @@ class QuantizeQ4:
     bits_budget: float | None = None
     calibration: Calibration | None = None
     norm_importance: bool = False
+    spill_dir: str | Path | None = None  # the codes go to SPILL_FILE here (the writer's base_dir)
     name: str = "quantize_q4"
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -743,24 +756,41 @@ class QuantizeQ4:
             found = sources.get(t.name)
             return weights.array(found[1]) if found is not None else numpy_helper.to_array(t)
 
-        model, res = quantize_q4(
-            model,
-            block_size=self.block_size,
-            symmetric=self.symmetric,
-            lm_head=self.lm_head,
-            embeddings=self.embeddings,
-            method=self.method,
-            load=load,
-            bits_budget=self.bits_budget,
-            calibration=self.calibration,
-            norm_importance=self.norm_importance,
-        )
+        with contextlib.ExitStack() as stack:
+            spill = None
+            if self.spill_dir is not None:
+                from fuselm.passes.writer import DataFile
+
+                path = Path(self.spill_dir) / SPILL_FILE
+                f = stack.enter_context(path.open("ab"))
+                out = DataFile(f, SPILL_FILE, f.tell())
+
+                def spill(t: TensorProto) -> None:
+                    out.put(t, t.raw_data)
+
+            model, res = quantize_q4(
+                model,
+                block_size=self.block_size,
+                symmetric=self.symmetric,
+                lm_head=self.lm_head,
+                embeddings=self.embeddings,
+                method=self.method,
+                load=load,
+                bits_budget=self.bits_budget,
+                calibration=self.calibration,
+                norm_importance=self.norm_importance,
+                spill=spill,
+            )
         infer_shapes(model)
         new = gs.import_onnx(model)
-        for t in new.tensors().values():  # untouched weights: their lazy values again
+        for t in new.tensors().values():
+            if not isinstance(t, gs.Constant):
+                continue
             found = sources.get(t.name)
-            if isinstance(t, gs.Constant) and found is not None:
+            if found is not None:  # untouched weights: their lazy values again
                 t._values = found[1]  # noqa: SLF001
+            elif self.spill_dir is not None and weights.is_external(t._values.tensor):  # noqa: SLF001
+                t._values = weights.ExternalValues(t._values.tensor, self.spill_dir)  # noqa: SLF001
         graph.nodes = new.nodes
         graph.inputs = new.inputs
         graph.outputs = new.outputs
@@ -805,10 +835,13 @@ def quantize_pass(
     bits_budget: float | None = None,
     calibration: Calibration | None = None,
     norm_importance: bool = False,
+    spill_dir: str | Path | None = None,
 ) -> QuantizeQ4:
     """The pass for `run_pipeline(..., extra=[quantize_pass(...)])`; options as validated by
-    `validate_options` (raises ValueError on a block size outside BLOCK_SIZES)."""
+    `validate_options` (raises ValueError on a block size outside BLOCK_SIZES). `spill_dir`: write
+    the quantized tensors to `spill_dir/SPILL_FILE` as they are made, instead of holding them
+    (pass the pipeline's `base_dir`, so the writer finds them; delete the file after saving)."""
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size {block_size} not supported; valid values: {BLOCK_SIZES}")
     return QuantizeQ4(block_size, symmetric, lm_head, embeddings, method, bits_budget, calibration,
-                      norm_importance)
+                      norm_importance, spill_dir)

@@ -52,9 +52,12 @@ def _set_inline(t: TensorProto, raw: bytes) -> None:
     t.raw_data = raw
 
 
-class _DataFile:
-    def __init__(self, f: BinaryIO, location: str) -> None:
-        self.f, self.location, self.offset = f, location, 0
+class DataFile:
+    """An open data file that tensors are appended to, 64-byte aligned; each stored tensor
+    becomes a reference into it (location, offset, length)."""
+
+    def __init__(self, f: BinaryIO, location: str, offset: int = 0) -> None:
+        self.f, self.location, self.offset = f, location, offset  # offset: f's current size
 
     def _align(self) -> int:
         pad = (-self.offset) % ALIGN
@@ -76,7 +79,7 @@ class _DataFile:
 
 
 def _store(
-    t: TensorProto, lazy: LazyValues | None, base_dir: str | Path | None, out: _DataFile,
+    t: TensorProto, lazy: LazyValues | None, base_dir: str | Path | None, out: DataFile,
     threshold: int,
 ) -> None:
     """Write one initializer's bytes (or inline them), reading at most this one tensor."""
@@ -128,7 +131,7 @@ def write_model(
     deferred = deferred or {}
     data.unlink(missing_ok=True)
     with data.open("wb") as f:
-        out = _DataFile(f, data.name)
+        out = DataFile(f, data.name)
         for t in model.graph.initializer:
             _store(t, deferred.get(t.name), base_dir, out, threshold)
     onnx.save_model(model, str(path))

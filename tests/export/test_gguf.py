@@ -152,3 +152,60 @@ def test_unsupported_architecture_and_type(tmp_path: Path) -> None:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o2")])
     assert "tensor type Q5_0 is not supported" in msg and "Q4_K" in msg
+
+
+def _maps_of(path: Path) -> list[str]:
+    """Lines of /proc/self/maps that map `path` (Linux: where CI runs)."""
+    real = str(path.resolve())
+    return [ln for ln in Path("/proc/self/maps").read_text().splitlines() if ln.endswith(real)]
+
+
+def test_reader_holds_no_map_and_slabs_match_whole_tensors(
+        gguf_cases: dict[str, tuple[Path, dict]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF file is read with positioned reads, never left mapped (mapped pages count in the
+    resident set until unmapped); its metadata is kept as plain values (the reader's per-entry
+    views are dropped); block tensors dequantized a few rows at a time equal the whole-tensor
+    dequantization."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from fuselm.export import gguf_file
+
+    path, _ = gguf_cases["llama"]
+    f = gguf_file.GGUFFile(path)
+    assert not hasattr(f, "fields") and _maps_of(path) == []
+    assert f.value("general.architecture") == "llama"
+    assert isinstance(f.value("tokenizer.ggml.tokens"), list)
+    monkeypatch.setattr(gguf_file, "SLAB_BYTES", 3 * 4 * 256)  # 3 rows of 256 per slab
+    for name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        t = f.tensors[name]
+        got = f.read(name)
+        assert _maps_of(path) == []
+        with path.open("rb") as fh:
+            fh.seek(t.offset)
+            raw = np.frombuffer(fh.read(t.nbytes), np.uint8)
+        want = dequantize(raw.reshape(int(np.prod(t.shape[:-1])), -1),
+                          GGMLQuantizationType[t.type_name]).reshape(t.shape)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_header_reader_matches_llama_cpp_reader(gguf_cases: dict[str, tuple[Path, dict]]) -> None:
+    """export/gguf_header.py (plain values, no per-entry numpy views) reads what gguf's
+    GGUFReader reads: every metadata value, every tensor's type, shape, offset and size."""
+    from gguf import GGUFReader
+
+    from fuselm.export.gguf_header import read_header
+
+    for path, _ in gguf_cases.values():
+        reader = GGUFReader(path)
+        metadata, tensors = read_header(path)
+        want = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        assert list(metadata) == list(want)
+        for key, value in want.items():
+            assert metadata[key] == pytest.approx(value), key
+        assert [t.name for t in reader.tensors] == list(tensors)
+        for t in reader.tensors:
+            e = tensors[t.name]
+            assert (e.ggml_type, e.shape, e.offset, e.nbytes) == (
+                int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+                int(t.data_offset), int(t.n_bytes)), t.name

@@ -150,3 +150,33 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) 
     assert weights_after_norms(reads, 2 * layers + 1) == [*want, "embed"]
     assert weights_after_norms(float_head_reads, 2 * layers) == want
     assert weights_after_norms(budget_reads, 2 * layers + 1) == [*want, "embed"] * 2
+
+
+def test_quantized_tensors_spill_to_disk(raw: Path, tmp_path: Path) -> None:
+    """With `spill_dir` (the convert pipeline's setting) the quantize pass holds no quantized
+    bytes: every new tensor is a reference into SPILL_FILE from the moment it is made, the
+    writer copies it without decoding, and the saved model equals the in-memory run's."""
+    import shutil
+
+    from onnx import TensorProto
+
+    from fuselm.passes.quantize import SPILL_FILE
+
+    for name in (raw.name, raw.name + ".data"):
+        shutil.copy(raw.parent / name, tmp_path / name)
+    model = onnx.load(str(tmp_path / raw.name), load_external_data=False)
+    deferred: dict = {}
+    result, _ = run_pipeline(model, extra=[quantize_pass(spill_dir=tmp_path)],
+                             base_dir=tmp_path, deferred=deferred)
+    q4 = [t for t in result.graph.initializer if t.data_type == TensorProto.UINT4]
+    assert q4 and not any(t.name in deferred for t in q4)
+    for t in q4:
+        assert weights.is_external(t) and not t.HasField("raw_data"), t.name
+        assert weights.external_span(t, tmp_path)[0].name == SPILL_FILE
+    out = tmp_path / "model.onnx"
+    with weights.recording() as in_writer:
+        write_model(result, out, base_dir=tmp_path, deferred=deferred)
+    assert in_writer == []
+    eager, _ = run_pipeline(onnx.load(str(raw), load_external_data=True),
+                            extra=[quantize_pass()])
+    _same(out, eager)
