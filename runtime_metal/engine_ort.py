@@ -108,6 +108,7 @@ class OrtEngine:
             "position_ids": np.arange(start, start + s, dtype=np.int64)[None, :],
         }
         if self._kv:
+            feeds["logits_from"] = np.array([0 if all_logits else s - 1], np.int64)
             logits = self._forward_shared(feeds, start + s)[0]
         else:
             values = dict(zip(self._outputs, self.session.run(None, {**feeds, **self._past}),

@@ -14,7 +14,9 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
   inv_freq through passes.ops.rope_cos_sin) and a KV buffer shared by past and present
   (`past_present_share_buffer`: the engine binds one buffer to both, so no concat per step);
 - Q4 `DequantizeLinear` + `MatMul` (and FusedQKV / FusedGateUp's bodies) are left for
-  onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level.
+  onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level;
+- a `logits_from` input: the LM head runs only from that position on (the engine asks for the
+  last position unless it wants every position's logits).
 
 The KV inputs then hold `capacity` positions (the engine's buffer); `attention_mask`'s length
 says how many are valid, as onnxruntime-genai drives it. Anything this lowering does not cover
@@ -130,6 +132,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
     g.node.extend(new_nodes + kept)
     g.initializer.extend(inits)
     _topological(g)
+    _logits_from(g)
     _prune(model)
     used_ops = {(n.domain, n.op_type) for n in g.node}
     keep_f = [f for f in model.functions if (f.domain, f.name) in used_ops]
@@ -138,6 +141,31 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
     if not any(o.domain == MS for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS, 1))
     return model, positions
+
+
+def _logits_from(g: onnx.GraphProto) -> None:
+    """A `logits_from` input [1]: the LM head runs on positions logits_from.. only, so a prompt
+    whose last logits are all the engine needs does not pay the head for every position. The
+    final norm is per position, so the hidden states are sliced right after it."""
+    norms = [n for n in g.node if n.op_type in (
+        "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")]
+    if not norms:
+        raise NotLowered("no final norm")
+    h = norms[-1].output[0]
+    g.node.extend([
+        helper.make_node("Constant", [], ["lower/end"], value=numpy_helper.from_array(
+            np.array([np.iinfo(np.int64).max], np.int64))),
+        helper.make_node("Constant", [], ["lower/axis1"], value=numpy_helper.from_array(
+            np.array([1], np.int64))),
+    ])
+    for n in g.node:
+        for i, name in enumerate(n.input):
+            if name == h:
+                n.input[i] = "lower/head_in"
+    g.node.append(helper.make_node("Slice", [h, "logits_from", "lower/end", "lower/axis1"],
+                                   ["lower/head_in"]))
+    g.input.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
+    _topological(g)
 
 
 def _to_float32(model: onnx.ModelProto) -> None:
