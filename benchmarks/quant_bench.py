@@ -9,8 +9,9 @@ converted twice, default against default:
            tied table quantized, error-minimizing search, block 32)
   builder: python -m onnxruntime_genai.models.builder -p int4 -e cpu  (int4 LM head, int8 act.)
 and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
-fuselm's model runs through onnxruntime with a plain past/present loop at accuracy level 4
-(int8 activations, what the builder's int4 CPU model uses); the builder's through
+fuselm's model runs through its onnxruntime engine at the engine's defaults (accuracy level 4 =
+int8 activations, what the builder's int4 CPU model uses; the CPU lowering of
+runtime_metal/ort_lowering.py, or the plain graph with `--no-lower`); the builder's through
 onnxruntime-genai. Each side runs in its own process; `--rounds` alternates the two (fuselm,
 builder, fuselm, ...), each round the median of `-r` runs after one warm-up; the report gives
 the median over rounds and the spread (min, max), since other jobs may share the CPU. JSON.
@@ -111,45 +112,28 @@ def _timed_runs(fn: Any, runs: int) -> list[tuple[float, float]]:
 
 
 def bench_fuselm(
-    out: Path, prompt: np.ndarray, n_new: int, runs: int, threads: int | None = None
+    out: Path, prompt: np.ndarray, n_new: int, runs: int, threads: int | None = None,
+    lower: bool = True,
 ) -> dict[str, Any]:
-    from fuselm.runtime_metal.ort_session import make_session
+    """fuselm's onnxruntime engine as `fuselm run` drives it: its defaults (accuracy level 4,
+    the CPU lowering unless `lower` is False), the cache reserved for the whole generation."""
+    from fuselm.runtime_metal.engine import make_engine
 
-    sess, info = make_session(out / "model.onnx", accuracy_level=4, threads=threads)
-    inputs = {i.name: i for i in sess.get_inputs()}
-    past_names = [n for n in inputs if n.startswith("past_key_values.")]
-    np_type = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-    outputs = ["logits"] + [n.replace("past_key_values.", "present.") for n in past_names]
+    engine = make_engine(out, "onnxruntime", threads=threads, lower=lower)
 
     def once() -> tuple[float, float]:
-        feed: dict[str, np.ndarray] = {}
-        for n in past_names:
-            _, heads, _, dim = inputs[n].shape
-            feed[n] = np.zeros((1, heads, 0, dim), np_type[inputs[n].type])
-        ids = prompt[None, :]
-        total = ids.shape[1]
+        engine.reset()
+        engine.reserve(len(prompt) + n_new)
         t0 = time.perf_counter()
-        prefill_s = 0.0
-        for step in range(n_new + 1):
-            seq = ids.shape[1]
-            feed["input_ids"] = ids
-            feed["attention_mask"] = np.ones((1, total), np.int64)
-            feed["position_ids"] = np.arange(total - seq, total, dtype=np.int64)[None, :]
-            res = sess.run(outputs, feed)
-            nxt = int(np.argmax(res[0][0, -1]))
-            for n, v in zip(past_names, res[1:], strict=True):
-                feed[n] = v
-            if step == 0:
-                prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-            if step == n_new:
-                break
-            ids = np.array([[nxt]], np.int64)
-            total += 1
+        nxt = int(np.argmax(engine.forward(prompt[None, :])))
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n_new):
+            nxt = int(np.argmax(engine.decode_step(nxt)))
         return prefill_s, time.perf_counter() - t0
 
     times = _timed_runs(once, runs)
-    return {**_rates(times, len(prompt), n_new), "session": info}
+    return {**_rates(times, len(prompt), n_new), "engine": engine.describe()}
 
 
 def _with_threads(out: Path, threads: int) -> Path:
@@ -196,12 +180,13 @@ def _rates(times: list[tuple[float, float]], n_prompt: int, n_new: int) -> dict[
 
 def _bench_child(kind: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Each engine runs in its own process, so one's memory and threads do not touch the other."""
+    extra = ", lower=False" if kind == "fuselm" and args.no_lower else ""
     code = (
         "import numpy as np\n"
         "from benchmarks.quant_bench import bench_fuselm, bench_builder\n"
         f"prompt = np.random.default_rng(0).integers(10, {args.vocab}, {args.prompt})\n"
         f"EXTRA = bench_{kind}(__import__('pathlib').Path({str(out)!r}), prompt, {args.new}, "
-        f"{args.runs}, {args.threads})\n"
+        f"{args.runs}, {args.threads}{extra})\n"
     )
     res = _child(code)
     res.pop("seconds", None)
@@ -220,6 +205,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides")
     ap.add_argument("--reuse", action="store_true", help="reuse conversions found in --work")
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads, both sides")
+    ap.add_argument("--no-lower", action="store_true",
+                    help="fuselm on the plain graph (no CPU lowering), for comparison")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="quant_bench_"))
     work.mkdir(parents=True, exist_ok=True)

@@ -20,13 +20,14 @@ from typing import Any
 
 ACCURACY_LEVELS = {0: "unset (float, activation type)", 1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
 ACCURACY_KEY = "session.qdq_matmulnbits_accuracy_level"
+EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 
 
 OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 
 def make_session(
-    model_path: str | Path,
+    model_path: str | Path | bytes,
     *,
     accuracy_level: int = 4,
     optimize: bool = True,
@@ -34,11 +35,13 @@ def make_session(
     providers: list[str] | None = None,
     optimization: str | None = None,
     profile_prefix: str | None = None,
+    external_data_dir: str | Path | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Create an `onnxruntime.InferenceSession` and say how it will compute.
 
     Returns (session, info) where info has accuracy_level, activation_precision, optimize,
-    threads, providers and onnxruntime's version.
+    threads, providers and onnxruntime's version. `model_path` may be a serialized model
+    (bytes) whose external tensors live in `external_data_dir`.
     """
     import onnxruntime as ort
 
@@ -63,6 +66,8 @@ def make_session(
     optimize = optimization != "none"
     so = ort.SessionOptions()
     so.add_session_config_entry(ACCURACY_KEY, str(accuracy_level))
+    if external_data_dir is not None:
+        so.add_session_config_entry(EXTERNAL_DIR_KEY, os.fspath(external_data_dir))
     so.graph_optimization_level = levels[optimization]
     if profile_prefix:
         so.enable_profiling = True
@@ -71,7 +76,8 @@ def make_session(
         so.intra_op_num_threads = int(threads)
     so.log_severity_level = 3  # the fp16 "Cast inserted" / serialization notices are noise here
     providers = providers or ["CPUExecutionProvider"]
-    session = ort.InferenceSession(os.fspath(model_path), so, providers=providers)
+    model = model_path if isinstance(model_path, bytes) else os.fspath(model_path)
+    session = ort.InferenceSession(model, so, providers=providers)
     info = {
         "engine": "onnxruntime",
         "version": ort.__version__,

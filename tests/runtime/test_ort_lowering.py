@@ -1,0 +1,137 @@
+"""The onnxruntime engine's CPU lowering (runtime_metal/ort_lowering.py): contrib ops, float32
+activations, a KV buffer shared by past and present. Ground truth: HF float32 and the same
+artifact's plain graph (`lower=False`). Lowerable models need head_dim % 16 == 0 (onnxruntime's
+CPU GroupQueryAttention): Qwen3 with head_dim 32 != 64 / 4 heads (GQA 4:2, q/k-norm, tied
+embeddings), Granite (attention / residual / logit multipliers) and SmolLM3 (a NoPE layer) at
+head_dim 32, the suite's Llama (head_dim 16 == hidden / heads). Everything else falls back to
+the plain graph and says why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from fuselm.converter.builtin import build_model
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import engine_logits, hf_logits, hf_model, rel
+from tests.families import TEST_CONFIGS
+from tests.runtime.conftest import convert
+
+CHUNK = 16
+LOWERED = "onnxruntime contrib ops"
+H32 = {"qwen3": {"head_dim": 32}, "granite": {**TEST_CONFIGS["granite"], "head_dim": 32},
+       "smollm3": {**TEST_CONFIGS["smollm3"], "head_dim": 32}}
+
+
+@pytest.fixture(scope="session")
+def h32_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """family -> (HF dir, float32 artifact), head_dim 32; plus "qwen3-q4": the Qwen3 one
+    converted by default (`--quant q4`, float16 graph)."""
+    root = tmp_path_factory.mktemp("lowering")
+    out = {}
+    for family, overrides in H32.items():
+        hf = build_model(root / f"{family}_hf", family, seed=5, **overrides)
+        out[family] = (hf, convert(hf, root / f"{family}_out"))
+    hf = out["qwen3"][0]
+    out["qwen3-q4"] = (hf, convert(hf, root / "qwen3_q4", dtype="float16", quant="q4"))
+    return out
+
+
+def _prompt(n: int = 40, vocab: int = 384) -> list[int]:
+    return [int(i) for i in np.random.default_rng(11).integers(4, vocab, size=n)]
+
+
+def _both(out: Path, **options: object) -> tuple[object, object]:
+    lowered = make_engine(out, "onnxruntime", **options)
+    plain = make_engine(out, "onnxruntime", lower=False, **options)
+    assert str(lowered.describe()["lowering"]).startswith(LOWERED)
+    assert plain.describe()["lowering"] == "off"
+    return lowered, plain
+
+
+@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3", "llama"])
+def test_lowered_matches_hf_and_the_plain_graph(family: str, h32_models, family_models) -> None:  # noqa: ANN001
+    hf_dir, out = (h32_models if family in H32 else family_models)[family]
+    lowered, plain = _both(out)
+    prompt = _prompt()
+    want = hf_logits(hf_model(hf_dir), prompt)
+    got = engine_logits(lowered, prompt, CHUNK)  # three chunks: prefill onto a shared cache
+    assert rel(got, want) <= 1e-4
+    assert rel(got, engine_logits(plain, prompt, CHUNK)) <= 1e-4
+    runs = [generate(e, prompt, max_new_tokens=64, prefill_chunk=CHUNK).tokens
+            for e in (lowered, plain)]
+    assert runs[0] == runs[1]
+
+
+def test_q4_default_convert_lowered_matches_plain(h32_models) -> None:  # noqa: ANN001
+    """The default Q4 artifact (float16 graph): lowered (float32 activations) against the plain
+    float16 graph at float compute within float16's tolerance, 64 greedy tokens identical; at
+    the engine's default accuracy level (int8 activations) it still decodes."""
+    out = h32_models["qwen3-q4"][1]
+    lowered, plain = _both(out, accuracy_level=0)
+    prompt = _prompt()
+    assert rel(engine_logits(lowered, prompt, CHUNK), engine_logits(plain, prompt, CHUNK)) <= 2e-2
+    runs = [generate(e, prompt, max_new_tokens=64, prefill_chunk=CHUNK).tokens
+            for e in (lowered, plain)]
+    assert runs[0] == runs[1]
+    fast = make_engine(out, "onnxruntime")
+    assert fast.describe()["accuracy_level"] == 4
+    assert str(fast.describe()["lowering"]).startswith(LOWERED)
+    assert len(generate(fast, prompt, max_new_tokens=8).tokens) == 8
+
+
+def test_shared_cache_grows_trims_and_swaps_like_the_plain_one(h32_models) -> None:  # noqa: ANN001
+    """Growing the buffer mid-sequence keeps what is cached; trim and swap_cache (how chat
+    sessions and batch.py use the engine) mean the same as on the plain graph."""
+    lowered, plain = _both(h32_models["qwen3"][1])
+    ids = np.asarray(_prompt(30))[None]
+    for e in (lowered, plain):
+        e.reset()
+        e.reserve(8)
+    for s in range(0, 30, 7):  # crosses the 8-position buffer, then its growth
+        assert rel(lowered.forward(ids[:, s:s + 7]), plain.forward(ids[:, s:s + 7])) <= 1e-4
+    for e in (lowered, plain):
+        e.trim(5)
+    assert lowered.offset == plain.offset == 25
+    saved = [e.swap_cache(None) for e in (lowered, plain)]
+    assert lowered.offset == 0
+    assert rel(lowered.forward(ids[:, :4], True), plain.forward(ids[:, :4], True)) <= 1e-4
+    for e, state in zip((lowered, plain), saved, strict=True):
+        e.swap_cache(state)
+    assert lowered.offset == 25
+    assert rel(lowered.forward(ids[:, 25:]), plain.forward(ids[:, 25:])) <= 1e-4
+
+
+@pytest.mark.parametrize(("family", "reason"), [
+    ("qwen3", "head_dim 24"), ("qwen2", "head_dim 24"), ("gemma2", "sliding-window"),
+    ("phi3", "sliding-window")])
+def test_what_the_lowering_does_not_cover_runs_the_plain_graph(family: str, reason: str,
+                                                               family_models) -> None:  # noqa: ANN001
+    out = family_models[family][1]
+    engine = make_engine(out, "onnxruntime")
+    assert reason in str(engine.describe()["lowering"])
+    plain = make_engine(out, "onnxruntime", lower=False)
+    prompt = _prompt(12)
+    assert rel(engine_logits(engine, prompt, 5), engine_logits(plain, prompt, 5)) == 0.0
+
+
+def test_rope_variants_without_a_lowering_are_refused(h32_models, tmp_path) -> None:  # noqa: ANN001
+    """Dynamic-NTK frequencies and partial rotary: the plain graph, with the reason."""
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.ort_lowering import Lowered, lower_for_cpu
+
+    out = h32_models["qwen3"][1]
+    manifest = read_manifest(out)
+    assert isinstance(lower_for_cpu(out / "model.onnx", manifest), Lowered)
+    for attr, value, reason in (("dynamic_factor", 2.0, "dynamic-NTK"),
+                                ("rotary_dim", 16, "partial rotary")):
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        rope = next(n for n in model.graph.node if n.op_type == "FusedRoPE")
+        next(a for a in rope.attribute if a.name == attr).CopyFrom(
+            onnx.helper.make_attribute(attr, value))
+        onnx.save(model, str(tmp_path / "model.onnx"))
+        assert reason in str(lower_for_cpu(tmp_path / "model.onnx", manifest))
