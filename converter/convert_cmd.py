@@ -48,10 +48,11 @@ def _passes(value: str | None) -> list[str] | None:
     type=int,
     default=None,
     help="Q4 block size along the reduction axis (32, 64 or 128) for every tensor. Default: "
-    "32 or 64 per tensor, chosen by measured error under --bits-budget.",
+    "32, or 32 or 64 per tensor under --bits-budget.",
 )
 @click.option("--bits-budget", type=float, default=None, metavar="BITS",
-              help="Q4 mean bits per weight for the per-tensor block sizes (default 4.45).")
+              help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
+              "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits).")
 @click.option("--q-bits", type=click.Choice(["4"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")

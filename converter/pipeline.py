@@ -41,7 +41,7 @@ class ConvertOptions:
     optimize: bool = True
     passes: list[str] | None = None  # None = the whole pipeline
     quant: str | None = None  # None | "q4"
-    block_size: int | None = None  # None: per tensor (32/64) under bits_budget's default
+    block_size: int | None = None  # None: 32, or per tensor (32/64) when bits_budget is given
     symmetric: bool = False
     quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
     quant_embeddings: bool = False
@@ -118,11 +118,12 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
     model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from fuselm.passes.quantize import DEFAULT_BITS_BUDGET, DEFAULT_BLOCK_SIZE, quantize_pass
+        from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE, quantize_pass
 
+        # The default is block 32 everywhere, norm-weighted: on SmolLM2 it costs +27 % PPL at
+        # 4.625 bits, where a 4.45-bit budget of 32/64 blocks costs +39 % (mlx-lm's default:
+        # +39 % at 4.5) — quality first; --bits-budget trades it for size (BENCHMARKS, issue 12).
         budget = opts.bits_budget
-        if budget is None and opts.block_size is None:
-            budget = DEFAULT_BITS_BUDGET
         extra.append(
             quantize_pass(
                 block_size=opts.block_size or DEFAULT_BLOCK_SIZE,

@@ -89,11 +89,6 @@ BITS = 4
 BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
-# `--quant q4` without --block-size: a block size per tensor (32 or 64, passes/q4_allocate.py)
-# with the stored weights' mean at most this many bits, fewer than mlx-lm's default 4.5 (4-bit
-# codes + bf16 scale + bf16 bias per 64) with room for the float norms; measured in
-# BENCHMARKS.md (issue 12).
-DEFAULT_BITS_BUDGET = 4.45
 DEFAULT_METHOD = "search"
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)

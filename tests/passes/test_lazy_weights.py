@@ -125,7 +125,7 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     """`fuselm convert --quant q4 --block-size 32` end to end: norms are read once; the tied
     embedding / LM head is read once when quantized (the default) and never with
-    --no-quant-lm-head. The default bits budget reads each weight twice, one at a time: once to
+    --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time: once to
     measure its error at each block size, once to quantize it; and each norm weight once."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
@@ -135,7 +135,8 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) 
         convert(model_dir("qwen3"), tmp_path / "out2",
                 ConvertOptions(quant="q4", quant_lm_head=False, block_size=32))
     with weights.recording() as budget_reads:
-        convert(model_dir("qwen3"), tmp_path / "out3", ConvertOptions(quant="q4"))
+        convert(model_dir("qwen3"), tmp_path / "out3",
+                ConvertOptions(quant="q4", bits_budget=4.45))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = ("q", "k", "v", "o", "gate", "up", "down")
     want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]

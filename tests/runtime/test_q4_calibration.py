@@ -109,18 +109,17 @@ def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_default_is_budgeted_and_norm_weighted(models: dict[str, Path]) -> None:
-    """`--quant q4` alone: block sizes per tensor under the default budget, and every weight fed
-    by an RMSNorm quantized with gamma^2 as its input channels' importance."""
-    from fuselm.passes.quantize import DEFAULT_BITS_BUDGET
+def test_default_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
+    """`--quant q4` alone: block 32 for every tensor (no budget), and every weight fed by an
+    RMSNorm quantized with gamma^2 as its input channels' importance."""
+    from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE
     from fuselm.runtime_metal.artifact import read_manifest
 
     q = read_manifest(models["default"]).quantization
-    assert q is not None and q["bits_budget"] == DEFAULT_BITS_BUDGET and q["norm_importance"]
+    assert q is not None and q["bits_budget"] is None and q["norm_importance"]
     ts = q["tensors"]
-    n = sum(int(np.prod(t["shape"])) for t in ts)
-    assert sum(int(np.prod(t["shape"])) * bits_per_weight(t["block_size"]) for t in ts) / n \
-        <= DEFAULT_BITS_BUDGET
+    assert q["block_size"] == DEFAULT_BLOCK_SIZE == 32
+    assert {t["block_size"] for t in ts} == {DEFAULT_BLOCK_SIZE}
     by_role = {t["role"]: t.get("calibration") for t in ts}
     assert by_role["fused:FusedQKV"] == by_role["fused:FusedGateUp"] == "norm-weight"
     assert by_role["tied_embedding_lm_head"] == "norm-weight"  # fed by the final norm
