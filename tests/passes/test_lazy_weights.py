@@ -125,8 +125,8 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     """`fuselm convert --quant q4 --block-size 32` end to end: norms are read once; the tied
     embedding / LM head is read once when quantized (the default) and never with
-    --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time: once to
-    measure its error at each block size, once to quantize it; and each norm weight once."""
+    --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time:
+    once to measure its error at each block size, once to quantize it; each norm weight once."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
     with weights.recording() as reads:
