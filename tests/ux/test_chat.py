@@ -25,6 +25,9 @@ class Terminal:
     def __init__(self, *argv: str) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: becomes the program
+            # Ctrl-C must reach it as at a shell: pytest-xdist's workers ignore SIGINT, and an
+            # ignored signal stays ignored across exec (Python then installs no handler).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(argv[0], list(argv))
         self.out = b""
 
