@@ -25,8 +25,7 @@ import numpy as np
 # The calibration text (original, not the evaluation text): passes/calibration.txt.
 CALIB = str(Path(__file__).resolve().parent.parent / "passes" / "calibration.txt")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "q4 default": {"quant": "q4"},
-    "q4 search block 32, norm-weight importance": {"quant": "q4", "block_size": 32},
+    "q4 default (block 32, norm-weight importance)": {"quant": "q4"},
     "q4 search block 32, no importance": {"quant": "q4", "block_size": 32,
                                           "norm_importance": False},
     "q4 minmax (LM head q4, block 32)": {"quant": "q4", "quant_method": "minmax"},
