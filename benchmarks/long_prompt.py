@@ -1,13 +1,15 @@
 """Long-prompt prefill: time and peak memory of a 2,048- and an 8,192-token prompt, JSON out.
 
-    python benchmarks/long_prompt.py [--shape small|qwen3-0.6b] [-p 2048 8192] [--chunk 512]
+    python benchmarks/long_prompt.py [--shape small|qwen3-0.6b] [-p 2048 8192] [--chunk 512 2048]
+        [--dtype float32|float16] [--quant q4 --group-size 32]
 
 Builds (or reuses, under --work) a random-weight Qwen3 checkpoint of the shape, converts it
-(float32), and prefills each prompt length through the MLX engine three ways:
+(--dtype, optionally --quant q4), and prefills each prompt length through the MLX engine, for
+each --chunk size, three ways:
 - "prefix": chunked, each later chunk attending rows 0..offset+s with MLX's fused causal
-  attention (FastDecoder.prefix_prefill, uncompiled);
+  attention (FastDecoder.prefix_prefill: the default path, compiled per chunk start);
 - "mask": chunked, the compiled call with a device mask over the whole cache capacity (the
-  default path);
+  path before);
 - "oneshot": the whole prompt as one chunk (fresh: fused causal attention), for reference.
 Peak memory is MLX's allocator peak (mx.get_peak_memory) over the prefill, the KV cache
 included; `full_scores_bytes` is what one layer's materialized [heads, n, n] float32 score
@@ -64,15 +66,21 @@ def measure(engine, n: int, chunk: int, way: str, runs: int) -> dict[str, object
             "full_scores_bytes_one_layer_mib": heads * n * n * 4 / 2**20}
 
 
-def artifact(work: Path, shape: str, dtype: str, context: int) -> Path:
+def artifact(work: Path, shape: str, dtype: str, context: int, quant: str | None = None,
+             group: int = 32) -> Path:
     """The converted random-weight checkpoint of `shape`, built once under `work`."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
-    out = work / f"{shape}_{dtype}_out"
+    tag = f"_{quant}g{group}" if quant else ""
+    out = work / f"{shape}_{dtype}{tag}_out"
     if not (out / "fuselm.json").exists():
         config = {**SHAPES[shape], "max_position_embeddings": max(context + 1024, 4096)}
-        hf = build_model(work / f"{shape}_hf", "qwen3", seed=0, **config)
-        convert(hf, out, ConvertOptions(dtype=dtype))
+        hf = work / f"{shape}_hf"
+        if not (hf / "config.json").exists():
+            build_model(hf, "qwen3", seed=0, **config)
+        opts = ConvertOptions(dtype=dtype, quant=quant, block_size=group) if quant \
+            else ConvertOptions(dtype=dtype)
+        convert(hf, out, opts)
     return out
 
 
@@ -80,18 +88,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("-p", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, nargs="+", default=[512])
     ap.add_argument("-r", type=int, default=1)
     ap.add_argument("--ways", nargs="+", default=["prefix", "mask", "oneshot"])
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quant", choices=("q4",), default=None)
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_long_prompt"))
     args = ap.parse_args()
-    engine = make_engine(artifact(args.work, args.shape, args.dtype, max(args.p)), "mlx")
-    rows = [measure(engine, n, args.chunk, way, args.r) for n in args.p for way in args.ways]
-    print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
-                      "shape": args.shape, "dtype": args.dtype,
-                      "prefill": engine.describe()["prefill"],
-                      "rows": rows}, indent=1))
+    engine = make_engine(artifact(args.work, args.shape, args.dtype, max(args.p), args.quant,
+                                  args.group_size), "mlx")
+    rows = []
+    for n in args.p:
+        for way in args.ways:
+            for chunk in args.chunk if way != "oneshot" else [n]:
+                rows.append(measure(engine, n, chunk, way, args.r))
+                print(json.dumps(rows[-1]), flush=True)
+    res = json.dumps({"device": str(mx.default_device()), "host": platform.node(),
+                      "shape": args.shape, "dtype": args.dtype, "quant": args.quant,
+                      "group_size": args.group_size, "prefill": engine.describe()["prefill"],
+                      "rows": rows}, indent=1)
+    if args.json_out:
+        args.json_out.write_text(res)
+    print(res)
 
 
 if __name__ == "__main__":

@@ -129,16 +129,17 @@ def log(msg: str) -> None:
 class Fuselm:
     name = "fuselm"
 
-    def __init__(self, out_dir: Path, engine: str = "mlx") -> None:
+    def __init__(self, out_dir: Path, engine: str = "mlx", chunk: int = 2048) -> None:
         from fuselm.runtime_metal.engine import make_engine
 
         self.engine = make_engine(out_dir, engine)
+        self.chunk = chunk  # prefill chunk (mlx-lm's generate_step: prefill_step_size 2048)
 
     def generate(self, prompt: list[int], n: int) -> tuple[float, float]:
         from fuselm.runtime_metal.bench import timed_generation
 
         self.engine.reset()
-        return timed_generation(self.engine, prompt, n, 512)
+        return timed_generation(self.engine, prompt, n, self.chunk)
 
     def prefill(self, prompt: list[int]) -> int:
         import numpy as np
@@ -257,7 +258,7 @@ def side_by_side(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path
 
     from fuselm.runtime_metal.bench import Stat, device_info
 
-    systems = [Fuselm(fl_dir, args.fuselm_engine), MlxLm(mlx_dir)]
+    systems = [Fuselm(fl_dir, args.fuselm_engine, args.prefill_chunk), MlxLm(mlx_dir)]
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     prompt = [int(i) for i in np.random.default_rng(0).integers(0, vocab, size=args.p)]
     results: dict[str, dict[str, list[float]]] = {s.name: {"pp": [], "tg": []} for s in systems}
@@ -304,7 +305,8 @@ def worker(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path) -> d
     --pp-extra length."""
     from fuselm.runtime_metal.bench import device_info
 
-    system = Fuselm(fl_dir, args.fuselm_engine) if args.only == "fuselm" else MlxLm(mlx_dir)
+    system = (Fuselm(fl_dir, args.fuselm_engine, args.prefill_chunk) if args.only == "fuselm"
+              else MlxLm(mlx_dir))
     prompt = _prompt(hf, args.p)
     longer = {n: _prompt(hf, n, seed=n) for n in args.pp_extra}
     for _ in range(args.warmup):
@@ -338,7 +340,8 @@ def separate(args: argparse.Namespace, hf: Path) -> dict[str, Any]:
     base = [sys.executable, str(Path(__file__).resolve()), "--shape", args.shape, "--work",
             args.work, "-p", str(args.p), "-n", str(args.n), "-r", str(args.r), "--warmup",
             str(args.warmup), "--group-size", str(args.group_size), "--dtype",
-            args.dtype_resolved, "--fuselm-engine", args.fuselm_engine]
+            args.dtype_resolved, "--fuselm-engine", args.fuselm_engine,
+            "--prefill-chunk", str(args.prefill_chunk)]
     if args.checkpoint:
         base += ["--checkpoint", args.checkpoint]
     if args.pp_extra:
@@ -487,6 +490,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32)
     ap.add_argument("--dtype", choices=("auto", "float16", "float32"), default="auto")
     ap.add_argument("--fuselm-engine", choices=("mlx", "onnxruntime"), default="mlx")
+    ap.add_argument("--prefill-chunk", type=int, default=2048,
+                    help="fuselm's prefill chunk (mlx-lm prefills 2,048 tokens per step)")
     ap.add_argument("--json-out", help="write the JSON here (default: stdout, after the table)")
     ap.add_argument("--count-launches", choices=("fuselm", "mlx-lm"))
     ap.add_argument("--steps", type=int, nargs="+", default=[8])

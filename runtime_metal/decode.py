@@ -27,9 +27,10 @@ and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as i
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
 path mlx-lm's prefill takes, with no [s, capacity] mask read. A later chunk of a long prompt
-can attend the cached rows 0..offset+s the same way (`prefix`, FastDecoder.prefix_prefill):
-no mask over the whole capacity, no work on rows not yet written, but not compiled (its shapes
-change with every chunk); measured slower than the compiled masked call, so off by default.
+attends the cached rows 0..offset+s the same way (`prefix`, FastDecoder.prefix_prefill, on by
+default): no mask over the whole capacity, no work on rows not yet written. Its shapes depend
+on the host offset, so each offset gets its own compiled function (a prompt's chunk starts are
+few and recur: multiples of the chunk size), kept in a small table.
 
 The program refuses (and the engine keeps the node-by-node executor) when a graph needs host
 values per step that it cannot move to load time: dynamic-NTK RoPE, Attention softcap,
@@ -275,11 +276,12 @@ class FastDecoder:
             mx.compile(program) if compiled else program)
         self._fresh: Callable[..., tuple[mx.array, ...]] = (
             mx.compile(program.fresh) if compiled else program.fresh)
-        # True: a later prompt chunk attends rows 0..offset+s with MLX's causal mask (host
-        # offset, uncompiled call). Off by default: measured (benchmarks/long_prompt.py, H200
-        # and CPU, small shape) the compiled call with the device mask over the capacity was
-        # as lean in memory and faster (2048: 224k vs 155k tok/s; 8192: 162k vs 126k).
-        self.prefix_prefill = False
+        # True: a later prompt chunk attends rows 0..offset+s with MLX's causal mask, one
+        # compiled function per host offset (`_prefixed`); False: the compiled call with the
+        # device mask over the whole capacity (the work and the mask read grow with capacity,
+        # not with what is cached: measured 2-3x slower than mlx-lm at 2,048-8,192 tokens).
+        self.prefix_prefill = True
+        self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
@@ -302,12 +304,24 @@ class FastDecoder:
         pos = self.caches[0].offset
         fn = self._fresh if pos == 0 else self._fn
         if pos and ids.size > 1 and self.prefix_prefill:
+            fn = self._prefix_fn(pos)
+        return self._call(fn, mx.array(ids.astype(np.int32)), ids.size)
+
+    _PREFIXED_KEPT = 64  # compiled prefix functions kept (oldest dropped first)
+
+    def _prefix_fn(self, pos: int) -> Callable[..., tuple[mx.array, ...]]:
+        """The program for a chunk after `pos` cached rows, attending rows 0..pos+s."""
+        fn = self._prefixed.pop(pos, None)
+        if fn is None:
             program = self.program
 
-            def fn(tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+            def run(tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
                 return program.run(tokens, offset, kv, fresh=False, prefix=pos)
-        return self._call(fn, mx.array(ids.astype(np.int32)),
-                          ids.size)
+            fn = mx.compile(run) if self.compiled else run
+            if len(self._prefixed) >= self._PREFIXED_KEPT:
+                self._prefixed.pop(next(iter(self._prefixed)))
+        self._prefixed[pos] = fn  # re-inserted: most recently used last
+        return fn
 
     def _call(self, fn: Callable[..., tuple[mx.array, ...]], tokens: mx.array, s: int
               ) -> mx.array:

@@ -49,6 +49,20 @@ def gemv_enabled(kernels_on: bool) -> bool:
     return kernels_on and os.environ.get(GEMV_ENV, "1").strip() != "0"
 
 
+DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
+
+
+def dense_prefill_rows() -> int:
+    """From how many rows a Q4 matmul dequantizes its weight (a transient, inside the call)
+    and runs a dense matmul instead of MLX's quantized matmul; 0 = never (the default).
+    FUSELM_PREFILL_DENSE=N sets N, to measure one against the other on long prefill chunks."""
+    raw = os.environ.get(DENSE_PREFILL_ENV, "0").strip() or "0"
+    if not raw.isdigit():
+        raise RuntimeUserError(f"{DENSE_PREFILL_ENV}={raw!r} is not a row count; use e.g. 256 "
+                               "or 0 (off)")
+    return int(raw)
+
+
 def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
     """Same-shape, same-dtype residual Add feeding a last-axis RMSNorm with a 1-D scale."""
     if not all(isinstance(a, mx.array) for a in (x, r, scale)):
