@@ -10,6 +10,10 @@
 #                                               # Q4 GEMV kernel on and off
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
+#   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
+#                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
+#                                               # capacity mask vs one call, time and peak memory;
+#                                               # then the prefix path with FUSELM_PREFILL_DENSE
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
 # must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them). Results go to
@@ -65,6 +69,15 @@ case "$part" in
     done
     python3 benchmarks/side_by_side.py --launches-from-ncu "${files[@]}" --steps 1 2 \
       | tee "$OUT/launches_$2_g$3.json"
+    ;;
+  long)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
+      -n 4 > /dev/null  # build + convert once
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    python3 benchmarks/long_prompt.py --artifact "$art" -p 2048 8192 --chunk 512 2048 -r 3 \
+      --ways prefix mask oneshot --json-out "$OUT/long_$2_g$3.json" | grep '^{"tokens'
+    FUSELM_PREFILL_DENSE=256 python3 benchmarks/long_prompt.py --artifact "$art" -p 2048 8192 \
+      --chunk 2048 -r 3 --ways prefix --json-out "$OUT/long_$2_g$3_dense.json" | grep '^{"tokens'
     ;;
   serve)
     python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams 1 4 8 16 \

@@ -95,10 +95,12 @@ def main() -> None:
     ap.add_argument("--quant", choices=("q4",), default=None)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--artifact", type=Path, help="a converted model to use instead of --shape's")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_long_prompt"))
     args = ap.parse_args()
-    engine = make_engine(artifact(args.work, args.shape, args.dtype, max(args.p), args.quant,
-                                  args.group_size), "mlx")
+    art = args.artifact or artifact(args.work, args.shape, args.dtype, max(args.p), args.quant,
+                                    args.group_size)
+    engine = make_engine(art, "mlx")
     rows = []
     for n in args.p:
         for way in args.ways:
@@ -106,7 +108,8 @@ def main() -> None:
                 rows.append(measure(engine, n, chunk, way, args.r))
                 print(json.dumps(rows[-1]), flush=True)
     res = json.dumps({"device": str(mx.default_device()), "host": platform.node(),
-                      "shape": args.shape, "dtype": args.dtype, "quant": args.quant,
+                      "shape": args.shape, "artifact": str(art), "dtype": args.dtype,
+                      "quant": args.quant,
                       "group_size": args.group_size, "prefill": engine.describe()["prefill"],
                       "rows": rows}, indent=1)
     if args.json_out:
