@@ -307,6 +307,11 @@ class FastDecoder:
             fn = self._prefix_fn(pos)
         return self._call(fn, mx.array(ids.astype(np.int32)), ids.size)
 
+    @property
+    def compiled_prefixes(self) -> int:
+        """How many chunk starts have their own compiled prefix function now."""
+        return len(self._prefixed)
+
     _PREFIXED_KEPT = 64  # compiled prefix functions kept (oldest dropped first)
 
     def _prefix_fn(self, pos: int) -> Callable[..., tuple[mx.array, ...]]:

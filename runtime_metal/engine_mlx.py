@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal import kernels
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.decode import DecodeProgram, DecodeUnsupported, FastDecoder
 from fuselm.runtime_metal.executor import Executor
@@ -166,6 +167,7 @@ class MLXEngine:
             "decode": self.fast_reason,
             "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
+            "q4_dense_from_rows": kernels.dense_prefill_rows(),  # 0: MLX's quantized matmul
             "fused_kernels": (
                 "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
                     ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")

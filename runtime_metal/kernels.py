@@ -50,13 +50,20 @@ def gemv_enabled(kernels_on: bool) -> bool:
 
 
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
+# MLX-CUDA's quantized matmul for many rows runs well below a dense GEMM: dequantizing each
+# weight inside the call (a transient) and running MLX's dense matmul doubled prefill on the
+# H200 (Qwen3-0.6B Q4 float16, 2,048 tokens: 149k vs 80k tok/s; BENCHMARKS.md issue 14).
+CUDA_DENSE_ROWS = 256
 
 
 def dense_prefill_rows() -> int:
     """From how many rows a Q4 matmul dequantizes its weight (a transient, inside the call)
-    and runs a dense matmul instead of MLX's quantized matmul; 0 = never (the default).
-    FUSELM_PREFILL_DENSE=N sets N, to measure one against the other on long prefill chunks."""
-    raw = os.environ.get(DENSE_PREFILL_ENV, "0").strip() or "0"
+    and runs a dense matmul instead of MLX's quantized matmul; 0 = never. Default: from
+    CUDA_DENSE_ROWS rows on MLX-CUDA, never elsewhere (Metal and CPU keep MLX's quantized
+    matmul, not measured slower); FUSELM_PREFILL_DENSE=N sets N (0: off)."""
+    raw = os.environ.get(DENSE_PREFILL_ENV, "").strip()
+    if not raw:
+        return CUDA_DENSE_ROWS if cuda_device() else 0
     if not raw.isdigit():
         raise RuntimeUserError(f"{DENSE_PREFILL_ENV}={raw!r} is not a row count; use e.g. 256 "
                                "or 0 (off)")

@@ -21,7 +21,6 @@ from fuselm.runtime_metal import kernels, kernels_q4
 from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
-_DENSE_FROM = kernels.dense_prefill_rows()  # rows from which a matmul goes dense (0: never)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
 _gemv = 0  # > 0 while the compiled program traces a decode step with fuselm's CUDA kernels on
 
@@ -102,7 +101,8 @@ class QWeight:
                                      self.transposed):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
         rows = x.size // x.shape[-1]
-        if 0 < _DENSE_FROM <= rows:  # FUSELM_PREFILL_DENSE: dequantize for this call only
+        if rows >= kernels_q4.MAX_ROWS and 0 < kernels.dense_prefill_rows() <= rows:
+            # many rows (a prefill chunk) on MLX-CUDA: dequantize for this call only
             m = mx.dequantize(self.packed, s, b, group_size=self.group_size, bits=self.bits)
             return x @ (m.T if self.transposed else m)
         if self._cast.get(_DENSE_ALL) or (self._cast.get(_DENSE_ROWS) and rows > 1):
