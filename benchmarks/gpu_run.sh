@@ -10,6 +10,10 @@
 #                                               # Q4 GEMV kernel on and off
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
+#   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
+#                                               # random weights), fuselm Q4 (minmax scales) and
+#                                               # mlx-lm Q4 of it, side by side as `sbs` (ROUNDS)
+#   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
 #                                               # capacity mask vs one call, time and peak memory;
@@ -69,6 +73,15 @@ case "$part" in
     done
     python3 benchmarks/side_by_side.py --launches-from-ncu "${files[@]}" --steps 1 2 \
       | tee "$OUT/launches_$2_g$3.json"
+    ;;
+  8b)
+    ck="$WORK/llama-3.1-8b/hf"
+    [ -f "$ck/config.json" ] || python3 benchmarks/make_checkpoint.py "$ck"
+    python3 benchmarks/side_by_side.py --checkpoint "$ck" --group-size "$2" -p 512 -n 128 -r 3 \
+      --separate "${ROUNDS:-3}" --quant-method minmax --work "$WORK" --json-out "$OUT/8b_g$2.json"
+    ;;
+  crossover)
+    python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"
     ;;
   long)
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \

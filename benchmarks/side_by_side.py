@@ -100,13 +100,15 @@ def ensure_checkpoint(work: Path, shape: str, checkpoint: str | None) -> Path:
     return hf
 
 
-def ensure_fuselm(hf: Path, out: Path, group: int, dtype: str) -> Path:
+def ensure_fuselm(hf: Path, out: Path, group: int, dtype: str, method: str = "search"
+                  ) -> Path:
     if not (out / "fuselm.json").is_file():
         from fuselm.converter.pipeline import ConvertOptions, convert
 
         t = time.perf_counter()
         convert(hf, out, ConvertOptions(dtype=dtype, quant="q4", block_size=group,
-                                        quant_lm_head=True, quant_embeddings=True))
+                                        quant_lm_head=True, quant_embeddings=True,
+                                        quant_method=method))
         log(f"fuselm convert (q4, block {group}, {dtype}) in {time.perf_counter() - t:.0f} s")
     return out
 
@@ -490,6 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32)
     ap.add_argument("--dtype", choices=("auto", "float16", "float32"), default="auto")
     ap.add_argument("--fuselm-engine", choices=("mlx", "onnxruntime"), default="mlx")
+    ap.add_argument("--quant-method", choices=("search", "minmax"), default="search",
+                    help="fuselm's Q4 scale choice (minmax: the quick one, for big shapes)")
     ap.add_argument("--prefill-chunk", type=int, default=2048,
                     help="fuselm's prefill chunk (mlx-lm prefills 2,048 tokens per step)")
     ap.add_argument("--json-out", help="write the JSON here (default: stdout, after the table)")
@@ -516,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     hf = ensure_checkpoint(work, args.shape, args.checkpoint)
     tag = f"{args.shape if not args.checkpoint else Path(args.checkpoint).name}" \
           f"_g{args.group_size}_{args.dtype_resolved}"
-    fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, args.dtype_resolved)
+    fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, args.dtype_resolved,
+                           args.quant_method)
     mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, args.dtype_resolved)
     if args.count_launches:
         args.steps = args.steps[0]

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal import kernels, program_ops, qweight
+from fuselm.runtime_metal import kernels, kernels_q4, program_ops, qweight
 from fuselm.runtime_metal.attention import Mask
 from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
@@ -78,6 +78,7 @@ class DecodeProgram:
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
     gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
+    fold: bool = False  # decode steps' add+RMSNorm in the prologue of the GEMV reading it
 
     # ---- load time -------------------------------------------------------------------------
 
@@ -111,9 +112,12 @@ class DecodeProgram:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
         on = kernels.enabled(kernel_mode)
+        gemv = kernels.gemv_enabled(on)
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
                       len(plan.steps) - len(live), kernels=on, windows=windows,
-                      gemv=kernels.gemv_enabled(on))
+                      gemv=gemv, fold=kernels.fold_norm_enabled(gemv))
+        if program.fold:
+            program_ops.fold_norms(program.ops)
         try:
             check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
@@ -173,10 +177,20 @@ class DecodeProgram:
 
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
+        # an add+RMSNorm left to the GEMV reading it: that op's id -> (the sum's name, rows)
+        folded: dict[int, tuple[str, kernels_q4.NormedRows]] = {}
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
             for o in self.ops:
                 args = _resolve(o.args, env)
+                if o.kind == "add_norm" and self.fold and s == 1 and o.norm_reader is not None:
+                    assert o.partner is not None
+                    rows = program_ops.normed_rows(o.partner.step, args[0], args[1],
+                                                   _resolve(o.partner.args[1:2], env)[0])
+                    if rows is not None:  # the sum is bound once the reader has run
+                        env[o.partner.step.outputs[0]] = rows
+                        folded[id(o.norm_reader)] = (o.step.outputs[0], rows)
+                        continue
                 if o.kind == "add_norm":
                     assert o.partner is not None
                     values = program_ops.add_norm(o.step, o.partner.step, args[0], args[1],
@@ -209,6 +223,10 @@ class DecodeProgram:
                 else:
                     values = call_step(o.step, lm_head_rows(o.step, args))
                 _bind(env, o.step.outputs, values)
+                if id(o) in folded:
+                    name, normed = folded.pop(id(o))
+                    assert normed.h is not None, "the folded norm's reader did not read it"
+                    env[name] = normed.h
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
         last = logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].astype(mx.float32)

@@ -171,6 +171,7 @@ class MLXEngine:
             "fused_kernels": (
                 "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
                     ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
+                + (", add+rms_norm in the GEMV prologue" if self.fast.program.fold else "")
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }

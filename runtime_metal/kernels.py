@@ -49,6 +49,16 @@ def gemv_enabled(kernels_on: bool) -> bool:
     return kernels_on and os.environ.get(GEMV_ENV, "1").strip() != "0"
 
 
+FOLD_ENV = "FUSELM_FOLD_NORM"
+
+
+def fold_norm_enabled(gemv_on: bool) -> bool:
+    """Each decode step's add+RMSNorm folded into the prologue of the Q4 GEMV that reads it
+    (kernels_q4.NormedRows): with the GEMV kernel, unless FUSELM_FOLD_NORM=0 keeps the separate
+    add+RMSNorm kernel (to measure one against the other)."""
+    return gemv_on and os.environ.get(FOLD_ENV, "1").strip() != "0"
+
+
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
 # MLX-CUDA's quantized matmul for many rows runs well below a dense GEMM: dequantizing each
 # weight inside the call (a transient) and running MLX's dense matmul doubled prefill on the

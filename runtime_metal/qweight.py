@@ -94,11 +94,16 @@ class QWeight:
             self._cast[dtype] = pair
         return self._cast[dtype]
 
-    def matmul(self, x: mx.array) -> mx.array:
-        """x @ W as ONE quantized matmul."""
+    def matmul(self, x: mx.array | kernels_q4.NormedRows) -> mx.array:
+        """x @ W as ONE quantized matmul. A NormedRows input (a folded add+RMSNorm) is
+        normalized in the GEMV kernel's prologue where it fits, else computed first."""
+        if isinstance(x, kernels_q4.NormedRows):
+            if self._gemv_fits(x.x) and x.fits():
+                s, b = self.affine(x.x.dtype)
+                return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
+            x = x.value()
         s, b = self.affine(x.dtype)
-        if _gemv and kernels_q4.fits(x, self.packed, s, self.group_size, self.bits,
-                                     self.transposed):
+        if self._gemv_fits(x):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
         rows = x.size // x.shape[-1]
         if rows >= kernels_q4.MAX_ROWS and 0 < kernels.dense_prefill_rows() <= rows:
@@ -120,15 +125,21 @@ class QWeight:
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
 
-    def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
+    def _gemv_fits(self, x: mx.array, activation: str | None = None) -> bool:
+        return bool(_gemv) and kernels_q4.fits(x, self.packed, self.affine(x.dtype)[0],
+                                               self.group_size, self.bits, self.transposed,
+                                               activation)
+
+    def gated_matmul(self, x: mx.array | kernels_q4.NormedRows, activation: str
+                     ) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
-        or None where the kernel is off or does not fit (the caller runs the plain path)."""
-        if not _gemv:
+        or None where the kernel is off or does not fit (the caller runs the plain path, and
+        `matmul` takes a NormedRows there)."""
+        xa = x.x if isinstance(x, kernels_q4.NormedRows) else x
+        if not self._gemv_fits(xa, activation) or (
+                isinstance(x, kernels_q4.NormedRows) and not x.fits()):
             return None
-        s, b = self.affine(x.dtype)
-        if not kernels_q4.fits(x, self.packed, s, self.group_size, self.bits, self.transposed,
-                               activation):
-            return None
+        s, b = self.affine(xa.dtype)
         return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size, activation)
 
     def take_rows(self, indices: mx.array) -> mx.array:

@@ -359,3 +359,88 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
         logits[mode] = np.stack(rows)
     assert rel(logits["on"], logits["off"]) <= 1e-4
     assert tokens["on"] == tokens["off"]
+
+
+# ---- the add+RMSNorm folded into the Q4 GEMV's prologue (kernels_q4.NormedRows) ---------------
+
+def test_fold_norms_finds_each_layers_matmuls(q4_artifact: Path) -> None:
+    """Everywhere (the pairing is plain Python): each add+RMSNorm before a layer's q/k/v or
+    gate/up matmul gets that matmul as the op that folds it; 2 per layer but the first (its
+    input norm reads the embedding, no Add)."""
+    from fuselm.runtime_metal import program_ops
+    from fuselm.runtime_metal.engine import make_engine
+
+    program = make_engine(q4_artifact, "mlx").fast.program
+    program_ops.fold_norms(program.ops)
+    folded = collections.Counter(o.norm_reader.step.op_type for o in program.ops
+                                 if o.norm_reader is not None)
+    layers = program.num_layers
+    assert folded["FusedQKV"] == layers - 1 and folded["FusedGateUp"] == layers
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n,act", [(1, 1024, 4096, None), (4, 1024, 6144, "silu"),
+                                          (1, 4096, 512, None), (2, 96, 64, "gelu_tanh")])
+def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
+                               act: str | None) -> None:
+    """The GEMV with the add+RMSNorm in its prologue against the add+RMSNorm kernel followed by
+    the plain GEMV: the sum h bit-equal, the product within the dtype's tolerance (equal
+    where the two reduce in the same order: hidden < 4096)."""
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
+
+    rng = np.random.default_rng(rows + k + n)
+    w, _ = _q4_weight(rng, k, n, 32)
+    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = _rounded(rng.normal(size=(rows, 1, k)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, k), dtype)
+    eps = mx.array([1e-6], mx.float32)
+    h_ref, y_norm = kernels_cuda.add_rms_norm(x, r, scale, eps)
+    normed = kernels_q4.NormedRows(x, r, scale, eps)
+    assert normed.fits()
+    with qweight.gemv_kernel():
+        want = w.gated_matmul(y_norm, act) if act else w.matmul(y_norm)
+        got = w.gated_matmul(normed, act) if act else w.matmul(normed)
+    assert got is not None and want is not None and normed.h is not None
+    assert np.array_equal(np.array(normed.h.astype(mx.float32)),
+                          np.array(h_ref.astype(mx.float32)))
+    g, e = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    assert rel(g, e) <= TOL[dtype]
+    if k < 4096:
+        assert np.array_equal(g, e)
+
+
+@cuda
+def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm folded into the
+    GEMVs against the separate add+RMSNorm kernel: logits rel <= 1e-4 (float32) over 8 steps,
+    the same greedy tokens."""
+    from fuselm.converter.builtin import build_model
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+    from tests.runtime.conftest import quantized_copy
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    hf = build_model(tmp_path / "hf", "qwen3", seed=7, hidden_size=128, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    out = quantized_copy(convert(hf, tmp_path / "f32"), tmp_path / "q4", lm_head=True,
+                         embeddings=True)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
+    logits, tokens = {}, {}
+    for fold in ("0", "1"):
+        monkeypatch.setenv(kernels.FOLD_ENV, fold)
+        engine = make_engine(out, "mlx")
+        program = engine.fast.program
+        assert program.fold is (fold == "1")
+        folded = sum(o.norm_reader is not None for o in program.ops)
+        # each layer's two, but the first layer's input norm; the final norm into a small head
+        assert (folded >= 2 * program.num_layers - 1) if fold == "1" else folded == 0
+        tokens[fold] = generate(engine, prompt, max_new_tokens=16).tokens
+        engine.reset()
+        engine.reserve(len(prompt) + 8)
+        engine.forward(np.asarray([prompt]))
+        logits[fold] = np.stack([np.array(engine.decode_step(mx.array(t, mx.int32)))
+                                 for t in tokens[fold][:8]])
+    assert rel(logits["1"], logits["0"]) <= 1e-4
+    assert tokens["1"] == tokens["0"]
