@@ -23,6 +23,9 @@ Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with 
 that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
 decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache rows 0..offset
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
+With the Q4 GEMV kernel on, an add+RMSNorm whose normalized row only feeds one Q4 matmul
+(program_ops.fold_norms: a layer's q/k/v and gate/up) is not launched at all: it is handed on as
+kernels_q4.NormedRows and computed in that GEMV's prologue, which also yields the sum.
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
