@@ -35,12 +35,13 @@ class ProgramOp:
 # Ops whose first input goes straight into one Q4 matmul (QWeight.matmul / gated_matmul), so
 # that a folded add+RMSNorm reaches the GEMV kernel's prologue.
 _FOLDABLE = ("FusedQKV", "FusedGateUp", "MatMul")
-_FOLD_MAX_OUT = 65536  # wider outputs (an LM head) would repeat the prologue in too many blocks
+_FOLD_MAX_OUT = 65536  # wider outputs would repeat the prologue in too many blocks
 
 
 def fold_norms(ops: list[ProgramOp]) -> None:
     """Give each add_norm pair `norm_reader`: the one op reading the normalized row, when it is
-    a Q4 matmul (a constant QWeight, no bias) that runs before any other reader of the sum."""
+    a Q4 matmul (a constant QWeight, no bias; not the LM head: its thousands of blocks would
+    each redo the prologue) that runs before any other reader of the sum."""
     readers: dict[str, list[int]] = {}
     for i, o in enumerate(ops):
         for p in (o, o.partner):
@@ -56,7 +57,8 @@ def fold_norms(ops: list[ProgramOp]) -> None:
             continue
         c = ops[ys[0]]
         w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
-        if (c.kind == "step" and c.step.op_type in _FOLDABLE and c.args[0] == ("env", y)
+        if (c.kind == "step" and c.step.op_type in _FOLDABLE and not c.step.is_lm_head
+                and c.args[0] == ("env", y)
                 and isinstance(w, QWeight) and w.shape[1] <= _FOLD_MAX_OUT
                 and all(k == "none" or (k == "const" and i < 4)
                         for i, (k, _) in enumerate(c.args[1:], 1))
