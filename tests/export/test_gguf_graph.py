@@ -233,3 +233,25 @@ def test_torch_path_when_the_builder_does_not_apply(gguf_files: dict[str, Path])
     qwen = GGUFCheckpoint(gguf_files["qwen3"])
     qwen.config["use_sliding_window"] = True
     assert torch_reason(qwen, None) == "a Qwen sliding window"
+
+
+def test_weight_screen_reads_arrays_as_it_reads_tensors() -> None:
+    """The builder screens NumPy arrays with the exporter's WeightScreen: NaN/Inf refused (or
+    recorded with allow_nonfinite), float16 overflow refused, both named, as for torch."""
+    import torch
+
+    from fuselm.export.errors import ExportError
+    from fuselm.export.weight_screen import WeightScreen
+
+    bad = np.ones((4, 8), np.float32)
+    bad[1, 2] = np.nan
+    big = np.full((3,), 70000.0, np.float32)
+    for kind in (np.asarray, torch.from_numpy):
+        with pytest.raises(ExportError, match=r"tensor w .*1 NaN, 0 inf of 32"):
+            WeightScreen("float16")("w", kind(bad))
+        with pytest.raises(ExportError, match="tensor b holds values up to 7e"):
+            WeightScreen(torch.float16)("b", kind(big))
+        WeightScreen("float32")("b", kind(big))  # float32 holds it
+        allowed = WeightScreen("float32", allow_nonfinite=True)
+        allowed("w", kind(bad))
+        assert allowed.nonfinite == ["w"]
