@@ -182,7 +182,10 @@ def write_tokenizer(gguf: GGUFFile, out_dir: Path) -> list[str]:
     from fuselm.export.gguf_tokenizer import light_tokenizer
 
     try:
-        tok = light_tokenizer(gguf)
+        try:
+            tok = light_tokenizer(gguf)
+        except Exception:  # noqa: BLE001 - another transformers layout: its own loader decides
+            tok = None
         if tok is None:  # a transformers without the torch-free pieces: its loader (+ torch)
             from transformers import AutoTokenizer
 

@@ -39,7 +39,9 @@ def _value(gguf: GGUFFile, key: str) -> Any:
 
 def light_tokenizer(gguf: GGUFFile) -> Any:
     """transformers' tokenizer of `gguf` (a TokenizersBackend), or None where this
-    transformers has no torch-free GGUF tokenizer pieces (then its loader is used)."""
+    transformers has no torch-free GGUF tokenizer pieces (then its loader is used: 5.17's
+    `gguf_tokenizer_mapping` has neither the key table nor the converter, and its
+    `tokenization_utils_tokenizers` imports torch itself)."""
     try:
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_TOKENIZER_MAPPING,
