@@ -239,6 +239,10 @@ def convert(
             if progress:
                 progress("passes", 0, 1)
             report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib)
+            if exported.built is not None:  # the exporter wrote the fused ops itself (GGUF)
+                from fuselm.passes.manager import PassEntry
+
+                report.entries.insert(0, PassEntry(**exported.built))
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
             if opts.quant == "q4":

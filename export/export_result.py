@@ -7,6 +7,7 @@ builder (export/gguf_graph.py) return the same type without one importing the ot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fuselm.export.config import DecoderSpec
 
@@ -19,3 +20,6 @@ class ExportResult:
     seconds: dict[str, float] = field(default_factory=dict)
     weight_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
+    # An exporter that writes the fused graph itself (export/gguf_graph.py) says what it built,
+    # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
+    built: dict[str, Any] | None = None

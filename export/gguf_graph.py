@@ -335,4 +335,10 @@ def build_model(
     result.weight_bytes = w.offset
     result.nonfinite = screen.nonfinite
     result.seconds["build"] = time.perf_counter() - t0
+    ops_built: dict[str, int] = {}
+    for node in n.nodes:
+        ops_built[node.op_type] = ops_built.get(node.op_type, 0) + 1
+    result.built = dict(name="gguf_graph", matches=spec.num_layers, nodes_before=0,
+                        nodes_after=len(n.nodes), op_delta=dict(sorted(ops_built.items())),
+                        seconds=round(result.seconds["build"], 4))
     return result

@@ -120,6 +120,13 @@ def test_same_manifest_and_side_files(pairs: dict[str, tuple[Path, Path]], case:
         theirs.dtype, theirs.special_tokens, theirs.files, theirs.steps)
     assert ours.source["exporter"] == "gguf graph builder"
     assert theirs.source["exporter"].startswith("torch")
+    # the pass report: what the builder built first, then passes that find nothing to fuse
+    built, *passes = ours.passes["passes"]
+    layers = ours.model.num_layers
+    assert built["name"] == "gguf_graph" and built["matches"] == layers
+    assert {op: built["op_delta"][op] for op in ("FusedQKV", "FusedGateUp", "Attention")} == \
+        dict.fromkeys(("FusedQKV", "FusedGateUp", "Attention"), layers)
+    assert all(e["matches"] == 0 for e in passes if e["name"] not in ("quantize_q4", "cleanup"))
     if case == "llama-q4":  # the same record, tensor by tensor, but for the packed names
         q, t = dict(ours.quantization), dict(theirs.quantization)
         keys = ("role", "shape", "block_size", "bits_per_weight", "rel_rms_error")
