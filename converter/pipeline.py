@@ -24,8 +24,6 @@ from fuselm.converter.errors import UserError
 from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf_file import is_gguf
-from fuselm.export.onnx_export import export_model
-from fuselm.export.registry import decoder_spec
 from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
 from fuselm.passes.manager import select
@@ -179,9 +177,13 @@ def convert(
     progress: Progress | None = None,
     checkpoint: Any = None,
     source: dict[str, Any] | None = None,
+    exporter: Callable[..., Any] | None = None,
+    spec: DecoderSpec | None = None,
 ) -> ConvertResult:
     """`checkpoint`: the weights, when not model_dir's safetensors (a .gguf model_dir is read
-    through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`."""
+    through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`;
+    `exporter`: what writes raw.onnx, export_model's signature (default: the torch exporter;
+    GGUF input passes export/gguf_graph.py's builder), `spec` the model's, when known."""
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import convert_gguf
 
@@ -202,7 +204,11 @@ def convert(
     out_dir_safety.check_paths(src, out)
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
-    check_tokenizer(src, decoder_spec(src).vocab_size)
+    if spec is None:
+        from fuselm.export.registry import decoder_spec
+
+        spec = decoder_spec(src)
+    check_tokenizer(src, spec.vocab_size)
     calib = None
     if opts.calibration and opts.quant != "q4":
         raise UserError("--calibration needs --quant q4")
@@ -214,7 +220,9 @@ def convert(
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
-        exported = export_model(
+        if exporter is None:
+            from fuselm.export.onnx_export import export_model as exporter
+        exported = exporter(
             src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
         )
         if exported.nonfinite and opts.quant:
@@ -231,6 +239,10 @@ def convert(
             if progress:
                 progress("passes", 0, 1)
             report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib)
+            if exported.built is not None:  # the exporter wrote the fused ops itself (GGUF)
+                from fuselm.passes.manager import PassEntry
+
+                report.entries.insert(0, PassEntry(**exported.built))
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
             if opts.quant == "q4":

@@ -100,12 +100,20 @@ def load_hf_config(model_dir: Path):  # noqa: ANN201 - a transformers Pretrained
         raise ExportError(f"transformers cannot read {model_dir}/config.json: {e}") from e
 
 
+def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """theta ** (-2i / rotary_dim) for i < rotary_dim / 2, float32 (HF's default RoPE: the
+    exponents and the reciprocal in float32, as transformers computes them; the power rounded
+    once from float64, where torch's may differ from it in the last bit)."""
+    exps = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
+    power = (np.float64(np.float32(theta)) ** exps.astype(np.float64)).astype(np.float32)
+    return np.float32(1.0) / power
+
+
 def rope_spec(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
     """The RoPE of `hf_config` (of its `layer_type` layers where RoPE differs per layer type),
-    with frequencies from transformers' own init functions."""
-    import torch
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+    with frequencies from transformers' own init functions (the default ones in NumPy, so
+    that a config without RoPE scaling needs neither torch nor transformers' model code:
+    `hf_config` may then be any object with the config's attributes)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if layer_type is not None:
         params = dict(params[layer_type] or {})
@@ -120,9 +128,11 @@ def rope_spec(hf_config: Any, head_dim: int, layer_type: str | None = None) -> R
     theta = float(params.get("rope_theta", 10000.0))
     rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     if rope_type == "default":
-        exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-        inv_freq, scale = 1.0 / (theta**exps), 1.0
+        inv_freq, scale = default_inv_freq(theta, rotary_dim), 1.0
     else:
+        import torch
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         with torch.device("cpu"):
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](
                 hf_config, "cpu", layer_type=layer_type

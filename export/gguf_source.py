@@ -14,14 +14,16 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf_config import generation_config, hf_config
 from fuselm.export.gguf_file import GGUFFile
+
+if TYPE_CHECKING:  # torch is imported only where the torch exporter reads the file
+    import torch
 
 _GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -92,14 +94,20 @@ class GGUFCheckpoint:
         self.files = [self.gguf.path]
 
     @property
-    def dtype(self) -> torch.dtype:
-        """float32 when the file's weights are mostly F32, else float16 (F16, BF16 and the
+    def dtype_name(self) -> str:
+        """"float32" when the file's weights are mostly F32, else "float16" (F16, BF16 and the
         block formats dequantize to values a float16 graph holds to ~1e-3)."""
         counts: dict[str, int] = {}
         for t in self.gguf.tensors.values():
             counts[t.type_name] = counts.get(t.type_name, 0) + int(np.prod(t.shape))
         top = max(counts, key=counts.__getitem__) if counts else "F32"
-        return torch.float32 if top == "F32" else torch.float16
+        return "float32" if top == "F32" else "float16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def nbytes(self) -> int:
@@ -143,16 +151,27 @@ class GGUFCheckpoint:
         return name is not None and name in self.gguf.tensors
 
     def info(self, hf_name: str) -> TensorInfo:
+        import torch
+
         t = self.gguf.tensors[self._lookup(hf_name)]
         return TensorInfo(hf_name, t.shape, torch.float32)
 
-    def get(self, hf_name: str) -> torch.Tensor:
+    def shape(self, hf_name: str) -> tuple[int, ...]:
+        return self.gguf.tensors[self._lookup(hf_name)].shape
+
+    def array(self, hf_name: str) -> np.ndarray:
+        """One tensor, dequantized to float32, in HF layout (q/k rows unpermuted)."""
         name = self._lookup(hf_name)
         w = self.gguf.read(name)
         if self.permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
             key = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
             w = unpermute_qk(w, int(self.config[key]))
-        return torch.from_numpy(w)
+        return w
+
+    def get(self, hf_name: str) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.array(hf_name))
 
 
 def write_tokenizer(gguf: GGUFFile, out_dir: Path) -> list[str]:
@@ -160,10 +179,17 @@ def write_tokenizer(gguf: GGUFFile, out_dir: Path) -> list[str]:
     own GGUF tokenizer converter — the same tokenizer `from_pretrained(gguf_file=...)` gives."""
     if gguf.value("tokenizer.ggml.model") is None:
         return []
-    from transformers import AutoTokenizer
+    from fuselm.export.gguf_tokenizer import light_tokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.path.parent), gguf_file=gguf.path.name)
+        try:
+            tok = light_tokenizer(gguf)
+        except Exception:  # noqa: BLE001 - another transformers layout: its own loader decides
+            tok = None
+        if tok is None:  # a transformers without the torch-free pieces: its loader (+ torch)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(gguf.path.parent), gguf_file=gguf.path.name)
     except Exception as e:  # transformers raises many types for tokenizers it cannot convert
         raise ExportError(
             f"{gguf.path}: its tokenizer ({gguf.value('tokenizer.ggml.model')}) cannot be "

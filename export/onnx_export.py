@@ -11,7 +11,6 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -24,6 +23,7 @@ from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.config import DecoderSpec
 from fuselm.export.decoder import Decoder
 from fuselm.export.errors import ExportError
+from fuselm.export.export_result import ExportResult
 from fuselm.export.registry import decoder_spec
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
@@ -37,16 +37,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time (see _write_cast)
-
-
-@dataclass
-class ExportResult:
-    spec: DecoderSpec
-    dtype: str
-    checkpoint_dtype: str
-    seconds: dict[str, float] = field(default_factory=dict)
-    weight_bytes: int = 0
-    nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:

@@ -55,13 +55,15 @@ def _eos_ids(model_dir: Path, hf_config: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def decoder_spec(model_dir: str | Path) -> DecoderSpec:
-    """Read and validate a model directory's config into the exporter's DecoderSpec."""
+def decoder_spec(model_dir: str | Path, hf_config: Any = None) -> DecoderSpec:
+    """Read and validate a model directory's config into the exporter's DecoderSpec.
+    `hf_config`: the config's attributes when the caller has them complete (GGUF input writes
+    every field itself), instead of transformers' config class — no torch import."""
     root = Path(model_dir)
     raw = read_raw_config(root)
     arch = raw["architectures"][0]
     family = family_of(arch)
-    hf = load_hf_config(root)
+    hf = hf_config if hf_config is not None else load_hf_config(root)
     heads = int(hf.num_attention_heads)
     kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
     if heads % kv_heads:

@@ -109,19 +109,9 @@ def _rope_onnx(
     long_inv_freq: list[float],
     long_after: int,
 ):  # noqa: ANN202
-    attrs = dict(
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        inv_freq=[float(f) for f in inv_freq],
-        attention_scale=float(attention_scale),
-        interleaved=int(interleaved),
-        norm_eps=float(norm_eps),
-        dynamic_factor=float(dynamic_factor),
-        dynamic_max_positions=int(dynamic_max_positions),
-        rope_theta=float(rope_theta),
-    )
-    if long_after > 0:  # only LongRoPE nodes carry these: every other graph stays as it was
-        attrs.update(long_inv_freq=[float(f) for f in long_inv_freq], long_after=int(long_after))
+    attrs = ops.rope_attributes(
+        head_dim, rotary_dim, inv_freq, attention_scale, interleaved, norm_eps, dynamic_factor,
+        dynamic_max_positions, rope_theta, long_inv_freq, long_after)
     if q_norm is None:
         return _fuselm.FusedRoPE(q, k, position_ids, **attrs, _outputs=2)
     return _fuselm.FusedRoPE(q, k, position_ids, q_norm, k_norm, **attrs, _outputs=2)

@@ -63,6 +63,48 @@ ROPE_ATTRS: dict[str, object] = {
 }
 
 
+
+def rope_attributes(head_dim: int, rotary_dim: int, inv_freq: list[float],
+                    attention_scale: float, interleaved: int, norm_eps: float,
+                    dynamic_factor: float, dynamic_max_positions: int, rope_theta: float,
+                    long_inv_freq: list[float], long_after: int) -> dict[str, object]:
+    """A FusedRoPE node's attributes as fuselm writes them (the exporter's translation and the
+    GGUF graph builder): long_inv_freq/long_after only on LongRoPE nodes."""
+    attrs: dict[str, object] = dict(
+        head_dim=int(head_dim),
+        rotary_dim=int(rotary_dim),
+        inv_freq=[float(f) for f in inv_freq],
+        attention_scale=float(attention_scale),
+        interleaved=int(interleaved),
+        norm_eps=float(norm_eps),
+        dynamic_factor=float(dynamic_factor),
+        dynamic_max_positions=int(dynamic_max_positions),
+        rope_theta=float(rope_theta),
+    )
+    if long_after > 0:  # only LongRoPE nodes carry these: every other graph stays as it was
+        attrs.update(long_inv_freq=[float(f) for f in long_inv_freq], long_after=int(long_after))
+    return attrs
+
+
+def qkv_attributes(q_size: int, k_size: int, v_size: int,
+                   block_size: int | None = None) -> dict[str, object]:
+    """A FusedQKV node's attributes (block_size only when its weight is 4-bit codes)."""
+    attrs: dict[str, object] = {"q_size": int(q_size), "k_size": int(k_size),
+                                "v_size": int(v_size)}
+    if block_size is not None:
+        attrs["block_size"] = int(block_size)
+    return attrs
+
+
+def gate_up_attributes(activation: str, block_size: int | None = None) -> dict[str, object]:
+    """A FusedGateUp node's attributes (block_size only when its weight is 4-bit codes)."""
+    if activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"FusedGateUp: unsupported activation {activation!r}")
+    attrs: dict[str, object] = {"activation": activation}
+    if block_size is not None:
+        attrs["block_size"] = int(block_size)
+    return attrs
+
 def _schemas() -> list[defs.OpSchema]:
     rope = defs.OpSchema(
         "FusedRoPE",

@@ -12,6 +12,7 @@ import math
 
 import onnx_graphsurgeon as gs
 
+from fuselm.passes import ops
 from fuselm.passes.graph import (
     Namer,
     NoMatch,
@@ -134,9 +135,8 @@ class GateUpPairing:
             first = min((n for p in projs for n in p.nodes), key=lambda n: order[id(n)])
             out = prod.outputs[0]
             y = gs.Variable(namer("y"), dtype=out.dtype, shape=out.shape)
-            attrs: dict[str, object] = {"activation": kind}
-            if gate.scales is not None:
-                attrs["block_size"] = gate.block_size
+            attrs = ops.gate_up_attributes(kind,
+                                           gate.block_size if gate.scales is not None else None)
             node = gs.Node("FusedGateUp", name=namer("node"), domain="fuselm",
                            inputs=[x, *pack(namer, [gate, up])], outputs=[y], attrs=attrs)
             insert_before(graph, first, node)

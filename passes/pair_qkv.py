@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
+from fuselm.passes import ops
 from fuselm.passes.graph import (
     Namer,
     PassResult,
@@ -89,9 +90,8 @@ class QKVPairing:
             order = {id(n): i for i, n in enumerate(graph.nodes)}
             first = min((n for p in projs for n in p.nodes), key=lambda n: order[id(n)])
             q, k, v = roles["q"], roles["k"], roles["v"]
-            attrs = {"q_size": q.n, "k_size": k.n, "v_size": v.n}
-            if q.scales is not None:
-                attrs["block_size"] = q.block_size
+            attrs = ops.qkv_attributes(q.n, k.n, v.n,
+                                       q.block_size if q.scales is not None else None)
             outs = [variable(namer, r, p.out.dtype, p.out.shape)
                     for r, p in (("q", q), ("k", k), ("v", v))]
             node = gs.Node("FusedQKV", name=namer("node"), domain="fuselm",

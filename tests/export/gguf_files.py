@@ -99,6 +99,8 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
     w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
     _tokenizer(w, hf_dir)
     rng = np.random.default_rng(seed)
     for hf_name, value in weights.items():

@@ -1,0 +1,25 @@
+"""What an export step hands the convert pipeline: the spec, the graph dtype, timings.
+
+Its own module so that the torch exporter (export/onnx_export.py) and the torch-free GGUF graph
+builder (export/gguf_graph.py) return the same type without one importing the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fuselm.export.config import DecoderSpec
+
+
+@dataclass
+class ExportResult:
+    spec: DecoderSpec
+    dtype: str
+    checkpoint_dtype: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    weight_bytes: int = 0
+    nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
+    # An exporter that writes the fused graph itself (export/gguf_graph.py) says what it built,
+    # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
+    built: dict[str, Any] | None = None
