@@ -11,8 +11,10 @@ converted twice, default against default:
 and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
 fuselm's model runs through its onnxruntime engine at the engine's defaults (accuracy level 4 =
 int8 activations, what the builder's int4 CPU model uses; the CPU lowering of
-runtime_metal/ort_lowering.py, or the plain graph with `--no-lower`); the builder's through
-onnxruntime-genai. Each side runs in its own process; `--rounds` alternates the two (fuselm,
+runtime_metal/ort_lowering.py, or the plain graph with `--no-lower`; intra-op threads
+ort_session.default_threads()); the builder's through onnxruntime-genai (its default threads:
+hardware threads / 2). Decode is n new tokens: n - 1 forward passes after the prompt's, on
+both sides. Each side runs in its own process; `--rounds` alternates the two (fuselm,
 builder, fuselm, ...), each round the median of `-r` runs after one warm-up; the report gives
 the median over rounds and the spread (min, max), since other jobs may share the CPU. JSON.
 """
@@ -128,7 +130,9 @@ def bench_fuselm(
         nxt = int(np.argmax(engine.forward(prompt[None, :])))
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for _ in range(n_new):
+        # n_new tokens take n_new - 1 forward passes after the prompt's (the first token comes
+        # from the prompt's logits), as onnxruntime-genai's n_new generate_next_token calls do.
+        for _ in range(n_new - 1):
             nxt = int(np.argmax(engine.decode_step(nxt)))
         return prefill_s, time.perf_counter() - t0
 
@@ -164,12 +168,15 @@ def bench_builder(
         gen.append_tokens(prompt[None, :].astype(np.int32))
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for _ in range(n_new):
+        for _ in range(n_new):  # the first call samples the prompt's logits: no forward pass
             gen.generate_next_token()
         return prefill_s, time.perf_counter() - t0
 
     times = _timed_runs(once, runs)
-    return {**_rates(times, len(prompt), n_new), "version": og.__version__}
+    # onnxruntime-genai's default intra-op threads: hardware threads / 2 (at least 1, at most 16)
+    default = min(max(1, (os.cpu_count() or 1) // 2), 16)
+    return {**_rates(times, len(prompt), n_new), "version": og.__version__,
+            "threads": threads or default}
 
 
 def _rates(times: list[tuple[float, float]], n_prompt: int, n_new: int) -> dict[str, float]:

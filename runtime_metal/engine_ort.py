@@ -69,6 +69,7 @@ class OrtEngine:
         self._kv = SharedKV(self._past_names, m.num_kv_heads, m.head_dim) if isinstance(
             lowered, Lowered) else None
         self._rope_positions = lowered.rope_positions if isinstance(lowered, Lowered) else 0
+        self._binding = None
         self.reset()
 
     @property
@@ -117,7 +118,8 @@ class OrtEngine:
                 self._past[name] = values[present_for(name)]
             self._offset += s
             logits = values["logits"][0]
-        return (logits if all_logits else logits[-1]).astype(np.float32)
+        # Each call's logits are a fresh array: no copy when they are float32 already.
+        return (logits if all_logits else logits[-1]).astype(np.float32, copy=False)
 
     def _forward_shared(self, feeds: dict[str, np.ndarray], total: int) -> np.ndarray:
         """One call of the lowered graph: GroupQueryAttention writes the new K/V into the
@@ -132,7 +134,9 @@ class OrtEngine:
                 "use a shorter prompt or fewer new tokens")
         if total > kv.capacity:
             kv.reserve(min(total + GROW, max(self._rope_positions, total)))
-        binding = self.session.io_binding()
+        if self._binding is None:  # one binding for the session's life: the KV stays bound
+            self._binding = self.session.io_binding()
+        binding = self._binding
         for name, value in feeds.items():
             if name in self._inputs:
                 binding.bind_cpu_input(name, value)

@@ -10,6 +10,15 @@ creates the session; how that kernel computes is a session option,
 
 With `optimize=False` no graph optimization runs: DequantizeLinear + MatMul execute as written
 (exact, slow) and the accuracy level has no effect.
+
+Threads: unless asked for a number, a session gets `default_threads()` intra-op threads, half the
+CPUs this process may run on (at least one), set explicitly. onnxruntime's own default (one
+thread per physical core, each pinned to its core, spinning between ops) stalls whenever another
+process wants one of those cores: a decode step waits at every op for the thread whose core is
+taken. On the 2-core development machine under other jobs' load (~3.5) a 28-layer Qwen3-shaped
+Q4 decode step took 159-165 ms that way and 61-106 ms on one thread (BENCHMARKS.md, issue 12).
+onnxruntime-genai uses the same rule (hardware threads / 2). On a machine with cores to spare a
+long prompt's prefill gains from more threads: ask for them (`threads=N`).
 """
 
 from __future__ import annotations
@@ -24,6 +33,15 @@ EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 
 
 OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
+
+
+def default_threads() -> int:
+    """Intra-op threads when none are asked for: half the CPUs this process may use, at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // 2)
 
 
 def make_session(
@@ -41,7 +59,8 @@ def make_session(
 
     Returns (session, info) where info has accuracy_level, activation_precision, optimize,
     threads, providers and onnxruntime's version. `model_path` may be a serialized model
-    (bytes) whose external tensors live in `external_data_dir`.
+    (bytes) whose external tensors live in `external_data_dir`. `threads` None or 0:
+    `default_threads()`.
     """
     import onnxruntime as ort
 
@@ -72,8 +91,8 @@ def make_session(
     if profile_prefix:
         so.enable_profiling = True
         so.profile_file_prefix = profile_prefix
-    if threads is not None:
-        so.intra_op_num_threads = int(threads)
+    threads = int(threads) if threads else default_threads()
+    so.intra_op_num_threads = threads  # explicit, so onnxruntime does not pin threads to cores
     so.log_severity_level = 3  # the fp16 "Cast inserted" / serialization notices are noise here
     providers = providers or ["CPUExecutionProvider"]
     model = model_path if isinstance(model_path, bytes) else os.fspath(model_path)

@@ -27,6 +27,7 @@ class SharedKV:
         self.buffers = {n: np.zeros(self.shape, np.float32) for n in self.past_names}
         self.offset = 0
         self._values: dict[str, object] | None = None  # OrtValues over the buffers, made once
+        self._bound: object = None  # the binding those OrtValues are bound to
 
     @property
     def capacity(self) -> int:
@@ -48,10 +49,15 @@ class SharedKV:
         self.offset = max(self.offset - n, 0)
 
     def bind(self, binding: object, ort_value: object) -> None:
-        """Bind every buffer as its past input and its present output (the same memory)."""
+        """Bind every buffer as its past input and its present output (the same memory), unless
+        this binding holds them already (rebinding them costs 4 binds per layer per step)."""
         if self._values is None:  # an OrtValue from numpy wraps the array's memory, no copy
             self._values = {n: ort_value.ortvalue_from_numpy(b)  # type: ignore[attr-defined]
                             for n, b in self.buffers.items()}
+            self._bound = None
+        if self._bound is binding:
+            return
+        self._bound = binding
         for name, value in self._values.items():
             binding.bind_ortvalue_input(name, value)  # type: ignore[attr-defined]
             binding.bind_ortvalue_output(present_for(name), value)  # type: ignore[attr-defined]

@@ -135,3 +135,22 @@ def test_rope_variants_without_a_lowering_are_refused(h32_models, tmp_path) -> N
             onnx.helper.make_attribute(attr, value))
         onnx.save(model, str(tmp_path / "model.onnx"))
         assert reason in str(lower_for_cpu(tmp_path / "model.onnx", manifest))
+
+
+def test_default_threads_are_explicit_and_half_the_cpus(h32_models) -> None:  # noqa: ANN001
+    """Unless asked, a session runs half the usable CPUs' worth of intra-op threads (at least
+    one), set explicitly (onnxruntime's own default pins one thread per core); a count asked
+    for is kept; the thread count does not change the logits beyond summation order."""
+    import os
+
+    from fuselm.runtime_metal.ort_session import default_threads
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_threads() == max(1, (cpus or 1) // 2)
+    out = h32_models["qwen3"][1]
+    default = make_engine(out, "onnxruntime")
+    two = make_engine(out, "onnxruntime", threads=2)
+    assert default.describe()["threads"] == default_threads()
+    assert two.describe()["threads"] == 2
+    prompt = _prompt()
+    assert rel(engine_logits(default, prompt, CHUNK), engine_logits(two, prompt, CHUNK)) <= 1e-5
