@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from fuselm.passes import ops
+from fuselm.passes import ops, q4_search
 from fuselm.passes.q4_gptq import gptq_params
 from fuselm.passes.q4_search import search_params
 
@@ -27,6 +27,10 @@ _CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Li
           else os.cpu_count() or 1)  # macOS has no affinity call
 THREADS = max(1, min(4, _CORES))
 _FP16_MAX = float(np.finfo(np.float16).max)
+# Elements per tile of the compiled search (passes/q4_kernels.py): a column slab is cut into
+# row tiles of whole blocks of about this size (512 KB of float32), which stay in the core's
+# cache through the ~8 passes the search makes over them.
+_TILE = 1 << 17
 
 
 @dataclass
@@ -87,12 +91,33 @@ def quantize_array(
     imp = None
     if importance is not None:
         imp, _ = _blocks(np.asarray(importance, np.float32).reshape(k, 1), block_size)
+    # Compiled: bit-equal scales, zero points and codes (tests/passes/test_q4_kernels.py); the
+    # error sums are float64 there, float32 BLAS dots in the NumPy form (rel_rms_error may differ
+    # in its last digits).
+    compiled = q4_search.COMPILED and method == "search"
     codes = np.empty((k, n), np.uint8)
     scales = np.empty((nb, n), np.float16)
     zps = np.empty((nb, n), np.uint8)
 
+    def tile(c0: int, c1: int, b0: int, b1: int) -> tuple[float, float]:
+        """Blocks b0..b1 of columns c0..c1 through the compiled search and encoder."""
+        r0, r1 = b0 * block_size, min(k, b1 * block_size)
+        wf = np.ascontiguousarray(w[r0:r1, c0:c1], dtype=np.float32)
+        if not np.isfinite(wf).all():
+            raise ValueError("weight has NaN or Inf values; refusing to quantize")
+        blocks, _ = _blocks(wf, block_size)
+        s16, zp = search_params(blocks, symmetric, None if imp is None else imp[b0:b1])
+        scales[b0:b1, c0:c1] = s16
+        zps[b0:b1, c0:c1] = zp
+        return q4_search.q4_kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0,
+                                                 codes[r0:r1, c0:c1])
+
     def slab(c0: int) -> tuple[float, float]:
         c1 = min(n, c0 + _SLAB)
+        if compiled:
+            step = max(1, _TILE // (block_size * (c1 - c0)))
+            sums = [tile(c0, c1, b0, min(nb, b0 + step)) for b0 in range(0, nb, step)]
+            return sum(a for a, _ in sums), sum(b for _, b in sums)
         # C order per slab: a transposed view (tied or Transpose-fed weights) is re-laid out
         # one cache-sized slab at a time instead of as one slow whole-table transpose.
         wf = np.ascontiguousarray(w[:, c0:c1], dtype=np.float32)
