@@ -154,3 +154,31 @@ def encode(blocks, s, zp, rows, codes):  # noqa: ANN001, ANN201
                 sse_sum += np.float64(d) * np.float64(d)
                 ssw += np.float64(w) * np.float64(w)
     return sse_sum, ssw
+
+
+# float16 bits -> float32, as NumPy converts them (exact; NaN payloads kept): a 256 KB table
+# stands in for the half-precision type the compiled loops do not have.
+HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(cache=True, nogil=True)
+def load_half(bits, table, blocks):  # noqa: ANN001, ANN201
+    """Rows of a float16 weight (`bits`: its uint16 view [rows, n], any strides) as float32
+    blocks [nb, B, n], rows past the end zero (q4_math._blocks' padding); False if any value
+    is NaN or infinite. One pass instead of a cast, a copy, a pad and a finiteness check."""
+    nb, bs, n = blocks.shape
+    rows = bits.shape[0]
+    finite = True
+    for i in range(nb):
+        for k in range(bs):
+            row = i * bs + k
+            if row < rows:
+                for j in range(n):
+                    w = table[bits[row, j]]
+                    blocks[i, k, j] = w
+                    if not np.isfinite(w):
+                        finite = False
+            else:
+                for j in range(n):
+                    blocks[i, k, j] = _F0
+    return finite

@@ -28,9 +28,10 @@ _CORES = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")  # Li
 THREADS = max(1, min(4, _CORES))
 _FP16_MAX = float(np.finfo(np.float16).max)
 # Elements per tile of the compiled search (passes/q4_kernels.py): a column slab is cut into
-# row tiles of whole blocks of about this size (512 KB of float32), which stay in the core's
-# cache through the ~8 passes the search makes over them.
-_TILE = 1 << 17
+# row tiles of whole blocks of about this size (4 MB of float32). Measured on [4096, 4096]:
+# 2^16 → 0.51 s, 2^17 → 0.41 s, 2^20 → 0.32 s (fewer of the per-block NumPy steps, whose
+# cost is per call); the tiles of all threads together stay far below the weight's own size.
+_TILE = 1 << 20
 
 
 @dataclass
@@ -95,6 +96,9 @@ def quantize_array(
     # error sums are float64 there, float32 BLAS dots in the NumPy form (rel_rms_error may differ
     # in its last digits).
     compiled = q4_search.COMPILED and method == "search"
+    kernels = q4_search.q4_kernels
+    half = compiled and w.dtype == np.float16
+    bits = w.view(np.uint16) if half else None
     codes = np.empty((k, n), np.uint8)
     scales = np.empty((nb, n), np.float16)
     zps = np.empty((nb, n), np.uint8)
@@ -102,14 +106,19 @@ def quantize_array(
     def tile(c0: int, c1: int, b0: int, b1: int) -> tuple[float, float]:
         """Blocks b0..b1 of columns c0..c1 through the compiled search and encoder."""
         r0, r1 = b0 * block_size, min(k, b1 * block_size)
-        wf = np.ascontiguousarray(w[r0:r1, c0:c1], dtype=np.float32)
-        if not np.isfinite(wf).all():
+        if half:
+            blocks = np.empty((b1 - b0, block_size, c1 - c0), np.float32)
+            finite = kernels.load_half(bits[r0:r1, c0:c1], kernels.HALF_TO_FLOAT, blocks)
+        else:
+            wf = np.ascontiguousarray(w[r0:r1, c0:c1], dtype=np.float32)
+            finite = bool(np.isfinite(wf).all())
+            blocks, _ = _blocks(wf, block_size)
+        if not finite:
             raise ValueError("weight has NaN or Inf values; refusing to quantize")
-        blocks, _ = _blocks(wf, block_size)
         s16, zp = search_params(blocks, symmetric, None if imp is None else imp[b0:b1])
         scales[b0:b1, c0:c1] = s16
         zps[b0:b1, c0:c1] = zp
-        return q4_search.q4_kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0,
+        return kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0,
                                                  codes[r0:r1, c0:c1])
 
     def slab(c0: int) -> tuple[float, float]:

@@ -70,9 +70,12 @@ def test_quantize_array_bit_equal(monkeypatch: pytest.MonkeyPatch, symmetric: bo
         assert got.rel_rms_error == pytest.approx(ref.rel_rms_error, rel=1e-4)
 
 
-def test_quantize_array_refuses_nonfinite_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_quantize_array_refuses_nonfinite_compiled(monkeypatch: pytest.MonkeyPatch, dtype: type,
+                                                   bad: float) -> None:
     monkeypatch.setattr(q4_search, "COMPILED", True)
-    w = np.ones((64, 8), np.float32)
-    w[40, 3] = np.nan
+    w = np.ones((64, 8), dtype)
+    w[40, 3] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
         q4_math.quantize_array(w, 32)
