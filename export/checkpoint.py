@@ -110,11 +110,12 @@ class Checkpoint:
         with the model. A read buffer is freed as soon as its tensor is written out.
         """
         info = self.info(name)
-        buf = bytearray(info.nbytes)
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=info.dtype)
+        # torch.empty, not bytearray: the read fills it, so zeroing it first is wasted work
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         with info.file.open("rb") as f:
             f.seek(info.start)
-            if f.readinto(buf) != info.nbytes:
+            if f.readinto(memoryview(buf.numpy())) != info.nbytes:
                 raise ExportError(f"{info.file} is truncated while reading {name}")
-        if not buf:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+        return buf.view(info.dtype).reshape(info.shape)
