@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time (see _write_cast)
 _INLINE = 1024  # values: smaller weights are stored in the model itself (computed_weights)
@@ -226,12 +227,12 @@ def _cast_array(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     base = tensor.t() if transposed else tensor.contiguous()
     if base.dim() < 2:
         return base.to(dtype).numpy()
-    out = torch.empty(base.shape, dtype=dtype)
+    arr = np.empty(tuple(base.shape), _NUMPY_DTYPES[dtype])  # huge pages (export/checkpoint)
+    out = torch.from_numpy(arr)
     row = max(1, base[0].numel()) * max(base.element_size(), 4)
     step = max(1, SLAB_BYTES // row)
     for r in range(0, len(base), step):
         out[r : r + step] = base[r : r + step].to(dtype)
-    arr = out.numpy()
     return arr.T if transposed else arr
 
 

@@ -103,11 +103,12 @@ def quantize_array(
     scales = np.empty((nb, n), np.float16)
     zps = np.empty((nb, n), np.uint8)
 
-    def tile(c0: int, c1: int, b0: int, b1: int) -> tuple[float, float]:
-        """Blocks b0..b1 of columns c0..c1 through the compiled search and encoder."""
+    def tile(c0: int, c1: int, b0: int, b1: int, buf: np.ndarray | None) -> tuple[float, float]:
+        """Blocks b0..b1 of columns c0..c1 through the compiled search and encoder (`buf`: the
+        slab's reused float32 tile, so no fresh pages are faulted in per tile)."""
         r0, r1 = b0 * block_size, min(k, b1 * block_size)
         if half:
-            blocks = np.empty((b1 - b0, block_size, c1 - c0), np.float32)
+            blocks = buf[: b1 - b0]
             finite = kernels.load_half(bits[r0:r1, c0:c1], kernels.HALF_TO_FLOAT, blocks)
         else:
             wf = np.ascontiguousarray(w[r0:r1, c0:c1], dtype=np.float32)
@@ -118,14 +119,14 @@ def quantize_array(
         s16, zp = search_params(blocks, symmetric, None if imp is None else imp[b0:b1])
         scales[b0:b1, c0:c1] = s16
         zps[b0:b1, c0:c1] = zp
-        return kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0,
-                                                 codes[r0:r1, c0:c1])
+        return kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0, codes[r0:r1, c0:c1])
 
     def slab(c0: int) -> tuple[float, float]:
         c1 = min(n, c0 + _SLAB)
         if compiled:
-            step = max(1, _TILE // (block_size * (c1 - c0)))
-            sums = [tile(c0, c1, b0, min(nb, b0 + step)) for b0 in range(0, nb, step)]
+            step = min(nb, max(1, _TILE // (block_size * (c1 - c0))))
+            buf = np.empty((step, block_size, c1 - c0), np.float32) if half else None
+            sums = [tile(c0, c1, b0, min(nb, b0 + step), buf) for b0 in range(0, nb, step)]
             return sum(a for a, _ in sums), sum(b for _, b in sums)
         # C order per slab: a transposed view (tied or Transpose-fed weights) is re-laid out
         # one cache-sized slab at a time instead of as one slow whole-table transpose.
