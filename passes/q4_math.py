@@ -96,7 +96,7 @@ def quantize_array(
     # error sums are float64 there, float32 BLAS dots in the NumPy form (rel_rms_error may differ
     # in its last digits).
     compiled = q4_search.COMPILED and method == "search"
-    kernels = q4_search.q4_kernels
+    kernels = q4_search.kernels() if compiled else None
     half = compiled and w.dtype == np.float16
     bits = w.view(np.uint16) if half else None
     codes = np.empty((k, n), np.uint8)

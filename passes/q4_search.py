@@ -26,12 +26,10 @@ weighted error.
 
 from __future__ import annotations
 
-import numpy as np
+import importlib.util
+from types import ModuleType
 
-try:  # the compiled loops: same results, ~10x less CPU (passes/q4_kernels.py)
-    from fuselm.passes import q4_kernels
-except ImportError:  # pragma: no cover - numba is a dependency; NumPy alone gives equal bits
-    q4_kernels = None
+import numpy as np
 
 # Clipping ratios (r = 1 is min/max) and alternating steps. Measured on a Student-t (df 3)
 # [1024, 2048] tensor at block 32 (relative RMS error; min/max 0.1022): one ALS step alone
@@ -41,9 +39,18 @@ RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 ALS_STEPS = 1
 _QMAX = 15
 _FP16_MAX = float(np.finfo(np.float16).max)
-# Use the compiled loops when they are there (the tests compare both forms bit for bit).
-COMPILED = q4_kernels is not None
+# Use the compiled loops (passes/q4_kernels.py: same results, ~4x less CPU) when Numba is
+# there; NumPy alone gives the same bits (the tests compare both forms bit for bit).
+COMPILED = importlib.util.find_spec("numba") is not None
 _NONE = np.zeros((0, 0), np.float32)  # "no importance" for the compiled loops
+
+
+def kernels() -> ModuleType:
+    """passes/q4_kernels.py, imported on first use: Numba's import costs ~1 s, which every
+    CLI command importing the converter would otherwise pay."""
+    from fuselm.passes import q4_kernels
+
+    return q4_kernels
 
 
 def _fp16(s: np.ndarray) -> np.ndarray:
@@ -103,7 +110,7 @@ def search_params(
         kimp = _NONE if importance is None else np.ascontiguousarray(importance[:, :, 0])
         nb, _, n = blocks.shape
         raw_lo, hi, amax = (np.empty((nb, n), np.float32) for _ in range(3))
-        q4_kernels.block_range(blocks, raw_lo, hi, amax)
+        kernels().block_range(blocks, raw_lo, hi, amax)
         lo = np.minimum(raw_lo, 0)
     else:
         kimp = None
@@ -161,7 +168,7 @@ def _errors(
         _centered_codes(blocks, s, zp, c)
         return _sse(blocks, c, s, importance, tmp)
     err = np.empty_like(s)
-    q4_kernels.sse(blocks, s, zp, kimp, err)
+    kernels().sse(blocks, s, zp, kimp, err)
     return err
 
 
@@ -211,7 +218,7 @@ def _least_squares(
                 sqy = wsum(q * blocks)
             else:
                 sq, sy, sqq, sqy = (np.empty_like(s0) for _ in range(4))
-                q4_kernels.line_sums(blocks, s0, zp0, kimp, sq, sy, sqq, sqy)
+                kernels().line_sums(blocks, s0, zp0, kimp, sq, sy, sqq, sqy)
             den = sw * sqq - sq * sq
             a = (sw * sqy - sq * sy) / den
             b = (sy - a * sq) / sw
@@ -223,7 +230,7 @@ def _least_squares(
             s = wsum(c * blocks) / wsum(c * c)
         else:
             num, den = np.empty_like(s0), np.empty_like(s0)
-            q4_kernels.scale_sums(blocks, s0, zp0, zp, kimp, num, den)
+            kernels().scale_sums(blocks, s0, zp0, zp, kimp, num, den)
             s = num / den
     s = np.where(np.isfinite(s) & (s > 0) & (s < _FP16_MAX), s, 0).astype(np.float32)
     return _fp16(s), zp
