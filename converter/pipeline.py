@@ -105,15 +105,21 @@ def _manifest(
     )
 
 
-def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any = None) -> Any:
+def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any = None,
+                exported: Any = None) -> Any:
     """Run the pass pipeline (and quantization) on raw.onnx, write the fused model.
 
-    The weights stay in raw.onnx.data: the passes see references, quantization reads one
-    weight at a time, and the writer streams the final data file (passes/weights.py).
+    The weights stay in raw.onnx.data — or in the checkpoint, when `exported` carries the
+    model in memory: the passes see references, quantization reads one weight at a time, and
+    the writer streams the final data file (passes/weights.py).
     """
     from fuselm.passes.manager import run_pipeline
 
-    model = onnx.load(str(raw), load_external_data=False)
+    sources = None
+    if exported is not None and exported.model is not None:
+        model, sources = exported.model, exported.sources
+    else:
+        model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
         from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE, quantize_pass
@@ -137,7 +143,8 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
         )
     deferred: dict[str, Any] = {}
     model, report = run_pipeline(
-        model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred
+        model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred,
+        sources=sources,
     )
     save_model(model, final, base_dir=raw.parent, deferred=deferred)
     (raw.parent / SPILL_FILE).unlink(missing_ok=True)  # the quantized tensors, now copied
@@ -220,11 +227,20 @@ def convert(
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
+        # No raw.onnx.data unless it is kept or records non-finite weights: the passes read
+        # the weights from the checkpoint (16 GB less written and read back for an 8B model).
+        in_memory = opts.optimize and not opts.keep_intermediate and not opts.allow_nonfinite
         if exporter is None:
-            from fuselm.export.onnx_export import export_model as exporter
-        exported = exporter(
-            src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
-        )
+            from fuselm.export.onnx_export import export_model
+
+            exported = export_model(
+                src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint,
+                in_memory=in_memory,
+            )
+        else:  # the GGUF graph builder writes its own raw.onnx (already fused, streamed)
+            exported = exporter(
+                src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
+            )
         if exported.nonfinite and opts.quant:
             raise UserError(
                 f"tensor {exported.nonfinite[0]} holds NaN/Inf values, which 4-bit blocks cannot "
@@ -238,7 +254,8 @@ def convert(
             t1 = time.perf_counter()
             if progress:
                 progress("passes", 0, 1)
-            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib)
+            report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib, exported)
+            exported.model = exported.sources = None  # type: ignore[assignment]
             if exported.built is not None:  # the exporter wrote the fused ops itself (GGUF)
                 from fuselm.passes.manager import PassEntry
 
@@ -248,8 +265,8 @@ def convert(
             if opts.quant == "q4":
                 steps.append("quantize")
             if not opts.keep_intermediate:
-                raw.unlink()
-                raw.with_name(raw.name + ".data").unlink()
+                raw.unlink(missing_ok=True)
+                raw.with_name(raw.name + ".data").unlink(missing_ok=True)
         check_model(tmp / artifact.MODEL_FILE)
         steps.append("check")
         manifest = _manifest(exported.spec, exported.dtype, src, exported.checkpoint_dtype, opts)

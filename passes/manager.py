@@ -147,10 +147,12 @@ def run_pipeline(
     *,
     base_dir: str | Path | None = None,
     deferred: dict[str, LazyValues] | None = None,
+    sources: dict[str, LazyValues] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
-    """Run the chosen passes; `base_dir` and `deferred` as in model_io.to_graph / to_model."""
+    """Run the chosen passes; `base_dir`, `sources` and `deferred` as in model_io.to_graph /
+    to_model."""
     chosen = select(passes, extra)
-    graph = to_graph(model, base_dir=base_dir)  # upgrades a lower opset to 23 first
+    graph = to_graph(model, base_dir=base_dir, sources=sources)  # upgrades to opset 23 first
     report = Report(opset_upgraded_from=graph.upgraded_from,
                     layer_before=layer_nodes(list(model.graph.node)))
     for p in chosen:

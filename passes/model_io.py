@@ -84,7 +84,8 @@ def upgrade(light: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
 
 
 def to_graph(
-    model: onnx.ModelProto, upgrade_opset: bool = True, base_dir: str | Path | None = None
+    model: onnx.ModelProto, upgrade_opset: bool = True, base_dir: str | Path | None = None,
+    sources: dict[str, LazyValues] | None = None,
 ) -> gs.Graph:
     """Import for the passes: upgraded to opset 23, shape-inferred (tensors carry dtypes and
     static dims), large weights referenced in place (never copied, never decoded).
@@ -93,7 +94,8 @@ def to_graph(
     come back as lazy constants over the caller's own TensorProtos. `graph.upgraded_from` is
     the original opset when it was upgraded. The caller's model is not modified. Initializers
     stored externally become ExternalValues read from `base_dir` (the model file's folder) only
-    if a pass asks for their values.
+    if a pass asks for their values. `sources` gives the values of data-less initializers
+    by name (the exporter's ComputedValues).
     """
     light = light_copy(model)
     upgraded = None
@@ -109,7 +111,8 @@ def to_graph(
         real = big.get(t.name)
         if real is None:
             continue
-        lazy = (ExternalValues(real, base_dir) if base_dir is not None and is_external(real)
+        lazy = (sources[t.name] if sources and t.name in sources
+                else ExternalValues(real, base_dir) if base_dir is not None and is_external(real)
                 else LazyValues(real))
         c = gs.Constant(t.name, values=lazy)
         for node in list(t.outputs):

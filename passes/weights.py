@@ -14,7 +14,7 @@ Every decode of stored bytes into an array goes through `read_array` and is logg
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -191,6 +191,22 @@ class SlicedValues(PackedValues):
         index = [slice(None)] * len(self.tensor.dims)
         index[self.axis] = slice(self.start, self.stop)
         return np.ascontiguousarray(array(self.parts[0])[tuple(index)])
+
+
+class ComputedValues(PackedValues):
+    """Values that a function produces when read: the exporter's weights straight from the
+    checkpoint (read, laid out and cast on demand, export/onnx_export.py), with no
+    intermediate data file. A recipe like PackedValues, handled wherever one is."""
+
+    def __init__(self, tensor: TensorProto, compute: Callable[[], np.ndarray]) -> None:
+        LazyValues.__init__(self, tensor)
+        self.parts = []
+        self.axis = 0
+        self.compute = compute
+
+    def load(self) -> np.ndarray:
+        _note(self.tensor.name)
+        return self.compute()
 
 
 def whole_of(parts: list[LazyValues | np.ndarray], axis: int) -> LazyValues | np.ndarray | None:

@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from fuselm.passes import weights
@@ -29,8 +29,12 @@ ALIGN = 64  # bytes, as the exporter aligns raw.onnx.data
 THRESHOLD = 1024  # bytes: smaller tensors stay inline in the model file
 
 
-def _raw(values: np.ndarray, data_type: int) -> bytes:
+def _raw(values: np.ndarray, data_type: int) -> bytes | memoryview:
     """ONNX raw bytes of an array (4-bit types packed two to a byte by onnx itself)."""
+    if values.dtype.kind in "fiub" and values.dtype.isnative and (
+        helper.np_dtype_to_tensor_dtype(values.dtype) == data_type
+    ):  # the array's own bytes: no copy into a TensorProto (a 1 GB embedding table)
+        return memoryview(np.ascontiguousarray(values)).cast("B")
     proto = numpy_helper.from_array(values)
     if proto.data_type != data_type:
         raise ValueError(f"computed values are {proto.data_type}, expected {data_type}")
@@ -102,7 +106,7 @@ def _store(
     if len(raw) >= threshold:
         out.put(t, raw)
     elif src is not t:
-        _set_inline(t, raw)
+        _set_inline(t, bytes(raw))
 
 
 def write_model(

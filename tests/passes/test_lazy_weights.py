@@ -122,21 +122,30 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
     assert isinstance(r.exception, UserError) and "is missing" in str(r.exception)
 
 
-def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("keep", [True, False])
+def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path,  # noqa: ANN001
+                                                      keep: bool) -> None:
     """`fuselm convert --quant q4 --block-size 32` end to end: norms are read once; the tied
     embedding / LM head is read once when quantized (the default) and never with
     --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time:
-    once to measure its error at each block size, once to quantize it; each norm weight once."""
+    once to measure its error at each block size, once to quantize it; each norm weight once.
+
+    keep=True goes through raw.onnx.data (--keep-intermediate), whose bytes the writer copies
+    undecoded. Without it the weights come from the checkpoint itself (export's
+    ComputedValues): the small norms are read with the graph, before the passes, and a float
+    weight is decoded once by the writer (the float head here); still nothing twice."""
     from fuselm.converter.pipeline import ConvertOptions, convert
 
+    opts = {"keep_intermediate": keep}
     with weights.recording() as reads:
-        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(quant="q4", block_size=32))
+        convert(model_dir("qwen3"), tmp_path / "out",
+                ConvertOptions(quant="q4", block_size=32, **opts))
     with weights.recording() as float_head_reads:
         convert(model_dir("qwen3"), tmp_path / "out2",
-                ConvertOptions(quant="q4", quant_lm_head=False, block_size=32))
+                ConvertOptions(quant="q4", quant_lm_head=False, block_size=32, **opts))
     with weights.recording() as budget_reads:
         convert(model_dir("qwen3"), tmp_path / "out3",
-                ConvertOptions(quant="q4", bits_budget=4.45))
+                ConvertOptions(quant="q4", bits_budget=4.45, **opts))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = ("q", "k", "v", "o", "gate", "up", "down")
     want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
@@ -144,12 +153,13 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path) 
     def weights_after_norms(got: list[str], n_norms: int) -> list[str]:
         # each RMSNorm weight feeding a quantized weight is read once first (gamma^2 weights
         # its input channels in the search); nothing else
+        n_norms = n_norms if keep else 0  # in the graph already (64 values: stored inline)
         norms = got[:n_norms]
         assert len(set(norms)) == n_norms and all("norm" in n for n in norms), got
         return got[n_norms:]
 
     assert weights_after_norms(reads, 2 * layers + 1) == [*want, "embed"]
-    assert weights_after_norms(float_head_reads, 2 * layers) == want
+    assert weights_after_norms(float_head_reads, 2 * layers) == want + ([] if keep else ["embed"])
     assert weights_after_norms(budget_reads, 2 * layers + 1) == [*want, "embed"] * 2
 
 
