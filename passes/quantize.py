@@ -614,10 +614,13 @@ def quantize_q4(
 
     jobs = _find_jobs(g, gathers, is_head, lm_head, embeddings)
     moments = None
+    calib_seconds = 0.0
     if calibration is not None:
+        tc = time.perf_counter()
         moments = calibration.moments(
             model, g.array, {j.activation: j.t.data_type for j in jobs if j.activation}
         )
+        calib_seconds = time.perf_counter() - tc
     if moments is None and norm_importance:
         moments = _norm_moments(g, jobs)
     blocks = allocate_blocks(
@@ -640,7 +643,8 @@ def quantize_q4(
         "bits": BITS,
         "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
         "bits_budget": bits_budget,
-        "calibration": None if calibration is None else calibration.record(),
+        "calibration": None if calibration is None else {
+            **calibration.record(), "seconds": round(calib_seconds, 2)},
         "norm_importance": norm_importance and calibration is None,
         "symmetric": symmetric,
         "zero_point": "fixed 8 (uint4)" if symmetric else "uint4 per block",
