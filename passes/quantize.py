@@ -18,8 +18,10 @@ Scales and zero points are chosen per block by an error-minimizing search (passe
 Optional, decided before any weight is written (the jobs are found first): a block size per
 tensor under a bits budget (`bits_budget`, passes/q4_allocate.py); the search weighted by each
 input channel's importance — RMSNorm's gamma^2 data-free (`norm_importance`), or the activations
-of a calibration text (`calibration`, passes/q4_calibration.py) with GPTQ-style error feedback
-(passes/q4_gptq.py). The stored format is the same in every case.
+of a calibration text (`calibration`, passes/q4_calibration.py: mean squares only, or with
+GPTQ-style error feedback, passes/q4_gptq.py). The converter's default is the shipped text's
+importance under DEFAULT_BITS_BUDGET (converter/calibration_input.py, `resolve_budget`); this
+function's own defaults stay data-free. The stored format is the same in every case.
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
