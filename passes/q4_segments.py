@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops
 
-SEGMENT_BYTES = 64 << 20  # weights per segment (float bytes as stored)
+SEGMENT_BYTES = 32 << 20  # weights per segment (float bytes as stored)
 _INLINE_VALUES = 1024  # initializers up to this many elements may already hold their values
 
 
