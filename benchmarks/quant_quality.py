@@ -25,17 +25,26 @@ import numpy as np
 # The calibration text (original, not the evaluation text): passes/calibration.txt.
 CALIB = str(Path(__file__).resolve().parent.parent / "passes" / "calibration.txt")
 VARIANTS: dict[str, dict[str, Any]] = {
-    "q4 default (block 32, norm-weight importance)": {"quant": "q4"},
+    # the default: built-in calibration text (importance only), 32/64 blocks under 4.45 bits
+    "q4 default (built-in calibration, budget 4.45)": {"quant": "q4"},
+    "q4 built-in calibration, block 32": {"quant": "q4", "block_size": 32},
+    "q4 built-in calibration, block 64": {"quant": "q4", "block_size": 64},
+    # data-free (--no-calibration): the previous default and its variants
+    "q4 --no-calibration (block 32, norm-weight importance)": {
+        "quant": "q4", "default_calibration": False},
     "q4 search block 32, no importance": {"quant": "q4", "block_size": 32,
-                                          "norm_importance": False},
-    "q4 minmax (LM head q4, block 32)": {"quant": "q4", "quant_method": "minmax"},
-    "q4 search block 64": {"quant": "q4", "block_size": 64},
-    "q4 minmax block 64": {"quant": "q4", "block_size": 64, "quant_method": "minmax"},
-    "q4 search, --no-quant-lm-head": {"quant": "q4", "quant_lm_head": False},
+                                          "norm_importance": False, "default_calibration": False},
+    "q4 minmax (LM head q4, block 32)": {"quant": "q4", "quant_method": "minmax",
+                                         "default_calibration": False},
+    "q4 search block 64": {"quant": "q4", "block_size": 64, "default_calibration": False},
+    "q4 minmax block 64": {"quant": "q4", "block_size": 64, "quant_method": "minmax",
+                           "default_calibration": False},
+    "q4 search, --no-quant-lm-head": {"quant": "q4", "quant_lm_head": False,
+                                      "default_calibration": False},
     "q4 norm-weight importance, block 64": {"quant": "q4", "block_size": 64,
-                                            "norm_importance": True},
+                                            "norm_importance": True, "default_calibration": False},
     "q4 norm-weight importance, budget 4.45": {"quant": "q4", "norm_importance": True,
-                                               "bits_budget": 4.45},
+                                               "bits_budget": 4.45, "default_calibration": False},
     "q4 --calibration, block 64": {"quant": "q4", "block_size": 64, "calibration": CALIB},
     "q4 --calibration, budget 4.45": {"quant": "q4", "calibration": CALIB, "bits_budget": 4.45},
 }

@@ -1,26 +1,53 @@
-"""`--calibration FILE`: the calibration text, tokenized with the checkpoint's own tokenizer,
-for the activation-aware Q4 pass (passes/q4_calibration.py)."""
+"""The calibration text of the activation-aware Q4 pass (passes/q4_calibration.py), tokenized
+with the checkpoint's own tokenizer: `--calibration FILE` (error feedback, GPTQ-style), or by
+default the shipped passes/calibration.txt (its first BUILTIN_TOKENS tokens, per-channel
+importance only: one cheap forward). `--no-calibration`, or a checkpoint without a tokenizer,
+gives the data-free quantizer."""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from fuselm.converter.errors import UserError
 from fuselm.passes.q4_calibration import Calibration, read_calibration
 
 CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
+# The default's tokens: one forward of CONTEXT. On SmolLM2 (block 64, importance-weighted) 256,
+# 512 and all 1,700 tokens of the text gave +19.1 %, +18.4 % and +19.1 % PPL: the outlier
+# channels that matter show within a few hundred tokens (BENCHMARKS, issue 12).
+BUILTIN_TOKENS = 256
+BUILTIN_FILE = "calibration.txt"
+
+
+def builtin_calibration(model_dir: Path) -> Calibration | None:
+    """The default calibration: the shipped text through the checkpoint's tokenizer, importance
+    only (no Gram matrices). None when the checkpoint has no tokenizer files (data-free then)."""
+    if not any((Path(model_dir) / n).is_file()
+               for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    text = (resources.files("fuselm.passes") / BUILTIN_FILE).read_text(encoding="utf-8")
+    ids = _tokenize(model_dir, text)[:BUILTIN_TOKENS]
+    if len(ids) < 64:
+        return None
+    return Calibration(ids, CONTEXT, gram=False, source=f"{BUILTIN_FILE} (built-in)")
+
+
+def _tokenize(model_dir: Path, text: str) -> tuple[int, ...]:
+    """No special tokens added, as `fuselm perplexity` does."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return tuple(int(i) for i in tok.encode(text, add_special_tokens=False))
 
 
 def load_calibration(model_dir: Path, path: str | Path) -> Calibration:
     """Read and tokenize the text (no special tokens, as `fuselm perplexity` does)."""
-    from transformers import AutoTokenizer
-
     try:
         text = read_calibration(path)
     except ValueError as e:
         raise UserError(str(e)) from None
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = tuple(int(i) for i in tok.encode(text, add_special_tokens=False))
+    ids = _tokenize(model_dir, text)
     if len(ids) < 64:
         raise UserError(
             f"--calibration {path} has {len(ids)} tokens; pass a text of at least a few hundred "

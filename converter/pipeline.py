@@ -47,6 +47,7 @@ class ConvertOptions:
     calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
     bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
     norm_importance: bool = True  # Q4 without calibration: RMSNorm weights as importance
+    default_calibration: bool = True  # Q4 without --calibration: the built-in text (importance)
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
 
@@ -122,12 +123,9 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
         model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE, quantize_pass
+        from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE, quantize_pass, resolve_budget
 
-        # The default is block 32 everywhere, norm-weighted: on SmolLM2 it costs +27 % PPL at
-        # 4.625 bits, where a 4.45-bit budget of 32/64 blocks costs +39 % (mlx-lm's default:
-        # +39 % at 4.5) — quality first; --bits-budget trades it for size (BENCHMARKS, issue 12).
-        budget = opts.bits_budget
+        budget = resolve_budget(opts.bits_budget, opts.block_size, calibration is not None)
         extra.append(
             quantize_pass(
                 block_size=opts.block_size or DEFAULT_BLOCK_SIZE,
@@ -219,10 +217,16 @@ def convert(
     calib = None
     if opts.calibration and opts.quant != "q4":
         raise UserError("--calibration needs --quant q4")
+    if opts.calibration and not opts.default_calibration:
+        raise UserError("--calibration and --no-calibration contradict; drop one")
     if opts.quant == "q4" and opts.calibration:
         from fuselm.converter.calibration_input import load_calibration
 
         calib = load_calibration(src, opts.calibration)
+    elif opts.quant == "q4" and opts.default_calibration:
+        from fuselm.converter.calibration_input import builtin_calibration
+
+        calib = builtin_calibration(src)
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:

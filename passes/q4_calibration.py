@@ -10,26 +10,23 @@ onnxruntime at float compute), and for every activation that feeds a weight to b
           (passes/q4_gptq.py).
 
 Tokens are cut into chunks of `context` (each from an empty cache, batch 1); a chunk shorter
-than MIN_CHUNK is dropped. Sums are float64 in a fixed order: deterministic. The graph's copy
-holds every weight in memory while it runs (the calibration pass's extra cost; the default
-conversion never builds it).
+than MIN_CHUNK is dropped. Sums are float64 in a fixed order: deterministic. The graph runs
+in segments (passes/q4_segments.py): one slice of the float weights in memory at a time.
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from fuselm.passes import ops
+from fuselm.passes import q4_segments
 
 MIN_CHUNK = 16
-_INLINE_LIMIT = 1 << 30  # larger graphs go to onnxruntime through a temporary file
 
 
 @dataclass
@@ -84,55 +81,36 @@ def collect(
     activations: dict[str, int],
     context: int = 512,
     gram: bool = True,
+    segment_bytes: int = q4_segments.SEGMENT_BYTES,
 ) -> dict[str, Moments]:
     """Moments of each activation in `activations` (name -> its float TensorProto type).
 
-    `model` may hold data-less stand-ins: `load(t)` gives any initializer's values.
+    `model` may hold data-less stand-ins: `load(t)` gives any initializer's values. The graph
+    runs in segments of about `segment_bytes` of weights (passes/q4_segments.py), so the
+    float weights are never all in memory at once.
     """
-    import onnxruntime as ort
-
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for i, t in enumerate(m.graph.initializer):
-        if t.data_location == TensorProto.EXTERNAL or not (
-            t.raw_data or t.float_data or t.int32_data or t.int64_data or t.double_data
-        ):
-            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(load(t), t.name))
-    if any(n.domain == ops.DOMAIN for n in m.graph.node):
-        ops.attach_functions(m)
-    del m.graph.output[:]
-    for name, dtype in activations.items():
-        m.graph.output.append(helper.make_tensor_value_info(name, dtype, None))
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    with tempfile.TemporaryDirectory() as tmp:
-        cpu = ["CPUExecutionProvider"]
-        if m.ByteSize() < _INLINE_LIMIT:
-            sess = ort.InferenceSession(m.SerializeToString(), so, providers=cpu)
-        else:
-            path = Path(tmp) / "calib.onnx"
-            onnx.save_model(m, str(path), save_as_external_data=True, location="calib.data")
-            sess = ort.InferenceSession(str(path), so, providers=cpu)
-        del m
-        names = list(activations)
-        sq: dict[str, np.ndarray] = {}
-        gr: dict[str, np.ndarray] = {}
-        count = 0
-        for c0 in range(0, len(tokens), context):
-            ids = np.asarray(tokens[c0:c0 + context], np.int64)[None]
-            if ids.shape[1] < MIN_CHUNK:
-                continue
-            outs = sess.run(names, _feeds(model, ids))
-            count += ids.shape[1]
-            for name, x in zip(names, outs, strict=True):
-                x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-                sq[name] = sq.get(name, 0) + np.einsum("tk,tk->k", x2, x2)
-                if gram:
-                    gr[name] = gr.get(name, 0) + x2.T @ x2
-    if count == 0:
+    chunks = []
+    for c0 in range(0, len(tokens), context):
+        ids = np.asarray(tokens[c0:c0 + context], np.int64)[None]
+        if ids.shape[1] >= MIN_CHUNK:
+            chunks.append(ids)
+    if not chunks:
         raise ValueError(
             f"the calibration text has {len(tokens)} tokens, fewer than {MIN_CHUNK}; "
             "pass a longer text")
+    count = sum(c.shape[1] for c in chunks)
+    sq: dict[str, np.ndarray] = {}
+    gr: dict[str, np.ndarray] = {}
+
+    def add(name: str, _chunk: int, x: np.ndarray) -> None:
+        # called chunk by chunk, in order, for each name: a fixed summation order
+        x2 = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+        sq[name] = sq.get(name, 0) + np.einsum("tk,tk->k", x2, x2)
+        if gram:
+            gr[name] = gr.get(name, 0) + x2.T @ x2
+
+    q4_segments.run(model, load, [_feeds(model, c) for c in chunks], list(activations), add,
+                    segment_bytes)
     return {
         n: Moments(sq[n] / count, gr[n] / count if gram else None, count) for n in activations
     }

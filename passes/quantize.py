@@ -18,8 +18,10 @@ Scales and zero points are chosen per block by an error-minimizing search (passe
 Optional, decided before any weight is written (the jobs are found first): a block size per
 tensor under a bits budget (`bits_budget`, passes/q4_allocate.py); the search weighted by each
 input channel's importance — RMSNorm's gamma^2 data-free (`norm_importance`), or the activations
-of a calibration text (`calibration`, passes/q4_calibration.py) with GPTQ-style error feedback
-(passes/q4_gptq.py). The stored format is the same in every case.
+of a calibration text (`calibration`, passes/q4_calibration.py: mean squares only, or with
+GPTQ-style error feedback, passes/q4_gptq.py). The converter's default is the shipped text's
+importance under DEFAULT_BITS_BUDGET (converter/calibration_input.py, `resolve_budget`); this
+function's own defaults stay data-free. The stored format is the same in every case.
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
@@ -90,6 +92,12 @@ BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
+# With calibration statistics and no explicit --block-size / --bits-budget: blocks of 32 or 64
+# per tensor under this mean (fewer bits than mlx-lm's default 4.5). On SmolLM2 it gives
+# +14 % PPL where every tensor at 64 gives +19 % and the data-free block 32 +27 % at 4.625
+# (BENCHMARKS, issue 12, "default quality"). Data-free, a budget costs more than it saves
+# (+39 % at 4.45), so without statistics the default stays block 32 everywhere.
+DEFAULT_BITS_BUDGET = 4.45
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SPILL_FILE = "quantized.data"  # QuantizeQ4(spill_dir=...): the new tensors' bytes, on disk
@@ -148,6 +156,16 @@ def validate_options(
         return None
     return QuantOptions(block_size or DEFAULT_BLOCK_SIZE, symmetric, lm_head is not False,
                         embeddings, method)
+
+
+def resolve_budget(
+    bits_budget: float | None, block_size: int | None, calibrated: bool
+) -> float | None:
+    """The bits budget a conversion uses: the one asked for; else DEFAULT_BITS_BUDGET when the
+    weights have calibration statistics and no block size was asked for; else none."""
+    if bits_budget is not None:
+        return bits_budget
+    return DEFAULT_BITS_BUDGET if calibrated and block_size is None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,10 +616,13 @@ def quantize_q4(
 
     jobs = _find_jobs(g, gathers, is_head, lm_head, embeddings)
     moments = None
+    calib_seconds = 0.0
     if calibration is not None:
+        tc = time.perf_counter()
         moments = calibration.moments(
             model, g.array, {j.activation: j.t.data_type for j in jobs if j.activation}
         )
+        calib_seconds = time.perf_counter() - tc
     if moments is None and norm_importance:
         moments = _norm_moments(g, jobs)
     blocks = allocate_blocks(
@@ -624,7 +645,8 @@ def quantize_q4(
         "bits": BITS,
         "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
         "bits_budget": bits_budget,
-        "calibration": None if calibration is None else calibration.record(),
+        "calibration": None if calibration is None else {
+            **calibration.record(), "seconds": round(calib_seconds, 2)},
         "norm_importance": norm_importance and calibration is None,
         "symmetric": symmetric,
         "zero_point": "fixed 8 (uint4)" if symmetric else "uint4 per block",

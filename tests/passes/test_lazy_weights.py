@@ -125,27 +125,37 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
 @pytest.mark.parametrize("keep", [True, False])
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path,  # noqa: ANN001
                                                       keep: bool) -> None:
-    """`fuselm convert --quant q4 --block-size 32` end to end: norms are read once; the tied
-    embedding / LM head is read once when quantized (the default) and never with
+    """`fuselm convert --quant q4 --no-calibration --block-size 32` end to end: norms are read
+    once; the tied embedding / LM head is read once when quantized (the default) and never with
     --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time:
     once to measure its error at each block size, once to quantize it; each norm weight once.
+    The calibrated default reads each weight three times: the segmented forward, the budget's
+    measurement, the quantization.
 
     keep=True goes through raw.onnx.data (--keep-intermediate), whose bytes the writer copies
     undecoded. Without it the weights come from the checkpoint itself (export's
     ComputedValues): the small norms are read with the graph, before the passes, and a float
     weight is decoded once by the writer (the float head here); still nothing twice."""
+    from collections import Counter
+
     from fuselm.converter.pipeline import ConvertOptions, convert
 
-    opts = {"keep_intermediate": keep}
+    free = {"quant": "q4", "default_calibration": False, "keep_intermediate": keep}
     with weights.recording() as reads:
-        convert(model_dir("qwen3"), tmp_path / "out",
-                ConvertOptions(quant="q4", block_size=32, **opts))
+        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(**free, block_size=32))
     with weights.recording() as float_head_reads:
         convert(model_dir("qwen3"), tmp_path / "out2",
-                ConvertOptions(quant="q4", quant_lm_head=False, block_size=32, **opts))
+                ConvertOptions(**free, quant_lm_head=False, block_size=32))
     with weights.recording() as budget_reads:
-        convert(model_dir("qwen3"), tmp_path / "out3",
-                ConvertOptions(quant="q4", bits_budget=4.45, **opts))
+        convert(model_dir("qwen3"), tmp_path / "out3", ConvertOptions(**free, bits_budget=4.45))
+    from fuselm.converter.builtin import build_model
+    from tests.passes.conftest import CASES
+
+    family, kw = CASES["qwen3"]
+    with_tokenizer = build_model(tmp_path / "hf", family, **kw)  # the calibration needs one
+    with weights.recording() as default_reads:
+        convert(with_tokenizer, tmp_path / "out4",
+                ConvertOptions(quant="q4", keep_intermediate=keep))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = ("q", "k", "v", "o", "gate", "up", "down")
     want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
@@ -161,6 +171,10 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     assert weights_after_norms(reads, 2 * layers + 1) == [*want, "embed"]
     assert weights_after_norms(float_head_reads, 2 * layers) == want + ([] if keep else ["embed"])
     assert weights_after_norms(budget_reads, 2 * layers + 1) == [*want, "embed"] * 2
+    counts = Counter(default_reads)
+    assert all(counts[w] == 3 for w in [*want, "embed"]), counts
+    extra = set(counts) - {*want, "embed"}  # norms: read by the passes only from raw.onnx.data
+    assert all("norm" in n for n in extra) and (bool(extra) or not keep), counts
 
 
 def test_quantized_tensors_spill_to_disk(raw: Path, tmp_path: Path) -> None:

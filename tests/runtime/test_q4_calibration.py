@@ -34,7 +34,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "hf": hf,
         "float": convert(hf, root / "float"),
         "q4": convert(hf, root / "q4", quant="q4", calibration=str(CALIB), bits_budget=BUDGET),
-        "default": convert(hf, root / "default", quant="q4"),
+        "data_free": convert(hf, root / "data_free", quant="q4", default_calibration=False),
     }
 
 
@@ -109,13 +109,13 @@ def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_default_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
-    """`--quant q4` alone: block 32 for every tensor (no budget), and every weight fed by an
-    RMSNorm quantized with gamma^2 as its input channels' importance."""
+def test_no_calibration_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
+    """`--quant q4 --no-calibration`: block 32 for every tensor (no budget), and every weight
+    fed by an RMSNorm quantized with gamma^2 as its input channels' importance."""
     from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE
     from fuselm.runtime_metal.artifact import read_manifest
 
-    q = read_manifest(models["default"]).quantization
+    q = read_manifest(models["data_free"]).quantization
     assert q is not None and q["bits_budget"] is None and q["norm_importance"]
     ts = q["tensors"]
     assert q["block_size"] == DEFAULT_BLOCK_SIZE == 32
@@ -133,7 +133,7 @@ def test_default_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
                and nd.input[1] == rec["name"])
     gamma = inits[prod[qkv.input[0]].input[1]].astype(np.float64)
     want = quantize_array(inits[qkv.input[1]], rec["block_size"], importance=gamma**2)
-    qm = onnx.load(str(models["default"] / "model.onnx"))
+    qm = onnx.load(str(models["data_free"] / "model.onnx"))
     qinits = {t.name: t for t in qm.graph.initializer}
     got = numpy_helper.to_array(qinits[rec["codes"]]).astype(np.uint8)
     assert np.array_equal(got, want.codes)

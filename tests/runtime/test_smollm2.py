@@ -58,8 +58,8 @@ def smol_f16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smol_q4(smol_f16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The float16 artifact through the Q4 pass (block 32; LM head/embeddings kept float16, as
-    `convert --quant q4` does by default)."""
+    """The float16 artifact through the data-free Q4 pass (block 32, plain search; LM head and
+    embeddings kept float16)."""
     return quantized_copy(smol_f16, tmp_path_factory.mktemp("smol") / "q4")
 
 

@@ -1,0 +1,131 @@
+"""The default Q4 (`--quant q4` alone): the built-in calibration text's per-channel importance,
+collected by running the float graph in segments (passes/q4_segments.py), and blocks of 32 or
+64 per tensor under DEFAULT_BITS_BUDGET. Deterministic; the segments compute what one session
+over the whole graph computes; a checkpoint without a tokenizer, or `--no-calibration`, gets
+the data-free quantizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from fuselm.converter.builtin import build_model
+from fuselm.converter.errors import UserError
+from fuselm.passes import q4_segments
+from fuselm.passes.q4_allocate import bits_per_weight
+from fuselm.passes.q4_calibration import collect
+from fuselm.passes.q4_math import quantize_array
+from fuselm.passes.quantize import DEFAULT_BITS_BUDGET
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.validate import engine_logits, rel
+from tests.runtime.conftest import convert
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Qwen3 (tied head, GQA, head_dim != hidden / heads): HF dir, float32 artifact, the
+    default Q4 twice (determinism) and one from a copy without tokenizer files."""
+    root = tmp_path_factory.mktemp("q4default")
+    hf = build_model(root / "hf", "qwen3", seed=9)
+    bare = build_model(root / "bare", "qwen3", seed=9, tokenizer=False)
+    return {
+        "hf": hf,
+        "float": convert(hf, root / "float"),
+        "q4": convert(hf, root / "q4", quant="q4"),
+        "again": convert(hf, root / "again", quant="q4"),
+        "bare": convert(bare, root / "bare_q4", quant="q4"),
+    }
+
+
+def _pairs(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    inits = {t.name: t for t in model.graph.initializer}
+    return [(n.input[0], n.input[1]) for n in model.graph.node
+            if n.op_type in ("MatMul", "FusedQKV", "FusedGateUp") and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2]
+
+
+def test_segments_compute_what_one_session_computes(models: dict[str, Path]) -> None:
+    """Every weighted node in its own segment vs the whole graph in one segment: the same
+    activations (rel <= 1e-5: onnxruntime may fuse differently across a cut), and the plan
+    skips the LM head's MatMul (only its input is wanted) and gathers the table in NumPy."""
+    model = onnx.load(str(models["float"] / "model.onnx"))
+    acts = {a: onnx.TensorProto.FLOAT for a, _ in _pairs(model)}
+    tokens = tuple(int(i) for i in np.random.default_rng(3).integers(4, 384, 100))
+    small = q4_segments.plan(model, list(acts), segment_bytes=1)
+    whole = q4_segments.plan(model, list(acts), segment_bytes=1 << 40)
+    assert len(small) > len(acts) // 2
+    assert sum(s.numpy_gather is not None for s in whole) == 1  # the table, in NumPy
+    ops = ("MatMul", "FusedQKV", "FusedGateUp")
+    assert sum(any(n.op_type in ops for n in s.nodes) for s in whole) == 1  # one session
+    assert not any(n.output[0] == "logits" for s in small for n in s.nodes)
+    a = collect(model, numpy_helper.to_array, tokens, acts, context=64, gram=False,
+                segment_bytes=1)
+    b = collect(model, numpy_helper.to_array, tokens, acts, context=64, gram=False,
+                segment_bytes=1 << 40)
+    for name in acts:
+        assert a[name].count == b[name].count == 100
+        assert rel(a[name].sq, b[name].sq) <= 1e-5
+
+
+def test_default_is_calibrated_within_budget_and_deterministic(models: dict[str, Path]) -> None:
+    q = read_manifest(models["q4"]).quantization
+    assert q is not None and q["bits_budget"] == DEFAULT_BITS_BUDGET < 4.5
+    cal = q["calibration"]
+    assert cal["file"] == "calibration.txt (built-in)" and cal["tokens"] >= 64
+    assert cal["method"] == "importance-weighted search"
+    ts = q["tensors"]
+    assert {t["block_size"] for t in ts} <= {32, 64}
+    assert all(t["calibration"] == "importance" for t in ts)
+    weights = [int(np.prod(t["shape"])) for t in ts]
+    mean = sum(w * bits_per_weight(t["block_size"]) for w, t in zip(weights, ts, strict=True))
+    assert mean / sum(weights) <= DEFAULT_BITS_BUDGET
+    a = (models["q4"] / "model.onnx.data").read_bytes()
+    assert a == (models["again"] / "model.onnx.data").read_bytes()
+
+
+def test_default_codes_are_the_importance_weighted_search(models: dict[str, Path]) -> None:
+    """The stored codes of a tensor are quantize_array's with the calibration activations'
+    mean squares as importance, at the block size the record names."""
+    from fuselm.converter.calibration_input import builtin_calibration
+
+    cal = builtin_calibration(models["hf"])
+    assert cal is not None and not cal.gram
+    model = onnx.load(str(models["float"] / "model.onnx"))
+    pairs = _pairs(model)
+    moments = collect(model, numpy_helper.to_array, cal.tokens,
+                      {a: onnx.TensorProto.FLOAT for a, _ in pairs}, cal.context, gram=False)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    q = read_manifest(models["q4"]).quantization
+    qm = onnx.load(str(models["q4"] / "model.onnx"))
+    qinits = {t.name: t for t in qm.graph.initializer}
+    for role in ("fused:FusedQKV", "linear"):
+        rec = next(t for t in q["tensors"] if t["role"] == role)
+        act = next(a for a, w in pairs if w == rec["name"])
+        want = quantize_array(inits[rec["name"]], rec["block_size"],
+                              importance=moments[act].sq)
+        got = numpy_helper.to_array(qinits[rec["codes"]]).astype(np.uint8)
+        assert np.array_equal(got, want.codes)
+
+
+def test_default_mlx_equals_onnxruntime(models: dict[str, Path]) -> None:
+    mlx_engine = make_engine(models["q4"], "mlx")
+    ort_engine = make_engine(models["q4"], "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(2).integers(4, 384, 30)]
+    assert rel(engine_logits(mlx_engine, prompt, 6), engine_logits(ort_engine, prompt, 6)) <= 1e-3
+
+
+def test_without_tokenizer_or_flag_the_default_is_data_free(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    q = read_manifest(models["bare"]).quantization
+    assert q["calibration"] is None and q["norm_importance"] and q["bits_budget"] is None
+    assert {t["block_size"] for t in q["tensors"]} == {32}
+    with pytest.raises(UserError, match="contradict"):
+        convert(models["hf"], tmp_path / "x", quant="q4", calibration="any.txt",
+                default_calibration=False)
+    assert not (tmp_path / "x").exists()
