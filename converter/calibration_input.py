@@ -34,7 +34,15 @@ def builtin_calibration(model_dir: Path) -> Calibration | None:
 
 
 def _tokenize(model_dir: Path, text: str) -> tuple[int, ...]:
-    """No special tokens added, as `fuselm perplexity` does."""
+    """No special tokens added, as `fuselm perplexity` does. A tokenizer.json is read with the
+    `tokenizers` library itself (what transformers' fast tokenizers wrap): importing
+    transformers' AutoTokenizer imports torch, +290 MB at the conversion's peak (the GGUF
+    builder's conversion stays torch-free, BENCHMARKS issue 11)."""
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        return tuple(tok.encode(text, add_special_tokens=False).ids)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -129,3 +129,18 @@ def test_without_tokenizer_or_flag_the_default_is_data_free(
         convert(models["hf"], tmp_path / "x", quant="q4", calibration="any.txt",
                 default_calibration=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_builtin_tokens_equal_transformers_tokenizer(models: dict[str, Path]) -> None:
+    """The calibration text is tokenized with the `tokenizers` library (no torch import): the
+    same ids as the checkpoint's transformers tokenizer, no special tokens, first BUILTIN_TOKENS."""
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+
+    from fuselm.converter.calibration_input import BUILTIN_FILE, BUILTIN_TOKENS, builtin_calibration
+
+    text = (resources.files("fuselm.passes") / BUILTIN_FILE).read_text(encoding="utf-8")
+    want = AutoTokenizer.from_pretrained(str(models["hf"])).encode(text, add_special_tokens=False)
+    calib = builtin_calibration(models["hf"])
+    assert calib is not None and list(calib.tokens) == want[:BUILTIN_TOKENS]
