@@ -95,7 +95,7 @@ def quantize_array(
     # Compiled: bit-equal scales, zero points and codes (tests/passes/test_q4_kernels.py); the
     # error sums are float64 there, float32 BLAS dots in the NumPy form (rel_rms_error may differ
     # in its last digits).
-    compiled = q4_search.COMPILED and method == "search"
+    compiled = q4_search.use_compiled() and method == "search"
     kernels = q4_search.kernels() if compiled else None
     half = compiled and w.dtype == np.float16
     bits = w.view(np.uint16) if half else None

@@ -26,7 +26,9 @@ weighted error.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
@@ -42,6 +44,27 @@ _FP16_MAX = float(np.finfo(np.float16).max)
 # Use the compiled loops (passes/q4_kernels.py: same results, ~4x less CPU) when Numba is
 # there; NumPy alone gives the same bits (the tests compare both forms bit for bit).
 COMPILED = importlib.util.find_spec("numba") is not None
+# ...but only for models of at least this many quantized weights: importing Numba costs ~112 MB
+# of resident memory and ~1 s, more than the NumPy search costs a small model (SmolLM2's 134M
+# weights: the GGUF conversion's peak must stay within 1.5x its float16 size, 403 MB).
+COMPILED_MIN_WEIGHTS = 300_000_000
+_small_model = False
+
+
+@contextlib.contextmanager
+def for_model(weights: int) -> Iterator[None]:
+    """Within: the searches of one model of `weights` quantized weights (NumPy below
+    COMPILED_MIN_WEIGHTS; the same bits either way)."""
+    global _small_model
+    before, _small_model = _small_model, weights < COMPILED_MIN_WEIGHTS
+    try:
+        yield
+    finally:
+        _small_model = before
+
+
+def use_compiled() -> bool:
+    return COMPILED and not _small_model
 _NONE = np.zeros((0, 0), np.float32)  # "no importance" for the compiled loops
 
 
@@ -103,7 +126,7 @@ def search_params(
     Symmetric mode keeps zp = 8 and searches the scale only (from max|w| / 7 down).
     """
     # One column: NumPy sums it in another order (pairwise), which the compiled loops do not.
-    fast = COMPILED and blocks.dtype == np.float32 and blocks.shape[2] > 1
+    fast = use_compiled() and blocks.dtype == np.float32 and blocks.shape[2] > 1
     if fast:
         c = tmp = blocks  # unused: the compiled loops make no temporaries
         # the compiled loops' importance: [nb, B] (or empty); None selects the NumPy forms

@@ -26,7 +26,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops
 
-SEGMENT_BYTES = 32 << 20  # weights per segment (float bytes as stored)
+# Weights per segment (float bytes as stored). Each is held ~4x at once (read, TensorProto,
+# serialized model, the session): SmolLM2's GGUF default convert peaks at 375 MiB with 16 MB
+# segments, 391 MiB with 32 MB; its bound is 385 MiB (BENCHMARKS, issue 11).
+SEGMENT_BYTES = 8 << 20
 _INLINE_VALUES = 1024  # initializers up to this many elements may already hold their values
 
 

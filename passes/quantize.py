@@ -73,7 +73,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from fuselm.passes import ops, weights
+from fuselm.passes import ops, q4_search, weights
 from fuselm.passes.errors import PassesError
 from fuselm.passes.q4_allocate import allocate_blocks
 from fuselm.passes.q4_calibration import Calibration, Moments
@@ -565,6 +565,25 @@ def _norm_moments(g: _Graph, jobs: list[_Job]) -> dict[str, Moments]:
     return out
 
 
+def _quantize_jobs(
+    g: _Graph, w: _Writer, jobs: list[_Job], block_size: int, bits_budget: float | None,
+    symmetric: bool, method: str, moments: dict[str, Moments] | None,
+    gathers: dict[str, list[onnx.NodeProto]],
+) -> tuple[dict[str, int], list[str]]:
+    """Each job's block size (the budget's choice, or `block_size`), then each job quantized."""
+    blocks = allocate_blocks(
+        [(j.t.name, lambda j=j: j.kn(g), j.activation) for j in jobs], block_size, bits_budget,
+        symmetric, method, None if moments is None else {k: v.sq for k, v in moments.items()},
+    ) if bits_budget is not None else dict.fromkeys((j.t.name for j in jobs), block_size)
+    tied_names: list[str] = []
+    for job in jobs:
+        stats = None if moments is None or job.activation is None else moments.get(job.activation)
+        _apply(w, g, job, blocks[job.t.name], stats, gathers)
+        if job.kind == "tied":
+            tied_names.append(job.t.name)
+    return blocks, tied_names
+
+
 def quantize_q4(
     model: onnx.ModelProto,
     *,
@@ -625,16 +644,10 @@ def quantize_q4(
         calib_seconds = time.perf_counter() - tc
     if moments is None and norm_importance:
         moments = _norm_moments(g, jobs)
-    blocks = allocate_blocks(
-        [(j.t.name, lambda j=j: j.kn(g), j.activation) for j in jobs], block_size, bits_budget,
-        symmetric, method, None if moments is None else {k: v.sq for k, v in moments.items()},
-    ) if bits_budget is not None else dict.fromkeys((j.t.name for j in jobs), block_size)
-    tied_names: list[str] = []
-    for job in jobs:
-        stats = None if moments is None or job.activation is None else moments.get(job.activation)
-        _apply(w, g, job, blocks[job.t.name], stats, gathers)
-        if job.kind == "tied":
-            tied_names.append(job.t.name)
+    total = sum(int(np.prod(j.t.dims)) for j in jobs)
+    with q4_search.for_model(total):
+        blocks, tied_names = _quantize_jobs(g, w, jobs, block_size, bits_budget, symmetric,
+                                            method, moments, gathers)
     edits = len(jobs)
 
     _rewrite(model, w)

@@ -79,3 +79,14 @@ def test_quantize_array_refuses_nonfinite_compiled(monkeypatch: pytest.MonkeyPat
     w[40, 3] = bad
     with pytest.raises(ValueError, match="NaN or Inf"):
         q4_math.quantize_array(w, 32)
+
+
+def test_small_models_search_without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below COMPILED_MIN_WEIGHTS a model's searches run in NumPy (Numba's import costs more
+    memory than SmolLM2's conversion may use); the same bits either way (tests above)."""
+    monkeypatch.setattr(q4_search, "COMPILED", True)
+    with q4_search.for_model(q4_search.COMPILED_MIN_WEIGHTS - 1):
+        assert not q4_search.use_compiled()
+    with q4_search.for_model(q4_search.COMPILED_MIN_WEIGHTS):
+        assert q4_search.use_compiled()
+    assert q4_search.use_compiled()
