@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from fuselm.converter.errors import UserError
+from fuselm.export.config import DecoderSpec
 from fuselm.passes.q4_calibration import Calibration, read_calibration
 
 CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
@@ -18,11 +19,26 @@ CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
 # channels that matter show within a few hundred tokens (BENCHMARKS, issue 12).
 BUILTIN_TOKENS = 256
 BUILTIN_FILE = "calibration.txt"
+# Above this many linear weights the default stays data-free: the forward and the 32/64 choice
+# scale with the weights (Qwen3-0.6B: +12 s wall, +29 s CPU on 2 cores), and an 8B model's
+# default conversion on a 2-core machine went past 10 minutes with them (BENCHMARKS, issue 14).
+# Quantization hurts small models most; `--calibration FILE` still calibrates any size.
+BUILTIN_MAX_WEIGHTS = 2_000_000_000
 
 
-def builtin_calibration(model_dir: Path) -> Calibration | None:
+def linear_weights(spec: DecoderSpec) -> int:
+    """Weights of the projections and the LM head (what the default calibration weighs)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    layer = spec.hidden_size * (2 * q + 2 * kv) + 3 * spec.hidden_size * spec.intermediate_size
+    return spec.num_layers * layer + spec.vocab_size * spec.hidden_size
+
+
+def builtin_calibration(model_dir: Path, spec: DecoderSpec | None = None) -> Calibration | None:
     """The default calibration: the shipped text through the checkpoint's tokenizer, importance
-    only (no Gram matrices). None when the checkpoint has no tokenizer files (data-free then)."""
+    only (no Gram matrices). None when the checkpoint has no tokenizer files or (given `spec`)
+    more than BUILTIN_MAX_WEIGHTS linear weights: data-free then."""
+    if spec is not None and linear_weights(spec) > BUILTIN_MAX_WEIGHTS:
+        return None
     if not any((Path(model_dir) / n).is_file()
                for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None

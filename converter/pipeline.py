@@ -226,7 +226,7 @@ def convert(
     elif opts.quant == "q4" and opts.default_calibration:
         from fuselm.converter.calibration_input import builtin_calibration
 
-        calib = builtin_calibration(src)
+        calib = builtin_calibration(src, spec)
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:

@@ -144,3 +144,23 @@ def test_builtin_tokens_equal_transformers_tokenizer(models: dict[str, Path]) ->
     want = AutoTokenizer.from_pretrained(str(models["hf"])).encode(text, add_special_tokens=False)
     calib = builtin_calibration(models["hf"])
     assert calib is not None and list(calib.tokens) == want[:BUILTIN_TOKENS]
+
+
+def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None:
+    """Past BUILTIN_MAX_WEIGHTS linear weights the default is data-free (an 8B model's forward
+    and block choice cost minutes on a CPU); the Llama-3.1-8B shape counts 7.5B."""
+    from dataclasses import replace
+
+    from fuselm.converter.calibration_input import (
+        BUILTIN_MAX_WEIGHTS,
+        builtin_calibration,
+        linear_weights,
+    )
+    from fuselm.export.registry import decoder_spec
+
+    spec = decoder_spec(models["hf"])
+    assert builtin_calibration(models["hf"], spec) is not None
+    big = replace(spec, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                  head_dim=128, intermediate_size=14336, vocab_size=128256)
+    assert linear_weights(big) == 7_504_658_432 > BUILTIN_MAX_WEIGHTS
+    assert builtin_calibration(models["hf"], big) is None
