@@ -6,15 +6,14 @@ builder (export/gguf_graph.py) return the same type without one importing the ot
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import onnx
 
 from fuselm.export.config import DecoderSpec
-
-if TYPE_CHECKING:
-    from fuselm.passes.weights import ComputedValues
 
 
 @dataclass
@@ -28,6 +27,8 @@ class ExportResult:
     # An exporter that writes the fused graph itself (export/gguf_graph.py) says what it built,
     # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
     built: dict[str, Any] | None = None
-    # in_memory=True: the model (not saved) and its weights' recipes (passes/weights.py)
+    # in_memory=True: the model (not saved, its weights data-less) and, per weight, a function
+    # reading its values from the checkpoint (the passes wrap them: passes/weights.py
+    # ComputedValues; export takes only the op contract from passes/)
     model: onnx.ModelProto | None = None
-    sources: dict[str, ComputedValues] = field(default_factory=dict)
+    sources: dict[str, Callable[[], np.ndarray]] = field(default_factory=dict)

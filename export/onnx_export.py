@@ -30,7 +30,6 @@ from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
-from fuselm.passes.weights import ComputedValues
 
 if TYPE_CHECKING:
     from fuselm.export.gguf_source import GGUFCheckpoint
@@ -229,7 +228,7 @@ def computed_weights(
     ckpt: Checkpoint,
     dtype: torch.dtype,
     screen: WeightScreen | None = None,
-) -> dict[str, ComputedValues]:
+) -> dict[str, Callable[[], np.ndarray]]:
     """Every parameter as a data-less initializer of `model` and its values as a recipe that
     reads it from the checkpoint when asked (quantization, the final writer): no intermediate
     data file (an 8B model's would be 16 GB written and read back). Small tensors (≤ 1024
@@ -237,7 +236,7 @@ def computed_weights(
     sources = module.weight_sources()
     params = dict(module.named_parameters())
     existing = {t.name for t in model.graph.initializer}
-    out: dict[str, ComputedValues] = {}
+    out: dict[str, Callable[[], np.ndarray]] = {}
     for name, src in sources.items():
         if name in existing:
             raise ExportError(f"internal: {name} already has a value")
@@ -252,7 +251,7 @@ def computed_weights(
             # as the writer inlines a small external tensor: the same model bytes either way
             proto.data_location = TensorProto.DEFAULT
         else:
-            out[name] = ComputedValues(proto, compute)
+            out[name] = compute
         model.graph.initializer.append(proto)
     return out
 
@@ -341,7 +340,8 @@ def export_model(
         if allow_nonfinite:
             raise ValueError("in_memory export cannot record non-finite weights")
         result.sources = computed_weights(model, module, ckpt, graph_dtype, screen)
-        result.weight_bytes = sum(int(np.prod(v.tensor.dims)) for v in result.sources.values())
+        inits = {t.name: t for t in model.graph.initializer}
+        result.weight_bytes = sum(int(np.prod(inits[n].dims)) for n in result.sources)
         result.weight_bytes *= torch.empty((), dtype=graph_dtype).element_size()
         result.seconds["weights"] = time.perf_counter() - t1
         model.producer_name = "fuselm"

@@ -17,11 +17,12 @@ model file's folder) and a `deferred` dict, and write the result with passes/wri
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -147,7 +148,7 @@ def run_pipeline(
     *,
     base_dir: str | Path | None = None,
     deferred: dict[str, LazyValues] | None = None,
-    sources: dict[str, LazyValues] | None = None,
+    sources: dict[str, Callable[[], np.ndarray]] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Run the chosen passes; `base_dir`, `sources` and `deferred` as in model_io.to_graph /
     to_model."""

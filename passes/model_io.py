@@ -12,15 +12,17 @@ passes/writer.py to stream into the data file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from fuselm.passes import ops
-from fuselm.passes.weights import ExternalValues, PackedValues, is_external
+from fuselm.passes.weights import ComputedValues, ExternalValues, PackedValues, is_external
 
 # Initializers up to this many elements stay in the light copy: shape constants must, so that
 # inference can propagate their values (data_prop); weights need not.
@@ -85,7 +87,7 @@ def upgrade(light: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
 
 def to_graph(
     model: onnx.ModelProto, upgrade_opset: bool = True, base_dir: str | Path | None = None,
-    sources: dict[str, LazyValues] | None = None,
+    sources: dict[str, Callable[[], np.ndarray]] | None = None,
 ) -> gs.Graph:
     """Import for the passes: upgraded to opset 23, shape-inferred (tensors carry dtypes and
     static dims), large weights referenced in place (never copied, never decoded).
@@ -94,8 +96,8 @@ def to_graph(
     come back as lazy constants over the caller's own TensorProtos. `graph.upgraded_from` is
     the original opset when it was upgraded. The caller's model is not modified. Initializers
     stored externally become ExternalValues read from `base_dir` (the model file's folder) only
-    if a pass asks for their values. `sources` gives the values of data-less initializers
-    by name (the exporter's ComputedValues).
+    if a pass asks for their values. `sources` gives, by name, a function computing a
+    data-less initializer's values (the exporter's: read from the checkpoint when asked).
     """
     light = light_copy(model)
     upgraded = None
@@ -111,7 +113,7 @@ def to_graph(
         real = big.get(t.name)
         if real is None:
             continue
-        lazy = (sources[t.name] if sources and t.name in sources
+        lazy = (ComputedValues(real, sources[t.name]) if sources and t.name in sources
                 else ExternalValues(real, base_dir) if base_dir is not None and is_external(real)
                 else LazyValues(real))
         c = gs.Constant(t.name, values=lazy)

@@ -1,6 +1,7 @@
-"""convert without an intermediate data file (export's ComputedValues: the passes and the writer
-read each weight from the checkpoint) writes the very same artifact, byte for byte, as the
-path through raw.onnx.data (--keep-intermediate), quantized or not."""
+"""convert without an intermediate data file (export's weight recipes, wrapped as the passes'
+ComputedValues: the passes and the writer read each weight from the checkpoint) writes the very
+same artifact, byte for byte, as the path through raw.onnx.data (--keep-intermediate), quantized
+or not."""
 
 from __future__ import annotations
 
