@@ -327,22 +327,28 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
         assert np.array_equal(np.array(alone.astype(mx.float32)).reshape(-1), got[i])
 
 
+def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
+    """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized) from float32."""
+    from fuselm.converter.builtin import build_model
+    from tests.runtime.conftest import quantized_copy
+
+    hf = build_model(tmp_path / "hf", "qwen3", seed=seed, hidden_size=128, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    return quantized_copy(convert(hf, tmp_path / "f32"), tmp_path / "q4", lm_head=True,
+                          embeddings=True)
+
+
 @cuda
 def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized), float32: the
     decode step's logits with every kernel on (Q4 GEMV, gated epilogue, in-place K/V) against
     MLX's built-ins, step after step from the same prompt, and the same greedy tokens."""
-    from fuselm.converter.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
-    from tests.runtime.conftest import quantized_copy
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
-    hf = build_model(tmp_path / "hf", "qwen3", seed=6, hidden_size=128, head_dim=64,
-                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
-    out = quantized_copy(convert(hf, tmp_path / "f32"), tmp_path / "q4", lm_head=True,
-                         embeddings=True)
+    out = _q4_qwen3(tmp_path, seed=6)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 384, 40)]
     logits, tokens = {}, {}
     for mode in ("off", "on"):
@@ -416,16 +422,11 @@ def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
     """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm folded into the
     GEMVs against the separate add+RMSNorm kernel: logits rel <= 1e-4 (float32) over 8 steps,
     the same greedy tokens."""
-    from fuselm.converter.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
-    from tests.runtime.conftest import quantized_copy
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
-    hf = build_model(tmp_path / "hf", "qwen3", seed=7, hidden_size=128, head_dim=64,
-                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
-    out = quantized_copy(convert(hf, tmp_path / "f32"), tmp_path / "q4", lm_head=True,
-                         embeddings=True)
+    out = _q4_qwen3(tmp_path, seed=7)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
     logits, tokens = {}, {}
     for fold in ("0", "1"):
