@@ -13,6 +13,13 @@
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
 #                                               # random weights), fuselm Q4 (minmax scales) and
 #                                               # mlx-lm Q4 of it, side by side as `sbs` (ROUNDS)
+#   benchmarks/gpu_run.sh prep SHAPE:GROUP ...  # build + convert (fuselm with QM, default minmax,
+#                                               # and mlx-lm) several pairs at once: one chain
+#                                               # per shape in parallel; "8b:G" makes the 8B
+#                                               # checkpoint on the GPU (make_checkpoint --device
+#                                               # cuda) and converts it; logs -> $OUT/prep_*.log
+#   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py, both systems: GPU kernel time
+#                                               # vs wall per decode step -> $OUT/profile_*.json
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
@@ -44,7 +51,7 @@ case "$part" in
     # shellcheck disable=SC2086
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" -p 512 -n 128 -r 3 \
       --separate "${ROUNDS:-3}" --pp-extra ${PP_EXTRA:-} --work "$WORK" \
-      --json-out "$OUT/$2_g$3.json"
+      --quant-method "${QM:-minmax}" --json-out "$OUT/$2_g$3.json"
     ;;
   batch)
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
@@ -76,9 +83,37 @@ case "$part" in
     ;;
   8b)
     ck="$WORK/llama-3.1-8b/hf"
-    [ -f "$ck/config.json" ] || python3 benchmarks/make_checkpoint.py "$ck"
+    [ -f "$ck/config.json" ] || python3 benchmarks/make_checkpoint.py "$ck" --device cuda
     python3 benchmarks/side_by_side.py --checkpoint "$ck" --group-size "$2" -p 512 -n 128 -r 3 \
       --separate "${ROUNDS:-3}" --quant-method minmax --work "$WORK" --json-out "$OUT/8b_g$2.json"
+    ;;
+  prep)
+    shift
+    declare -A chain
+    for pair in "$@"; do
+      shape=${pair%%:*} g=${pair##*:}
+      if [ "$shape" = 8b ]; then
+        ck="$WORK/llama-3.1-8b/hf"
+        cmd="{ [ -f $ck/config.json ] || python3 benchmarks/make_checkpoint.py $ck --device cuda; }
+          && python3 benchmarks/side_by_side.py --checkpoint $ck --group-size $g --work $WORK
+          -p 8 -r 1 -n 4 --quant-method ${QM:-minmax}"
+      else
+        cmd="python3 benchmarks/side_by_side.py --shape $shape --group-size $g --work $WORK
+          -p 8 -r 1 -n 4 --quant-method ${QM:-minmax}"
+      fi
+      chain[$shape]="${chain[$shape]:+${chain[$shape]} && }$(echo $cmd)"
+    done
+    for shape in "${!chain[@]}"; do
+      (eval "${chain[$shape]}" > "$OUT/prep_$shape.log" 2>&1; echo "prep $shape rc=$?") &
+    done
+    wait
+    ;;
+  profile)
+    for sys in fuselm mlx-lm; do
+      python3 benchmarks/step_profile.py --system $sys --hf "$WORK/$2/hf" -p 512 -n 128 \
+        --artifact "$WORK/fuselm_$2_g$3_float16" --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
+        | tee "$OUT/profile_$2_g$3_$sys.json"
+    done
     ;;
   crossover)
     python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"

@@ -1,0 +1,117 @@
+"""Where a decode step's time goes on an NVIDIA GPU: GPU kernel time against wall time per step.
+
+    python benchmarks/step_profile.py --system fuselm --artifact OUT_DIR --hf HF_DIR
+    python benchmarks/step_profile.py --system mlx-lm --mlx-dir MLX_DIR --hf HF_DIR
+
+One system per process: prefill -p tokens, decode --warmup steps (traces, compiles), then N
+greedy steps timed by wall clock (the pipelined loop of side_by_side.py: step i+1 is queued
+before step i is read), then N more steps under PyTorch's profiler with CUDA activity only.
+The profiler records through CUPTI every kernel the process launches, MLX's included (graph
+nodes one by one), with device start and end times. Per step it reports: kernels, the sum of
+kernel durations, the busy time (union of the kernel intervals: overlapping kernels count
+once) and the idle share of the span (first kernel start to last kernel end) — the time the
+GPU waited for the host. If busy ≈ wall, kernels are the lever; if idle dominates, host-side
+work (Python, graph launches, synchronisation) is. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from side_by_side import Fuselm, MlxLm, _prompt  # noqa: E402 - the benchmark's own helpers
+
+
+def kernel_events(trace: Path) -> list[dict[str, Any]]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
+def busy_union(kernels: list[dict[str, Any]]) -> float:
+    """Microseconds covered by at least one kernel."""
+    total, end = 0.0, float("-inf")
+    for e in kernels:
+        s, f = e["ts"], e["ts"] + e["dur"]
+        if s >= end:
+            total += f - s
+            end = f
+        elif f > end:
+            total += f - end
+            end = f
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", choices=("fuselm", "mlx-lm"), required=True)
+    ap.add_argument("--artifact", type=Path, help="fuselm conversion")
+    ap.add_argument("--mlx-dir", type=Path, help="mlx-lm conversion")
+    ap.add_argument("--hf", type=Path, required=True, help="the checkpoint (for its vocab)")
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=128, help="steps timed, then steps profiled")
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("-r", type=int, default=3, help="wall-clock repeats")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.init()
+    system = Fuselm(args.artifact) if args.system == "fuselm" else MlxLm(args.mlx_dir)
+    if isinstance(system, Fuselm):  # one cache capacity throughout: no retrace mid-way
+        system.engine.reserve(args.p + args.warmup + (args.r + 1) * args.n + 8)
+    token = system.prefill(_prompt(args.hf, args.p))
+    y = system.decode(token, args.warmup)
+    token = int(y.item())
+    walls = []
+    for _ in range(args.r):
+        mx.synchronize()
+        t = time.perf_counter()
+        y = system.decode(token, args.n)
+        token = int(y.item())
+        walls.append((time.perf_counter() - t) * 1e3 / args.n)
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        y = system.decode(token, args.n)
+        y.item()
+        mx.synchronize()
+        prof_wall = (time.perf_counter() - t) * 1e3 / args.n
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        kernels = kernel_events(trace)
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        per_name[e["name"][:80]].append(e["dur"])
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0.0
+    busy = busy_union(kernels)
+    n = args.n
+    print(json.dumps({
+        "system": args.system, "p": args.p, "steps": n,
+        "wall_ms_per_step": statistics.median(walls), "wall_ms_runs": walls,
+        "profiled_wall_ms_per_step": prof_wall,
+        "kernels_per_step": len(kernels) / n,
+        "kernel_sum_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / n,
+        "busy_ms_per_step": busy / 1e3 / n, "span_ms_per_step": span / 1e3 / n,
+        "idle_share_of_span": 1 - busy / span if span else None,
+        "top_kernels": [{"name": k, "count_per_step": len(v) / n,
+                         "us_per_step": sum(v) / n, "us_each_median": statistics.median(v)}
+                        for k, v in top]}))
+
+
+if __name__ == "__main__":
+    main()
