@@ -123,6 +123,14 @@ def ensure_mlx_lm(hf: Path, out: Path, group: int, dtype: str) -> Path:
     return out
 
 
+def shape_label(args: argparse.Namespace) -> str:
+    """--shape, or the checkpoint's folder (its parent when the folder is named hf)."""
+    if not args.checkpoint:
+        return args.shape
+    ck = Path(args.checkpoint).resolve()
+    return ck.parent.name if ck.name == "hf" else ck.name
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -276,7 +284,7 @@ def side_by_side(args: argparse.Namespace, hf: Path, fl_dir: Path, mlx_dir: Path
     big = 256 << 20 if mx.default_device().type == mx.gpu else 64 << 20
     bw = copy_bandwidth(big)
     out: dict[str, Any] = {
-        "shape": args.shape, "checkpoint": str(hf), "p": args.p, "n": args.n, "r": args.r,
+        "shape": shape_label(args), "checkpoint": str(hf), "p": args.p, "n": args.n, "r": args.r,
         "group_size": args.group_size, "dtype": args.dtype_resolved, "bits": 4,
         "device": device_info(), "versions": versions(), "copy_bandwidth_GBps": bw / 1e9,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "systems": {},
@@ -368,7 +376,7 @@ def separate(args: argparse.Namespace, hf: Path) -> dict[str, Any]:
     big = 256 << 20 if mx.default_device().type == mx.gpu else 64 << 20
     bw = copy_bandwidth(big)
     out: dict[str, Any] = {
-        "shape": args.shape, "checkpoint": str(hf), "p": args.p, "n": args.n, "r": args.r,
+        "shape": shape_label(args), "checkpoint": str(hf), "p": args.p, "n": args.n, "r": args.r,
         "rounds": args.separate, "mode": "separate processes, alternating",
         "order": order_log, "group_size": args.group_size, "dtype": args.dtype_resolved,
         "bits": 4, "device": device_info(), "versions": versions(),
