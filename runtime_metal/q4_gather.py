@@ -174,7 +174,7 @@ def _four_bit(table: np.ndarray) -> np.ndarray | None:
     if table.dtype in FOUR_BIT:
         return table
     if table.dtype == np.uint8 and table.size and int(table.max()) < 16:
-        return table.astype(ml_dtypes.uint4)
+        return table.view(ml_dtypes.uint4)  # one element a byte: the same bytes
     if table.dtype == np.int8 and table.size and -8 <= int(table.min()) <= int(table.max()) < 8:
         return table.astype(ml_dtypes.int4)
     return None

@@ -158,11 +158,27 @@ class QWeight:
 def _pack_rows(codes: np.ndarray) -> np.ndarray:
     """uint8 codes [R, C] (C % 8 == 0) -> uint32 [R, C/8], element j of a word at bits 4j."""
     r, c = codes.shape
+    if np.little_endian:  # two codes a byte (low nibble first), four bytes a word: a view
+        pairs = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+        return pairs.view(np.uint32)
     c8 = codes.reshape(r, c // 8, 8)
     out = c8[..., 0].astype(np.uint32)
     for j in range(1, 8):
         out |= c8[..., j].astype(np.uint32) << np.uint32(4 * j)
     return out
+
+
+def _pack_columns(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes [R, C] (R % 8 == 0) -> uint32 [C, R/8]: _pack_rows(codes.T), packing first
+    (contiguous rows, 4-byte words) and transposing the 8x smaller words after; transposing
+    the one-byte codes first was most of a large model's load."""
+    if not np.little_endian:
+        return _pack_rows(np.ascontiguousarray(codes.T))
+    pairs = codes[0::2] | (codes[1::2] << np.uint8(4))  # [R/2, C]: codes 2i, 2i+1 of a byte
+    words = pairs[0::4].astype(np.uint32)
+    for b in range(1, 4):
+        words |= pairs[b::4].astype(np.uint32) << np.uint32(8 * b)
+    return np.ascontiguousarray(words.T)
 
 
 def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) -> bool:
@@ -184,21 +200,27 @@ def from_dequantize_linear(
     """Repack a constant blocked DequantizeLinear (see can_pack) into a QWeight."""
     signed = codes.dtype == np.dtype(ml_dtypes.int4)
     # int4 codes c and zero points z: (c - z) = ((c + 8) - (z + 8)), so shift both to uint4.
-    q = codes.astype(np.int16) + (8 if signed else 0)
+    # On the codes' bytes (ml_dtypes keeps a 4-bit element in the low nibble): c + 8 of a
+    # two's-complement nibble is the nibble with bit 3 flipped. Byte work, no element casts:
+    # the casts were most of a large model's load time.
+    q = codes.view(np.uint8) & np.uint8(15)
+    if signed:
+        q ^= np.uint8(8)
     if zero_points is None:
         z = np.full(scales.shape, 8 if signed else 0, np.int16)
     else:
         z = zero_points.astype(np.int16) + (8 if signed else 0)
     transposed = axis % 2 == 0
     if transposed:  # blocks along rows: MLX groups along the last axis, so store W.T
-        q, s, z = q.T, scales.T, z.T
+        packed = _pack_columns(q)
+        s, z = scales.T, z.T
     else:
+        packed = _pack_rows(np.ascontiguousarray(q))
         s = scales
     s32 = np.ascontiguousarray(s).astype(np.float32)
     # C order: numpy may lay out the product of a transposed and a plain array column-major,
     # MLX keeps that layout, and MLX-CUDA's quantized kernels take row-major biases only.
     bias = np.ascontiguousarray(-(z.astype(np.float32) * s32))
-    packed = _pack_rows(np.ascontiguousarray(q.astype(np.uint8)))
     out_dtype = to_device(np.zeros((), scales.dtype)).dtype  # type: ignore[union-attr]
     return QWeight(mx.array(packed), to_device(s32), to_device(bias),  # type: ignore[arg-type]
                    block_size, transposed, out_dtype)

@@ -122,6 +122,59 @@ def test_q4_weights_are_the_onnx_weights_exactly() -> None:
     assert np.array_equal(np.array(q1.dense()), want.T)
 
 
+@pytest.mark.parametrize("signed", [False, True])
+@pytest.mark.parametrize("with_zp", [False, True])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_q4_packing_all_code_types(signed: bool, with_zp: bool, axis: int) -> None:
+    """int4 and uint4 codes, with and without zero points (ONNX's default zero point is 0),
+    blocks along either axis: the packed weight dequantizes to ONNX's values bit for bit."""
+    from fuselm.runtime_metal.qweight import from_dequantize_linear
+
+    t = ml_dtypes.int4 if signed else ml_dtypes.uint4
+    lo, hi = (-8, 8) if signed else (0, 16)
+    k, n = 96, 24
+    codes = RNG.integers(lo, hi, (k, n)).astype(np.int8).astype(t)
+    scales = (RNG.random((k // 32, n)) * 0.05 + 0.01).astype(np.float16).astype(np.float32)
+    zps = RNG.integers(lo, hi, (k // 32, n)).astype(np.int8).astype(t)
+    want = contract.dequantize_reference(codes, scales, zps if with_zp else np.zeros_like(zps),
+                                         32)
+    if axis == 0:
+        q = from_dequantize_linear(codes, scales, zps if with_zp else None, 0, 32)
+        assert np.array_equal(np.array(q.dense()), want)
+    else:
+        q = from_dequantize_linear(codes.T.copy(), scales.T.copy(),
+                                   zps.T.copy() if with_zp else None, 1, 32)
+        assert np.array_equal(np.array(q.dense()), want.T)
+
+
+def test_four_bit_external_data_loads_as_written(tmp_path) -> None:  # noqa: ANN001
+    """int4/uint4 initializers in external data (odd element count: a half-used last byte)
+    load with the values onnx itself reads back."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    from fuselm.runtime_metal.loader import load_graph
+
+    vals = {"u": RNG.integers(0, 16, (5, 7)).astype(np.uint8),
+            "s": RNG.integers(-8, 8, (3, 9)).astype(np.int8)}
+    inits = [helper.make_tensor("u", TensorProto.UINT4, (5, 7), vals["u"].ravel().tolist()),
+             helper.make_tensor("s", TensorProto.INT4, (3, 9), vals["s"].ravel().tolist())]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Constant", [], ["y"], value_float=1.0)], "g",
+                              [], [out], initializer=inits)
+    model = helper.make_model(graph)
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="model.onnx.data", size_threshold=0)
+    got = load_graph(path).weights
+    ref = {t.name: numpy_helper.to_array(t)
+           for t in onnx.load(str(path)).graph.initializer}
+    for name, v in vals.items():
+        assert got[name].dtype == ref[name].dtype
+        assert np.array_equal(got[name].astype(np.int16), v.astype(np.int16))
+        assert np.array_equal(got[name].astype(np.int16), ref[name].astype(np.int16))
+
+
 def test_rms_norm_and_attention_vs_onnxruntime() -> None:
     x, w = _f(2, 5, 64), 1 + 0.1 * _f(64)
     node = helper.make_node("RMSNormalization", ["x", "w"], ["y"], axis=-1, epsilon=1e-6)
