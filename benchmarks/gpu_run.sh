@@ -18,8 +18,9 @@
 #                                               # per shape in parallel; "8b:G" makes the 8B
 #                                               # checkpoint on the GPU (make_checkpoint --device
 #                                               # cuda) and converts it; logs -> $OUT/prep_*.log
-#   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py, both systems: GPU kernel time
-#                                               # vs wall per decode step -> $OUT/profile_*.json
+#   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py: GPU kernel time vs wall per
+#                                               # decode step, fuselm fold on/off, mlx-lm
+#                                               # -> $OUT/profile_*.json (needs `prep` first)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
@@ -109,10 +110,12 @@ case "$part" in
     wait
     ;;
   profile)
-    for sys in fuselm mlx-lm; do
-      python3 benchmarks/step_profile.py --system $sys --hf "$WORK/$2/hf" -p 512 -n 128 \
-        --artifact "$WORK/fuselm_$2_g$3_float16" --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
-        | tee "$OUT/profile_$2_g$3_$sys.json"
+    # fuselm with the add+RMSNorm fold on (default) and off, then mlx-lm
+    for run in fuselm:1 fuselm:0 mlx-lm:1; do
+      sys=${run%%:*} fold=${run##*:}
+      FUSELM_FOLD_NORM=$fold python3 benchmarks/step_profile.py --system "$sys" \
+        --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
+        --mlx-dir "$WORK/mlxlm_$2_g$3_float16" | tee "$OUT/profile_$2_g$3_${sys}_fold$fold.json"
     done
     ;;
   crossover)
