@@ -80,6 +80,23 @@ def dense_prefill_rows() -> int:
     return int(raw)
 
 
+ATTEND_KEYS_ENV = "FUSELM_ATTN_KEYS"
+ATTEND_KEYS = (1, 2, 4)
+
+
+def attend_keys() -> int:
+    """Keys each warp of the decode attention kernel loads at once (kernels_cuda.rope_attend):
+    1 (default) walks them one by one, the kernel measured and tested on the H200; 2 or 4
+    keeps that many rows' loads in flight per warp (the step profile found the one-at-a-time
+    walk latency-bound: 26 µs a layer at ~600 cached tokens, BENCHMARKS.md issue 14), not yet
+    measured, hence not the default. FUSELM_ATTN_KEYS=N selects."""
+    raw = os.environ.get(ATTEND_KEYS_ENV, "1").strip()
+    if raw not in {str(k) for k in ATTEND_KEYS}:
+        raise RuntimeUserError(f"{ATTEND_KEYS_ENV}={raw!r}: use one of "
+                               f"{', '.join(map(str, ATTEND_KEYS))}")
+    return int(raw)
+
+
 def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
     """Same-shape, same-dtype residual Add feeding a last-axis RMSNorm with a 1-D scale."""
     if not all(isinstance(a, mx.array) for a in (x, r, scale)):

@@ -24,6 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from fuselm.runtime_metal import kernels
+
 _HEADER = """
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -58,7 +60,7 @@ _ADD_RMS_NORM = """
   }
 """
 
-_ROPE_ATTEND = """
+_ROPE_ATTEND_BODY = """
   // block (h, b) = query head h of batch row b; NW warps; lane l owns elements
   // [l*VPT, (l+1)*VPT) of a row. Row b decodes at its own position offset[b].
   constexpr int VPT = D / 32, G = HQ / HK;
@@ -121,7 +123,24 @@ _ROPE_ATTEND = """
   __syncthreads();
   float qr[VPT], acc[VPT];
   for (int e = 0; e < VPT; ++e) { qr[e] = sq[lane * VPT + e]; acc[e] = 0.f; }
-  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
+/*KEYS*/  if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+  for (int e = 0; e < VPT; ++e) wacc[warp][lane * VPT + e] = acc[e];
+  __syncthreads();
+  if (tid < D) {  // merge the warps' partial softmaxes
+    float mx_ = __int_as_float(0xff800000);
+    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w]);
+    float den = 0.f, num = 0.f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = wl[w] > 0.f ? __expf(wm[w] - mx_) : 0.f;
+      den += wl[w] * c;
+      num += wacc[w][tid] * c;
+    }
+    out[qh * D + tid] = T(num / den);
+  }
+"""
+
+
+_KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
   const T* kb = kc + kh * cap * D;
   const T* vb = vc + kh * cap * D;
   for (int j = warp; j <= pos; j += NW) {  // online softmax over this warp's keys
@@ -142,22 +161,67 @@ _ROPE_ATTEND = """
     for (int e = 0; e < VPT; ++e) acc[e] = acc[e] * corr + p * vr[e];
     m = mn;
   }
-  if (lane == 0) { wm[warp] = m; wl[warp] = l; }
-  for (int e = 0; e < VPT; ++e) wacc[warp][lane * VPT + e] = acc[e];
-  __syncthreads();
-  if (tid < D) {  // merge the warps' partial softmaxes
-    float mx_ = __int_as_float(0xff800000);
-    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w]);
-    float den = 0.f, num = 0.f;
-    for (int w = 0; w < NW; ++w) {
-      const float c = wl[w] > 0.f ? __expf(wm[w] - mx_) : 0.f;
-      den += wl[w] * c;
-      num += wacc[w][tid] * c;
+"""
+
+# KB keys per warp step (kernels.attend_keys > 1); the rest of the kernel is the same.
+_KEYS_MANY = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
+  const T* kb = kc + kh * cap * D;
+  const T* vb = vc + kh * cap * D;
+  // KB keys of this warp at a time (warp*KB .. +KB, then NW*KB further on): all their loads
+  // are issued before the first score needs one; the KB shuffle reductions interleave.
+  for (int j0 = warp * KB; j0 <= pos; j0 += NW * KB) {
+    float kr[KB][VPT], vr[KB][VPT], s[KB];
+    #pragma unroll
+    for (int u = 0; u < KB; ++u) {
+      const int j = j0 + u;
+      #pragma unroll
+      for (int e = 0; e < VPT; ++e) {
+        if (j < pos) {
+          kr[u][e] = static_cast<float>(kb[(size_t)j * D + lane * VPT + e]);
+          vr[u][e] = static_cast<float>(vb[(size_t)j * D + lane * VPT + e]);
+        } else if (j == pos) {  // the token being decoded: not in the cache yet
+          kr[u][e] = sk[lane * VPT + e];
+          vr[u][e] = sv[lane * VPT + e];
+        } else {  // past the position: nothing read, weighed 0 below
+          kr[u][e] = 0.f;
+          vr[u][e] = 0.f;
+        }
+      }
     }
-    out[qh * D + tid] = T(num / den);
+    #pragma unroll
+    for (int u = 0; u < KB; ++u) {
+      float d = 0.f;
+      #pragma unroll
+      for (int e = 0; e < VPT; ++e) d += qr[e] * kr[u][e];
+      s[u] = d;
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      #pragma unroll
+      for (int u = 0; u < KB; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+    float mn = m;  // j0 <= pos: the first key counts, so mn is finite
+    #pragma unroll
+    for (int u = 0; u < KB; ++u)
+      if (j0 + u <= pos) mn = fmaxf(mn, s[u]);
+    const float corr = __expf(m - mn);
+    l *= corr;
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) acc[e] *= corr;
+    #pragma unroll
+    for (int u = 0; u < KB; ++u) {
+      if (j0 + u <= pos) {
+        const float p = __expf(s[u] - mn);
+        l += p;
+        #pragma unroll
+        for (int e = 0; e < VPT; ++e) acc[e] += p * vr[u][e];
+      }
+    }
+    m = mn;
   }
 """
 
+_ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
+_ROPE_ATTEND_MANY = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_MANY)
 
 @cache
 def _add_rms_norm_kernel() -> Any:
@@ -167,11 +231,12 @@ def _add_rms_norm_kernel() -> Any:
 
 
 @cache
-def _rope_attend_kernel() -> Any:
+def _rope_attend_kernel(many: bool = False) -> Any:
     return mx.fast.cuda_kernel(
-        name="fuselm_rope_attend",
+        name="fuselm_rope_attend_keys" if many else "fuselm_rope_attend",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)
+        output_names=["out"], source=_ROPE_ATTEND_MANY if many else _ROPE_ATTEND,
+        header=_HEADER)
 
 
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
@@ -190,7 +255,8 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
                 kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
-                interleaved: bool) -> tuple[mx.array, mx.array, mx.array]:
+                interleaved: bool, keys_per_step: int | None = None
+                ) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
     prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
@@ -201,16 +267,27 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     program's cache buffers: row-contiguous, so MLX passes them uncopied) and give up the
     old value, as a donated buffer would be; later readers of the cache depend on this step
     through the decoded token, so they run after the write. Rows past offset[i] are never
-    read by this call, so the write races with no reader."""
+    read by this call, so the write races with no reader.
+
+    keys_per_step: keys each warp loads at once (None: kernels.attend_keys(), the
+    environment's; 1 is the kernel measured and tested on the H200)."""
     d, rows = kc.shape[-1], kc.shape[0]
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
+    kb = kernels.attend_keys() if keys_per_step is None else keys_per_step
+    extra: list[tuple[str, Any]] = []
+    if kb > 1:
+        # KB rows of K and V in registers: half the warps (each thread may then use twice
+        # the registers); NW/2 * KB keys in flight per block: as many as before at KB = 2,
+        # twice as many at 4
+        warps //= 2
+        extra = [("KB", kb)]
     dummy = inv_freq
-    (out,) = _rope_attend_kernel()(
+    (out,) = _rope_attend_kernel(kb > 1)(
         inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", warps)],
+                  ("HAS_KN", kn is not None), ("NW", warps), *extra],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
     return out, kc, vc

@@ -44,6 +44,16 @@ def test_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
             kernels.enabled("on")
 
 
+def test_attend_keys_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.ATTEND_KEYS_ENV, raising=False)
+    assert kernels.attend_keys() == 1  # the kernel measured on the H200 stays the default
+    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, "4")
+    assert kernels.attend_keys() == 4
+    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, "3")
+    with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_KEYS='3': use one of 1, 2, 4"):
+        kernels.attend_keys()
+
+
 def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
     """Each layer's FusedRoPE+Attention is one op, and each residual Add with the RMSNorm after
     it: 2 per layer (the first layer's input norm reads the embedding, the last Add feeds the
@@ -117,10 +127,13 @@ ROPE_CASES = [
 
 
 @cuda
+@pytest.mark.parametrize("keys", [1, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("d,hq,hk,norms,inter,frac,ascale,pos", ROPE_CASES)
 def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
-                            inter: bool, frac: float, ascale: float, pos: int) -> None:
+                            inter: bool, frac: float, ascale: float, pos: int,
+                            keys: int) -> None:
+    """keys: keys per warp step (1: the default kernel; 4: its variant, FUSELM_ATTN_KEYS)."""
     from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(d + hq + pos)
@@ -152,7 +165,7 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 
     prm = mx.array([1e-6, scale, ascale], mx.float32)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
-        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter))
+        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, keys_per_step=keys))
     y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
                              mx.array([pos], mx.int32), kc, vc)
     tol = TOL[dtype]
@@ -171,11 +184,15 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
 
 @cuda
+@pytest.mark.parametrize("keys", ["1", "4"])
 def test_program_with_kernels_matches_plain_path(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 keys: str) -> None:
     """A Qwen3 model with head_dim 64 != hidden/heads and GQA 2:1, float32: 32 greedy tokens
     identical with the kernels on and off (and the decode step really without MLX's SDPA
-    fallback: no Softmax/Matmul primitives in its graph)."""
+    fallback: no Softmax/Matmul primitives in its graph); the attention kernel with 1 and 4
+    keys per warp step (FUSELM_ATTN_KEYS)."""
+    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, keys)
     from fuselm.converter.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
@@ -201,8 +218,9 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
 
 
 @cuda
+@pytest.mark.parametrize("keys", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype) -> None:
+def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: int) -> None:
     """Batch rows, each at its own position, give exactly what each row gives alone."""
     from fuselm.runtime_metal import kernels_cuda
 
@@ -221,7 +239,8 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype) -> Non
     def run(rows: slice, pos: list[int]) -> tuple[mx.array, ...]:
         return kernels_cuda.rope_attend(q[rows], k[rows], v[rows], norm, norm, inv_freq, prm,
                                         mx.array(pos, mx.int32), kc[rows], vc[rows], hq=hq,
-                                        hk=hk, rotary_dim=d, interleaved=False)
+                                        hk=hk, rotary_dim=d, interleaved=False,
+                                        keys_per_step=keys)
 
     together = run(slice(0, b), positions)[0]
     for i, p in enumerate(positions):
