@@ -21,6 +21,9 @@
 #   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py: GPU kernel time vs wall per
 #                                               # decode step, fuselm fold on/off, mlx-lm
 #                                               # -> $OUT/profile_*.json (needs `prep` first)
+#   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
+#                                               # alone (GEMV with/without the norm prologue,
+#                                               # attention with 1/2/4 keys per warp step)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
@@ -117,6 +120,10 @@ case "$part" in
         --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
         --mlx-dir "$WORK/mlxlm_$2_g$3_float16" | tee "$OUT/profile_$2_g$3_${sys}_fold$fold.json"
     done
+    ;;
+  kernels)
+    python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" \
+      | tee "$OUT/kernels_$2_g$3.json"
     ;;
   crossover)
     python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"

@@ -1,0 +1,122 @@
+"""GPU time of fuselm's decode kernels alone, variant against variant (NVIDIA, MLX-CUDA).
+
+    python benchmarks/kernel_bench.py [--shape qwen3-0.6b] [--pos 512 1024 4096] [-n 50]
+
+Each kernel is called n times on random inputs of one model shape's decode step (one row,
+float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUPTI records
+MLX's kernels too); the median device duration per kernel name is reported, so Python's
+launch overhead is not in the figure. Compared:
+- the Q4 GEMV (kernels_q4) plain against the same GEMV with the add+RMSNorm prologue
+  (NormedRows: what FUSELM_FOLD_NORM folds), for the q/k/v and the gated gate/up shapes, and
+  the separate add+RMSNorm kernel the prologue replaces;
+- rope+attention (kernels_cuda.rope_attend) with 1, 2 and 4 keys per warp step
+  (FUSELM_ATTN_KEYS) at each cached length --pos.
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+SHAPES = {  # hidden, q heads, kv heads, head_dim, intermediate, q/k norm
+    "qwen3-0.6b": (1024, 16, 8, 128, 3072, True),
+    "llama-3.2-1b": (2048, 32, 8, 64, 8192, False),
+    "llama-3.1-8b": (4096, 32, 8, 128, 14336, False),
+}
+
+
+def kernel_times(trace: Path) -> dict[str, list[float]]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    out: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            out[e["name"]].append(float(e["dur"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--pos", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("-n", type=int, default=50)
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+
+    torch.cuda.init()
+    hidden, hq, hk, d, inter, qk_norm = SHAPES[args.shape]
+    g = args.group_size
+    dt = mx.float16
+    rng = np.random.default_rng(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> mx.array:
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dt)
+
+    def q4(n: int, k: int) -> tuple[mx.array, mx.array, mx.array]:
+        w = rand(n, k, scale=0.02)
+        packed, scales, biases = mx.quantize(w, group_size=g, bits=4)
+        return packed, scales.astype(dt), biases.astype(dt)
+
+    eps = mx.array([1e-6], mx.float32)
+    x, r, nw = rand(1, 1, hidden), rand(1, 1, hidden), rand(hidden, scale=0.1) + 1
+    qkv = q4((hq + 2 * hk) * d, hidden)
+    gate_up = q4(2 * inter, hidden)
+    calls: dict[str, Any] = {
+        "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
+        "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g),
+        "qkv norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps), *qkv, g),
+        "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
+        "gate_up norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps),
+                                                   *gate_up, g, "silu"),
+    }
+    inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    q, k, v = rand(1, 1, hq * d), rand(1, 1, hk * d), rand(1, 1, hk * d)
+    norm = rand(d, scale=0.1) + 1 if qk_norm else None
+    for pos in args.pos:
+        cap = (pos // 256 + 1) * 256
+        kc, vc = rand(1, hk, cap, d), rand(1, hk, cap, d)
+        off = mx.array([pos], mx.int32)
+        for kb in (1, 2, 4):
+            calls[f"attend pos {pos} keys {kb}"] = (
+                lambda kc=kc, vc=vc, off=off, kb=kb: kernels_cuda.rope_attend(
+                    q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
+                    rotary_dim=d, interleaved=False, keys_per_step=kb)[0])
+    results: dict[str, Any] = {}
+    for name, fn in calls.items():
+        for _ in range(3):  # compile, allocate
+            mx.eval(fn())
+        mx.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.n):
+                mx.eval(fn())
+            mx.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "t.json"
+            prof.export_chrome_trace(str(trace))
+            times = kernel_times(trace)
+        fuselm = {n: t for n, t in times.items() if "fuselm" in n} or times
+        results[name] = {n[:90]: {"median_us": statistics.median(t), "calls": len(t)}
+                         for n, t in fuselm.items()}
+        print(name, {n[:60]: round(v["median_us"], 2) for n, v in results[name].items()},
+              file=sys.stderr, flush=True)
+    print(json.dumps({"shape": args.shape, "group_size": g, "dtype": "float16",
+                      "n": args.n, "kernels": results}))
+
+
+if __name__ == "__main__":
+    main()
