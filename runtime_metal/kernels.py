@@ -50,13 +50,26 @@ def gemv_enabled(kernels_on: bool) -> bool:
 
 
 FOLD_ENV = "FUSELM_FOLD_NORM"
+FOLD_MODES = ("1", "warp", "0")
+
+
+def fold_norm_mode() -> str:
+    """FUSELM_FOLD_NORM: `1` (default) folds each decode step's add+RMSNorm into the Q4 GEMV
+    reading it with the block-wide prologue measured on the H200 (kernels_q4.NormedRows);
+    `warp` folds it with the barrier-free prologue (each warp reduces the rows itself; built
+    after the step profile found the block prologue ~17 µs a launch, not yet measured on a
+    GPU, hence not the default); `0` keeps the separate add+RMSNorm kernel."""
+    raw = os.environ.get(FOLD_ENV, "1").strip().lower()
+    if raw not in FOLD_MODES:
+        raise RuntimeUserError(f"{FOLD_ENV}={raw!r}: use one of {', '.join(FOLD_MODES)}")
+    return raw
 
 
 def fold_norm_enabled(gemv_on: bool) -> bool:
     """Each decode step's add+RMSNorm folded into the prologue of the Q4 GEMV that reads it
     (kernels_q4.NormedRows): with the GEMV kernel, unless FUSELM_FOLD_NORM=0 keeps the separate
     add+RMSNorm kernel (to measure one against the other)."""
-    return gemv_on and os.environ.get(FOLD_ENV, "1").strip() != "0"
+    return gemv_on and fold_norm_mode() != "0"
 
 
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
@@ -94,6 +107,31 @@ def attend_keys() -> int:
     if raw not in {str(k) for k in ATTEND_KEYS}:
         raise RuntimeUserError(f"{ATTEND_KEYS_ENV}={raw!r}: use one of "
                                f"{', '.join(map(str, ATTEND_KEYS))}")
+    return int(raw)
+
+
+ATTEND_SPLIT_ENV = "FUSELM_ATTN_SPLIT"
+MAX_SPLITS = 32
+# Blocks the split attention aims at: two per SM of an H200 (132 SMs); MLX does not report the
+# SM count, and the H200 is the only GPU this was written for.
+_TARGET_BLOCKS = 264
+
+
+def attend_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
+    """Key splits of the decode attention (kernels_cuda.rope_attend): 0 (default) = the
+    one-block-per-query-head kernel measured on the H200; N >= 1 = the split kernel, each
+    block serving a KV head's query heads (K/V read once) over 1/N of the cached keys, a merge
+    launch after when N > 1 (flash-decoding); `auto` = N from the cache capacity (at least 64
+    slots a split) and the blocks an H200 fills. Not yet measured on a GPU, hence not the
+    default. FUSELM_ATTN_SPLIT=0|auto|N selects; the split count depends on the capacity and
+    heads only, never on the batch, so a row's result does not depend on its batch."""
+    raw = os.environ.get(ATTEND_SPLIT_ENV, "0").strip().lower()
+    if raw == "auto":
+        by_blocks = _TARGET_BLOCKS // max(1, kv_heads * head_groups)
+        return max(1, min(MAX_SPLITS, by_blocks, capacity // 64))
+    if not raw.isdigit() or int(raw) > MAX_SPLITS:
+        raise RuntimeUserError(f"{ATTEND_SPLIT_ENV}={raw!r}: use 0 (the measured kernel), "
+                               f"auto, or a split count 1..{MAX_SPLITS}")
     return int(raw)
 
 

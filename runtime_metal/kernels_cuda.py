@@ -223,6 +223,289 @@ _KEYS_MANY = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
 _ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
 _ROPE_ATTEND_MANY = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_MANY)
 
+# ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT (kernels.attend_splits) -----------
+# Measured on the H200: the kernel above runs one block per query head (16 blocks on 132 SMs at
+# Qwen3-0.6B), each warp walking keys one at a time with scalar loads: 26.5 µs a layer. Here a
+# block serves GB query heads of one KV head (K/V rows read once for them) over one of S splits
+# of the keys 0..pos, with vector loads and KB keys per warp in flight; each split leaves its
+# partial softmax (max, sum, weighted values) and a small merge launch combines the S splits
+# (S = 1: the block writes the output itself, no merge). Same arithmetic and roundings as the
+# kernel above; only the order of the float32 softmax sums differs.
+
+_VEC_HEADER = """
+// N consecutive elements of a cache row as float32, in the widest loads their bytes allow
+// (rows start 64-byte aligned: D is a multiple of 32)
+template <typename V, typename TT, int N>
+__device__ __forceinline__ void fl_load_as(const TT* p, float* o) {
+  constexpr int PER = sizeof(V) / sizeof(TT);
+  #pragma unroll
+  for (int i = 0; i < N / PER; ++i) {
+    const V u = reinterpret_cast<const V*>(p)[i];
+    const TT* t = reinterpret_cast<const TT*>(&u);
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) o[i * PER + e] = static_cast<float>(t[e]);
+  }
+}
+template <typename TT, int N>
+__device__ __forceinline__ void fl_load_row(const TT* p, float* o) {
+  constexpr int B = N * (int)sizeof(TT);
+  if constexpr (B % 16 == 0) {
+    fl_load_as<uint4, TT, N>(p, o);
+  } else if constexpr (B % 8 == 0) {
+    fl_load_as<uint2, TT, N>(p, o);
+  } else if constexpr (B % 4 == 0) {
+    fl_load_as<unsigned int, TT, N>(p, o);
+  } else {
+    #pragma unroll
+    for (int e = 0; e < N; ++e) o[e] = static_cast<float>(p[e]);
+  }
+}
+"""
+
+_ATTEND_SPLIT = """
+  // block (x, b): x = (g * NGB + gb) * S + s serves KV head g's query heads h0 .. h0+GB-1
+  // (h0 = g * G + gb * GB) of batch row b over split s of the keys 0..pos. Every block ropes
+  // and norms its q heads and the new k (a few hundred flops); block (gb 0, split 0) writes
+  // the new K/V row into the cache in place (no other block reads that row: the key being
+  // decoded comes from shared memory).
+  constexpr int VPT = D / 32, G = HQ / HK, NGB = G / GB, NT = NW * 32;
+  const int s = blockIdx.x % S, gb = (blockIdx.x / S) % NGB, g = blockIdx.x / (S * NGB);
+  const int h0 = g * G + gb * GB, b = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pos = offset[b];
+  const int cap = kc_shape[2];
+  const size_t kh = (size_t)b * HK + g;
+  __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
+  __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
+  for (int i = tid; i < GB * D; i += NT)
+    sq[i / D][i % D] = static_cast<float>(q[((size_t)b * HQ + h0) * D + i]);
+  for (int i = tid; i < D; i += NT) {
+    sk[i] = static_cast<float>(k[kh * D + i]);
+    sv[i] = static_cast<float>(v[kh * D + i]);
+  }
+  __syncthreads();
+  for (int r = warp; r <= GB; r += NW) {  // r < GB: query head r's sum of squares; GB: k's
+    const float* src = r < GB ? sq[r] : sk;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+    ss = warp_sum(ss);
+    if (lane == 0) rs[r] = rsqrtf(ss / D + prm[0]);
+  }
+  __syncthreads();
+  for (int i = tid; i < (GB + 1) * D; i += NT) {
+    const int r = i / D, e = i % D;
+    if (r < GB) {
+      float a = sq[r][e];
+      if (HAS_QN) a = static_cast<float>(T(a * rs[r] * static_cast<float>(qn[e])));
+      tq[r][e] = a;
+    } else {
+      float a = sk[e];
+      if (HAS_KN) a = static_cast<float>(T(a * rs[GB] * static_cast<float>(kn[e])));
+      tk[e] = a;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < (GB + 1) * D; i += NT) {
+    const int r = i / D, e = i % D;
+    const float* src = r < GB ? tq[r] : tk;
+    float a = src[e];
+    if (e < RD) {
+      int m, partner;
+      float sign;
+      if (INTERLEAVED) {
+        m = e >> 1; partner = e ^ 1; sign = (e & 1) ? 1.f : -1.f;
+      } else {
+        constexpr int HALF = RD / 2;
+        m = e < HALF ? e : e - HALF;
+        partner = e < HALF ? e + HALF : e - HALF;
+        sign = e < HALF ? -1.f : 1.f;
+      }
+      const float th = static_cast<float>(pos) * inv_freq[m];
+      a = (a * cosf(th) + sign * src[partner] * sinf(th)) * prm[2];
+    }
+    const T ta = T(a);
+    if (r < GB) {
+      sq[r][e] = static_cast<float>(ta) * prm[1];  // the softmax scale, folded into q
+    } else {
+      const T tv = T(sv[e]);
+      sk[e] = static_cast<float>(ta);
+      sv[e] = static_cast<float>(tv);
+      if (s == 0 && gb == 0) {
+        const_cast<T*>(kc)[(kh * cap + pos) * D + e] = ta;
+        const_cast<T*>(vc)[(kh * cap + pos) * D + e] = tv;
+      }
+    }
+  }
+  __syncthreads();
+  // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
+  const int n = pos + 1, chunk = (n + S - 1) / S;
+  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
+  const T* kb = kc + kh * cap * D + lane * VPT;
+  const T* vb = vc + kh * cap * D + lane * VPT;
+  float qr[GB][VPT], acc[GB][VPT], m[GB], l[GB];
+  #pragma unroll
+  for (int hh = 0; hh < GB; ++hh) {
+    m[hh] = __int_as_float(0xff800000);  // -infinity
+    l[hh] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) { qr[hh][e] = sq[hh][lane * VPT + e]; acc[hh][e] = 0.f; }
+  }
+  for (int j0 = j_begin + warp * KB; j0 < j_end; j0 += NW * KB) {
+    float kr[KB][VPT], vr[KB][VPT], sc[KB][GB];
+    #pragma unroll
+    for (int u = 0; u < KB; ++u) {  // all KB rows' loads in flight before the first score
+      const int j = j0 + u;
+      if (j < j_end && j < pos) {
+        fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
+        fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+      } else {
+        const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
+        #pragma unroll
+        for (int e = 0; e < VPT; ++e) {
+          kr[u][e] = now ? sk[lane * VPT + e] : 0.f;
+          vr[u][e] = now ? sv[lane * VPT + e] : 0.f;
+        }
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < KB; ++u)
+      #pragma unroll
+      for (int hh = 0; hh < GB; ++hh) {
+        float d = 0.f;
+        #pragma unroll
+        for (int e = 0; e < VPT; ++e) d += qr[hh][e] * kr[u][e];
+        sc[u][hh] = d;
+      }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      #pragma unroll
+      for (int u = 0; u < KB; ++u)
+        #pragma unroll
+        for (int hh = 0; hh < GB; ++hh) sc[u][hh] += __shfl_xor_sync(0xffffffff, sc[u][hh], o);
+    #pragma unroll
+    for (int hh = 0; hh < GB; ++hh) {
+      float mn = m[hh];  // j0 < j_end: the first key counts, so mn is finite
+      #pragma unroll
+      for (int u = 0; u < KB; ++u)
+        if (j0 + u < j_end) mn = fmaxf(mn, sc[u][hh]);
+      const float corr = __expf(m[hh] - mn);
+      l[hh] *= corr;
+      #pragma unroll
+      for (int e = 0; e < VPT; ++e) acc[hh][e] *= corr;
+      #pragma unroll
+      for (int u = 0; u < KB; ++u) {
+        if (j0 + u < j_end) {
+          const float p = __expf(sc[u][hh] - mn);
+          l[hh] += p;
+          #pragma unroll
+          for (int e = 0; e < VPT; ++e) acc[hh][e] += p * vr[u][e];
+        }
+      }
+      m[hh] = mn;
+    }
+  }
+  #pragma unroll
+  for (int hh = 0; hh < GB; ++hh) {
+    if (lane == 0) { wm[warp][hh] = m[hh]; wl[warp][hh] = l[hh]; }
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) wacc[warp][hh][lane * VPT + e] = acc[hh][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < GB * D; i += NT) {  // merge the warps' partial softmaxes
+    const int hh = i / D, e = i % D;
+    float mx_ = __int_as_float(0xff800000);
+    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w][hh]);
+    float den = 0.f, num = 0.f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = wl[w][hh] > 0.f ? __expf(wm[w][hh] - mx_) : 0.f;
+      den += wl[w][hh] * c;
+      num += wacc[w][hh][e] * c;
+    }
+    const size_t qh = (size_t)b * HQ + h0 + hh;
+/*WRITE*/
+  }
+"""
+# S = 1: every key in this block; S > 1: the split's partial (an empty split: l = 0, max -inf)
+_WRITE_OUT = "    out[qh * D + e] = T(num / den);"
+_WRITE_PART = """    pacc[(qh * S + s) * D + e] = num;
+    if (e == 0) { pm[qh * S + s] = mx_; pl[qh * S + s] = den; }"""
+
+_ATTEND_MERGE = """
+  // block (h, b): query head h of batch row b, thread e: element e; the S splits' partial
+  // softmaxes combined as the split kernel combines its warps'
+  const size_t qh = (size_t)blockIdx.y * HQ + blockIdx.x;
+  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+    float mx_ = __int_as_float(0xff800000);
+    for (int s = 0; s < S; ++s)
+      if (pl[qh * S + s] > 0.f) mx_ = fmaxf(mx_, pm[qh * S + s]);
+    float den = 0.f, num = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float c = pl[qh * S + s] > 0.f ? __expf(pm[qh * S + s] - mx_) : 0.f;
+      den += pl[qh * S + s] * c;
+      num += pacc[(qh * S + s) * D + e] * c;
+    }
+    out[qh * D + e] = T(num / den);
+  }
+"""
+_SPLIT_WARPS = 4  # 128 threads a block: many small blocks, the splits give the parallelism
+_SPLIT_KEYS = 2  # keys per warp step in flight
+_SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per kept head
+
+
+@cache
+def _attend_split_kernel(merged: bool) -> Any:
+    """merged: S = 1, the block writes the output; else it writes the split's partial."""
+    source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT if merged else _WRITE_PART)
+    return mx.fast.cuda_kernel(
+        name="fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split",
+        input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
+        output_names=["out"] if merged else ["pm", "pl", "pacc"], source=source,
+        header=_HEADER + _VEC_HEADER)
+
+
+@cache
+def _attend_merge_kernel() -> Any:
+    return mx.fast.cuda_kernel(name="fuselm_attend_merge", input_names=["pm", "pl", "pacc"],
+                               output_names=["out"], source=_ATTEND_MERGE)
+
+
+def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
+    """GB: the most query heads of one KV head a split block serves (K/V read once for them)
+    whose q and accumulator fit a lane's register budget (GB * D / 32 <= 16 floats each)."""
+    group = hq // hk
+    return max(gb for gb in range(1, group + 1)
+               if group % gb == 0 and gb * (head_dim // 32) <= _SPLIT_LANE_FLOATS)
+
+
+def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
+                       kn: mx.array | None, inv_freq: mx.array, prm: mx.array,
+                       offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
+                       rotary_dim: int, interleaved: bool, splits: int) -> mx.array:
+    d, rows = kc.shape[-1], kc.shape[0]
+    gb = split_heads_per_block(hq, hk, d)
+    blocks = hk * (hq // hk // gb) * splits
+    dummy = inv_freq
+    outs = _attend_split_kernel(splits == 1)(
+        inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
+                inv_freq, prm, offset, kc, vc],
+        template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
+                  ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
+                  ("HAS_KN", kn is not None), ("NW", _SPLIT_WARPS), ("GB", gb), ("S", splits),
+                  ("KB", _SPLIT_KEYS)],
+        grid=(blocks * _SPLIT_WARPS * 32, rows, 1), threadgroup=(_SPLIT_WARPS * 32, 1, 1),
+        output_shapes=[(rows, 1, hq * d)] if splits == 1 else
+        [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)],
+        output_dtypes=[kc.dtype] if splits == 1 else [mx.float32] * 3)
+    if splits == 1:
+        return outs[0]
+    pm, pl, pacc = outs
+    (out,) = _attend_merge_kernel()(
+        inputs=[pm, pl, pacc], template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("S", splits)],
+        grid=(hq * d, rows, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
+    return out
+
+
 @cache
 def _add_rms_norm_kernel() -> Any:
     return mx.fast.cuda_kernel(
@@ -255,8 +538,8 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
                 kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
-                interleaved: bool, keys_per_step: int | None = None
-                ) -> tuple[mx.array, mx.array, mx.array]:
+                interleaved: bool, keys_per_step: int | None = None,
+                splits: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
     prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
@@ -270,8 +553,18 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     read by this call, so the write races with no reader.
 
     keys_per_step: keys each warp loads at once (None: kernels.attend_keys(), the
-    environment's; 1 is the kernel measured and tested on the H200)."""
+    environment's; 1 is the kernel measured and tested on the H200).
+    splits: 0 = that kernel; N >= 1 = the split kernel over N key splits (see _ATTEND_SPLIT;
+    None: kernels.attend_splits(), the environment's, default 0); keys_per_step does not
+    apply to it."""
     d, rows = kc.shape[-1], kc.shape[0]
+    n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // split_heads_per_block(
+        hq, hk, d)) if splits is None else splits)
+    if n_split > 0:
+        out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
+                                 rotary_dim=rotary_dim, interleaved=interleaved,
+                                 splits=n_split)
+        return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
     kb = kernels.attend_keys() if keys_per_step is None else keys_per_step
     extra: list[tuple[str, Any]] = []

@@ -1,0 +1,152 @@
+"""Compile fuselm's decode kernels with nvcc for a GPU architecture, on a machine without a GPU,
+and report each one's registers, spills and whether its block fits the register file.
+
+    python benchmarks/cuda_compile_check.py [--arch sm_90] [--only NAME_PART ...]
+
+How: mx.fast.cuda_kernel is replaced by a recorder, then the public kernel functions
+(kernels_cuda.rope_attend, kernels_q4.q4_gemv) are called on small CPU arrays of the model
+shapes below. Each call hands the recorder exactly what MLX-CUDA's JIT would get (name,
+header, body, input/output dtypes, template arguments, block size); the recorder writes the
+translation unit the way MLX's build_kernel does (mlx/backend/cuda/custom_kernel.cpp: its
+default header, `namespace mlx::core::cu`, one pointer per input, a `Shape` where the body
+uses NAME_shape, the template arguments as constexpr) with MLX's device header replaced by
+the CUDA headers it brings in, and nvcc compiles it with `-Xptxas -v`. It proves the
+kernels compile and how many registers they take; it says nothing about their results or
+speed (tests/runtime/test_kernels.py and kernel_bench.py do, on a GPU). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+_PRELUDE = """#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cooperative_groups.h>
+#include <cuda/std/limits>
+#define inf cuda::std::numeric_limits<float>::infinity()
+namespace mlx::core::cu {
+struct Shape {  // MLX: the input's shape, passed by value
+  int32_t v[10];
+  __device__ int32_t operator[](int i) const { return v[i]; }
+};
+}
+"""
+_REGS = re.compile(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", re.S)
+
+
+def cuda_type(dtype: Any) -> str:
+    import mlx.core as mx
+
+    return {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+            mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}[dtype]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--only", nargs="*", default=[])
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    import numpy as np
+
+    units: dict[str, tuple[str, int]] = {}  # kernel name -> (source, threads per block)
+
+    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
+                 header: str = "", **_: Any) -> Any:
+        def launch(inputs: list[mx.array], output_shapes: list[tuple[int, ...]],
+                   output_dtypes: list[Any], grid: tuple[int, int, int],
+                   threadgroup: tuple[int, int, int], template: list[tuple[str, Any]] = (),
+                   **__: Any) -> list[mx.array]:
+            suffix = "".join(
+                f"_{'t' if v else 'f'}" if isinstance(v, bool) else f"_{v}" if isinstance(v, int)
+                else f"_{cuda_type(v)}" for _, v in template)
+            fname = f"custom_kernel_{name}{suffix}"
+            params = []
+            for n, a in zip(input_names, inputs, strict=True):
+                params.append(f"    const {cuda_type(a.dtype)}* {n}")
+                if a.ndim > 0 and f"{n}_shape" in source:
+                    params.append(f"    const __grid_constant__ Shape {n}_shape")
+            params += [f"    {cuda_type(d)}* {n}" for n, d in zip(output_names, output_dtypes,
+                                                                   strict=True)]
+            consts = "".join(
+                f"  constexpr bool {k} = {'true' if v else 'false'};\n" if isinstance(v, bool)
+                else f"  constexpr int {k} = {v};\n" if isinstance(v, int)
+                else f"  using {k} = {cuda_type(v)};\n" for k, v in template)
+            text = (_PRELUDE + header + "namespace mlx::core::cu {\n\n"
+                    "namespace cg = cooperative_groups;\n\n"
+                    f"__global__ void {fname}(\n" + ",\n".join(params) + ") {\n"
+                    + consts + "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
+            units[fname] = (text, threadgroup[0] * threadgroup[1] * threadgroup[2])
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    mx.fast.cuda_kernel = recorder  # type: ignore[assignment]
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+
+    rng = np.random.default_rng(0)
+    attention = [  # d, hq, hk, q/k norms, interleaved: the test and model shapes
+        (128, 16, 8, True, False), (64, 32, 8, False, False), (128, 32, 8, False, False),
+        (64, 4, 4, False, True), (128, 8, 1, True, False), (256, 4, 2, False, False),
+        (96, 6, 2, True, True)]
+    for dt in (mx.float16, mx.bfloat16, mx.float32):
+        for d, hq, hk, norms, inter in attention:
+            q, k = mx.zeros((1, 1, hq * d), dt), mx.zeros((1, 1, hk * d), dt)
+            cache = mx.zeros((1, hk, 512, d), dt)
+            n = mx.ones((d,), dt) if norms else None
+            inv = mx.array(rng.random(d // 2).astype(np.float32))
+            prm, off = mx.zeros((3,), mx.float32), mx.array([5], mx.int32)
+            for kb, splits in ((1, 0), (2, 0), (4, 0), (1, 1), (1, 8)):
+                kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq, hk=hk,
+                                         rotary_dim=d, interleaved=inter, keys_per_step=kb,
+                                         splits=splits)
+        for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
+                                      (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
+                                      (1, 4096, 1024, None)):
+            x = mx.zeros((rows, 1, kdim), dt)
+            packed = mx.zeros((nout, kdim // 8), mx.uint32)
+            sc = mx.zeros((nout, kdim // 32), dt)
+            for mode in ("1", "warp"):
+                normed = kernels_q4.NormedRows(x, x, mx.ones((kdim,), dt),
+                                               mx.zeros((1,), mx.float32), mode=mode)
+                kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
+            kernels_q4.q4_gemv(x, packed, sc, sc, 32, act)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fname, (text, threads) in sorted(units.items()):
+            if args.only and not all(o in fname for o in args.only):
+                continue
+            cu = Path(tmp) / f"{fname}.cu"
+            cu.write_text(text)
+            p = subprocess.run(["nvcc", f"-arch={args.arch}", "-std=c++17", "-c", "-Xptxas", "-v",
+                                "-o", os.devnull, str(cu)], capture_output=True, text=True)
+            log = p.stdout + p.stderr
+            m = _REGS.search(log)
+            regs = int(m.group(2)) if m else None
+            spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+            smem = re.search(r"(\d+) bytes smem", log)
+            row = {"kernel": fname, "ok": p.returncode == 0, "registers": regs,
+                   "spill_bytes": sum(spills), "smem": int(smem.group(1)) if smem else 0,
+                   "threads": threads,
+                   "fits_register_file": regs is not None and regs * threads <= 65536}
+            if p.returncode != 0:
+                row["error"] = log[-2000:]
+            results.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    print(json.dumps({"arch": args.arch, "kernels": results}))
+    sys.exit(0 if all(r["ok"] and r["fits_register_file"] and not r["spill_bytes"]
+                      for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
