@@ -54,6 +54,45 @@ def test_attend_keys_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.attend_keys()
 
 
+def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSELM_ATTN_SPLIT: 0 (the measured kernel) by default; auto: as many splits as fill
+    the H200's blocks, at most one per 64 cache slots and MAX_SPLITS; a count; else an error."""
+    from fuselm.runtime_metal import kernels_cuda
+
+    monkeypatch.delenv(kernels.ATTEND_SPLIT_ENV, raising=False)
+    assert kernels.attend_splits(4096, 8, 1) == 0
+    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "auto")
+    assert kernels.attend_splits(4096, 8, 1) == 32  # Qwen3-0.6B: 8 KV heads, 2 q heads a block
+    assert kernels.attend_splits(4096, 32, 1) == 8
+    assert kernels.attend_splits(256, 8, 1) == 4  # a short cache: 64 slots a split at least
+    assert kernels.attend_splits(32, 8, 1) == 1
+    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "16")
+    assert kernels.attend_splits(32, 8, 1) == 16
+    for bad in ("33", "many"):
+        monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, bad)
+        with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_SPLIT=.*use 0"):
+            kernels.attend_splits(512, 8, 1)
+    # a block serves as many query heads of a KV head as a lane's 16 floats hold
+    assert kernels_cuda.split_heads_per_block(16, 8, 128) == 2
+    assert kernels_cuda.split_heads_per_block(32, 8, 64) == 4
+    assert kernels_cuda.split_heads_per_block(32, 4, 128) == 4
+    assert kernels_cuda.split_heads_per_block(6, 2, 96) == 3
+    assert kernels_cuda.split_heads_per_block(8, 1, 256) == 2
+
+
+def test_fold_norm_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
+    assert kernels.fold_norm_mode() == "1"  # the prologue measured on the H200 stays the default
+    assert kernels.fold_norm_enabled(True) and not kernels.fold_norm_enabled(False)
+    monkeypatch.setenv(kernels.FOLD_ENV, "warp")
+    assert kernels.fold_norm_mode() == "warp" and kernels.fold_norm_enabled(True)
+    monkeypatch.setenv(kernels.FOLD_ENV, "0")
+    assert not kernels.fold_norm_enabled(True)
+    monkeypatch.setenv(kernels.FOLD_ENV, "2")
+    with pytest.raises(RuntimeUserError, match="FUSELM_FOLD_NORM='2': use one of 1, warp, 0"):
+        kernels.fold_norm_enabled(True)
+
+
 def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
     """Each layer's FusedRoPE+Attention is one op, and each residual Add with the RMSNorm after
     it: 2 per layer (the first layer's input norm reads the embedding, the last Add feeds the
@@ -126,14 +165,22 @@ ROPE_CASES = [
 ]
 
 
+# (keys per warp step, key splits): the default kernel; its 4-key variant (FUSELM_ATTN_KEYS);
+# the split kernel with 1 split (a block per KV head's query heads) and 8 (a merge launch
+# after; FUSELM_ATTN_SPLIT)
+ATTEND_VARIANTS = [(1, 0), (4, 0), (1, 1), (1, 8)]
+
+
 @cuda
-@pytest.mark.parametrize("keys", [1, 4])
+@pytest.mark.parametrize("keys,splits", ATTEND_VARIANTS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("d,hq,hk,norms,inter,frac,ascale,pos", ROPE_CASES)
 def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
                             inter: bool, frac: float, ascale: float, pos: int,
-                            keys: int) -> None:
-    """keys: keys per warp step (1: the default kernel; 4: its variant, FUSELM_ATTN_KEYS)."""
+                            keys: int, splits: int) -> None:
+    """keys: keys per warp step (1: the default kernel; 4: its variant, FUSELM_ATTN_KEYS);
+    splits: 0 = that kernel, N = the split kernel (FUSELM_ATTN_SPLIT; position 0 leaves 7 of
+    8 splits empty)."""
     from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(d + hq + pos)
@@ -165,7 +212,8 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 
     prm = mx.array([1e-6, scale, ascale], mx.float32)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
-        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, keys_per_step=keys))
+        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, keys_per_step=keys,
+        splits=splits))
     y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
                              mx.array([pos], mx.int32), kc, vc)
     tol = TOL[dtype]
@@ -184,15 +232,16 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
 
 @cuda
-@pytest.mark.parametrize("keys", ["1", "4"])
+@pytest.mark.parametrize("keys,split", [("1", "0"), ("4", "0"), ("1", "auto"), ("1", "3")])
 def test_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
-                                                 keys: str) -> None:
+                                                 keys: str, split: str) -> None:
     """A Qwen3 model with head_dim 64 != hidden/heads and GQA 2:1, float32: 32 greedy tokens
     identical with the kernels on and off (and the decode step really without MLX's SDPA
     fallback: no Softmax/Matmul primitives in its graph); the attention kernel with 1 and 4
-    keys per warp step (FUSELM_ATTN_KEYS)."""
+    keys per warp step (FUSELM_ATTN_KEYS) and the split kernel (FUSELM_ATTN_SPLIT)."""
     monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, keys)
+    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, split)
     from fuselm.converter.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
@@ -218,9 +267,10 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
 
 
 @cuda
-@pytest.mark.parametrize("keys", [1, 2, 4])
+@pytest.mark.parametrize("keys,splits", [*ATTEND_VARIANTS, (2, 0)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: int) -> None:
+def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: int,
+                                                         splits: int) -> None:
     """Batch rows, each at its own position, give exactly what each row gives alone."""
     from fuselm.runtime_metal import kernels_cuda
 
@@ -240,7 +290,7 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: 
         return kernels_cuda.rope_attend(q[rows], k[rows], v[rows], norm, norm, inv_freq, prm,
                                         mx.array(pos, mx.int32), kc[rows], vc[rows], hq=hq,
                                         hk=hk, rotary_dim=d, interleaved=False,
-                                        keys_per_step=keys)
+                                        keys_per_step=keys, splits=splits)
 
     together = run(slice(0, b), positions)[0]
     for i, p in enumerate(positions):
@@ -407,11 +457,13 @@ def test_fold_norms_finds_each_layers_matmuls(q4_artifact: Path) -> None:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,k,n,act", [(1, 1024, 4096, None), (4, 1024, 6144, "silu"),
                                           (1, 4096, 512, None), (2, 96, 64, "gelu_tanh")])
+@pytest.mark.parametrize("mode", ["1", "warp"])
 def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
-                               act: str | None) -> None:
+                               act: str | None, mode: str) -> None:
     """The GEMV with the add+RMSNorm in its prologue against the add+RMSNorm kernel followed by
     the plain GEMV: the sum h bit-equal, the product within the dtype's tolerance (equal
-    where the two reduce in the same order: hidden < 4096)."""
+    where the two reduce in the same order: the block prologue, hidden < 4096; the warp
+    prologue (FUSELM_FOLD_NORM=warp) sums the squares in another order)."""
     from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
 
     rng = np.random.default_rng(rows + k + n)
@@ -421,7 +473,7 @@ def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
     scale, _ = _rounded(rng.uniform(0.5, 1.5, k), dtype)
     eps = mx.array([1e-6], mx.float32)
     h_ref, y_norm = kernels_cuda.add_rms_norm(x, r, scale, eps)
-    normed = kernels_q4.NormedRows(x, r, scale, eps)
+    normed = kernels_q4.NormedRows(x, r, scale, eps, mode=mode)
     assert normed.fits()
     with qweight.gemv_kernel():
         want = w.gated_matmul(y_norm, act) if act else w.matmul(y_norm)
@@ -431,13 +483,14 @@ def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
                           np.array(h_ref.astype(mx.float32)))
     g, e = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     assert rel(g, e) <= TOL[dtype]
-    if k < 4096:
+    if k < 4096 and mode == "1":
         assert np.array_equal(g, e)
 
 
 @cuda
-def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["1", "warp"])
+def test_q4_program_fold_on_matches_fold_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             mode: str) -> None:
     """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm folded into the
     GEMVs against the separate add+RMSNorm kernel: logits rel <= 1e-4 (float32) over 8 steps,
     the same greedy tokens."""
@@ -448,19 +501,19 @@ def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
     out = _q4_qwen3(tmp_path, seed=7)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
     logits, tokens = {}, {}
-    for fold in ("0", "1"):
+    for fold in ("0", mode):
         monkeypatch.setenv(kernels.FOLD_ENV, fold)
         engine = make_engine(out, "mlx")
         program = engine.fast.program
-        assert program.fold is (fold == "1")
+        assert program.fold is (fold != "0")
         folded = sum(o.norm_reader is not None for o in program.ops)
         # each layer's two, but the first layer's input norm (the final norm feeds the head)
-        assert folded == (2 * program.num_layers - 1 if fold == "1" else 0)
+        assert folded == (2 * program.num_layers - 1 if fold != "0" else 0)
         tokens[fold] = generate(engine, prompt, max_new_tokens=16).tokens
         engine.reset()
         engine.reserve(len(prompt) + 8)
         engine.forward(np.asarray([prompt]))
         logits[fold] = np.stack([np.array(engine.decode_step(mx.array(t, mx.int32)))
                                  for t in tokens[fold][:8]])
-    assert rel(logits["1"], logits["0"]) <= 1e-4
-    assert tokens["1"] == tokens["0"]
+    assert rel(logits[mode], logits["0"]) <= 1e-4
+    assert tokens[mode] == tokens["0"]
