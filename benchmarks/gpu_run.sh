@@ -2,7 +2,8 @@
 # The GPU measurements of BENCHMARKS.md, one part per call (each fits a 10-minute command on the
 # H200; the checkpoints and conversions under $WORK are reused while the machine stays up).
 #
-#   benchmarks/gpu_run.sh tests                 # fused-kernel equivalence tests (TF32 off)
+#   benchmarks/gpu_run.sh tests [EXPR]          # fused-kernel equivalence tests (TF32 off),
+#                                               # test_kernels.py, only `-k EXPR` if given
 #   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py --separate: each system in its own
 #                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
 #                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
@@ -19,11 +20,14 @@
 #                                               # checkpoint on the GPU (make_checkpoint --device
 #                                               # cuda) and converts it; logs -> $OUT/prep_*.log
 #   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py: GPU kernel time vs wall per
-#                                               # decode step, fuselm fold on/off, mlx-lm
-#                                               # -> $OUT/profile_*.json (needs `prep` first)
+#                                               # decode step: fuselm as measured (fold 1, split
+#                                               # 0), fold off, the unmeasured variants (fold
+#                                               # warp, split auto), mlx-lm; RUNS="sys:fold:split
+#                                               # ..." picks -> $OUT/profile_*.json (needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
-#                                               # alone (GEMV with/without the norm prologue,
-#                                               # attention with 1/2/4 keys per warp step)
+#                                               # alone (GEMV with no / block / warp norm
+#                                               # prologue, attention with 1/2/4 keys per warp
+#                                               # step and with 1..32/auto key splits)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
@@ -49,7 +53,8 @@ fi
 part=${1:?tests | sbs SHAPE GROUP | batch SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
 case "$part" in
   tests)
-    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py
+    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py \
+      ${2:+-k "$2"}
     ;;
   sbs)
     # shellcheck disable=SC2086
@@ -113,12 +118,14 @@ case "$part" in
     wait
     ;;
   profile)
-    # fuselm with the add+RMSNorm fold on (default) and off, then mlx-lm
-    for run in fuselm:1 fuselm:0 mlx-lm:1; do
-      sys=${run%%:*} fold=${run##*:}
-      FUSELM_FOLD_NORM=$fold python3 benchmarks/step_profile.py --system "$sys" \
-        --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
-        --mlx-dir "$WORK/mlxlm_$2_g$3_float16" | tee "$OUT/profile_$2_g$3_${sys}_fold$fold.json"
+    # fuselm as measured (add+RMSNorm fold 1, attention split 0), fold off, the variants built
+    # after the last profile (FUSELM_FOLD_NORM=warp, FUSELM_ATTN_SPLIT=auto), then mlx-lm
+    for run in ${RUNS:-fuselm:1:0 fuselm:0:0 fuselm:warp:auto mlx-lm:1:0}; do
+      IFS=: read -r sys fold split <<< "$run"
+      FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split python3 benchmarks/step_profile.py \
+        --system "$sys" --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
+        --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
+        | tee "$OUT/profile_$2_g$3_${sys}_fold${fold}_split$split.json"
     done
     ;;
   kernels)

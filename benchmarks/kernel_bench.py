@@ -7,10 +7,13 @@ float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUP
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) plain against the same GEMV with the add+RMSNorm prologue
-  (NormedRows: what FUSELM_FOLD_NORM folds), for the q/k/v and the gated gate/up shapes, and
-  the separate add+RMSNorm kernel the prologue replaces;
+  (NormedRows: what FUSELM_FOLD_NORM folds), block-wide (`norm`, FUSELM_FOLD_NORM=1) and
+  barrier-free (`normwarp`, FUSELM_FOLD_NORM=warp), for the q/k/v and the gated gate/up
+  shapes, and the separate add+RMSNorm kernel the prologue replaces;
 - rope+attention (kernels_cuda.rope_attend) with 1, 2 and 4 keys per warp step
-  (FUSELM_ATTN_KEYS) at each cached length --pos.
+  (FUSELM_ATTN_KEYS) and the split kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto`
+  as kernels.attend_splits picks; more than 1: a merge launch after, its time included in
+  `total_us`) at each cached length --pos.
 Prints one JSON line.
 """
 
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--pos", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("-n", type=int, default=50)
+    ap.add_argument("--splits", nargs="+", default=["1", "4", "8", "16", "32", "auto"])
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -55,7 +59,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+    from fuselm.runtime_metal import kernels, kernels_cuda, kernels_q4
 
     torch.cuda.init()
     hidden, hq, hk, d, inter, qk_norm = SHAPES[args.shape]
@@ -82,6 +86,10 @@ def main() -> None:
         "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
         "gate_up norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps),
                                                    *gate_up, g, "silu"),
+        "qkv normwarp": lambda: kernels_q4.q4_gemv(
+            kernels_q4.NormedRows(x, r, nw, eps, mode="warp"), *qkv, g),
+        "gate_up normwarp": lambda: kernels_q4.q4_gemv(
+            kernels_q4.NormedRows(x, r, nw, eps, mode="warp"), *gate_up, g, "silu"),
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
@@ -95,7 +103,14 @@ def main() -> None:
             calls[f"attend pos {pos} keys {kb}"] = (
                 lambda kc=kc, vc=vc, off=off, kb=kb: kernels_cuda.rope_attend(
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
-                    rotary_dim=d, interleaved=False, keys_per_step=kb)[0])
+                    rotary_dim=d, interleaved=False, keys_per_step=kb, splits=0)[0])
+        groups = hq // hk // kernels_cuda.split_heads_per_block(hq, hk, d)
+        for sp in args.splits:
+            n_split = (kernels.auto_splits(cap, hk, groups) if sp == "auto" else int(sp))
+            calls[f"attend pos {pos} split {sp}={n_split}"] = (
+                lambda kc=kc, vc=vc, off=off, n_split=n_split: kernels_cuda.rope_attend(
+                    q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
+                    rotary_dim=d, interleaved=False, splits=n_split)[0])
     results: dict[str, Any] = {}
     for name, fn in calls.items():
         for _ in range(3):  # compile, allocate
@@ -112,7 +127,9 @@ def main() -> None:
         fuselm = {n: t for n, t in times.items() if "fuselm" in n} or times
         results[name] = {n[:90]: {"median_us": statistics.median(t), "calls": len(t)}
                          for n, t in fuselm.items()}
-        print(name, {n[:60]: round(v["median_us"], 2) for n, v in results[name].items()},
+        # one call's kernels (the split kernel and its merge): the sum of their medians
+        results[name]["total_us"] = sum(v["median_us"] for v in results[name].values())
+        print(name, round(results[name]["total_us"], 2),
               file=sys.stderr, flush=True)
     print(json.dumps({"shape": args.shape, "group_size": g, "dtype": "float16",
                       "n": args.n, "kernels": results}))

@@ -117,6 +117,13 @@ MAX_SPLITS = 32
 _TARGET_BLOCKS = 264
 
 
+def auto_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
+    """FUSELM_ATTN_SPLIT=auto's split count: enough blocks (kv_heads x head_groups x splits)
+    to fill an H200 twice, at least 64 cache slots a split, at most MAX_SPLITS."""
+    by_blocks = _TARGET_BLOCKS // max(1, kv_heads * head_groups)
+    return max(1, min(MAX_SPLITS, by_blocks, capacity // 64))
+
+
 def attend_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
     """Key splits of the decode attention (kernels_cuda.rope_attend): 0 (default) = the
     one-block-per-query-head kernel measured on the H200; N >= 1 = the split kernel, each
@@ -127,8 +134,7 @@ def attend_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
     heads only, never on the batch, so a row's result does not depend on its batch."""
     raw = os.environ.get(ATTEND_SPLIT_ENV, "0").strip().lower()
     if raw == "auto":
-        by_blocks = _TARGET_BLOCKS // max(1, kv_heads * head_groups)
-        return max(1, min(MAX_SPLITS, by_blocks, capacity // 64))
+        return auto_splits(capacity, kv_heads, head_groups)
     if not raw.isdigit() or int(raw) > MAX_SPLITS:
         raise RuntimeUserError(f"{ATTEND_SPLIT_ENV}={raw!r}: use 0 (the measured kernel), "
                                f"auto, or a split count 1..{MAX_SPLITS}")
