@@ -9,6 +9,9 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   registers, not the cache) -> one launch instead of norm x2, rope x2 and MLX-CUDA's SDPA,
   which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
   It writes the new key/value rows into the cache itself (no scatter launches).
+  FUSELM_ATTN_SPLIT selects a split (flash-decoding) form of it: a block per KV head's
+  query heads and key split, then a merge launch (built after the H200 profile, not yet
+  run on a GPU; the default stays the measured kernel).
 
 The plain-MLX paths they replace are in runtime_metal/program_ops.py, eligibility and the
 on/off switch in runtime_metal/kernels.py, the equivalence tests in
