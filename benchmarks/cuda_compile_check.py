@@ -119,7 +119,8 @@ def main() -> None:
             for mode in ("1", "warp"):
                 normed = kernels_q4.NormedRows(x, x, mx.ones((kdim,), dt),
                                                mx.zeros((1,), mx.float32), mode=mode)
-                kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
+                if normed.fits():  # as the program folds only rows that fit
+                    kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
             kernels_q4.q4_gemv(x, packed, sc, sc, 32, act)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
