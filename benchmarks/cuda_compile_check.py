@@ -1,7 +1,7 @@
 """Compile fuselm's decode kernels with nvcc for a GPU architecture, on a machine without a GPU,
 and report each one's registers, spills and whether its block fits the register file.
 
-    python benchmarks/cuda_compile_check.py [--arch sm_90] [--only NAME_PART ...]
+    python benchmarks/cuda_compile_check.py [--arch sm_90] [--only NAME_PART ...] [--keep DIR]
 
 How: mx.fast.cuda_kernel is replaced by a recorder, then the public kernel functions
 (kernels_cuda.rope_attend, kernels_q4.q4_gemv) are called on small CPU arrays of the model
@@ -54,7 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--only", nargs="*", default=[])
+    ap.add_argument("--only", nargs="*", default=[], help="kernels whose name has all of these")
+    ap.add_argument("--keep", type=Path, help="also write each translation unit (.cu) here")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -129,6 +130,9 @@ def main() -> None:
                 continue
             cu = Path(tmp) / f"{fname}.cu"
             cu.write_text(text)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                (args.keep / cu.name).write_text(text)
             p = subprocess.run(["nvcc", f"-arch={args.arch}", "-std=c++17", "-c", "-Xptxas", "-v",
                                 "-o", os.devnull, str(cu)], capture_output=True, text=True)
             log = p.stdout + p.stderr

@@ -252,11 +252,11 @@ __device__ __forceinline__ void fl_load_as(const TT* p, float* o) {
 template <typename TT, int N>
 __device__ __forceinline__ void fl_load_row(const TT* p, float* o) {
   constexpr int B = N * (int)sizeof(TT);
-  if constexpr (B % 16 == 0) {
+  if (B % 16 == 0) {  // B is a constant: the other branches compile away
     fl_load_as<uint4, TT, N>(p, o);
-  } else if constexpr (B % 8 == 0) {
+  } else if (B % 8 == 0) {
     fl_load_as<uint2, TT, N>(p, o);
-  } else if constexpr (B % 4 == 0) {
+  } else if (B % 4 == 0) {
     fl_load_as<unsigned int, TT, N>(p, o);
   } else {
     #pragma unroll
