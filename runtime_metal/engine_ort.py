@@ -45,8 +45,8 @@ class OrtEngine:
         lowered = lower_for_cpu(path, manifest) if lower and optimization == "all" else None
         self.lowering = lowered if isinstance(lowered, str) else (
             "onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization), "
-            "float32 activations" + (f", {len(lowered.int4_values)} symmetric Q4 tensors as int4"
-                                     if lowered.int4_values else "") if lowered else "off")
+            "float32 activations" + (f", {lowered.int4_count} symmetric Q4 tensors as int4"
+                                     if lowered.int4_count else "") if lowered else "off")
         try:
             self.session, self.session_info = make_session(
                 lowered.model.SerializeToString() if isinstance(lowered, Lowered) else path,

@@ -50,16 +50,41 @@ def _all_eight(t: TensorProto, base_dir: Path) -> bool:
     return bool((nibbles == 8).all())
 
 
-def symmetric_to_int4(model: onnx.ModelProto, base_dir: Path) -> dict[str, object]:
-    """Rewrite, in place, every Q4 projection whose zero points are all 8 to int4 codes with no
-    zero point. Returns {initializer name: OrtValue} — the values to give onnxruntime with the
-    model (`SessionOptions.add_external_initializers`)."""
+def _in_memory(g: onnx.GraphProto, name: str, dims: list[int], data_type: int,
+               raw: np.ndarray, xor: int, values: dict[str, object]) -> None:
+    """A new 4-bit initializer `name` whose packed bytes are `raw` ^ xor, given to onnxruntime
+    as an OrtValue over our own buffer (external data it never reads from disk)."""
     import onnxruntime as ort
 
+    t = TensorProto(name=name, data_type=data_type, dims=dims,
+                    data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", MEMORY_FILE), ("offset", "0"), ("length", str(raw.size))):
+        t.external_data.add(key=key, value=value)
+    g.initializer.append(t)
+    # onnxruntime takes a 4-bit OrtValue's shape from a numpy array of one byte per element
+    # and reads the packed bytes from its start: only that first half is ever written, so only
+    # it is resident.
+    buf = np.empty(dims, np.uint8)
+    np.bitwise_xor(raw, np.uint8(xor), out=buf.reshape(-1)[:raw.size])
+    values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, data_type)
+    assert values[name].tensor_size_in_bytes() == raw.size  # type: ignore[attr-defined]
+
+
+def symmetric_to_int4(model: onnx.ModelProto, base_dir: Path) -> dict[str, object]:
+    """Rewrite, in place, every Q4 projection whose zero points are all 8 to int4 codes with no
+    zero point, and give every other Q4 projection whose codes another node also reads (the
+    tied table's packed lookup, ort_gather_q4.py) a private copy of them: onnxruntime fuses a
+    DequantizeLinear into MatMulNBits only when nothing else reads its weight. Returns
+    {initializer name: OrtValue} — the values to give onnxruntime with the model
+    (`SessionOptions.add_external_initializers`)."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
     eight: dict[str, bool] = {}
-    new: dict[str, str] = {}  # uint4 codes -> their int4 copy
+    new: dict[tuple[str, bool], str] = {}  # (uint4 codes, symmetric) -> the copy's name
     values: dict[str, object] = {}
     fused: set[str] = set()
     for n in g.node:
@@ -72,26 +97,19 @@ def symmetric_to_int4(model: onnx.ModelProto, base_dir: Path) -> dict[str, objec
             continue
         if zp.name not in eight:
             eight[zp.name] = _all_eight(zp, base_dir)
-        if not eight[zp.name]:
+        sym = eight[zp.name]
+        if not sym and readers[codes.name] == 1:
             continue
-        if codes.name not in new:
+        key = (codes.name, sym)
+        if key not in new:
+            new[key] = f"{codes.name}__int4" if sym else f"{codes.name}__own"
             raw = np.frombuffer(_raw(codes, base_dir), np.uint8)
-            t = TensorProto(name=f"{codes.name}__int4", data_type=TensorProto.INT4,
-                            dims=codes.dims, data_location=TensorProto.EXTERNAL)
-            for key, value in (("location", MEMORY_FILE), ("offset", "0"),
-                               ("length", str(raw.size))):
-                t.external_data.add(key=key, value=value)
-            g.initializer.append(t)
-            new[codes.name] = t.name
-            # onnxruntime takes an int4 OrtValue's shape from a numpy array of one byte per
-            # element and reads the packed bytes from its start: only that first half is ever
-            # written, so only it is resident.
-            buf = np.empty([int(d) for d in codes.dims], np.uint8)
-            np.bitwise_xor(raw, np.uint8(0x88), out=buf.reshape(-1)[:raw.size])
-            values[t.name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                buf, TensorProto.INT4)
-            assert values[t.name].tensor_size_in_bytes() == raw.size
-        n.input[slots[0]] = new[codes.name]
+            _in_memory(g, new[key], [int(d) for d in codes.dims],
+                       TensorProto.INT4 if sym else TensorProto.UINT4, raw,
+                       0x88 if sym else 0, values)
+        n.input[slots[0]] = new[key]
+        if not sym:
+            continue
         n.input[slots[1]] = ""
         if n.domain == "fuselm":
             fused.add(n.op_type)

@@ -67,7 +67,7 @@ def test_lowered_matches_hf_and_the_plain_graph(family: str, h32_models, family_
     assert runs[0] == runs[1]
 
 
-def test_q4_default_convert_lowered_matches_plain(h32_models) -> None:  # noqa: ANN001
+def test_q4_default_convert_lowered_matches_plain(h32_models, tmp_path: Path) -> None:  # noqa: ANN001
     """The default Q4 artifact (float16 graph): lowered (float32 activations) against the plain
     float16 graph at float compute within float16's tolerance, 64 greedy tokens identical; at
     the engine's default accuracy level (int8 activations) it still decodes."""
@@ -82,6 +82,13 @@ def test_q4_default_convert_lowered_matches_plain(h32_models) -> None:  # noqa: 
     assert fast.describe()["accuracy_level"] == 4
     assert str(fast.describe()["lowering"]).startswith(LOWERED)
     assert len(generate(fast, prompt, max_new_tokens=8).tokens) == 8
+    # The tied table's rows come from its packed codes (GatherBlockQuantized, no unpacked copy)
+    # while the LM head on the same codes is still one MatMulNBits, like every projection.
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    quantized = sum(t.data_type == onnx.TensorProto.UINT4 for t in model.graph.initializer) // 2
+    ops = _executed_ops(make_engine(out, "onnxruntime", profile_dir=str(tmp_path)), prompt[:8])
+    assert ops["GatherBlockQuantized"] == 1 and ops["MatMulNBits"] == quantized
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
 
 
 def test_shared_cache_grows_trims_and_swaps_like_the_plain_one(h32_models) -> None:  # noqa: ANN001
@@ -186,6 +193,6 @@ def test_symmetric_q4_runs_as_int4_without_zero_points(h32_models, tmp_path: Pat
             for e in (lowered, plain)]
     assert runs[0] == runs[1]
     ops = _executed_ops(make_engine(out, "onnxruntime", profile_dir=str(tmp_path)), prompt[:8])
-    assert ops["MatMulNBits"] == quantized
-    assert "MatMul" not in ops  # no DequantizeLinear left unfused before a float MatMul
+    assert ops["MatMulNBits"] == quantized and ops["GatherBlockQuantized"] == 1
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
 
