@@ -10,12 +10,15 @@ one (onnxruntime adds the 8 back into its own uint4 layout, MatMulNBits' default
 
 The int4 code of q - 8 is q with its top bit flipped (two's complement on 4 bits), so each
 packed byte is the uint4 byte XOR 0x88: exact, no unpacking. The rewritten codes are handed to
-onnxruntime as an in-memory external-data file (`SessionOptions.
-add_external_initializers_from_files_in_memory`), which it copies while the session is created:
-the serialized model stays small (no 2 GB protobuf limit) and the artifact is never written.
-A codes tensor also read by other nodes (the tied embedding's row gather) keeps its uint4
-original for them. A fused projection (FusedQKV / FusedGateUp) with such a weight is inlined
-into its ONNX body, where the zero point can be absent.
+onnxruntime as OrtValues over our own buffers (`SessionOptions.add_external_initializers`, for
+initializers the model declares as external): the serialized model stays small (no 2 GB
+protobuf limit), the artifact is never written, and the buffers are dropped once the session
+exists (onnxruntime has repacked them into MatMulNBits' layout by then; the tests read logits
+after that). A codes tensor also read by other nodes (the tied table's packed lookup,
+ort_gather_q4.py) keeps its uint4 original for them; an asymmetric one gets a private copy for
+its projection, as onnxruntime does not fuse a DequantizeLinear whose weight has other readers.
+A fused projection (FusedQKV / FusedGateUp) with a symmetric weight is inlined into its ONNX
+body, where the zero point can be absent.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from onnx import TensorProto
 
 from fuselm.passes.weights import is_external, read_bytes
 
-MEMORY_FILE = "fuselm-lowered-int4.bin"  # the in-memory file's name in external_data
-_ALIGN = 64
+# The location the in-memory initializers declare; onnxruntime takes their values from the
+# OrtValues instead and never opens it.
+MEMORY_FILE = "fuselm-lowered-int4.bin"
 # node op_type -> (codes input, zero-point input); fuselm's fused projections take their Q4
 # weight as inputs 1..3 (passes/ops.py), a plain projection is DequantizeLinear(codes, s, zp).
 _Q4_INPUTS = {"DequantizeLinear": (0, 2), "FusedQKV": (1, 3), "FusedGateUp": (1, 3)}
