@@ -23,6 +23,7 @@ body, where the zero point can be absent.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto
 
-from fuselm.passes.weights import is_external, read_bytes
+from fuselm.passes.weights import external_span, is_external, read_bytes
 
 # The location the in-memory initializers declare; onnxruntime takes their values from the
 # OrtValues instead and never opens it.
@@ -54,24 +55,41 @@ def _all_eight(t: TensorProto, base_dir: Path) -> bool:
     return bool((nibbles == 8).all())
 
 
-def _in_memory(g: onnx.GraphProto, name: str, dims: list[int], data_type: int,
-               raw: np.ndarray, xor: int, values: dict[str, object]) -> None:
-    """A new 4-bit initializer `name` whose packed bytes are `raw` ^ xor, given to onnxruntime
+def _in_memory(g: onnx.GraphProto, name: str, src: TensorProto, data_type: int, xor: int,
+               base_dir: Path, values: dict[str, object]) -> None:
+    """A new 4-bit initializer `name` holding `src`'s packed bytes ^ xor, given to onnxruntime
     as an OrtValue over our own buffer (external data it never reads from disk)."""
     import onnxruntime as ort
 
+    dims = [int(d) for d in src.dims]
+    numel = int(np.prod(dims, dtype=np.int64))
+    size = (numel + 1) // 2
     t = TensorProto(name=name, data_type=data_type, dims=dims,
                     data_location=TensorProto.EXTERNAL)
-    for key, value in (("location", MEMORY_FILE), ("offset", "0"), ("length", str(raw.size))):
+    for key, value in (("location", MEMORY_FILE), ("offset", "0"), ("length", str(size))):
         t.external_data.add(key=key, value=value)
     g.initializer.append(t)
     # onnxruntime takes a 4-bit OrtValue's shape from a numpy array of one byte per element
     # and reads the packed bytes from its start: only that first half is ever written, so only
-    # it is resident.
-    buf = np.empty(dims, np.uint8)
-    np.bitwise_xor(raw, np.uint8(xor), out=buf.reshape(-1)[:raw.size])
+    # it is resident. The buffer is its own anonymous mapping, so dropping it after the session
+    # is built gives the memory back to the system (freed heap blocks of a few MB would stay
+    # in the process).
+    buf = np.frombuffer(mmap.mmap(-1, max(numel, 1)), np.uint8)[:numel].reshape(dims)
+    head = buf.reshape(-1)[:size]
+    if is_external(src):
+        path, offset, length = external_span(src, base_dir)
+        if length != size:
+            raise ValueError(f"tensor {src.name!r}: {length} stored bytes, expected {size}")
+        with path.open("rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(head)) != size:
+                raise ValueError(f"tensor {src.name!r}: external data ends before its length")
+    else:
+        head[:] = np.frombuffer(src.raw_data, np.uint8)
+    if xor:
+        np.bitwise_xor(head, np.uint8(xor), out=head)
     values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, data_type)
-    assert values[name].tensor_size_in_bytes() == raw.size  # type: ignore[attr-defined]
+    assert values[name].tensor_size_in_bytes() == size  # type: ignore[attr-defined]
 
 
 def symmetric_to_int4(model: onnx.ModelProto, base_dir: Path) -> dict[str, object]:
@@ -107,10 +125,8 @@ def symmetric_to_int4(model: onnx.ModelProto, base_dir: Path) -> dict[str, objec
         key = (codes.name, sym)
         if key not in new:
             new[key] = f"{codes.name}__int4" if sym else f"{codes.name}__own"
-            raw = np.frombuffer(_raw(codes, base_dir), np.uint8)
-            _in_memory(g, new[key], [int(d) for d in codes.dims],
-                       TensorProto.INT4 if sym else TensorProto.UINT4, raw,
-                       0x88 if sym else 0, values)
+            _in_memory(g, new[key], codes, TensorProto.INT4 if sym else TensorProto.UINT4,
+                       0x88 if sym else 0, base_dir, values)
         n.input[slots[0]] = new[key]
         if not sym:
             continue
