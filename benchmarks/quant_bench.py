@@ -6,7 +6,9 @@
 One random-weight checkpoint (Qwen3-0.6B's shapes, bf16; `--layers` overrides the depth) is
 converted twice, default against default:
   fuselm:  converter.pipeline.convert(quant="q4", dtype float16): its defaults (LM head and the
-           tied table quantized, error-minimizing search, block 32)
+           tied table quantized, error-minimizing search, the built-in calibration text's
+           importance and a 4.45 bits budget: block 32 or 64 per tensor); `--block-size` forces
+           one block size on every tensor
   builder: python -m onnxruntime_genai.models.builder -p int4 -e cpu  (int4 LM head, int8 act.)
 and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
 fuselm's model runs through its onnxruntime engine at the engine's defaults (accuracy level 4 =
@@ -76,7 +78,7 @@ def build_checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
     return ckpt
 
 
-def convert_fuselm(ckpt: Path, out: Path, block: int) -> dict[str, Any]:
+def convert_fuselm(ckpt: Path, out: Path, block: int | None) -> dict[str, Any]:
     res = _child(
         "from fuselm.converter.pipeline import convert, ConvertOptions\n"
         f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(dtype='float16', quant='q4', "
@@ -207,7 +209,8 @@ def main() -> None:
     ap.add_argument("-p", "--prompt", type=int, default=128)
     ap.add_argument("-n", "--new", type=int, default=64)
     ap.add_argument("-r", "--runs", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="Q4 block size on every tensor (default: the converter's default)")
     ap.add_argument("--layers", type=int, default=None, help="override the depth")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of both sides")
     ap.add_argument("--reuse", action="store_true", help="reuse conversions found in --work")

@@ -45,14 +45,16 @@ class OrtEngine:
         lowered = lower_for_cpu(path, manifest) if lower and optimization == "all" else None
         self.lowering = lowered if isinstance(lowered, str) else (
             "onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization), "
-            "float32 activations" if lowered else "off")
+            "float32 activations" + (f", {lowered.int4_count} symmetric Q4 tensors as int4"
+                                     if lowered.int4_count else "") if lowered else "off")
         try:
             self.session, self.session_info = make_session(
                 lowered.model.SerializeToString() if isinstance(lowered, Lowered) else path,
                 accuracy_level=accuracy_level, optimization=optimization,
                 threads=threads or None,
                 profile_prefix=str(Path(profile_dir) / "ort_profile") if profile_dir else None,
-                external_data_dir=path.parent if isinstance(lowered, Lowered) else None)
+                external_data_dir=path.parent if isinstance(lowered, Lowered) else None,
+                initializers=lowered.int4_values if isinstance(lowered, Lowered) else None)
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}

@@ -16,7 +16,11 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
 - Q4 `DequantizeLinear` + `MatMul` (and FusedQKV / FusedGateUp's bodies) are left for
   onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level;
 - a `logits_from` input: the LM head runs only from that position on (the engine asks for the
-  last position unless it wants every position's logits).
+  last position unless it wants every position's logits);
+- a Q4 embedding lookup → `GatherBlockQuantized` on the packed table (ort_gather_q4.py), not
+  onnxruntime's unpacked uint8 copy of it;
+- Q4 tensors whose zero points are all 8 (symmetric) become int4 codes without zero points
+  (ort_int4.py: exact), so onnxruntime's MatMulNBits runs them on its faster kernel.
 
 The KV inputs then hold `capacity` positions (the engine's buffer); `attention_mask`'s length
 says how many are valid, as onnxruntime-genai drives it. Anything this lowering does not cover
@@ -38,6 +42,8 @@ from fuselm.passes.ops import ROPE_ATTRS, rope_cos_sin
 from fuselm.runtime_metal.artifact import Manifest
 from fuselm.runtime_metal.graph_io import PAST
 from fuselm.runtime_metal.manifest_schema import onnx_inputs
+from fuselm.runtime_metal.ort_gather_q4 import packed_gathers
+from fuselm.runtime_metal.ort_int4 import symmetric_to_int4
 
 MS = "com.microsoft"
 F16, F32 = TensorProto.FLOAT16, TensorProto.FLOAT
@@ -49,6 +55,12 @@ class Lowered:
     rope_positions: int  # positions the cos/sin tables cover (0: no rotary in the graph)
     artifact_inputs: dict[str, list[int | str | None]]  # the artifact's own graph inputs
     artifact_past_dtype: str | None  # and its KV dtype (the lowered graph's is float32)
+    int4_values: dict[str, object] | None = None  # Q4 codes given in memory (ort_int4.py)
+
+    @property
+    def int4_count(self) -> int:
+        """Symmetric Q4 tensors rewritten as int4."""
+        return sum(name.endswith("__int4") for name in self.int4_values or ())
 
 
 class NotLowered(Exception):
@@ -72,7 +84,10 @@ def lower_for_cpu(model_file: Path, manifest: Manifest) -> Lowered | str:
         model, positions = _lower(model, manifest)
     except NotLowered as e:
         return str(e)
-    return Lowered(model, positions, inputs, past_dtype)
+    values = symmetric_to_int4(model, Path(model_file).parent)
+    if values:
+        _prune(model)  # the uint4 codes and zero points nothing reads any more
+    return Lowered(model, positions, inputs, past_dtype, values)
 
 
 def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto, int]:
@@ -131,6 +146,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
     del g.node[:]
     g.node.extend(new_nodes + kept)
     g.initializer.extend(inits)
+    packed_gathers(g)
     _topological(g)
     _logits_from(g)
     _prune(model)

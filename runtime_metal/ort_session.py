@@ -54,13 +54,15 @@ def make_session(
     optimization: str | None = None,
     profile_prefix: str | None = None,
     external_data_dir: str | Path | None = None,
+    initializers: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Create an `onnxruntime.InferenceSession` and say how it will compute.
 
     Returns (session, info) where info has accuracy_level, activation_precision, optimize,
     threads, providers and onnxruntime's version. `model_path` may be a serialized model
-    (bytes) whose external tensors live in `external_data_dir`. `threads` None or 0:
-    `default_threads()`.
+    (bytes) whose external tensors live in `external_data_dir`, or are given as OrtValues in
+    `initializers` (name -> OrtValue, for external tensors of those names). `threads` None or
+    0: `default_threads()`.
     """
     import onnxruntime as ort
 
@@ -87,6 +89,8 @@ def make_session(
     so.add_session_config_entry(ACCURACY_KEY, str(accuracy_level))
     if external_data_dir is not None:
         so.add_session_config_entry(EXTERNAL_DIR_KEY, os.fspath(external_data_dir))
+    if initializers:
+        so.add_external_initializers(list(initializers), list(initializers.values()))
     so.graph_optimization_level = levels[optimization]
     if profile_prefix:
         so.enable_profiling = True

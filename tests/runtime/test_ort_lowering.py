@@ -67,7 +67,7 @@ def test_lowered_matches_hf_and_the_plain_graph(family: str, h32_models, family_
     assert runs[0] == runs[1]
 
 
-def test_q4_default_convert_lowered_matches_plain(h32_models) -> None:  # noqa: ANN001
+def test_q4_default_convert_lowered_matches_plain(h32_models, tmp_path: Path) -> None:  # noqa: ANN001
     """The default Q4 artifact (float16 graph): lowered (float32 activations) against the plain
     float16 graph at float compute within float16's tolerance, 64 greedy tokens identical; at
     the engine's default accuracy level (int8 activations) it still decodes."""
@@ -82,6 +82,13 @@ def test_q4_default_convert_lowered_matches_plain(h32_models) -> None:  # noqa: 
     assert fast.describe()["accuracy_level"] == 4
     assert str(fast.describe()["lowering"]).startswith(LOWERED)
     assert len(generate(fast, prompt, max_new_tokens=8).tokens) == 8
+    # The tied table's rows come from its packed codes (GatherBlockQuantized, no unpacked copy)
+    # while the LM head on the same codes is still one MatMulNBits, like every projection.
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    quantized = sum(t.data_type == onnx.TensorProto.UINT4 for t in model.graph.initializer) // 2
+    ops = _executed_ops(make_engine(out, "onnxruntime", profile_dir=str(tmp_path)), prompt[:8])
+    assert ops["GatherBlockQuantized"] == 1 and ops["MatMulNBits"] == quantized
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
 
 
 def test_shared_cache_grows_trims_and_swaps_like_the_plain_one(h32_models) -> None:  # noqa: ANN001
@@ -154,3 +161,38 @@ def test_default_threads_are_explicit_and_half_the_cpus(h32_models) -> None:  # 
     assert two.describe()["threads"] == 2
     prompt = _prompt()
     assert rel(engine_logits(default, prompt, CHUNK), engine_logits(two, prompt, CHUNK)) <= 1e-5
+
+
+def _executed_ops(engine: object, prompt: list[int]) -> dict[str, int]:
+    """op type -> kernels run in one forward pass (onnxruntime's profile of the session)."""
+    import json
+    from collections import Counter
+
+    engine.forward(np.asarray(prompt)[None])  # type: ignore[attr-defined]
+    events = json.loads(Path(engine.end_profiling()).read_text())  # type: ignore[attr-defined]
+    return Counter(e["args"]["op_name"] for e in events
+                   if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+
+
+def test_symmetric_q4_runs_as_int4_without_zero_points(h32_models, tmp_path: Path) -> None:  # noqa: ANN001
+    """`--sym` weights (zero points all 8) lowered to int4 codes without zero points
+    (ort_int4.py): the same logits as the plain graph at float compute, the same 64 greedy
+    tokens, and every projection and the tied LM head still one MatMulNBits (inlined fused
+    projections included), so onnxruntime's zero-point-free kernel runs them."""
+    from tests.runtime.conftest import quantized_copy
+
+    out = quantized_copy(h32_models["qwen3"][1], tmp_path / "sym", symmetric=True)
+    # codes and zero points are the uint4 initializers: two per quantized tensor
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    quantized = sum(t.data_type == onnx.TensorProto.UINT4 for t in model.graph.initializer) // 2
+    lowered, plain = _both(out, accuracy_level=0)
+    assert f"{quantized} symmetric Q4 tensors as int4" in str(lowered.describe()["lowering"])
+    prompt = _prompt()
+    assert rel(engine_logits(lowered, prompt, CHUNK), engine_logits(plain, prompt, CHUNK)) <= 1e-4
+    runs = [generate(e, prompt, max_new_tokens=64, prefill_chunk=CHUNK).tokens
+            for e in (lowered, plain)]
+    assert runs[0] == runs[1]
+    ops = _executed_ops(make_engine(out, "onnxruntime", profile_dir=str(tmp_path)), prompt[:8])
+    assert ops["MatMulNBits"] == quantized and ops["GatherBlockQuantized"] == 1
+    assert "MatMul" not in ops and "DequantizeLinear" not in ops
+
