@@ -157,8 +157,7 @@ def test_spec_without_transformers_equals_transformers(gguf_files: dict[str, Pat
                                                        tmp_path: Path) -> None:
     """The builder's spec (the GGUF config dict as the config object) is the one the registry
     makes with transformers' config classes, RoPE frequencies included."""
-    from fuselm.export.gguf_source import gguf_spec
-    from fuselm.export.gguf_source import GGUFCheckpoint, stage
+    from fuselm.export.gguf_source import GGUFCheckpoint, gguf_spec, stage
     from fuselm.export.registry import decoder_spec
 
     for name, path in gguf_files.items():
