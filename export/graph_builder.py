@@ -177,6 +177,7 @@ class _Weights:
         if self.f is None:
             if numel <= _INLINE:  # as the writer inlines a small tensor: the same model bytes
                 proto.raw_data = np.ascontiguousarray(self.values(params)).tobytes()
+                proto.data_location = TensorProto.DEFAULT  # (set, as the writer sets it)
             else:
                 self.recipes[name] = lambda: self.values(params)
                 self.nbytes += numel * np.dtype(self.np_dtype).itemsize
