@@ -136,6 +136,7 @@ class _Weights:
         self.offset = 0
         self.initializers: list[TensorProto] = []
         self.recipes: dict[str, Callable[[], np.ndarray]] = {}
+        self.screened: set[str] = set()
         self.nbytes = 0
 
     def _read(self, param: str) -> np.ndarray:
@@ -145,7 +146,9 @@ class _Weights:
         w = self.ckpt.array(src.hf_name)
         if src.rows is not None:
             w = w[src.rows[0]: src.rows[1]]
-        self.screen(src.hf_name, w)
+        if param not in self.screened:  # a recipe reads it again (calibration, Q4, writer)
+            self.screen(src.hf_name, w)
+            self.screened.add(param)
         if src.offset:
             w = cast(w, np.float32) + np.float32(src.offset)
         return w
