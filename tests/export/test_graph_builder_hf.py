@@ -145,3 +145,37 @@ def test_what_the_builder_does_not_cover_is_traced(checkpoint: Any) -> None:
     exporter, label = exporter_for(decoder_spec(checkpoint("phi3")), opts)
     assert (exporter, label) == (export_model, "torch (model type phi3)")
     assert exporter_for(decoder_spec(checkpoint("qwen3")), opts)[1] == BUILDER
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_weight_screen_on_arrays_agrees_with_torch(dtype: str) -> None:
+    """The builder screens NumPy arrays (bfloat16 as ml_dtypes') on their bits; the verdicts
+    are the exporter's torch screen's: NaN and Inf refused or recorded, float16 overflow named
+    at the same threshold, the largest finite values let through."""
+    import ml_dtypes
+    import torch
+
+    from fuselm.export.errors import ExportError
+    from fuselm.export.weight_screen import WeightScreen
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    cases = {"normal": rng.standard_normal(5000).astype(np.float32),
+             "nan": np.array([1.0, np.nan, -2.0], np.float32),
+             "-inf": np.array([1.0, -np.inf], np.float32),
+             "edge": np.array([65504.0, -65504.0, -0.0], np.float32),
+             "big": np.array([3.0, -1e6], np.float32)}
+    for name, values in cases.items():
+        arr = values.astype(np_dtype)
+        tensor = torch.from_numpy(arr.astype(np.float32)).to(getattr(torch, dtype))
+        verdicts = []
+        for value in (arr, tensor):
+            try:
+                screen = WeightScreen("float16", allow_nonfinite=name in ("nan", "-inf"))
+                screen(name, value)
+                verdicts.append(("ok", screen.nonfinite))
+            except ExportError as e:
+                verdicts.append(("refused", str(e).split(" holds ")[0]))
+        assert verdicts[0] == verdicts[1], (name, verdicts)
+    with pytest.raises(ExportError, match="1 NaN"):
+        WeightScreen("float32")("w", cases["nan"].astype(np_dtype))
