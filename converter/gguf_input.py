@@ -7,29 +7,26 @@ GGUF itself, dequantized one tensor at a time (export/gguf_source.py).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter import pipeline
+from fuselm.converter.exporter_choice import exporter_for, trace_reason
 from fuselm.export import heap
-from fuselm.export.gguf_source import GGUFCheckpoint, source_record, stage
-
-# FUSELM_GGUF_EXPORT=torch: trace with torch as for an HF checkpoint (the ladder's cross-check)
-EXPORT_ENV = "FUSELM_GGUF_EXPORT"
+from fuselm.export.gguf_source import (
+    GGUFCheckpoint,
+    builder_unsupported,
+    gguf_spec,
+    source_record,
+    stage,
+)
 
 
 def torch_reason(ckpt: GGUFCheckpoint, options: pipeline.ConvertOptions | None) -> str | None:
-    """Why this conversion goes through the torch exporter (None: the torch-free builder)."""
-    from fuselm.export.gguf_graph import unsupported
-
-    opts = options or pipeline.ConvertOptions()
-    if os.environ.get(EXPORT_ENV, "") == "torch":
-        return f"{EXPORT_ENV}=torch"
-    if not opts.optimize or opts.passes is not None:
-        return "an unfused or partly fused graph was asked for"
-    return unsupported(ckpt)
+    """Why this conversion goes through the torch exporter (None: the graph builder)."""
+    return trace_reason(None, options or pipeline.ConvertOptions(), gguf=True,
+                        extra=builder_unsupported(ckpt))
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path,
@@ -42,13 +39,13 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
         stage(ckpt, Path(meta))
         heap.release()  # the tokenizer converter's objects, before the weights are read
         source = {**source_record(ckpt), "path": str(path.resolve())}
-        reason = torch_reason(ckpt, options)
+        opts = options or pipeline.ConvertOptions()
+        reason = torch_reason(ckpt, opts)
         if reason is not None:
             source["exporter"] = f"torch ({reason})"
             return pipeline.convert(meta, out_dir, options, progress, checkpoint=ckpt,
                                     source=source)
-        from fuselm.export.gguf_graph import build_model, gguf_spec
-
-        source["exporter"] = "gguf graph builder"
+        spec = gguf_spec(Path(meta), ckpt)
+        exporter, source["exporter"] = exporter_for(spec, opts, gguf=True)
         return pipeline.convert(meta, out_dir, options, progress, checkpoint=ckpt, source=source,
-                                exporter=build_model, spec=gguf_spec(Path(meta), ckpt))
+                                exporter=exporter, spec=spec)

@@ -187,8 +187,9 @@ def convert(
 ) -> ConvertResult:
     """`checkpoint`: the weights, when not model_dir's safetensors (a .gguf model_dir is read
     through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`;
-    `exporter`: what writes raw.onnx, export_model's signature (default: the torch exporter;
-    GGUF input passes export/gguf_graph.py's builder), `spec` the model's, when known."""
+    `exporter`: what writes raw.onnx, export_model's signature (default: the graph builder
+    where it covers an HF directory's model, else the torch exporter:
+    converter/exporter_choice.py), `spec` the model's, when known."""
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import convert_gguf
 
@@ -227,6 +228,11 @@ def convert(
         from fuselm.converter.calibration_input import builtin_calibration
 
         calib = builtin_calibration(src, spec)
+    if exporter is None and checkpoint is None:  # an HF directory: the builder if it covers it
+        from fuselm.converter.exporter_choice import exporter_for
+
+        exporter, label = exporter_for(spec, opts)
+        source = {"exporter": label, **(source or {})}
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
     try:
@@ -235,16 +241,11 @@ def convert(
         # the weights from the checkpoint (16 GB less written and read back for an 8B model).
         in_memory = opts.optimize and not opts.keep_intermediate and not opts.allow_nonfinite
         if exporter is None:
-            from fuselm.export.onnx_export import export_model
-
-            exported = export_model(
-                src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint,
-                in_memory=in_memory,
-            )
-        else:  # the GGUF graph builder writes its own raw.onnx (already fused, streamed)
-            exported = exporter(
-                src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint
-            )
+            from fuselm.export.onnx_export import export_model as exporter
+        exported = exporter(
+            src, raw, opts.dtype, progress, opts.allow_nonfinite, checkpoint=checkpoint,
+            in_memory=in_memory,
+        )
         if exported.nonfinite and opts.quant:
             raise UserError(
                 f"tensor {exported.nonfinite[0]} holds NaN/Inf values, which 4-bit blocks cannot "

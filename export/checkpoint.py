@@ -1,39 +1,65 @@
 """Reading HF checkpoints: safetensors only (single file or sharded), validated before use.
 
 Pickle-based checkpoints (pytorch_model.bin, *.pt, *.ckpt) are refused, never loaded:
-unpickling a user's file runs arbitrary code.
+unpickling a user's file runs arbitrary code. Reading needs no torch: `array` gives NumPy
+(bfloat16 as ml_dtypes'), `get` the torch tensor the tracing exporter wants.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import ml_dtypes
 import numpy as np
-import torch
 
 from fuselm.export.errors import ExportError
 from fuselm.export.safetensors_header import read_header
 from fuselm.export.shard_index import INDEX, shard_files
 
 _PICKLE_GLOBS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype → NumPy dtype (its name is torch's too)
+_DTYPES: dict[str, np.dtype] = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    import torch
+
+    return getattr(torch, "bool" if dtype == np.bool_ else dtype.name)
+
+
+def cast(a: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """`a` as `dtype` (itself when it already is): bfloat16 through torch, twice as fast as
+    ml_dtypes' element loop, with the same round-to-nearest-even result."""
+    if a.dtype == dtype:
+        return a
+    if a.dtype == ml_dtypes.bfloat16 and a.flags.c_contiguous and a.size:
+        import torch
+
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return t.to(torch_dtype(np.dtype(dtype))).numpy()
+    return a.astype(dtype)
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
     file: Path
-    dtype: torch.dtype
+    dtype: np.dtype
     shape: tuple[int, ...]
     start: int  # absolute byte offset of the data in `file`
     nbytes: int
@@ -76,16 +102,23 @@ class Checkpoint:
         raise ExportError(f"no *.safetensors weights in {self.root}; pass an HF model directory")
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The dominant floating dtype of the checkpoint (by element count)."""
-        counts: dict[torch.dtype, int] = {}
+    def dtype_name(self) -> str:
+        """The dominant floating dtype of the checkpoint (by element count): "bfloat16", ..."""
+        counts: dict[str, int] = {}
         for t in self.tensors.values():
-            if t.dtype.is_floating_point:
+            if t.dtype.name in _FLOATS:
                 n = 1
                 for d in t.shape:
                     n *= d
-                counts[t.dtype] = counts.get(t.dtype, 0) + n
-        return max(counts, key=counts.__getitem__) if counts else torch.float32
+                counts[t.dtype.name] = counts.get(t.dtype.name, 0) + n
+        return max(counts, key=counts.__getitem__) if counts else "float32"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype_name as a torch dtype (the tracing exporter's)."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def nbytes(self) -> int:
@@ -103,7 +136,19 @@ class Checkpoint:
                 "does not match its config.json"
             ) from None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
     def get(self, name: str) -> torch.Tensor:
+        """One tensor as torch's (`array`'s buffer, shared)."""
+        import torch
+
+        a = self.array(name)
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    def array(self, name: str) -> np.ndarray:
         """One tensor, read into its own buffer.
 
         Plain reads rather than a memory map: mapped pages count toward the process's resident
@@ -112,7 +157,7 @@ class Checkpoint:
         """
         info = self.info(name)
         if not info.nbytes:
-            return torch.empty(info.shape, dtype=info.dtype)
+            return np.empty(info.shape, dtype=info.dtype)
         # Not a bytearray: the read fills it, so zeroing it first is wasted work. NumPy's, not
         # torch's: NumPy asks for huge pages on large buffers (36x fewer page faults, 3x less
         # system time measured on 117 MB buffers; an 8B model reads 16 GB through these).
@@ -121,4 +166,4 @@ class Checkpoint:
             f.seek(info.start)
             if f.readinto(memoryview(buf)) != info.nbytes:
                 raise ExportError(f"{info.file} is truncated while reading {name}")
-        return torch.from_numpy(buf).view(info.dtype).reshape(info.shape)
+        return buf.view(info.dtype).reshape(info.shape)

@@ -1,7 +1,7 @@
 """What an export step hands the convert pipeline: the spec, the graph dtype, timings.
 
-Its own module so that the torch exporter (export/onnx_export.py) and the torch-free GGUF graph
-builder (export/gguf_graph.py) return the same type without one importing the other.
+Its own module so that the torch exporter (export/onnx_export.py) and the torch-free graph
+builder (export/graph_builder.py) return the same type without one importing the other.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class ExportResult:
     seconds: dict[str, float] = field(default_factory=dict)
     weight_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
-    # An exporter that writes the fused graph itself (export/gguf_graph.py) says what it built,
+    # An exporter that writes the fused graph itself (export/graph_builder.py) says what it built,
     # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
     built: dict[str, Any] | None = None
     # in_memory=True: the model (not saved, its weights data-less) and, per weight, a function

@@ -14,13 +14,16 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf_config import generation_config, hf_config
 from fuselm.export.gguf_file import GGUFFile
+from fuselm.export.registry import decoder_spec
 
 if TYPE_CHECKING:  # torch is imported only where the torch exporter reads the file
     import torch
@@ -212,3 +215,22 @@ def source_record(ckpt: GGUFCheckpoint) -> dict[str, Any]:
     """What fuselm.json's `source` says about a GGUF input."""
     return {"format": "gguf", "gguf_tensor_types": ckpt.tensor_types(),
             "gguf_name": ckpt.gguf.value("general.name")}
+
+
+def builder_unsupported(ckpt: GGUFCheckpoint) -> str | None:
+    """What in this file's config keeps it from the graph builder (export/graph_builder.py)
+    before its spec is made (None: nothing). RoPE scaling needs transformers' own frequency
+    functions (torch); a Qwen sliding window applies from transformers' `max_window_layers`
+    on, a default this config does not restate."""
+    c = ckpt.config
+    if c["rope_parameters"].get("rope_type", "default") != "default":
+        return f"RoPE scaling {c['rope_parameters']['rope_type']}"
+    if c["model_type"] in ("qwen2", "qwen3") and c.get("use_sliding_window"):
+        return "a Qwen sliding window"
+    return None
+
+
+def gguf_spec(model_dir: Path, ckpt: GGUFCheckpoint) -> DecoderSpec:
+    """The DecoderSpec of the staged GGUF directory: the registry's own, read from the config
+    dict fuselm wrote (every field present) instead of transformers' config class."""
+    return decoder_spec(model_dir, hf_config=SimpleNamespace(**ckpt.config))

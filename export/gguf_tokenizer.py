@@ -7,7 +7,7 @@ metadata into a tokenizer dict and a tokenizer config (`get_gguf_tokenizer`), th
 `convert_gguf_tokenizer` makes the `tokenizers` backend. The first step is a renaming of
 metadata keys, done here from the values fuselm's own header reader already holds
 (export/gguf_header.py), under transformers' own key table; the second is transformers' code,
-unchanged. tests/export/test_gguf_graph.py checks the saved files against
+unchanged. tests/export/test_graph_builder_gguf.py checks the saved files against
 `AutoTokenizer.from_pretrained(gguf_file=...)`'s, byte for byte (tokenizer.json, chat template).
 """
 

@@ -81,13 +81,13 @@ def collect(
     activations: dict[str, int],
     context: int = 512,
     gram: bool = True,
-    segment_bytes: int = q4_segments.SEGMENT_BYTES,
+    segment_bytes: int | None = None,
 ) -> dict[str, Moments]:
     """Moments of each activation in `activations` (name -> its float TensorProto type).
 
     `model` may hold data-less stand-ins: `load(t)` gives any initializer's values. The graph
-    runs in segments of about `segment_bytes` of weights (passes/q4_segments.py), so the
-    float weights are never all in memory at once.
+    runs in segments of about `segment_bytes` of weights (None: passes/q4_segments.py's
+    default for the model's size), so the float weights are never all in memory at once.
     """
     chunks = []
     for c0 in range(0, len(tokens), context):

@@ -3,11 +3,11 @@
 Calibration statistics (passes/q4_calibration.py) need the activations that feed each weight.
 Running the whole float graph in one onnxruntime session holds a second copy of every weight
 (the session's, beside the model's), which is 2-3x a checkpoint's size. Here the nodes that
-lead to the wanted activations are cut, in graph order, into segments of about SEGMENT_BYTES of
-weights; each segment becomes its own small model (its weights read through `load` only now),
-runs every chunk of tokens, hands the wanted activations to a callback, and is dropped before
-the next one is built. Only the tensors that cross a segment boundary are kept between
-segments (a few [tokens, hidden] arrays per chunk).
+lead to the wanted activations are cut, in graph order, into segments of a few MB of weights
+(`segment_size`); each segment becomes its own small model (its weights read through `load`
+only now, handed to onnxruntime in memory), runs every chunk of tokens, hands the wanted
+activations to a callback, and is dropped before the next one is built. Only the tensors that
+cross a segment boundary are kept between segments (a few [tokens, hidden] arrays per chunk).
 
 Nodes not needed for a wanted activation never run (the LM head, when only its input is
 wanted). A Gather of a large initializer (an embedding table) is done in NumPy on the rows the
@@ -26,11 +26,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops
 
-# Weights per segment (float bytes as stored). Each is held ~4x at once (read, TensorProto,
-# serialized model, the session): SmolLM2's GGUF default convert peaks at 375 MiB with 16 MB
-# segments, 391 MiB with 32 MB; its bound is 385 MiB (BENCHMARKS, issue 11).
+# Weights per segment (float bytes as stored): a model's weights / SEGMENTS, within
+# [SEGMENT_BYTES, MAX_SEGMENT_BYTES]. Each session costs ~30 ms to make besides its weights
+# (Qwen3-0.6B: 113 sessions of 8 MB), and a segment's weights are held about twice at once
+# (the values read, the session's float copy): the floor keeps SmolLM2's GGUF default convert
+# under its 385 MiB bound (BENCHMARKS, issue 11), the cap an 8B model's extra memory small.
 SEGMENT_BYTES = 8 << 20
+MAX_SEGMENT_BYTES = 64 << 20
+SEGMENTS = 32
 _INLINE_VALUES = 1024  # initializers up to this many elements may already hold their values
+_IN_MEMORY = "fuselm-in-memory"  # an external stand-in's location: never read (values given)
+_STORED = "::stored_nk"  # suffix of a weight handed over in its checkpoint's [N, K] layout
 
 
 def _numel(t: TensorProto) -> int:
@@ -74,11 +80,20 @@ def _needed(model: onnx.ModelProto, wanted: Sequence[str]) -> list[onnx.NodeProt
     return [n for n in model.graph.node if id(n) in keep]
 
 
+def segment_size(model: onnx.ModelProto) -> int:
+    """The default weight bytes per segment for `model` (SEGMENTS of its weights, bounded)."""
+    total = sum(_nbytes(t) for t in model.graph.initializer if _numel(t) > _INLINE_VALUES)
+    return max(SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, total // SEGMENTS))
+
+
 def plan(
-    model: onnx.ModelProto, wanted: Sequence[str], segment_bytes: int = SEGMENT_BYTES
+    model: onnx.ModelProto, wanted: Sequence[str], segment_bytes: int | None = None
 ) -> list[_Segment]:
-    """Cut the nodes the wanted values need into segments of about `segment_bytes` weights."""
+    """Cut the nodes the wanted values need into segments of about `segment_bytes` weights
+    (None: `segment_size(model)`)."""
     inits = {t.name: t for t in model.graph.initializer}
+    if segment_bytes is None:
+        segment_bytes = segment_size(model)
     nodes = _needed(model, wanted)
     segments: list[_Segment] = []
     cur = _Segment()
@@ -128,7 +143,7 @@ def run(
     chunks: Sequence[dict[str, np.ndarray]],
     wanted: Sequence[str],
     on_value: Callable[[str, int, np.ndarray], None],
-    segment_bytes: int = SEGMENT_BYTES,
+    segment_bytes: int | None = None,
 ) -> None:
     """Run `model` on each chunk's feeds (graph inputs), segment by segment; call
     `on_value(name, chunk_index, array)` for every wanted value, chunks in order within each
@@ -139,8 +154,6 @@ def run(
     segments = plan(model, wanted, segment_bytes)
     live = [dict(c) for c in chunks]
     wanted_set = set(wanted)
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
     for si, seg in enumerate(segments):
         if seg.numpy_gather is not None:
             node = seg.numpy_gather
@@ -148,14 +161,20 @@ def run(
             results = [{node.output[0]: np.take(table, v[node.input[1]], axis=0)} for v in live]
             del table
         else:
-            sess = ort.InferenceSession(
-                _segment_model(model, seg, inits, load, live[0]).SerializeToString(), so,
-                providers=["CPUExecutionProvider"])
+            seg_model, weights = _segment_model(model, seg, inits, load, live[0])
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            if weights:  # handed over in memory: never copied into the model's bytes
+                so.add_external_initializers(
+                    list(weights), [ort.OrtValue.ortvalue_from_numpy(a) for a in weights.values()])
+            sess = ort.InferenceSession(seg_model.SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+            del weights
             results = []
             for v in live:
                 outs = sess.run(seg.outputs, {i: v[i] for i in seg.inputs})
                 results.append(dict(zip(seg.outputs, outs, strict=True)))
-            del sess
+            del sess, so
         for name in seg.outputs:
             if name in wanted_set:
                 for ci, r in enumerate(results):
@@ -173,8 +192,10 @@ def _segment_model(
     inits: dict[str, TensorProto],
     load: Callable[[TensorProto], np.ndarray],
     sample: dict[str, np.ndarray],
-) -> onnx.ModelProto:
-    """One segment as a model: its nodes, its weights (read now), typed inputs, its outputs."""
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One segment as a model: its nodes, typed inputs, its outputs, and its weights (read
+    now): the small ones inside it, the others as external stand-ins whose values (C order)
+    come back beside it, for onnxruntime's `add_external_initializers`."""
     inputs = [
         helper.make_tensor_value_info(
             name, helper.np_dtype_to_tensor_dtype(sample[name].dtype), None)
@@ -182,13 +203,34 @@ def _segment_model(
     ]
     outputs = [helper.make_empty_tensor_value_info(name) for name in seg.outputs]
     tensors = []
+    weights: dict[str, np.ndarray] = {}
+    transposes: list[onnx.NodeProto] = []
     for name in seg.weights:
         t = inits[name]
-        tensors.append(t if _has_values(t) else numpy_helper.from_array(load(t), name))
-    graph = helper.make_graph(seg.nodes, "segment", inputs, outputs, tensors)
+        if _has_values(t):
+            tensors.append(t)
+            continue
+        value = load(t)
+        if value.size <= _INLINE_VALUES:
+            tensors.append(numpy_helper.from_array(value, name))
+            continue
+        stored = name
+        if value.ndim == 2 and not value.flags.c_contiguous and value.T.flags.c_contiguous:
+            # a [K, N] weight read as the transpose of its checkpoint's [N, K] rows: handed
+            # over as stored and transposed by onnxruntime's constant folding (its blocked
+            # kernel; NumPy's strided copy of a transposed float16 view costs ~5 ns a value)
+            stored, value = f"{name}{_STORED}", value.T
+            transposes.append(helper.make_node("Transpose", [stored], [name], perm=[1, 0]))
+        weights[stored] = np.ascontiguousarray(value)
+        stub = TensorProto(name=stored, data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+                           dims=value.shape, data_location=TensorProto.EXTERNAL)
+        entry = stub.external_data.add()
+        entry.key, entry.value = "location", _IN_MEMORY
+        tensors.append(stub)
+    graph = helper.make_graph([*transposes, *seg.nodes], "segment", inputs, outputs, tensors)
     m = helper.make_model(graph, opset_imports=list(model.opset_import),
                           ir_version=model.ir_version)
     m.functions.extend(f for f in model.functions if f.domain != ops.DOMAIN)
     if any(n.domain == ops.DOMAIN for n in seg.nodes):
         ops.attach_functions(m)
-    return m
+    return m, weights

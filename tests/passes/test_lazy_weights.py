@@ -122,9 +122,11 @@ def test_optimize_reports_missing_external_data(raw: Path, tmp_path: Path) -> No
     assert isinstance(r.exception, UserError) and "is missing" in str(r.exception)
 
 
+@pytest.mark.parametrize("exporter", ["builder", "torch"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path,  # noqa: ANN001
-                                                      keep: bool) -> None:
+                                                      keep: bool, exporter: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`fuselm convert --quant q4 --no-calibration --block-size 32` end to end: norms are read
     once; the tied embedding / LM head is read once when quantized (the default) and never with
     --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time:
@@ -135,10 +137,16 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     keep=True goes through raw.onnx.data (--keep-intermediate), whose bytes the writer copies
     undecoded. Without it the weights come from the checkpoint itself (export's
     ComputedValues): the small norms are read with the graph, before the passes, and a float
-    weight is decoded once by the writer (the float head here); still nothing twice."""
+    weight is decoded once by the writer (the float head here); still nothing twice.
+
+    The graph builder (export/graph_builder.py) reads q/k/v and gate/up as the packed weights
+    it writes; the trace's pairing passes pack them from their parts, read part by part."""
     from collections import Counter
 
+    from fuselm.converter.exporter_choice import EXPORT_ENV
     from fuselm.converter.pipeline import ConvertOptions, convert
+
+    monkeypatch.setenv(EXPORT_ENV, "torch" if exporter == "torch" else "")
 
     free = {"quant": "q4", "default_calibration": False, "keep_intermediate": keep}
     with weights.recording() as reads:
@@ -157,8 +165,9 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
         convert(with_tokenizer, tmp_path / "out4",
                 ConvertOptions(quant="q4", keep_intermediate=keep))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
-    linear = ("q", "k", "v", "o", "gate", "up", "down")
-    want = [f"layers.{i}.{p}_proj.weight" for i in range(layers) for p in linear]
+    linear = (("qkv", "o_proj", "gate_up", "down_proj") if exporter == "builder" else
+              [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")])
+    want = [f"layers.{i}.{p}.weight" for i in range(layers) for p in linear]
 
     def weights_after_norms(got: list[str], n_norms: int) -> list[str]:
         # each RMSNorm weight feeding a quantized weight is read once first (gamma^2 weights

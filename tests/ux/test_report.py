@@ -9,12 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.ux.conftest import cli
+from tests.ux.conftest import cli, convert
 
 CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run",
          "--window-size=1280,2000")
+
+
+@pytest.fixture(scope="module")
+def artifact(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ux artifact, traced (FUSELM_EXPORT=torch): the report's before/after drawings then
+    show the passes' fusion. The graph builder's graph is fused from the start (its "before"
+    is its "after"; export/graph_builder.py)."""
+    from fuselm.converter.exporter_choice import EXPORT_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EXPORT_ENV, "torch")
+        return convert(hf_dir, tmp_path_factory.mktemp("ux-traced") / "out")
 
 
 def browser(profile_dir: Path):  # noqa: ANN201 - a selenium WebDriver

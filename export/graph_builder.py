@@ -1,38 +1,43 @@
-"""GGUF → the fused-op ONNX graph, built directly, without torch.
+"""The fused-op ONNX graph, built directly from a checkpoint, without tracing.
 
 The torch path (export/onnx_export.py, then passes/) traces export/decoder.py's clean decoder
 and fuses the trace: RMSNormalization, FusedQKV, FusedRoPE, ONNX Attention with the KV concat
-inside, FusedGateUp, MatMul + Add. For the decoders a GGUF file holds (llama / Mistral-style
-llama / qwen2 / qwen3 with default RoPE) that fused graph is known node by node, so this writes
-it straight away, as onnxruntime-genai's model builder does, with each weight read from the
-GGUF, laid out [K, N] (q/k/v and gate/up packed along N as the pairing passes pack them), cast
-and appended to `raw.onnx.data` one tensor at a time. Tracing costs ~420 MB of torch, onnxscript
-and dynamo machinery before the first weight is read; this costs none of it.
+inside, FusedGateUp, MatMul + Add. For the plain decoders (llama / mistral / qwen2 / qwen3)
+that fused graph is known node by node, so this writes it straight away, as onnxruntime-genai's
+model builder does, each weight read from the checkpoint (HF safetensors, export/checkpoint.py,
+or a GGUF file, export/gguf_source.py: both answer `tensors`, `shape`, `array` in HF names),
+laid out [K, N] (q/k/v and gate/up packed along N as the pairing passes pack them) and cast.
+The trace costs ~40 s of dynamo on a 28-layer model (and ~420 MB of torch, onnxscript and
+dynamo machinery before the first weight is read); this costs neither.
 
-The result is the same `raw.onnx` the passes would make of the trace (float weights); the
-convert pipeline then runs the pass pipeline on it as on any export (every fusion finds nothing
-left to fuse, quantization and cleanup run as usual), so Q4, the writer and the manifest are
-the torch path's own. tests/export/test_gguf_graph.py checks the two graphs node for node.
+The result is the same graph the passes make of the trace (float weights): either `raw.onnx`
+with `raw.onnx.data` written a tensor at a time, or (`in_memory`) the model with data-less
+initializers and a recipe per weight that reads it from the checkpoint when the passes or the
+writer ask, as export/onnx_export.py's `computed_weights` does. The convert pipeline then runs
+the pass pipeline on it as on any export (every fusion finds nothing left to fuse,
+quantization and cleanup run as usual), so Q4, the writer and the manifest are the torch
+path's own. tests/export/test_graph_builder_*.py check the two graphs node for node.
 Attribute sets come from passes/ops.py (`*_attributes`), the weights' checkpoint names and
 layouts from the family (export/family.py), the spec from export/registry.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import SimpleNamespace
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from fuselm.export.checkpoint import Checkpoint, cast
 from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
 from fuselm.export.export_result import ExportResult
-from fuselm.export.gguf_source import GGUFCheckpoint
+from fuselm.export.family import Source
 from fuselm.export.registry import decoder_spec, family_of
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
@@ -41,39 +46,48 @@ from fuselm.passes import ops
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
 _ALIGN = 64  # bytes, as the exporter aligns raw.onnx.data
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time
-# model types whose GGUF config this builder reads exactly (RoPE default, windows as below)
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_INLINE = 1024  # values: smaller weights are stored in the model itself (as the exporter does)
+# the families whose whole graph this builder writes (their decoders have no extra scales,
+# norms or per-layer attention kinds: _check_spec)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def unsupported(ckpt: GGUFCheckpoint) -> str | None:
-    """Why this file needs the torch exporter instead (None: the builder makes its graph).
+class WeightReader(Protocol):
+    """A checkpoint in HF tensor names (export/checkpoint.py, export/gguf_source.py)."""
 
-    RoPE scaling needs transformers' own frequency functions (torch); a Qwen sliding window
-    applies from transformers' `max_window_layers` on, a default this builder does not restate.
-    """
-    c = ckpt.config
-    if c["model_type"] not in MODEL_TYPES:
-        return f"model type {c['model_type']}"
-    if c["rope_parameters"].get("rope_type", "default") != "default":
-        return f"RoPE scaling {c['rope_parameters']['rope_type']}"
-    if c["model_type"] in ("qwen2", "qwen3") and c.get("use_sliding_window"):
-        return "a Qwen sliding window"
+    root: Path
+
+    @property
+    def tensors(self) -> Iterable[str]: ...
+
+    @property
+    def dtype_name(self) -> str: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def array(self, name: str) -> np.ndarray: ...
+
+
+def unsupported(spec: DecoderSpec) -> str | None:
+    """Why this model needs the tracing exporter instead (None: the builder makes its graph)."""
+    if spec.family not in FAMILIES:
+        return f"model type {spec.family}"
+    plain = (not spec.sandwich_norms and spec.embed_scale == 1.0 and spec.residual_scale == 1.0
+             and spec.logit_scale == 1.0 and spec.logit_softcap == 0.0)
+    if not plain:
+        return f"{spec.family} with extra scales or norms"
+    if len(set(spec.windows)) > 1:
+        return "sliding windows on some layers only"
     return None
 
 
 def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> str:
     """The graph dtype name, as export/onnx_export.py's `resolve_dtype` decides it."""
     if requested in (None, "auto"):
-        return checkpoint_dtype
+        return "float16" if checkpoint_dtype in ("float16", "bfloat16") else "float32"
     if requested not in DTYPES:
         raise ExportError(f"--dtype {requested} is not supported; choose float32 or float16")
     return requested
-
-
-def gguf_spec(model_dir: Path, ckpt: GGUFCheckpoint) -> DecoderSpec:
-    """The DecoderSpec of the staged GGUF directory: the registry's own, read from the config
-    dict fuselm wrote (every field present) instead of transformers' config class."""
-    return decoder_spec(model_dir, hf_config=SimpleNamespace(**ckpt.config))
 
 
 def parameter_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
@@ -108,32 +122,70 @@ def parameter_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
 
 
 class _Weights:
-    """raw.onnx.data being written: each tensor read from the GGUF, laid out, screened, cast,
-    appended 64-byte aligned, and referenced by an external initializer."""
+    """The graph's weights: each read from the checkpoint, laid out, screened and cast, then
+    appended 64-byte aligned to the data file `f` and referenced by an external initializer,
+    or (no `f`) left as a data-less initializer and a recipe in `recipes`."""
 
-    def __init__(self, f: BinaryIO, location: str, ckpt: GGUFCheckpoint, spec: DecoderSpec,
-                 dtype: str, screen: WeightScreen) -> None:
+    def __init__(self, ckpt: WeightReader, shapes: dict[str, tuple[int, ...]],
+                 sources: dict[str, Source], dtype: str, screen: WeightScreen,
+                 f: BinaryIO | None = None, location: str = "") -> None:
         self.f, self.location, self.ckpt, self.screen = f, location, ckpt, screen
+        self.shapes = shapes
         self.np_dtype, self.onnx_dtype = DTYPES[dtype]
-        self.sources = family_of(spec.architecture).sources(spec, list(parameter_shapes(spec)))
+        self.sources = sources
         self.offset = 0
         self.initializers: list[TensorProto] = []
+        self.recipes: dict[str, Callable[[], np.ndarray]] = {}
+        self.screened: set[str] = set()
+        self.nbytes = 0
 
     def _read(self, param: str) -> np.ndarray:
+        """One parameter as the checkpoint stores it (rows cut, screened, offset added), not
+        yet transposed."""
         src = self.sources[param]
         w = self.ckpt.array(src.hf_name)
         if src.rows is not None:
             w = w[src.rows[0]: src.rows[1]]
-        self.screen(src.hf_name, w)
+        if param not in self.screened:  # a recipe reads it again (calibration, Q4, writer)
+            self.screen(src.hf_name, w)
+            self.screened.add(param)
         if src.offset:
-            w = w + np.float32(src.offset)
-        return w.T if src.transpose else w
+            w = cast(w, np.float32) + np.float32(src.offset)
+        return w
+
+    def _laid_out(self, param: str) -> np.ndarray:
+        return self._read(param).T if self.sources[param].transpose else self._read(param)
+
+    def values(self, params: list[str]) -> np.ndarray:
+        """The parameters' values concatenated along the last axis, cast: a [K, N] weight as
+        the transpose of its C-order [N, K] array (the consumers re-lay it out tile by tile,
+        as they do the exporter's), concatenated in the checkpoint's layout."""
+        if self.sources[params[0]].transpose:
+            parts = [self._read(p) for p in params]
+            base = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            del parts
+            return cast(base, self.np_dtype).T
+        parts = [self._read(p) for p in params]
+        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
+        return cast(whole, self.np_dtype)
 
     def add(self, name: str, params: list[str]) -> str:
         """Initializer `name`: the parameters' values concatenated along the last axis (one
-        parameter: its values), written as one tensor."""
-        parts = [self._read(p) for p in params]
-        shape = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
+        parameter: its values)."""
+        first = self.shapes[params[0]]
+        shape = (*first[:-1], sum(self.shapes[p][-1] for p in params))
+        proto = TensorProto(name=name, data_type=self.onnx_dtype, dims=list(shape))
+        numel = int(np.prod(shape))
+        self.initializers.append(proto)
+        if self.f is None:
+            if numel <= _INLINE:  # as the writer inlines a small tensor: the same model bytes
+                proto.raw_data = np.ascontiguousarray(self.values(params)).tobytes()
+                proto.data_location = TensorProto.DEFAULT  # (set, as the writer sets it)
+            else:
+                self.recipes[name] = lambda: self.values(params)
+                self.nbytes += numel * np.dtype(self.np_dtype).itemsize
+            return name
+        parts = [self._laid_out(p) for p in params]
         pad = (-self.offset) % _ALIGN
         self.f.write(b"\0" * pad)
         self.offset += pad
@@ -144,17 +196,16 @@ class _Weights:
         for r in range(0, rows, step):
             slab = np.concatenate([p[r: r + step] for p in flat], axis=1) if len(flat) > 1 \
                 else flat[0][r: r + step]
-            data = np.ascontiguousarray(slab, dtype=self.np_dtype)
+            data = np.ascontiguousarray(cast(np.ascontiguousarray(slab), self.np_dtype))
             self.f.write(memoryview(data).cast("B"))
             self.offset += data.nbytes
         del parts, flat
-        proto = TensorProto(name=name, data_type=self.onnx_dtype, dims=list(shape))
         proto.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.location), ("offset", str(start)),
                            ("length", str(self.offset - start))):
             entry = proto.external_data.add()
             entry.key, entry.value = key, value
-        self.initializers.append(proto)
+        self.nbytes = self.offset
         return name
 
 
@@ -248,15 +299,6 @@ def _layer(n: _Nodes, w: _Weights, spec: DecoderSpec, i: int, x: str, mask: str)
     return n("Add", [x, _projection(n, w, y, p + "down_proj", spec.mlp_bias)])[0]
 
 
-def _check_spec(spec: DecoderSpec) -> None:
-    """What the clean decoder supports that a GGUF decoder of MODEL_TYPES never has."""
-    plain = (not spec.sandwich_norms and spec.embed_scale == 1.0 and spec.residual_scale == 1.0
-             and spec.logit_scale == 1.0 and spec.logit_softcap == 0.0)
-    if not plain or len(set(spec.windows)) > 1:
-        raise ExportError(f"internal: the GGUF graph builder does not build {spec.architecture} "
-                          "with these options; set FUSELM_GGUF_EXPORT=torch")
-
-
 def _check_shapes(w: _Weights, shapes: dict[str, tuple[int, ...]]) -> None:
     for name, src in w.sources.items():
         have = w.ckpt.shape(src.hf_name)
@@ -281,16 +323,24 @@ def build_model(
     dtype: str | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     allow_nonfinite: bool = False,
-    checkpoint: GGUFCheckpoint | None = None,
+    checkpoint: WeightReader | None = None,
+    in_memory: bool = False,
+    spec: DecoderSpec | None = None,
 ) -> ExportResult:
-    """export/onnx_export.py's `export_model` for a GGUF `checkpoint` staged in `model_dir`:
-    writes `onnx_path` (+ `.data`), the fused graph with float weights."""
-    if checkpoint is None:
-        raise ExportError("internal: the GGUF graph builder needs the GGUF checkpoint")
+    """export/onnx_export.py's `export_model` for the models `unsupported` accepts: the fused
+    graph with float weights, written to `onnx_path` (+ `.data`), or (`in_memory`) nothing
+    written: the result carries the model and a recipe per weight. `checkpoint`: where the
+    weights come from (default: the safetensors in `model_dir`); `spec`: the model's, when
+    the caller has it (a GGUF file's is not read from transformers' config classes)."""
     t0 = time.perf_counter()
-    ckpt = checkpoint
-    spec = gguf_spec(Path(model_dir), ckpt)
-    _check_spec(spec)
+    ckpt = checkpoint if checkpoint is not None else Checkpoint(model_dir)
+    spec = spec if spec is not None else decoder_spec(model_dir)
+    reason = unsupported(spec)
+    if reason is not None:
+        raise ExportError(f"internal: the graph builder does not build {reason}; set "
+                          "FUSELM_EXPORT=torch")
+    if in_memory and allow_nonfinite:
+        raise ValueError("in_memory export cannot record non-finite weights")
     graph_dtype = resolve_dtype(dtype, ckpt.dtype_name)
     result = ExportResult(spec=spec, dtype=graph_dtype, checkpoint_dtype=ckpt.dtype_name)
     shapes = parameter_shapes(spec)
@@ -302,8 +352,9 @@ def build_model(
     screen = WeightScreen(graph_dtype, allow_nonfinite)
     elem = DTYPES[graph_dtype][1]
     n = _Nodes()
-    with data_path.open("wb") as f:
-        w = _Weights(f, data_path.name, ckpt, spec, graph_dtype, screen)
+    with contextlib.ExitStack() as stack:
+        f = None if in_memory else stack.enter_context(data_path.open("wb"))
+        w = _Weights(ckpt, shapes, sources, graph_dtype, screen, f, data_path.name)
         _check_shapes(w, shapes)
         mask = _mask(n, spec.windows[0] if spec.windows else None)
         (x,) = n("Gather", [w.add("embed", ["embed"]), "input_ids"], axis=0)
@@ -331,14 +382,17 @@ def build_model(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ops.ONNX_OPSET)],
                               ir_version=10, producer_name="fuselm")
     ops.attach_functions(model)
-    onnx.save(model, str(onnx_path))
-    result.weight_bytes = w.offset
+    if in_memory:
+        result.model, result.sources = model, w.recipes
+    else:
+        onnx.save(model, str(onnx_path))
+    result.weight_bytes = w.nbytes
     result.nonfinite = screen.nonfinite
     result.seconds["build"] = time.perf_counter() - t0
     ops_built: dict[str, int] = {}
     for node in n.nodes:
         ops_built[node.op_type] = ops_built.get(node.op_type, 0) + 1
-    result.built = dict(name="gguf_graph", matches=spec.num_layers, nodes_before=0,
+    result.built = dict(name="graph_builder", matches=spec.num_layers, nodes_before=0,
                         nodes_after=len(n.nodes), op_delta=dict(sorted(ops_built.items())),
                         seconds=round(result.seconds["build"], 4))
     return result

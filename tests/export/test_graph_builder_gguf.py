@@ -1,4 +1,4 @@
-"""The torch-free GGUF graph builder (export/gguf_graph.py) against the torch path it replaces:
+"""The torch-free GGUF graph builder (export/graph_builder.py) against the torch path it replaces:
 the same GGUF converted both ways (FUSELM_GGUF_EXPORT=torch traces and fuses) must give the
 same graph node for node, the same weights bit for bit, the same logits and greedy tokens on
 both engines — and the builder's conversion must not import torch."""
@@ -17,7 +17,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from fuselm.converter.gguf_input import EXPORT_ENV
+from fuselm.converter.exporter_choice import BUILDER
+from fuselm.converter.exporter_choice import GGUF_EXPORT_ENV as EXPORT_ENV
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
@@ -118,12 +119,12 @@ def test_same_manifest_and_side_files(pairs: dict[str, tuple[Path, Path]], case:
     assert ours.model == theirs.model and ours.rope == theirs.rope
     assert (ours.dtype, ours.special_tokens, ours.files, ours.steps) == (
         theirs.dtype, theirs.special_tokens, theirs.files, theirs.steps)
-    assert ours.source["exporter"] == "gguf graph builder"
+    assert ours.source["exporter"] == BUILDER
     assert theirs.source["exporter"].startswith("torch")
     # the pass report: what the builder built first, then passes that find nothing to fuse
     built, *passes = ours.passes["passes"]
     layers = ours.model.num_layers
-    assert built["name"] == "gguf_graph" and built["matches"] == layers
+    assert built["name"] == "graph_builder" and built["matches"] == layers
     assert {op: built["op_delta"][op] for op in ("FusedQKV", "FusedGateUp", "Attention")} == \
         dict.fromkeys(("FusedQKV", "FusedGateUp", "Attention"), layers)
     assert all(e["matches"] == 0 for e in passes if e["name"] not in ("quantize_q4", "cleanup"))
@@ -156,8 +157,7 @@ def test_spec_without_transformers_equals_transformers(gguf_files: dict[str, Pat
                                                        tmp_path: Path) -> None:
     """The builder's spec (the GGUF config dict as the config object) is the one the registry
     makes with transformers' config classes, RoPE frequencies included."""
-    from fuselm.export.gguf_graph import gguf_spec
-    from fuselm.export.gguf_source import GGUFCheckpoint, stage
+    from fuselm.export.gguf_source import GGUFCheckpoint, gguf_spec, stage
     from fuselm.export.registry import decoder_spec
 
     for name, path in gguf_files.items():
@@ -194,7 +194,7 @@ def test_builder_conversion_imports_no_torch(gguf_files: dict[str, Path], tmp_pa
     calib = json.loads((tmp_path / "out" / "fuselm.json").read_text())["quantization"]
     assert calib["calibration"]["file"] == "calibration.txt (built-in)", calib["calibration"]
     source = json.loads((tmp_path / "out" / "fuselm.json").read_text())["source"]
-    assert source["exporter"] == "gguf graph builder"
+    assert source["exporter"] == BUILDER
 
 
 def test_tokenizer_files_equal_transformers_loader(gguf_files: dict[str, Path],

@@ -1,0 +1,60 @@
+"""Which exporter writes a conversion's graph: the graph builder (export/graph_builder.py,
+no trace) where it covers the model, else the torch trace (export/onnx_export.py + passes/).
+
+`FUSELM_EXPORT=torch` forces the trace for any input (the ladder's cross-check of the
+builder); `FUSELM_GGUF_EXPORT=torch`, its older spelling, does so for GGUF input only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from fuselm.export.config import DecoderSpec
+
+EXPORT_ENV = "FUSELM_EXPORT"
+GGUF_EXPORT_ENV = "FUSELM_GGUF_EXPORT"
+BUILDER = "graph builder"  # fuselm.json's source.exporter when the builder wrote the graph
+
+
+def trace_reason(spec: DecoderSpec | None, options: Any, gguf: bool = False,
+                 extra: str | None = None) -> str | None:
+    """Why this conversion goes through the torch trace (None: the graph builder). `spec`
+    None: not known yet (`extra` then says why, or nothing does); `extra`: a reason the
+    caller found in the input itself."""
+    for env in (EXPORT_ENV, GGUF_EXPORT_ENV) if gguf else (EXPORT_ENV,):
+        if os.environ.get(env, "") == "torch":
+            return f"{env}=torch"
+    if not options.optimize or options.passes is not None:
+        return "an unfused or partly fused graph was asked for"
+    if extra is not None:
+        return extra
+    from fuselm.export.graph_builder import unsupported
+
+    return unsupported(spec) if spec is not None else None
+
+
+def exporter_for(spec: DecoderSpec, options: Any, gguf: bool = False,
+                 extra: str | None = None) -> tuple[Callable[..., Any], str]:
+    """The exporter (export_model's signature, `spec` bound) and fuselm.json's label for it."""
+    reason = trace_reason(spec, options, gguf, extra)
+    if reason is not None:
+        from fuselm.export.onnx_export import export_model
+
+        return export_model, f"torch ({reason})"
+    from fuselm.export.graph_builder import build_model
+
+    if gguf:
+        return partial(_through_file, partial(build_model, spec=spec)), BUILDER
+    return partial(build_model, spec=spec), BUILDER
+
+
+def _through_file(exporter: Callable[..., Any], *args: Any, in_memory: bool = False,
+                  **kwargs: Any) -> Any:
+    """`exporter` writing raw.onnx.data, whatever the pipeline asks: a GGUF tensor is
+    dequantized to float32 on every read, so weights read from the file in the graph's dtype
+    cost less memory than recipes reading the GGUF (SmolLM2's default Q4 convert: 387.6 MB
+    peak through the file, 450.6 MB in memory; its bound is 403.4 MB, BENCHMARKS issue 11)."""
+    return exporter(*args, in_memory=False, **kwargs)
