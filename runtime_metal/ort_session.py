@@ -11,14 +11,16 @@ creates the session; how that kernel computes is a session option,
 With `optimize=False` no graph optimization runs: DequantizeLinear + MatMul execute as written
 (exact, slow) and the accuracy level has no effect.
 
-Threads: unless asked for a number, a session gets `default_threads()` intra-op threads, half the
-CPUs this process may run on (at least one), set explicitly. onnxruntime's own default (one
-thread per physical core, each pinned to its core, spinning between ops) stalls whenever another
-process wants one of those cores: a decode step waits at every op for the thread whose core is
-taken. On the 2-core development machine under other jobs' load (~3.5) a 28-layer Qwen3-shaped
-Q4 decode step took 159-165 ms that way and 61-106 ms on one thread (BENCHMARKS.md, issue 12).
-onnxruntime-genai uses the same rule (hardware threads / 2). On a machine with cores to spare a
-long prompt's prefill gains from more threads: ask for them (`threads=N`).
+Threads: unless asked for a number, a session gets `default_threads()` intra-op threads, one per
+physical core this process may run on (llama.cpp's default too; SMT siblings share a core's
+matmul units and add nothing to a bandwidth-bound decode), set explicitly and with spinning off.
+onnxruntime's own default (one thread per physical core, each pinned to its core, spinning
+between ops) stalls whenever another process wants one of those cores: a decode step waits at
+every op for the thread whose core is taken (BENCHMARKS.md, issue 12: 159-165 ms per 28-layer
+step that way under load ~3.5). Explicit, the threads are not pinned; not spinning, a thread that
+waits gives its core back. onnxruntime-genai's default is hardware threads / 2, which on a
+machine without SMT leaves half the cores idle: on the 2-core development VM fuselm's decode is
+0.9x genai's at one thread each (the uint4 zero-point kernel) and ~1.5x at its default of two.
 """
 
 from __future__ import annotations
@@ -35,13 +37,28 @@ EXTERNAL_DIR_KEY = "session.model_external_initializers_file_folder_path"
 OPTIMIZATION_LEVELS = ("all", "extended", "basic", "none")
 
 
-def default_threads() -> int:
-    """Intra-op threads when none are asked for: half the CPUs this process may use, at least 1."""
+def _usable_cpus() -> list[int] | None:
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS, Windows)
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // 2)
+        return None
+
+
+def default_threads() -> int:
+    """Intra-op threads when none are asked for: the physical cores among the CPUs this process
+    may use (Linux topology); elsewhere half the logical CPUs (SMT's usual two per core)."""
+    cpus = _usable_cpus()
+    if cpus is None:
+        return max(1, (os.cpu_count() or 1) // 2)
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(),
+                       (topo / "core_id").read_text().strip()))
+        except OSError:  # no topology exposed (some containers): assume SMT pairs
+            return max(1, len(cpus) // 2)
+    return max(1, len(cores))
 
 
 def make_session(
@@ -97,6 +114,7 @@ def make_session(
         so.profile_file_prefix = profile_prefix
     threads = int(threads) if threads else default_threads()
     so.intra_op_num_threads = threads  # explicit, so onnxruntime does not pin threads to cores
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3  # the fp16 "Cast inserted" / serialization notices are noise here
     providers = providers or ["CPUExecutionProvider"]
     model = model_path if isinstance(model_path, bytes) else os.fspath(model_path)

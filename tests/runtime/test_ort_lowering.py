@@ -144,16 +144,26 @@ def test_rope_variants_without_a_lowering_are_refused(h32_models, tmp_path) -> N
         assert reason in str(lower_for_cpu(tmp_path / "model.onnx", manifest))
 
 
-def test_default_threads_are_explicit_and_half_the_cpus(h32_models) -> None:  # noqa: ANN001
-    """Unless asked, a session runs half the usable CPUs' worth of intra-op threads (at least
-    one), set explicitly (onnxruntime's own default pins one thread per core); a count asked
-    for is kept; the thread count does not change the logits beyond summation order."""
+def test_default_threads_are_explicit_one_per_physical_core(h32_models) -> None:  # noqa: ANN001
+    """Unless asked, a session runs one intra-op thread per physical core among the usable CPUs
+    (at least one), set explicitly (onnxruntime's own default pins one thread per core); a count
+    asked for is kept; the thread count does not change the logits beyond summation order."""
     import os
 
     from fuselm.runtime_metal.ort_session import default_threads
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert default_threads() == max(1, (cpus or 1) // 2)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if cpus is None:
+        expected = max(1, (os.cpu_count() or 1) // 2)
+    else:  # the kernel's own topology: cores are (package, core id) pairs
+        topo = [Path(f"/sys/devices/system/cpu/cpu{c}/topology") for c in cpus]
+        if all((t / "core_id").exists() for t in topo):
+            expected = len({((t / "physical_package_id").read_text(), (t / "core_id").read_text())
+                            for t in topo})
+        else:
+            expected = max(1, len(cpus) // 2)
+    assert default_threads() == expected
+    assert 1 <= default_threads() <= len(cpus or [0]) or cpus is None
     out = h32_models["qwen3"][1]
     default = make_engine(out, "onnxruntime")
     two = make_engine(out, "onnxruntime", threads=2)
