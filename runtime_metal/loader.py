@@ -47,6 +47,31 @@ def _confined(root: Path, location: str, tensor: str) -> Path:
     return candidate
 
 
+def is_external(t: TensorProto) -> bool:
+    """Whether the tensor's bytes live in a data file beside the model."""
+    return t.data_location == TensorProto.EXTERNAL
+
+
+def external_span(t: TensorProto, root: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor's bytes, the file confined to `root`."""
+    info = _external_info(t)
+    path = _confined(root, info.get("location", ""), t.name)
+    offset = int(info.get("offset", 0))
+    length = int(info["length"]) if "length" in info else path.stat().st_size - offset
+    return path, offset, length
+
+
+def read_bytes(t: TensorProto, root: Path) -> bytes:
+    """An external tensor's raw bytes."""
+    path, offset, length = external_span(t, root)
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise RuntimeUserError(f"tensor {t.name!r}: external data ends before its length")
+    return data
+
+
 def _map(file: Path) -> mmap.mmap:
     try:
         with open(file, "rb") as f:

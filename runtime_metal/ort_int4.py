@@ -31,7 +31,7 @@ import onnx
 import onnx.inliner
 from onnx import TensorProto
 
-from fuselm.passes.weights import external_span, is_external, read_bytes
+from fuselm.runtime_metal.loader import external_span, is_external, read_bytes
 
 # The location the in-memory initializers declare; onnxruntime takes their values from the
 # OrtValues instead and never opens it.
