@@ -140,9 +140,12 @@ def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
     shutil.copytree(base, out)
     (out / "notes.txt").write_text("mine")
     before = tree_digest(out)
+    # The traced export keeps the build running for seconds after its temp folder appears; the
+    # graph builder can finish a model this small between two polls, leaving nothing to kill.
+    env = {**os.environ, "FUSELM_EXPORT": "torch"}
     p = subprocess.Popen([sys.executable, "-m", "fuselm.converter.cli", "convert", str(ckpt),
                           "-o", str(out), "--quiet", "--dtype", "float32"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         deadline = time.monotonic() + 240
         # Kill once the build beside OUT has begun (its temp folder holds a file).
@@ -150,7 +153,7 @@ def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
             tmps = list(tmp_path.glob(f".out.tmp-{p.pid}-*"))
             if tmps and any(tmps[0].iterdir()):
                 break
-            time.sleep(0.05)
+            time.sleep(0.01)
         assert p.poll() is None, "the conversion ended before it could be killed"
         os.kill(p.pid, signal.SIGKILL)
     finally:
