@@ -100,3 +100,22 @@ def hf_incremental_logits(model, ids: np.ndarray, prefill: int) -> np.ndarray:  
             chunks.append(out.logits)
             cache = out.past_key_values
     return torch.cat(chunks, dim=1).float().numpy()
+
+
+def convert_with_env(name: str, value: str, src: Path, out: Path, **options: object) -> Path:
+    """`convert` src -> out with environment variable `name` set to `value` for the call only
+    (the exporter switches: FUSELM_EXPORT, FUSELM_GGUF_EXPORT)."""
+    import os
+
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        convert(src, out, ConvertOptions(**options))
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
+    return out

@@ -24,6 +24,7 @@ from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.export.gguf_files import write_gguf
+from tests.export.helpers import convert_with_env
 
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=384)
 # llama: GQA 4:2, head_dim 24 != 64 / 4, biases on attention and MLP, untied, block types;
@@ -41,18 +42,7 @@ PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11, 64, 2, 130]
 
 
 def _convert(path: Path, out: Path, exporter: str, **options: Any) -> Path:
-    from fuselm.converter.pipeline import ConvertOptions, convert
-
-    old = os.environ.get(EXPORT_ENV)
-    os.environ[EXPORT_ENV] = exporter
-    try:
-        convert(path, out, ConvertOptions(**{"dtype": "float32", **options}))
-    finally:
-        if old is None:
-            os.environ.pop(EXPORT_ENV)
-        else:
-            os.environ[EXPORT_ENV] = old
-    return out
+    return convert_with_env(EXPORT_ENV, exporter, path, out, **{"dtype": "float32", **options})
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ transformers' greedy tokens; what it does not cover goes through the trace."""
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,14 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fuselm.converter.exporter_choice import BUILDER, EXPORT_ENV, exporter_for, trace_reason
-from fuselm.converter.pipeline import ConvertOptions, convert
+from fuselm.converter.pipeline import ConvertOptions
 from fuselm.export.onnx_export import export_model
 from fuselm.export.registry import decoder_spec
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_model, rel
+from tests.export.helpers import convert_with_env
 
 # conftest CASES: qwen3 (q/k-norm, tied head, head_dim 24 != 64 / 4, GQA 4:2), qwen2 GQA 4:1
 # with q/k/v biases, llama MHA with attention and MLP biases, mistral with a sliding window 8,
@@ -35,16 +35,7 @@ PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11, 64, 2, 130]
 
 
 def _convert(src: Path, out: Path, exporter: str, **options: Any) -> Path:
-    old = os.environ.get(EXPORT_ENV)
-    os.environ[EXPORT_ENV] = exporter
-    try:
-        convert(src, out, ConvertOptions(**options))
-    finally:
-        if old is None:
-            os.environ.pop(EXPORT_ENV)
-        else:
-            os.environ[EXPORT_ENV] = old
-    return out
+    return convert_with_env(EXPORT_ENV, exporter, src, out, **options)
 
 
 @pytest.fixture(scope="session")
