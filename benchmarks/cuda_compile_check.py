@@ -107,22 +107,24 @@ def main() -> None:
             n = mx.ones((d,), dt) if norms else None
             inv = mx.array(rng.random(d // 2).astype(np.float32))
             prm, off = mx.zeros((3,), mx.float32), mx.array([5], mx.int32)
-            for kb, splits in ((1, 0), (2, 0), (4, 0), (1, 1), (1, 8)):
+            for splits in (0, 1, 8):
                 kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq, hk=hk,
-                                         rotary_dim=d, interleaved=inter, keys_per_step=kb,
-                                         splits=splits)
+                                         rotary_dim=d, interleaved=inter, splits=splits)
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):
             x = mx.zeros((rows, 1, kdim), dt)
             packed = mx.zeros((nout, kdim // 8), mx.uint32)
             sc = mx.zeros((nout, kdim // 32), dt)
-            for mode in ("1", "warp"):
-                normed = kernels_q4.NormedRows(x, x, mx.ones((kdim,), dt),
-                                               mx.zeros((1,), mx.float32), mode=mode)
-                if normed.fits():  # as the program folds only rows that fit
-                    kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
+            normed = kernels_q4.NormedRows(x, x, mx.ones((kdim,), dt),
+                                           mx.zeros((1,), mx.float32))
+            if normed.fits():  # as the program folds only rows that fit
+                kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
             kernels_q4.q4_gemv(x, packed, sc, sc, 32, act)
+            if act is None and nout <= 4096:  # an o_proj / down shape: the add+norm epilogue
+                res = mx.zeros((rows, 1, nout), dt)
+                kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
+                                            mx.zeros((1,), mx.float32))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for fname, (text, threads) in sorted(units.items()):

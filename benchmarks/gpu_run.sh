@@ -20,14 +20,13 @@
 #                                               # checkpoint on the GPU (make_checkpoint --device
 #                                               # cuda) and converts it; logs -> $OUT/prep_*.log
 #   benchmarks/gpu_run.sh profile SHAPE GROUP   # step_profile.py: GPU kernel time vs wall per
-#                                               # decode step: fuselm as measured (fold 1, split
-#                                               # 0), fold off, the unmeasured variants (fold
-#                                               # warp, split auto), mlx-lm; RUNS="sys:fold:split
-#                                               # ..." picks -> $OUT/profile_*.json (needs `prep`)
+#                                               # decode step: fuselm by default, fold on, split
+#                                               # off, mlx-lm; RUNS="sys:fold:split[:ops] ..."
+#                                               # picks -> $OUT/profile_*.json (needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
-#                                               # alone (GEMV with no / block / warp norm
-#                                               # prologue, attention with 1/2/4 keys per warp
-#                                               # step and with 1..32/auto key splits)
+#                                               # alone (GEMV with and without the norm
+#                                               # prologue, attention with 0..32/auto key
+#                                               # splits and several warps x keys per block)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
@@ -118,14 +117,16 @@ case "$part" in
     wait
     ;;
   profile)
-    # fuselm as measured (add+RMSNorm fold 1, attention split 0), fold off, the variants built
-    # after the last profile (FUSELM_FOLD_NORM=warp, FUSELM_ATTN_SPLIT=auto), then mlx-lm
-    for run in ${RUNS:-fuselm:1:0 fuselm:0:0 fuselm:warp:auto mlx-lm:1:0}; do
-      IFS=: read -r sys fold split <<< "$run"
-      FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split python3 benchmarks/step_profile.py \
+    # fuselm as it runs by default (add+RMSNorm fold off, attention split auto), the fold on,
+    # the split off, then mlx-lm; RUNS="sys:fold:split[:graph_ops] ..." picks (graph_ops:
+    # FUSELM_CUDA_GRAPH_OPS, MLX's launches per CUDA graph; empty = fuselm's default)
+    for run in ${RUNS:-fuselm:0:auto fuselm:1:auto fuselm:0:0 mlx-lm:0:auto}; do
+      IFS=: read -r sys fold split ops <<< "$run"
+      FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split FUSELM_CUDA_GRAPH_OPS=${ops:-} \
+        python3 benchmarks/step_profile.py \
         --system "$sys" --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
         --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
-        | tee "$OUT/profile_$2_g$3_${sys}_fold${fold}_split$split.json"
+        | tee "$OUT/profile_$2_g$3_${sys}_fold${fold}_split${split}${ops:+_ops$ops}.json"
     done
     ;;
   kernels)

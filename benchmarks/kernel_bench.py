@@ -7,13 +7,13 @@ float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUP
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) plain against the same GEMV with the add+RMSNorm prologue
-  (NormedRows: what FUSELM_FOLD_NORM folds), block-wide (`norm`, FUSELM_FOLD_NORM=1) and
-  barrier-free (`normwarp`, FUSELM_FOLD_NORM=warp), for the q/k/v and the gated gate/up
-  shapes, and the separate add+RMSNorm kernel the prologue replaces;
-- rope+attention (kernels_cuda.rope_attend) with 1, 2 and 4 keys per warp step
-  (FUSELM_ATTN_KEYS) and the split kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto`
-  as kernels.attend_splits picks; more than 1: a merge launch after, its time included in
-  `total_us`) at each cached length --pos.
+  (NormedRows: FUSELM_FOLD_NORM=prologue), for the q/k/v and the gated gate/up shapes, the
+  o_proj and down GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the
+  default), and the separate add+RMSNorm kernel both replace;
+- rope+attention (kernels_cuda.rope_attend): a block per query head (split 0), and the split
+  kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto` as kernels.attend_splits picks)
+  at each cached length --pos, with the program's warps/keys per block and each of
+  --split-configs (WARPSxKEYS) at the auto split count.
 Prints one JSON line.
 """
 
@@ -51,7 +51,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--pos", type=int, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("-n", type=int, default=50)
-    ap.add_argument("--splits", nargs="+", default=["1", "4", "8", "16", "32", "auto"])
+    ap.add_argument("--splits", nargs="+", default=["0", "4", "8", "16", "32", "auto"])
+    ap.add_argument("--split-configs", nargs="*", default=["4x2", "8x2", "16x4", "8x8"])
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -79,6 +80,8 @@ def main() -> None:
     x, r, nw = rand(1, 1, hidden), rand(1, 1, hidden), rand(hidden, scale=0.1) + 1
     qkv = q4((hq + 2 * hk) * d, hidden)
     gate_up = q4(2 * inter, hidden)
+    o_proj, down = q4(hidden, hq * d), q4(hidden, inter)
+    xo, xd = rand(1, 1, hq * d), rand(1, 1, inter)
     calls: dict[str, Any] = {
         "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
         "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g),
@@ -86,10 +89,10 @@ def main() -> None:
         "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
         "gate_up norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps),
                                                    *gate_up, g, "silu"),
-        "qkv normwarp": lambda: kernels_q4.q4_gemv(
-            kernels_q4.NormedRows(x, r, nw, eps, mode="warp"), *qkv, g),
-        "gate_up normwarp": lambda: kernels_q4.q4_gemv(
-            kernels_q4.NormedRows(x, r, nw, eps, mode="warp"), *gate_up, g, "silu"),
+        "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g),
+        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps)[1],
+        "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),
+        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps)[1],
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
@@ -99,18 +102,21 @@ def main() -> None:
         cap = (pos // 256 + 1) * 256
         kc, vc = rand(1, hk, cap, d), rand(1, hk, cap, d)
         off = mx.array([pos], mx.int32)
-        for kb in (1, 2, 4):
-            calls[f"attend pos {pos} keys {kb}"] = (
-                lambda kc=kc, vc=vc, off=off, kb=kb: kernels_cuda.rope_attend(
-                    q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
-                    rotary_dim=d, interleaved=False, keys_per_step=kb, splits=0)[0])
         groups = hq // hk // kernels_cuda.split_heads_per_block(hq, hk, d)
+        auto = kernels.auto_splits(cap, hk, groups)
         for sp in args.splits:
-            n_split = (kernels.auto_splits(cap, hk, groups) if sp == "auto" else int(sp))
+            n_split = auto if sp == "auto" else int(sp)
             calls[f"attend pos {pos} split {sp}={n_split}"] = (
                 lambda kc=kc, vc=vc, off=off, n_split=n_split: kernels_cuda.rope_attend(
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
                     rotary_dim=d, interleaved=False, splits=n_split)[0])
+        for cfg in args.split_configs:
+            nw, kb = (int(t) for t in cfg.split("x"))
+            calls[f"attend pos {pos} split auto={auto} {cfg}"] = (
+                lambda kc=kc, vc=vc, off=off, nw=nw, kb=kb, n=auto: kernels_cuda.rope_attend(
+                    q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
+                    rotary_dim=d, interleaved=False, splits=n, split_warps=nw,
+                    split_keys=kb)[0])
     results: dict[str, Any] = {}
     for name, fn in calls.items():
         for _ in range(3):  # compile, allocate
@@ -127,7 +133,7 @@ def main() -> None:
         fuselm = {n: t for n, t in times.items() if "fuselm" in n} or times
         results[name] = {n[:90]: {"median_us": statistics.median(t), "calls": len(t)}
                          for n, t in fuselm.items()}
-        # one call's kernels (the split kernel and its merge): the sum of their medians
+        # one call's kernels: the sum of their medians
         results[name]["total_us"] = sum(v["median_us"] for v in results[name].values())
         print(name, round(results[name]["total_us"], 2),
               file=sys.stderr, flush=True)

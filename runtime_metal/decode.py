@@ -23,9 +23,12 @@ Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with 
 that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
 decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache rows 0..offset
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
-With the Q4 GEMV kernel on, an add+RMSNorm whose normalized row only feeds one Q4 matmul
-(program_ops.fold_norms: a layer's q/k/v and gate/up) is not launched at all: it is handed on as
-kernels_q4.NormedRows and computed in that GEMV's prologue, which also yields the sum.
+With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
+o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
+adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM:
+`epilogue`, the default). `prologue` instead hands it to the GEMV reading the normalized row
+(program_ops.fold_norms, kernels_q4.NormedRows: measured slower on the H200); `0` keeps the
+separate add+RMSNorm kernel.
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
@@ -81,7 +84,9 @@ class DecodeProgram:
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
     gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
-    fold: bool = False  # decode steps' add+RMSNorm in the prologue of the GEMV reading it
+    # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
+    # the added row), "prologue" (in the GEMV reading the normalized row), "0" (its own kernel)
+    fold: str = "0"
 
     # ---- load time -------------------------------------------------------------------------
 
@@ -118,9 +123,11 @@ class DecodeProgram:
         gemv = kernels.gemv_enabled(on)
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
                       len(plan.steps) - len(live), kernels=on, windows=windows,
-                      gemv=gemv, fold=kernels.fold_norm_enabled(gemv))
-        if program.fold:
+                      gemv=gemv, fold=kernels.fold_norm_mode(gemv))
+        if program.fold == "prologue":
             program_ops.fold_norms(program.ops)
+        elif program.fold == "epilogue":
+            program_ops.fold_into_producers(program.ops)
         try:
             check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
@@ -182,11 +189,29 @@ class DecodeProgram:
         out_kv: list[mx.array] = list(kv)
         # an add+RMSNorm left to the GEMV reading it: that op's id -> (the sum's name, rows)
         folded: dict[int, tuple[str, kernels_q4.NormedRows]] = {}
+        # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
+        # the pairs so computed (they launch nothing)
+        producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
+                     if self.fold == "epilogue" and s == 1 else {})
+        done: set[int] = set()
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
             for o in self.ops:
+                if id(o) in done:
+                    continue
                 args = _resolve(o.args, env)
-                if o.kind == "add_norm" and self.fold and s == 1 and o.norm_reader is not None:
+                if id(o) in producing:
+                    pair = producing[id(o)]
+                    assert pair.partner is not None
+                    residual = _resolve([pair.args[1 - pair.producer_arg]], env)[0]
+                    hy = program_ops.matmul_add_norm(
+                        o, pair, args[0], residual, _resolve(pair.partner.args[1:2], env)[0])
+                    if hy is not None:
+                        _bind(env, pair.step.outputs[:1] + pair.partner.step.outputs[:1], hy)
+                        done.add(id(pair))
+                        continue
+                if (o.kind == "add_norm" and self.fold == "prologue" and s == 1
+                        and o.norm_reader is not None):
                     assert o.partner is not None
                     rows = program_ops.normed_rows(o.partner.step, args[0], args[1],
                                                    _resolve(o.partner.args[1:2], env)[0])

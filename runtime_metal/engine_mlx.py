@@ -44,6 +44,7 @@ class MLXEngine:
             fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
         if fast_prefill is None:
             fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
+        kernels.set_cuda_graph_ops()  # before the first GPU evaluation of the process
         self.manifest = manifest
         graph = load_graph(model_path(out_dir))
         check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
@@ -171,7 +172,9 @@ class MLXEngine:
             "fused_kernels": (
                 "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
                     ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
-                + (", add+rms_norm in the GEMV prologue" if self.fast.program.fold else "")
+                + {"epilogue": ", add+rms_norm in the GEMV epilogue",
+                   "prologue": ", add+rms_norm in the GEMV prologue"}.get(
+                       self.fast.program.fold, "")
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }

@@ -50,26 +50,42 @@ def gemv_enabled(kernels_on: bool) -> bool:
 
 
 FOLD_ENV = "FUSELM_FOLD_NORM"
-FOLD_MODES = ("1", "warp", "0")
+FOLD_MODES = ("epilogue", "prologue", "0")
 
 
-def fold_norm_mode() -> str:
-    """FUSELM_FOLD_NORM: `1` (default) folds each decode step's add+RMSNorm into the Q4 GEMV
-    reading it with the block-wide prologue measured on the H200 (kernels_q4.NormedRows);
-    `warp` folds it with the barrier-free prologue (each warp reduces the rows itself; built
-    after the step profile found the block prologue ~17 µs a launch, not yet measured on a
-    GPU, hence not the default); `0` keeps the separate add+RMSNorm kernel."""
-    raw = os.environ.get(FOLD_ENV, "1").strip().lower()
+def fold_norm_mode(gemv_on: bool) -> str:
+    """Where each decode step's residual add + RMSNorm runs when the Q4 GEMV kernel is on
+    (FUSELM_FOLD_NORM): `epilogue` (default) in the GEMV that produces the added row (o_proj,
+    down: kernels_q4.q4_gemv_add_norm, whose last block normalizes), `prologue` in every block
+    of the GEMV reading the normalized row (kernels_q4.NormedRows: measured on the H200 ~21 µs
+    a GEMV against ~3.5 µs plain, a Qwen3-0.6B step 2.85 ms against 1.59 ms unfolded), `0` as
+    the separate add+RMSNorm kernel. Without the GEMV kernel: "0"."""
+    raw = os.environ.get(FOLD_ENV, FOLD_MODES[0]).strip().lower()
     if raw not in FOLD_MODES:
         raise RuntimeUserError(f"{FOLD_ENV}={raw!r}: use one of {', '.join(FOLD_MODES)}")
-    return raw
+    return raw if gemv_on else "0"
 
 
-def fold_norm_enabled(gemv_on: bool) -> bool:
-    """Each decode step's add+RMSNorm folded into the prologue of the Q4 GEMV that reads it
-    (kernels_q4.NormedRows): with the GEMV kernel, unless FUSELM_FOLD_NORM=0 keeps the separate
-    add+RMSNorm kernel (to measure one against the other)."""
-    return gemv_on and fold_norm_mode() != "0"
+GRAPH_OPS_ENV = "FUSELM_CUDA_GRAPH_OPS"
+MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
+# MLX-CUDA records launches into a CUDA graph and launches it every MLX_MAX_OPS_PER_BUFFER
+# operations (its default: 20). A decode step is ~200 launches, bound by the host's cost per
+# launch once the kernels are fast (BENCHMARKS.md issue 14).
+CUDA_GRAPH_OPS = 20
+
+
+def set_cuda_graph_ops() -> None:
+    """Sets MLX_MAX_OPS_PER_BUFFER for this process on MLX's CUDA backend, unless the user set
+    it: FUSELM_CUDA_GRAPH_OPS=N, else CUDA_GRAPH_OPS. MLX reads it once, at the first GPU
+    evaluation of the process, so this runs before an engine loads its weights; Metal (which
+    reads the same variable for its command buffers) and CPU are left alone."""
+    if MLX_GRAPH_OPS_ENV in os.environ or not cuda_device():
+        return
+    raw = os.environ.get(GRAPH_OPS_ENV, "").strip() or str(CUDA_GRAPH_OPS)
+    if not raw.isdigit() or int(raw) < 1:
+        raise RuntimeUserError(f"{GRAPH_OPS_ENV}={raw!r} is not an operation count; use e.g. "
+                               f"{CUDA_GRAPH_OPS}")
+    os.environ[MLX_GRAPH_OPS_ENV] = raw
 
 
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
@@ -93,23 +109,6 @@ def dense_prefill_rows() -> int:
     return int(raw)
 
 
-ATTEND_KEYS_ENV = "FUSELM_ATTN_KEYS"
-ATTEND_KEYS = (1, 2, 4)
-
-
-def attend_keys() -> int:
-    """Keys each warp of the decode attention kernel loads at once (kernels_cuda.rope_attend):
-    1 (default) walks them one by one, the kernel measured and tested on the H200; 2 or 4
-    keeps that many rows' loads in flight per warp (the step profile found the one-at-a-time
-    walk latency-bound: 26 µs a layer at ~600 cached tokens, BENCHMARKS.md issue 14), not yet
-    measured, hence not the default. FUSELM_ATTN_KEYS=N selects."""
-    raw = os.environ.get(ATTEND_KEYS_ENV, "1").strip()
-    if raw not in {str(k) for k in ATTEND_KEYS}:
-        raise RuntimeUserError(f"{ATTEND_KEYS_ENV}={raw!r}: use one of "
-                               f"{', '.join(map(str, ATTEND_KEYS))}")
-    return int(raw)
-
-
 ATTEND_SPLIT_ENV = "FUSELM_ATTN_SPLIT"
 MAX_SPLITS = 32
 # Blocks the split attention aims at: two per SM of an H200 (132 SMs); MLX does not report the
@@ -125,19 +124,19 @@ def auto_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
 
 
 def attend_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
-    """Key splits of the decode attention (kernels_cuda.rope_attend): 0 (default) = the
-    one-block-per-query-head kernel measured on the H200; N >= 1 = the split kernel, each
-    block serving a KV head's query heads (K/V read once) over 1/N of the cached keys, a merge
-    launch after when N > 1 (flash-decoding); `auto` = N from the cache capacity (at least 64
-    slots a split) and the blocks an H200 fills. Not yet measured on a GPU, hence not the
-    default. FUSELM_ATTN_SPLIT=0|auto|N selects; the split count depends on the capacity and
-    heads only, never on the batch, so a row's result does not depend on its batch."""
-    raw = os.environ.get(ATTEND_SPLIT_ENV, "0").strip().lower()
+    """Key splits of the decode attention (kernels_cuda.rope_attend): `auto` (default) = N
+    from the cache capacity (at least 64 slots a split) and the blocks an H200 fills; 0 = the
+    one-block-per-query-head kernel; N >= 1 = the split kernel, each block serving a KV head's
+    query heads (K/V read once) over 1/N of the cached keys, the last block of a head group
+    merging the N partial softmaxes (flash-decoding in one launch). FUSELM_ATTN_SPLIT=auto|0|N
+    selects; the split count depends on the capacity and heads only, never on the batch, so a
+    row's result does not depend on its batch."""
+    raw = os.environ.get(ATTEND_SPLIT_ENV, "auto").strip().lower()
     if raw == "auto":
         return auto_splits(capacity, kv_heads, head_groups)
     if not raw.isdigit() or int(raw) > MAX_SPLITS:
-        raise RuntimeUserError(f"{ATTEND_SPLIT_ENV}={raw!r}: use 0 (the measured kernel), "
-                               f"auto, or a split count 1..{MAX_SPLITS}")
+        raise RuntimeUserError(f"{ATTEND_SPLIT_ENV}={raw!r}: use auto (default), 0 (a block per "
+                               f"query head) or a split count 1..{MAX_SPLITS}")
     return int(raw)
 
 

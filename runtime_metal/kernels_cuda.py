@@ -9,9 +9,9 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   registers, not the cache) -> one launch instead of norm x2, rope x2 and MLX-CUDA's SDPA,
   which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
   It writes the new key/value rows into the cache itself (no scatter launches).
-  FUSELM_ATTN_SPLIT selects a split (flash-decoding) form of it: a block per KV head's
-  query heads and key split, then a merge launch (built after the H200 profile, not yet
-  run on a GPU; the default stays the measured kernel).
+  Two forms, one launch each: a block per query head, and a split (flash-decoding) form
+  with a block per KV head's query heads and key split whose last block merges the splits
+  (kernels.attend_splits picks: FUSELM_ATTN_SPLIT).
 
 The plain-MLX paths they replace are in runtime_metal/program_ops.py, eligibility and the
 on/off switch in runtime_metal/kernels.py, the equivalence tests in
@@ -166,74 +166,18 @@ _KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
   }
 """
 
-# KB keys per warp step (kernels.attend_keys > 1); the rest of the kernel is the same.
-_KEYS_MANY = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
-  const T* kb = kc + kh * cap * D;
-  const T* vb = vc + kh * cap * D;
-  // KB keys of this warp at a time (warp*KB .. +KB, then NW*KB further on): all their loads
-  // are issued before the first score needs one; the KB shuffle reductions interleave.
-  for (int j0 = warp * KB; j0 <= pos; j0 += NW * KB) {
-    float kr[KB][VPT], vr[KB][VPT], s[KB];
-    #pragma unroll
-    for (int u = 0; u < KB; ++u) {
-      const int j = j0 + u;
-      #pragma unroll
-      for (int e = 0; e < VPT; ++e) {
-        if (j < pos) {
-          kr[u][e] = static_cast<float>(kb[(size_t)j * D + lane * VPT + e]);
-          vr[u][e] = static_cast<float>(vb[(size_t)j * D + lane * VPT + e]);
-        } else if (j == pos) {  // the token being decoded: not in the cache yet
-          kr[u][e] = sk[lane * VPT + e];
-          vr[u][e] = sv[lane * VPT + e];
-        } else {  // past the position: nothing read, weighed 0 below
-          kr[u][e] = 0.f;
-          vr[u][e] = 0.f;
-        }
-      }
-    }
-    #pragma unroll
-    for (int u = 0; u < KB; ++u) {
-      float d = 0.f;
-      #pragma unroll
-      for (int e = 0; e < VPT; ++e) d += qr[e] * kr[u][e];
-      s[u] = d;
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      #pragma unroll
-      for (int u = 0; u < KB; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
-    float mn = m;  // j0 <= pos: the first key counts, so mn is finite
-    #pragma unroll
-    for (int u = 0; u < KB; ++u)
-      if (j0 + u <= pos) mn = fmaxf(mn, s[u]);
-    const float corr = __expf(m - mn);
-    l *= corr;
-    #pragma unroll
-    for (int e = 0; e < VPT; ++e) acc[e] *= corr;
-    #pragma unroll
-    for (int u = 0; u < KB; ++u) {
-      if (j0 + u <= pos) {
-        const float p = __expf(s[u] - mn);
-        l += p;
-        #pragma unroll
-        for (int e = 0; e < VPT; ++e) acc[e] += p * vr[u][e];
-      }
-    }
-    m = mn;
-  }
-"""
-
 _ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
-_ROPE_ATTEND_MANY = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_MANY)
 
 # ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT (kernels.attend_splits) -----------
 # Measured on the H200: the kernel above runs one block per query head (16 blocks on 132 SMs at
-# Qwen3-0.6B), each warp walking keys one at a time with scalar loads: 26.5 µs a layer. Here a
-# block serves GB query heads of one KV head (K/V rows read once for them) over one of S splits
-# of the keys 0..pos, with vector loads and KB keys per warp in flight; each split leaves its
-# partial softmax (max, sum, weighted values) and a small merge launch combines the S splits
-# (S = 1: the block writes the output itself, no merge). Same arithmetic and roundings as the
-# kernel above; only the order of the float32 softmax sums differs.
+# Qwen3-0.6B), each warp walking keys one at a time with scalar loads: 26 µs a layer in the
+# decode step. Here a block serves GB query heads of one KV head (K/V rows read once for them)
+# over one of S splits of the keys 0..pos, with vector loads and KB keys per warp in flight;
+# each split leaves its partial softmax (max, sum, weighted values) and the LAST of the S
+# blocks of a head group to finish (a ticket counter) merges them, so there is no merge launch
+# (S = 1: the block writes the output itself). Same arithmetic and roundings as the kernel
+# above; only the order of the float32 softmax sums differs; the merge always runs over the
+# splits in order 0..S-1, so the result does not depend on which block came last.
 
 _VEC_HEADER = """
 // N consecutive elements of a cache row as float32, in the widest loads their bytes allow
@@ -427,49 +371,62 @@ _ATTEND_SPLIT = """
     const size_t qh = (size_t)b * HQ + h0 + hh;
 /*WRITE*/
   }
-"""
+/*TAIL*/"""
 # S = 1: every key in this block; S > 1: the split's partial (an empty split: l = 0, max -inf)
 _WRITE_OUT = "    out[qh * D + e] = T(num / den);"
 _WRITE_PART = """    pacc[(qh * S + s) * D + e] = num;
     if (e == 0) { pm[qh * S + s] = mx_; pl[qh * S + s] = den; }"""
 
-_ATTEND_MERGE = """
-  // block (h, b): query head h of batch row b, thread e: element e; the S splits' partial
-  // softmaxes combined as the split kernel combines its warps'
-  const size_t qh = (size_t)blockIdx.y * HQ + blockIdx.x;
-  for (int e = threadIdx.x; e < D; e += blockDim.x) {
+# S > 1: the last block of the head group to finish merges the S partials (read through L2:
+# other blocks wrote them) as the split kernel merges its warps'; then resets the ticket.
+_MERGE_LAST = """
+  __threadfence();  // this block's partials visible device-wide before its ticket
+  __shared__ unsigned int ticket;
+  __syncthreads();
+  const size_t slot = ((size_t)b * HK + g) * NGB + gb;
+  if (tid == 0) ticket = atomicAdd(&fuselm_split_tickets[slot], 1u);
+  __syncthreads();
+  if (ticket != S - 1) return;
+  __threadfence();
+  for (int i = tid; i < GB * D; i += NT) {
+    const int hh = i / D, e = i % D;
+    const size_t qh = (size_t)b * HQ + h0 + hh;
     float mx_ = __int_as_float(0xff800000);
-    for (int s = 0; s < S; ++s)
-      if (pl[qh * S + s] > 0.f) mx_ = fmaxf(mx_, pm[qh * S + s]);
+    for (int t = 0; t < S; ++t)
+      if (__ldcg(pl + qh * S + t) > 0.f) mx_ = fmaxf(mx_, __ldcg(pm + qh * S + t));
     float den = 0.f, num = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float c = pl[qh * S + s] > 0.f ? __expf(pm[qh * S + s] - mx_) : 0.f;
-      den += pl[qh * S + s] * c;
-      num += pacc[(qh * S + s) * D + e] * c;
+    for (int t = 0; t < S; ++t) {
+      const float lt = __ldcg(pl + qh * S + t);
+      const float c = lt > 0.f ? __expf(__ldcg(pm + qh * S + t) - mx_) : 0.f;
+      den += lt * c;
+      num += __ldcg(pacc + (qh * S + t) * D + e) * c;
     }
     out[qh * D + e] = T(num / den);
   }
+  if (tid == 0) fuselm_split_tickets[slot] = 0u;  // ready for the next call
 """
-_SPLIT_WARPS = 4  # 128 threads a block: many small blocks, the splits give the parallelism
-_SPLIT_KEYS = 2  # keys per warp step in flight
+# One ticket per (batch row, KV head, head group): zero when the module loads, and back to zero
+# after every call (the last block resets it). Launches on one stream never overlap, so calls
+# (layers, steps) share the tickets safely.
+TICKET_SLOTS = 65536
+_TICKETS = f"__device__ unsigned int fuselm_split_tickets[{TICKET_SLOTS}] = {{}};\n"
+_SPLIT_WARPS = 8  # 256 threads a block; the splits give the parallelism
+_SPLIT_KEYS = 4  # keys per warp step in flight: 32 a block, 16 KB of K/V loads outstanding
 _SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per kept head
 
 
 @cache
 def _attend_split_kernel(merged: bool) -> Any:
-    """merged: S = 1, the block writes the output; else it writes the split's partial."""
-    source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT if merged else _WRITE_PART)
+    """merged: S = 1, the block writes the output; else it writes the split's partial and the
+    last block of its head group merges them."""
+    source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "") if merged
+              else _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
+              .replace("/*TAIL*/", _MERGE_LAST))
     return mx.fast.cuda_kernel(
         name="fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"] if merged else ["pm", "pl", "pacc"], source=source,
-        header=_HEADER + _VEC_HEADER)
-
-
-@cache
-def _attend_merge_kernel() -> Any:
-    return mx.fast.cuda_kernel(name="fuselm_attend_merge", input_names=["pm", "pl", "pacc"],
-                               output_names=["out"], source=_ATTEND_MERGE)
+        output_names=["out"] if merged else ["out", "pm", "pl", "pacc"], source=source,
+        header=_HEADER + _VEC_HEADER + ("" if merged else _TICKETS))
 
 
 def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
@@ -483,7 +440,8 @@ def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
 def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                        kn: mx.array | None, inv_freq: mx.array, prm: mx.array,
                        offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
-                       rotary_dim: int, interleaved: bool, splits: int) -> mx.array:
+                       rotary_dim: int, interleaved: bool, splits: int,
+                       warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS) -> mx.array:
     d, rows = kc.shape[-1], kc.shape[0]
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
@@ -493,20 +451,13 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", _SPLIT_WARPS), ("GB", gb), ("S", splits),
-                  ("KB", _SPLIT_KEYS)],
-        grid=(blocks * _SPLIT_WARPS * 32, rows, 1), threadgroup=(_SPLIT_WARPS * 32, 1, 1),
+                  ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
+                  ("KB", keys)],
+        grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] if splits == 1 else
-        [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)],
-        output_dtypes=[kc.dtype] if splits == 1 else [mx.float32] * 3)
-    if splits == 1:
-        return outs[0]
-    pm, pl, pacc = outs
-    (out,) = _attend_merge_kernel()(
-        inputs=[pm, pl, pacc], template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("S", splits)],
-        grid=(hq * d, rows, 1), threadgroup=(d, 1, 1),
-        output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
-    return out
+        [(rows, 1, hq * d), (rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)],
+        output_dtypes=[kc.dtype] if splits == 1 else [kc.dtype] + [mx.float32] * 3)
+    return outs[0]
 
 
 @cache
@@ -517,12 +468,11 @@ def _add_rms_norm_kernel() -> Any:
 
 
 @cache
-def _rope_attend_kernel(many: bool = False) -> Any:
+def _rope_attend_kernel() -> Any:
     return mx.fast.cuda_kernel(
-        name="fuselm_rope_attend_keys" if many else "fuselm_rope_attend",
+        name="fuselm_rope_attend",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"], source=_ROPE_ATTEND_MANY if many else _ROPE_ATTEND,
-        header=_HEADER)
+        output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)
 
 
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
@@ -541,8 +491,9 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
                 kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
-                interleaved: bool, keys_per_step: int | None = None,
-                splits: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                interleaved: bool, splits: int | None = None,
+                split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS
+                ) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
     prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
@@ -555,35 +506,30 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     through the decoded token, so they run after the write. Rows past offset[i] are never
     read by this call, so the write races with no reader.
 
-    keys_per_step: keys each warp loads at once (None: kernels.attend_keys(), the
-    environment's; 1 is the kernel measured and tested on the H200).
-    splits: 0 = that kernel; N >= 1 = the split kernel over N key splits (see _ATTEND_SPLIT;
-    None: kernels.attend_splits(), the environment's, default 0); keys_per_step does not
-    apply to it."""
+    splits: 0 = one block per query head (_ROPE_ATTEND); N >= 1 = the split kernel over N key
+    splits (_ATTEND_SPLIT), one launch either way; None: kernels.attend_splits() (the
+    environment's, by default from the capacity). split_warps / split_keys: the split
+    kernel's warps per block and keys per warp step in flight (benchmarks/kernel_bench.py
+    compares them; the defaults are what the program runs)."""
     d, rows = kc.shape[-1], kc.shape[0]
-    n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // split_heads_per_block(
-        hq, hk, d)) if splits is None else splits)
+    gb = split_heads_per_block(hq, hk, d)
+    n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // gb)
+               if splits is None else splits)
+    if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
+        n_split = 0  # more head groups than tickets (a batch of thousands): no split
     if n_split > 0:
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,
-                                 splits=n_split)
+                                 splits=n_split, warps=split_warps, keys=split_keys)
         return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
-    kb = kernels.attend_keys() if keys_per_step is None else keys_per_step
-    extra: list[tuple[str, Any]] = []
-    if kb > 1:
-        # KB rows of K and V in registers: half the warps (each thread may then use twice
-        # the registers); NW/2 * KB keys in flight per block: as many as before at KB = 2,
-        # twice as many at 4
-        warps //= 2
-        extra = [("KB", kb)]
     dummy = inv_freq
-    (out,) = _rope_attend_kernel(kb > 1)(
+    (out,) = _rope_attend_kernel()(
         inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", warps), *extra],
+                  ("HAS_KN", kn is not None), ("NW", warps)],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
     return out, kc, vc

@@ -22,11 +22,17 @@ the plain path's matmul output would be, then act(gate), then the product.
 * `q4_gemv(x, w, norm=NormedRows)`: the input is RMSNorm(a + b) * scale, not computed yet:
   each block computes it for all R rows in a prologue (into shared memory, with the roundings
   of kernels_cuda.add_rms_norm: the sum rounded, then the normalized row) and block 0 also
-  writes the sum h = a + b (the next residual). The separate add+RMSNorm launch is gone. The
-  cost: every block re-reads the rows a, b (from L2: a few KB) and reduces them.
+  writes the sum h = a + b (the next residual). The separate add+RMSNorm launch is gone, but
+  measured on the H200 the GEMV took ~21 µs instead of ~3.5 µs: a loss, so it runs only under
+  FUSELM_FOLD_NORM=prologue (kernels.fold_norm_mode).
+
+* `q4_gemv_add_norm(x, w, residual, scale, eps)`: the plain form whose epilogue adds the
+  residual (h = x @ W + r, the next residual) and whose last block normalizes h:
+  y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
+  add+RMSNorm launch after them is gone (the default; program_ops.fold_into_producers).
 
 Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
-ops/fused.fused_gate_up); the on/off switch is kernels.py's; tests/runtime/test_kernels.py
+ops/fused.fused_gate_up); the on/off switches are kernels.py's; tests/runtime/test_kernels.py
 checks it against the dequantized weights in float64.
 """
 
@@ -37,8 +43,6 @@ from functools import cache
 from typing import Any
 
 import mlx.core as mx
-
-from fuselm.runtime_metal import kernels
 
 MAX_ROWS = 16  # a server batch; more rows (a prefill chunk) go to MLX's tiled GEMM
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
@@ -183,55 +187,56 @@ _PROLOGUE = """
 """
 NORM_SHARED_BYTES = 46 * 1024  # the prologue's rows: static shared memory (48 KB)
 
-# The barrier-free prologue (FUSELM_FOLD_NORM=warp, kernels.fold_norm_mode): the block-wide one
-# above measured ~21 µs per GEMV on the H200 against 3.8 µs without it. Here each warp reduces
-# the R rows' sum of squares of h = x + r itself (vector loads of the very chunks its lanes
-# read again in the main loop, where they hit L1; one shuffle reduction), with no shared
-# memory and no barrier; the main loop forms RMSNorm(h) * nw for its 8 inputs on the fly with
-# add_rms_norm's roundings (h rounded, then h * rs * w rounded). Only the order of the sum of
-# squares differs from add_rms_norm's, so the normalized row can differ in the last place.
-_PROLOGUE_WARP = """
-  if (n >= NO) return;
-  float rsr[R];
-  #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float ss = 0.f;
-    for (int w = lane; w < KW; w += 32) {
-      float a[8], c[8];
-      fl_load8(x + (size_t)r * K + (size_t)w * 8, a);
-      fl_load8(rr + (size_t)r * K + (size_t)w * 8, c);
-      #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const T v = T(a[e] + c[e]);
-        if (blockIdx.x == 0 && warp == 0) h[(size_t)r * K + (size_t)w * 8 + e] = v;
-        const float f = static_cast<float>(v);
-        ss += f * f;
-      }
-    }
-    rsr[r] = rsqrtf(fl_warp_sum(ss) / K + eps[0]);
-  }
+# The add+RMSNorm in the epilogue instead (kernels.fold_norm_mode() "epilogue", the default):
+# the GEMV producing x (a layer's o_proj or down projection) writes h = x + r, the next
+# residual, rounded as the separate Add rounds it, and the LAST block to finish (a ticket)
+# normalizes the whole rows: y = RMSNorm(h) * nw with kernels_cuda.add_rms_norm's order of sums
+# and roundings (its 256-thread block, used below 4,096 columns: bit-equal there). One launch
+# instead of two, and no block repeats the norm. NO % NW == 0: no warp leaves early, so every
+# thread of the last block reaches the tail's barriers.
+_PLAIN_WRITE = "        out[(size_t)r * NO + n] = T(v[0]);"
+_ADD_WRITE = """        h[(size_t)r * NO + n] =
+            T(static_cast<float>(T(v[0])) + static_cast<float>(rr[(size_t)r * NO + n]));"""
+_ADD_NORM_TICKET = """
+// zero when the module loads; the last block of every call sets it back to zero (launches on
+// one stream never overlap)
+__device__ unsigned int fuselm_addnorm_ticket = 0u;
 """
-_LOAD_PLAIN = "fl_load8(XIN + (size_t)r * K + (size_t)w * 8, xv);"
-_LOAD_WARP = """fl_load8(x + (size_t)r * K + (size_t)w * 8, xv);
-      {
-        float c8[8], w8[8];
-        fl_load8(rr + (size_t)r * K + (size_t)w * 8, c8);
-        fl_load8(nw + (size_t)w * 8, w8);
-        #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          xv[e] = static_cast<float>(T(static_cast<float>(T(xv[e] + c8[e])) * rsr[r] * w8[e]));
-      }"""
-
+_ADD_NORM_TAIL = """
+  __shared__ float part[32];
+  __shared__ unsigned int ticket;
+  __threadfence();  // this block's h visible device-wide before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(&fuselm_addnorm_ticket, 1u);
+  __syncthreads();
+  if (ticket != gridDim.x - 1) return;
+  __threadfence();
+  for (int r = 0; r < R; ++r) {  // read through L2: other blocks wrote h
+    const size_t base = (size_t)r * NO;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < NO; i += NW * 32) {
+      const float f = static_cast<float>(__ldcg(h + base + i));
+      ss += f * f;
+    }
+    ss = fl_warp_sum(ss);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+      float s2 = lane < NW ? part[lane] : 0.f;
+      s2 = fl_warp_sum(s2);
+      if (lane == 0) part[0] = s2;
+    }
+    __syncthreads();
+    const float rs = rsqrtf(part[0] / NO + eps[0]);
+    for (int i = threadIdx.x; i < NO; i += NW * 32)
+      y[base + i] = T(static_cast<float>(__ldcg(h + base + i)) * rs * static_cast<float>(nw[i]));
+    __syncthreads();  // part is the next row's
+  }
+  if (threadIdx.x == 0) fuselm_addnorm_ticket = 0u;
+"""
 
 @cache
-def _kernel(norm: bool = False, warp: bool = False) -> Any:
-    if norm and warp:
-        assert _LOAD_PLAIN in _GEMV
-        return mx.fast.cuda_kernel(
-            name="fuselm_q4_gemv_normw", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
-            output_names=["out", "h"], header=_HEADER,
-            source=_GEMV.replace("/*PROLOGUE*/", _PROLOGUE_WARP).replace(_LOAD_PLAIN,
-                                                                        _LOAD_WARP))
+def _kernel(norm: bool = False) -> Any:
     if norm:
         return mx.fast.cuda_kernel(
             name="fuselm_q4_gemv_norm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
@@ -240,6 +245,17 @@ def _kernel(norm: bool = False, warp: bool = False) -> Any:
     return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
                                output_names=["out"], header=_HEADER,
                                source=_GEMV.replace("/*PROLOGUE*/", "").replace("XIN", "x"))
+
+
+@cache
+def _add_norm_kernel() -> Any:
+    assert _PLAIN_WRITE in _GEMV
+    # `out` only appears in the gated branch, dead at EPI = 0
+    source = ("  T* out = h;\n" + _GEMV.replace("/*PROLOGUE*/", "").replace("XIN", "x")
+              .replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL)
+    return mx.fast.cuda_kernel(
+        name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
+        output_names=["h", "y"], header=_HEADER + _ADD_NORM_TICKET, source=source)
 
 
 @dataclass
@@ -253,8 +269,6 @@ class NormedRows:
     scale: mx.array
     eps: mx.array  # float32 [1]
     h: mx.array | None = None
-    # the prologue: "warp" (barrier-free) or the block-wide one; None: kernels.fold_norm_mode()
-    mode: str | None = None
 
     def value(self) -> mx.array:
         from fuselm.runtime_metal.kernels_cuda import add_rms_norm
@@ -299,9 +313,7 @@ def q4_gemv(x: mx.array | NormedRows, packed: mx.array, scales: mx.array, biases
         inputs += [norm.r, norm.scale, norm.eps]
         shapes.append(xa.shape)
         dtypes.append(xa.dtype)
-    warp = norm is not None and (norm.mode if norm.mode is not None
-                                 else kernels.fold_norm_mode()) == "warp"
-    outs = _kernel(norm is not None, warp)(
+    outs = _kernel(norm is not None)(
         inputs=inputs,
         template=[("T", xa.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
                   ("EPI", ACTIVATIONS[act] if act else 0), ("NW", _WARPS)],
@@ -310,3 +322,29 @@ def q4_gemv(x: mx.array | NormedRows, packed: mx.array, scales: mx.array, biases
     if norm is not None:
         norm.h = outs[1]
     return outs[0]
+
+
+def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object) -> bool:
+    """The epilogue form's own conditions, beyond `fits` (the caller's): whole blocks of
+    outputs, a residual of the output's shape and dtype, a 1-D scale of its width."""
+    n = packed.shape[0]
+    return (n % _WARPS == 0 and isinstance(residual, mx.array) and isinstance(scale, mx.array)
+            and residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
+            and scale.shape == (n,))
+
+
+def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+                     group_size: int, residual: mx.array, scale: mx.array, eps: mx.array
+                     ) -> tuple[mx.array, mx.array]:
+    """(h, y): h = x @ W + residual, y = RMSNorm(h) * scale (eps: float32 [1]), in one launch;
+    the caller checked `fits` and `add_norm_fits`."""
+    k = x.shape[-1]
+    n_out = packed.shape[0]
+    shape = (*x.shape[:-1], n_out)
+    h, y = _add_norm_kernel()(
+        inputs=[x, packed, scales, biases, residual, scale, eps],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
+                  ("R", x.size // k), ("EPI", 0), ("NW", _WARPS)],
+        grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[shape, shape], output_dtypes=[x.dtype, x.dtype])
+    return h, y

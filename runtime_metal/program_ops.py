@@ -30,6 +30,10 @@ class ProgramOp:
     args: list[tuple[str, object]]  # ("const", value) | ("env", name) | ("none", None)
     partner: ProgramOp | None = None  # the step fused with this one (fuse_pairs)
     norm_reader: ProgramOp | None = None  # add_norm: the Q4 matmul that may fold it (fold_norms)
+    # add_norm: the Q4 matmul producing one of the Add's inputs (fold_into_producers), and
+    # which input (0 or 1); the other is the residual
+    norm_producer: ProgramOp | None = None
+    producer_arg: int = 0
 
 
 # Ops whose first input goes straight into one Q4 matmul (QWeight.matmul / gated_matmul), so
@@ -64,6 +68,57 @@ def fold_norms(ops: list[ProgramOp]) -> None:
                         for i, (k, _) in enumerate(c.args[1:], 1))
                 and all(i > ys[0] for i in readers.get(h, []) if i != at)):
             o.norm_reader = c
+
+
+def _q4_matmul(c: ProgramOp) -> QWeight | None:
+    """The constant Q4 weight of a plain MatMul step (no bias, not the LM head), else None."""
+    w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
+    ok = (c.kind == "step" and c.step.op_type == "MatMul" and not c.step.is_lm_head
+          and len(c.args) == 2 and c.args[0][0] == "env" and isinstance(w, QWeight))
+    return w if ok else None
+
+
+def fold_into_producers(ops: list[ProgramOp]) -> None:
+    """Give each add_norm pair `norm_producer`: the Q4 MatMul (o_proj, down) producing one of
+    the Add's inputs when the Add is its only reader and the other input (the residual) and
+    the norm's scale exist before it runs; that GEMV then adds and normalizes in its epilogue
+    (kernels_q4.q4_gemv_add_norm) and the pair launches nothing of its own."""
+    readers: dict[str, list[int]] = {}
+    made_at: dict[str, int] = {"input_ids": -1}
+    for i, o in enumerate(ops):
+        for p in (o, o.partner):
+            if p is None:
+                continue
+            for kind, name in p.args:
+                if kind == "env":
+                    readers.setdefault(str(name), []).append(i)
+            made_at.update((n, i) for n in p.step.outputs if n)
+    for at, o in enumerate(ops):
+        if o.kind != "add_norm" or o.partner is None or o.norm_reader is not None:
+            continue
+        for which in (0, 1):
+            mine, other = o.args[which], o.args[1 - which]
+            if mine[0] != "env" or other[0] != "env" or len(o.args) != 2:
+                continue
+            pi = made_at.get(str(mine[1]))
+            if pi is None or pi < 0 or _q4_matmul(ops[pi]) is None:
+                continue
+            if readers.get(str(mine[1])) == [at] and made_at.get(str(other[1]), at) < pi:
+                o.norm_producer, o.producer_arg = ops[pi], which
+                break
+
+
+def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: object,
+                    scale: object) -> tuple[mx.array, mx.array] | None:
+    """The epilogue form of fold_into_producers: (h, y) from one GEMV launch, or None where the
+    kernel does not take these shapes (the MatMul and the pair then run as usual)."""
+    w = _q4_matmul(producer)
+    assert w is not None and pair.partner is not None
+    axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]
+    if not (isinstance(x, mx.array) and axis in (-1, x.ndim - 1)):
+        return None
+    eps = float(pair.partner.step.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
+    return w.matmul_add_norm(x, residual, scale, mx.array([eps], mx.float32))
 
 
 def fuse_pairs(ops: list[ProgramOp]) -> list[ProgramOp]:

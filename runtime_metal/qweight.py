@@ -125,6 +125,18 @@ class QWeight:
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
 
+    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: mx.array
+                        ) -> tuple[mx.array, mx.array] | None:
+        """(x @ W + residual, RMSNorm of that * scale) from the GEMV kernel with its add+norm
+        epilogue, or None where it is off or does not fit."""
+        if not (self._gemv_fits(x) and kernels_q4.add_norm_fits(x, self.packed, residual,
+                                                                   scale)):
+            return None
+        assert isinstance(residual, mx.array) and isinstance(scale, mx.array)
+        s, b = self.affine(x.dtype)
+        return kernels_q4.q4_gemv_add_norm(x, self.packed, s, b, self.group_size, residual,
+                                           scale, eps)
+
     def _gemv_fits(self, x: mx.array, activation: str | None = None) -> bool:
         return bool(_gemv) and kernels_q4.fits(x, self.packed, self.affine(x.dtype)[0],
                                                self.group_size, self.bits, self.transposed,

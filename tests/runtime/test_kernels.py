@@ -44,33 +44,24 @@ def test_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
             kernels.enabled("on")
 
 
-def test_attend_keys_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(kernels.ATTEND_KEYS_ENV, raising=False)
-    assert kernels.attend_keys() == 1  # the kernel measured on the H200 stays the default
-    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, "4")
-    assert kernels.attend_keys() == 4
-    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, "3")
-    with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_KEYS='3': use one of 1, 2, 4"):
-        kernels.attend_keys()
-
-
 def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_ATTN_SPLIT: 0 (the measured kernel) by default; auto: as many splits as fill
-    the H200's blocks, at most one per 64 cache slots and MAX_SPLITS; a count; else an error."""
+    """FUSELM_ATTN_SPLIT: auto by default: as many splits as fill the H200's blocks, at most
+    one per 64 cache slots and MAX_SPLITS; 0 (a block per query head); a count; else an
+    error."""
     from fuselm.runtime_metal import kernels_cuda
 
     monkeypatch.delenv(kernels.ATTEND_SPLIT_ENV, raising=False)
-    assert kernels.attend_splits(4096, 8, 1) == 0
-    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "auto")
     assert kernels.attend_splits(4096, 8, 1) == 32  # Qwen3-0.6B: 8 KV heads, 2 q heads a block
     assert kernels.attend_splits(4096, 32, 1) == 8
     assert kernels.attend_splits(256, 8, 1) == 4  # a short cache: 64 slots a split at least
     assert kernels.attend_splits(32, 8, 1) == 1
+    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "0")
+    assert kernels.attend_splits(4096, 8, 1) == 0
     monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "16")
     assert kernels.attend_splits(32, 8, 1) == 16
     for bad in ("33", "many"):
         monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, bad)
-        with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_SPLIT=.*use 0"):
+        with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_SPLIT=.*use auto"):
             kernels.attend_splits(512, 8, 1)
     # a block serves as many query heads of a KV head as a lane's 16 floats hold
     assert kernels_cuda.split_heads_per_block(16, 8, 128) == 2
@@ -80,17 +71,32 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels_cuda.split_heads_per_block(8, 1, 256) == 2
 
 
-def test_fold_norm_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSELM_FOLD_NORM: epilogue by default, prologue, 0; without the GEMV kernel: 0."""
     monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
-    assert kernels.fold_norm_mode() == "1"  # the prologue measured on the H200 stays the default
-    assert kernels.fold_norm_enabled(True) and not kernels.fold_norm_enabled(False)
-    monkeypatch.setenv(kernels.FOLD_ENV, "warp")
-    assert kernels.fold_norm_mode() == "warp" and kernels.fold_norm_enabled(True)
-    monkeypatch.setenv(kernels.FOLD_ENV, "0")
-    assert not kernels.fold_norm_enabled(True)
-    monkeypatch.setenv(kernels.FOLD_ENV, "2")
-    with pytest.raises(RuntimeUserError, match="FUSELM_FOLD_NORM='2': use one of 1, warp, 0"):
-        kernels.fold_norm_enabled(True)
+    assert kernels.fold_norm_mode(True) == "epilogue"
+    assert kernels.fold_norm_mode(False) == "0"
+    for mode in ("prologue", "0"):
+        monkeypatch.setenv(kernels.FOLD_ENV, mode)
+        assert kernels.fold_norm_mode(True) == mode
+    monkeypatch.setenv(kernels.FOLD_ENV, "1")
+    with pytest.raises(RuntimeUserError, match="FUSELM_FOLD_NORM='1': use one of epilogue"):
+        kernels.fold_norm_mode(True)
+
+
+def test_cuda_graph_ops_set_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX_MAX_OPS_PER_BUFFER: set from FUSELM_CUDA_GRAPH_OPS on MLX's CUDA backend only (Metal
+    reads the same variable for another purpose), never over the user's own value."""
+    import os
+
+    monkeypatch.setenv(kernels.MLX_GRAPH_OPS_ENV, "7")
+    kernels.set_cuda_graph_ops()
+    assert os.environ[kernels.MLX_GRAPH_OPS_ENV] == "7"
+    monkeypatch.delenv(kernels.MLX_GRAPH_OPS_ENV)
+    monkeypatch.setenv(kernels.GRAPH_OPS_ENV, "64")
+    kernels.set_cuda_graph_ops()
+    got = os.environ.get(kernels.MLX_GRAPH_OPS_ENV)
+    assert got == ("64" if kernels.cuda_device() else None)
 
 
 def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
@@ -165,22 +171,20 @@ ROPE_CASES = [
 ]
 
 
-# (keys per warp step, key splits): the default kernel; its 4-key variant (FUSELM_ATTN_KEYS);
-# the split kernel with 1 split (a block per KV head's query heads) and 8 (a merge launch
-# after; FUSELM_ATTN_SPLIT)
-ATTEND_VARIANTS = [(1, 0), (4, 0), (1, 1), (1, 8)]
+# key splits: 0 = a block per query head; the split kernel with 1 split (a block per KV head's
+# query heads) and 8 (the last block of a head group merges them; FUSELM_ATTN_SPLIT)
+ATTEND_SPLITS = [0, 1, 8]
 
 
 @cuda
-@pytest.mark.parametrize("keys,splits", ATTEND_VARIANTS)
+@pytest.mark.parametrize("splits", ATTEND_SPLITS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("d,hq,hk,norms,inter,frac,ascale,pos", ROPE_CASES)
 def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
                             inter: bool, frac: float, ascale: float, pos: int,
-                            keys: int, splits: int) -> None:
-    """keys: keys per warp step (1: the default kernel; 4: its variant, FUSELM_ATTN_KEYS);
-    splits: 0 = that kernel, N = the split kernel (FUSELM_ATTN_SPLIT; position 0 leaves 7 of
-    8 splits empty)."""
+                            splits: int) -> None:
+    """splits: 0 = a block per query head, N = the split kernel (FUSELM_ATTN_SPLIT; position
+    0 leaves 7 of 8 splits empty)."""
     from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(d + hq + pos)
@@ -212,8 +216,7 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 
     prm = mx.array([1e-6, scale, ascale], mx.float32)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
-        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, keys_per_step=keys,
-        splits=splits))
+        *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, splits=splits))
     y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
                              mx.array([pos], mx.int32), kc, vc)
     tol = TOL[dtype]
@@ -232,15 +235,14 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
 
 @cuda
-@pytest.mark.parametrize("keys,split", [("1", "0"), ("4", "0"), ("1", "auto"), ("1", "3")])
+@pytest.mark.parametrize("split", ["0", "auto", "3"])
 def test_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
-                                                 keys: str, split: str) -> None:
+                                                 split: str) -> None:
     """A Qwen3 model with head_dim 64 != hidden/heads and GQA 2:1, float32: 32 greedy tokens
     identical with the kernels on and off (and the decode step really without MLX's SDPA
-    fallback: no Softmax/Matmul primitives in its graph); the attention kernel with 1 and 4
-    keys per warp step (FUSELM_ATTN_KEYS) and the split kernel (FUSELM_ATTN_SPLIT)."""
-    monkeypatch.setenv(kernels.ATTEND_KEYS_ENV, keys)
+    fallback: no Softmax/Matmul primitives in its graph); the attention a block per query
+    head and split (FUSELM_ATTN_SPLIT)."""
     monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, split)
     from fuselm.converter.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
@@ -267,10 +269,9 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
 
 
 @cuda
-@pytest.mark.parametrize("keys,splits", [*ATTEND_VARIANTS, (2, 0)])
+@pytest.mark.parametrize("splits", ATTEND_SPLITS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: int,
-                                                         splits: int) -> None:
+def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits: int) -> None:
     """Batch rows, each at its own position, give exactly what each row gives alone."""
     from fuselm.runtime_metal import kernels_cuda
 
@@ -290,7 +291,7 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, keys: 
         return kernels_cuda.rope_attend(q[rows], k[rows], v[rows], norm, norm, inv_freq, prm,
                                         mx.array(pos, mx.int32), kc[rows], vc[rows], hq=hq,
                                         hk=hk, rotary_dim=d, interleaved=False,
-                                        keys_per_step=keys, splits=splits)
+                                        splits=splits)
 
     together = run(slice(0, b), positions)[0]
     for i, p in enumerate(positions):
@@ -453,17 +454,66 @@ def test_fold_norms_finds_each_layers_matmuls(q4_artifact: Path) -> None:
     assert folded == {"FusedQKV": layers - 1, "FusedGateUp": layers}  # never the LM head
 
 
+def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) -> None:
+    """Everywhere (plain Python): each residual add+RMSNorm gets the Q4 MatMul making its
+    added row as the op computing it in its epilogue: a layer's o_proj and down projection
+    (the last down feeds the final norm), whose only reader is that Add; 2 per layer."""
+    from fuselm.runtime_metal import program_ops
+    from fuselm.runtime_metal.engine import make_engine
+
+    program = make_engine(q4_artifact, "mlx").fast.program
+    program_ops.fold_into_producers(program.ops)
+    pairs = [o for o in program.ops if o.norm_producer is not None]
+    assert collections.Counter(o.norm_producer.step.op_type for o in pairs) == {
+        "MatMul": 2 * program.num_layers}
+    at = {id(o): i for i, o in enumerate(program.ops)}
+    for o in pairs:
+        made = o.norm_producer.step.outputs[0]
+        assert o.args[o.producer_arg] == ("env", made)
+        assert at[id(o.norm_producer)] < at[id(o)]
+        assert sum(("env", made) in p.args for p in program.ops) == 1  # the Add alone reads it
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n", [(1, 2048, 1024), (4, 3072, 1024), (1, 14336, 4096),
+                                      (3, 96, 64)])
+def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -> None:
+    """The GEMV with the residual add + RMSNorm in its epilogue against the plain GEMV followed
+    by the add+RMSNorm kernel: the sum h bit-equal; y bit-equal below 4,096 columns (the same
+    order of sums), within the dtype's tolerance at 4,096; the same again on a second call
+    (the last-block ticket is back to zero)."""
+    from fuselm.runtime_metal import kernels_cuda, qweight
+
+    rng = np.random.default_rng(rows + k + n)
+    w, _ = _q4_weight(rng, k, n, 32)
+    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
+    eps = mx.array([1e-6], mx.float32)
+    with qweight.gemv_kernel():
+        plain = w.matmul(x)
+        fused = [w.matmul_add_norm(x, r, scale, eps) for _ in range(2)]
+    h_ref, y_ref = kernels_cuda.add_rms_norm(plain, r, scale, eps)
+    hr, yr = np.array(h_ref.astype(mx.float32)), np.array(y_ref.astype(mx.float32))
+    for got in fused:
+        assert got is not None
+        h, y = (np.array(a.astype(mx.float32)) for a in got)
+        assert np.array_equal(h, hr)
+        assert rel(y, yr) <= TOL[dtype]
+        if n < 4096:
+            assert np.array_equal(y, yr)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,k,n,act", [(1, 1024, 4096, None), (4, 1024, 6144, "silu"),
                                           (1, 4096, 512, None), (2, 96, 64, "gelu_tanh")])
-@pytest.mark.parametrize("mode", ["1", "warp"])
 def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
-                               act: str | None, mode: str) -> None:
+                               act: str | None) -> None:
     """The GEMV with the add+RMSNorm in its prologue against the add+RMSNorm kernel followed by
     the plain GEMV: the sum h bit-equal, the product within the dtype's tolerance (equal
-    where the two reduce in the same order: the block prologue, hidden < 4096; the warp
-    prologue (FUSELM_FOLD_NORM=warp) sums the squares in another order)."""
+    where the two reduce in the same order, hidden < 4096)."""
     from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
 
     rng = np.random.default_rng(rows + k + n)
@@ -473,7 +523,7 @@ def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
     scale, _ = _rounded(rng.uniform(0.5, 1.5, k), dtype)
     eps = mx.array([1e-6], mx.float32)
     h_ref, y_norm = kernels_cuda.add_rms_norm(x, r, scale, eps)
-    normed = kernels_q4.NormedRows(x, r, scale, eps, mode=mode)
+    normed = kernels_q4.NormedRows(x, r, scale, eps)
     assert normed.fits()
     with qweight.gemv_kernel():
         want = w.gated_matmul(y_norm, act) if act else w.matmul(y_norm)
@@ -483,12 +533,12 @@ def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
                           np.array(h_ref.astype(mx.float32)))
     g, e = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     assert rel(g, e) <= TOL[dtype]
-    if k < 4096 and mode == "1":
+    if k < 4096:
         assert np.array_equal(g, e)
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["1", "warp"])
+@pytest.mark.parametrize("mode", ["epilogue", "prologue"])
 def test_q4_program_fold_on_matches_fold_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              mode: str) -> None:
     """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm folded into the
@@ -505,10 +555,13 @@ def test_q4_program_fold_on_matches_fold_off(tmp_path: Path, monkeypatch: pytest
         monkeypatch.setenv(kernels.FOLD_ENV, fold)
         engine = make_engine(out, "mlx")
         program = engine.fast.program
-        assert program.fold is (fold != "0")
-        folded = sum(o.norm_reader is not None for o in program.ops)
-        # each layer's two, but the first layer's input norm (the final norm feeds the head)
-        assert folded == (2 * program.num_layers - 1 if fold != "0" else 0)
+        assert program.fold == fold
+        readers = sum(o.norm_reader is not None for o in program.ops)
+        producers = sum(o.norm_producer is not None for o in program.ops)
+        # prologue: each layer's two, but the first layer's input norm (the final norm feeds
+        # the head); epilogue: each layer's two (the last one feeds the final norm)
+        assert readers == (2 * program.num_layers - 1 if fold == "prologue" else 0)
+        assert producers == (2 * program.num_layers if fold == "epilogue" else 0)
         tokens[fold] = generate(engine, prompt, max_new_tokens=16).tokens
         engine.reset()
         engine.reserve(len(prompt) + 8)
