@@ -69,9 +69,10 @@ def fold_norm_mode(gemv_on: bool) -> str:
 GRAPH_OPS_ENV = "FUSELM_CUDA_GRAPH_OPS"
 MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 # MLX-CUDA records launches into a CUDA graph and launches it every MLX_MAX_OPS_PER_BUFFER
-# operations (its default: 20). A decode step is ~200 launches, bound by the host's cost per
-# launch once the kernels are fast (BENCHMARKS.md issue 14).
-CUDA_GRAPH_OPS = 20
+# operations (its default: 20). A decode step of ~150 launches is bound by the host's cost per
+# launch once the kernels are fast: on an H200 host, a Qwen3-0.6B g32 step took 2.09 ms at 20,
+# 1.62 ms at 60 and 2.47 ms at 200 operations per graph (BENCHMARKS.md issue 14).
+CUDA_GRAPH_OPS = 60
 
 
 def set_cuda_graph_ops() -> None:
