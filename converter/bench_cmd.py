@@ -9,7 +9,7 @@ import sys
 import click
 
 from fuselm.converter.bench_grid import Row, int_list, model_columns, progress_bar, run_grid
-from fuselm.converter.cli_options import model_argument
+from fuselm.converter.cli_options import model_argument, ort_options, threads_option
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 
@@ -25,12 +25,14 @@ from fuselm.runtime_metal.errors import RuntimeUserError
               show_default=True, help="auto: mlx where MLX has a GPU, onnxruntime otherwise")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@threads_option
 @click.option("--no-compile", is_flag=True, help="MLX: decode node by node (the executor)")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="also a per-op time table (MLX executor)")
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
-          no_compile: bool, prefill_chunk: int, as_json: bool, profile: bool) -> None:
+          threads: int | None, no_compile: bool, prefill_chunk: int, as_json: bool,
+          profile: bool) -> None:
     """Benchmark OUT_DIR: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
@@ -42,8 +44,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
     if profile and name != "mlx":
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
     warn_mlx_on_cpu(manifest, engine)
-    options: dict[str, object] = (
-        {"accuracy_level": accuracy_level} if name == "onnxruntime" else {"fast": not no_compile})
+    options = ort_options(name, accuracy_level, threads) or {"fast": not no_compile}
     cols = model_columns(out_dir, manifest)
     grid = len(p) > 1 or len(n) > 1
     if grid and profile:

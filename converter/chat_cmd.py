@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from fuselm.converter.cli_options import model_argument
+from fuselm.converter.cli_options import model_argument, threads_option
 from fuselm.converter.run_cmd import (
     ACCURACY_OPTION,
     ENGINE_OPTION,
@@ -132,10 +132,11 @@ class Chat:
 @sampling_options
 @ENGINE_OPTION
 @ACCURACY_OPTION
+@threads_option
 @click.option("--system", default=None, help="system prompt")
 def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
          repetition_penalty: float, seed: int | None, engine: str, accuracy_level: int,
-         system: str | None) -> None:
+         threads: int | None, system: str | None) -> None:
     """Interactive chat with OUT_DIR (history kept; /help lists the commands)."""
     from fuselm.runtime_metal.session import CachedSession
     from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
@@ -149,7 +150,7 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
             "re-convert from a checkpoint folder that has tokenizer.json "
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(temperature, top_k, top_p, repetition_penalty, seed)
-    manifest, eng, _ = open_artifact(out_dir, engine, accuracy_level)
+    manifest, eng, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
     tok = load_tokenizer(out_dir)
     gen = {"max_new_tokens": max_new_tokens, "sampling": sampling,
            "eos_ids": eos_ids(manifest, generation_config(out_dir), tok),

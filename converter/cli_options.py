@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from fuselm.runtime_metal.errors import RuntimeUserError
+
 
 def model_argument(f: Callable[..., Any]) -> Callable[..., Any]:
     """OUT_DIR as a positional argument or as `-m/--model` (mlx-lm / llama.cpp spelling)."""
@@ -24,3 +26,22 @@ def model_argument(f: Callable[..., Any]) -> Callable[..., Any]:
         return f(*args, out_dir=out_dir or model_opt, **kwargs)
 
     return wrapper
+
+
+def threads_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """-t/--threads (llama.cpp's spelling): onnxruntime's intra-op threads."""
+    return click.option("-t", "--threads", type=click.IntRange(1), default=None,
+                        help="onnxruntime: intra-op threads  [default: one per physical "
+                        "core]")(f)
+
+
+def ort_options(engine_name: str, accuracy_level: int, threads: int | None
+                ) -> dict[str, object]:
+    """The engine options the shared flags give: accuracy level and threads for onnxruntime,
+    none for MLX (which schedules its own work; --threads there is a mistake, said so)."""
+    if engine_name != "onnxruntime":
+        if threads is not None:
+            raise RuntimeUserError("--threads sets onnxruntime's threads; the MLX engine takes "
+                                   "none (drop it, or add --engine onnxruntime)")
+        return {}
+    return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {})}

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from fuselm.converter.cli_options import ort_options, threads_option
+
 _RULE = ("The text is tokenized without special tokens and cut into consecutive chunks of "
          "--context tokens (a last partial chunk is dropped); each chunk runs from an empty "
          "cache and only its second half is scored, so every scored token sees at least "
@@ -23,15 +25,16 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
               help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@threads_option
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
-               accuracy_level: int, as_json: bool) -> None:
+               accuracy_level: int, threads: int | None, as_json: bool) -> None:
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
     from fuselm.runtime_metal.perplexity import perplexity as run_ppl
 
     text = read_text(text_file or SAMPLE_TEXT)
-    options = {"accuracy_level": accuracy_level} if resolve_engine(engine) == "onnxruntime" else {}
+    options = ort_options(resolve_engine(engine), accuracy_level, threads)
     result = run_ppl(out_dir, text, context=context, engine=engine, **options)
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "text": str(text_file or SAMPLE_TEXT)}))

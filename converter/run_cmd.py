@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from fuselm.converter.cli_options import model_argument
+from fuselm.converter.cli_options import model_argument, ort_options, threads_option
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 _ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]),
@@ -30,7 +30,8 @@ def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: 
     return opts
 
 
-def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False):  # noqa: ANN202
+def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
+          threads: int | None = None):
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.engine import make_engine, resolve_engine
     from fuselm.runtime_metal.profile import Profiler
@@ -38,10 +39,11 @@ def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False)
     manifest = read_manifest(out_dir)
     name = resolve_engine(engine)
     profiler = Profiler() if profile else None
+    options = ort_options(name, accuracy_level, threads)
     if name == "onnxruntime":
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
-        return manifest, make_engine(out_dir, name, accuracy_level=accuracy_level), None
+        return manifest, make_engine(out_dir, name, **options), None
     warn_mlx_on_cpu(manifest, engine)
     return manifest, make_engine(out_dir, name, profiler=profiler), profiler
 
@@ -92,6 +94,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @_ENGINE
 @_ACC
+@threads_option
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
@@ -102,8 +105,8 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, repetition_penalty: float,
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
-        prefill_chunk: int, as_json: bool, profile: bool, device_sampling: bool,
-        verify_files: bool = False) -> None:
+        threads: int | None, prefill_chunk: int, as_json: bool, profile: bool,
+        device_sampling: bool, verify_files: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.generate import generate
     from fuselm.runtime_metal.tokenizer import (
@@ -121,7 +124,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile)
+    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile, threads)
     gen_cfg = generation_config(out_dir)
     tok = None
     if prompt is not None:

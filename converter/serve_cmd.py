@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from fuselm.converter.cli_options import ort_options, threads_option
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
@@ -38,6 +39,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@threads_option
 @click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
@@ -54,7 +56,8 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               show_default=True, help="largest request body in bytes (HTTP 413 above)")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
-def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, max_batch: int,
+def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
+          threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, default_max_tokens: int, prefill_chunk: int,
           model_name: str | None, max_body: int, log_level: str) -> None:
     """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
@@ -77,7 +80,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int, 
                                f"({context}); give at most {context}")
     max_context = max_context or min(context, DEFAULT_CONTEXT)
     name = resolve_engine(engine)
-    options = {"accuracy_level": accuracy_level} if name == "onnxruntime" else {}
+    options = ort_options(name, accuracy_level, threads)
     described: dict[str, object] = {}
 
     def build():  # noqa: ANN202 - on the engine thread (MLX streams are per thread)
