@@ -407,7 +407,9 @@ _MERGE_LAST = """
 """
 # One ticket per (batch row, KV head, head group): zero when the module loads, and back to zero
 # after every call (the last block resets it). Launches on one stream never overlap, so calls
-# (layers, steps) share the tickets safely.
+# (layers, steps) share the tickets safely; two engines decoding at the same moment on two
+# streams of one process would share them too, which is why that is not supported on CUDA
+# (README). A ticket buffer owned by each program would lift that.
 TICKET_SLOTS = 65536
 _TICKETS = f"__device__ unsigned int fuselm_split_tickets[{TICKET_SLOTS}] = {{}};\n"
 _SPLIT_WARPS = 8  # 256 threads a block; the splits give the parallelism

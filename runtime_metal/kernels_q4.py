@@ -199,7 +199,7 @@ _ADD_WRITE = """        h[(size_t)r * NO + n] =
             T(static_cast<float>(T(v[0])) + static_cast<float>(rr[(size_t)r * NO + n]));"""
 _ADD_NORM_TICKET = """
 // zero when the module loads; the last block of every call sets it back to zero (launches on
-// one stream never overlap)
+// one stream never overlap; two streams decoding at once in one process are not supported)
 __device__ unsigned int fuselm_addnorm_ticket = 0u;
 """
 _ADD_NORM_TAIL = """
