@@ -27,11 +27,12 @@ from fuselm.runtime_metal.errors import RuntimeUserError
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
 @click.option("--no-compile", is_flag=True, help="MLX: decode node by node (the executor)")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+              help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="also a per-op time table (MLX executor)")
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
-          threads: int | None, no_compile: bool, prefill_chunk: int, as_json: bool,
+          threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
           profile: bool) -> None:
     """Benchmark OUT_DIR: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.run_cmd import warn_mlx_on_cpu

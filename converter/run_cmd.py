@@ -17,8 +17,9 @@ _ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntim
                        help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
 _ACC = click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
                     help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
-_CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True,
-                      help="prompt tokens per prefill step")
+_CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+                      help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, "
+                      "else 512]")
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float,
@@ -105,7 +106,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, repetition_penalty: float,
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
-        threads: int | None, prefill_chunk: int, as_json: bool, profile: bool,
+        threads: int | None, prefill_chunk: int | None, as_json: bool, profile: bool,
         device_sampling: bool, verify_files: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.generate import generate

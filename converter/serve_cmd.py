@@ -23,7 +23,7 @@ def _need_serve_extra() -> None:
 
 
 def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
-                 prefill_chunk: int):
+                 prefill_chunk: int | None):
     """The batch decoder the scheduler drives for this engine."""
     from fuselm.converter.serve_decoder import ServeDecoder
 
@@ -49,7 +49,8 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               f"max-batch x max-context  [default: the model's context, at most {DEFAULT_CONTEXT}]")
 @click.option("--default-max-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="completion length when a chat request gives no max_tokens")
-@click.option("--prefill-chunk", type=click.IntRange(1), default=512, show_default=True)
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+              help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
 @click.option("--model-name", default=None, help="the model id clients send; default: "
               "OUT_DIR's folder name")
 @click.option("--max-body", type=click.IntRange(1024), default=2 * 1024 * 1024,
@@ -58,7 +59,8 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               default="info", show_default=True)
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
-          max_queue: int, max_context: int | None, default_max_tokens: int, prefill_chunk: int,
+          max_queue: int, max_context: int | None, default_max_tokens: int,
+          prefill_chunk: int | None,
           model_name: str | None, max_body: int, log_level: str) -> None:
     """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together."""

@@ -14,7 +14,7 @@ from fuselm.runtime_metal.sampling import SamplingOptions
 
 class ServeDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int | None = None) -> None:
         from fuselm.runtime_metal.batch import BatchDecoder
 
         self.dec = BatchDecoder(engine, max_batch=max_batch, max_context=max_context,

@@ -55,7 +55,7 @@ def check_same_model(model_dir: str, manifest: object) -> None:
 @click.option("--no-ppl", is_flag=True, help="skip the PPL of each rung")
 @click.option("--json", "as_json", is_flag=True)
 def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...],
-             engines: tuple[str, ...], want_mlx: bool, prefill_chunk: int,
+             engines: tuple[str, ...], want_mlx: bool, prefill_chunk: int | None,
              ppl_text: str | None, ppl_context: int, no_ppl: bool, as_json: bool) -> None:
     """Check a conversion: HF transformers float32 -> onnxruntime -> MLX on a few prompts,
     with a PASS / WARN / FAIL verdict per rung (exit 1 on FAIL).

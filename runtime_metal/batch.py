@@ -60,7 +60,7 @@ class _Slot:
 
 class BatchDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
-                 prefill_chunk: int = 512, batched: bool | None = None) -> None:
+                 prefill_chunk: int | None = None, batched: bool | None = None) -> None:
         """batched: None = the batched program when the engine has it; False = sequential."""
         if max_batch < 1 or max_context < 2:
             raise RuntimeUserError("max_batch must be >= 1 and max_context >= 2")

@@ -93,7 +93,8 @@ def peak_memory(engine_name: str) -> tuple[int, str]:
     return int(rss * (1 if sys.platform == "darwin" else 1024)), "max RSS (process)"
 
 
-def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int) -> tuple[float, float]:
+def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None
+                     ) -> tuple[float, float]:
     """One greedy generation of n tokens; returns (pp, tg) in tokens/s."""
     opts = SamplingOptions()
     timings: dict[str, float] = {}
@@ -109,7 +110,7 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int) -> tupl
 
 def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               engine: str = "auto", warmup: int = 1, profile: bool = False,
-              prefill_chunk: int = 512, seed: int = 0,
+              prefill_chunk: int | None = None, seed: int = 0,
               on_run: Callable[[int, int], None] | None = None,
               **engine_options: Any) -> BenchResult:
     """on_run(done, total) after each run, warm-up included (progress)."""
@@ -149,7 +150,7 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
         seconds={"load": load_s, "total": time.perf_counter() - t0})
 
 
-def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int
+def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int | None
                  ) -> list[dict[str, Any]]:
     """Per-op time of the MLX executor (node by node, warm-up passes skipped)."""
     from fuselm.runtime_metal.profile import Profiler

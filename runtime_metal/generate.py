@@ -43,11 +43,31 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds and steps else 0.0
 
 
-def prefill(engine: Engine, prompt: Sequence[int], chunk: int) -> np.ndarray:
-    """Feed the prompt in chunks of `chunk` tokens (bounded activation memory for long
-    prompts); return the last position's logits."""
+DEFAULT_PREFILL_CHUNK = 512
+# MLX on CUDA: 2,048-token chunks prefilled 2,048- and 8,192-token prompts at 2.1-2.3x the
+# tokens/s of 512-token chunks on an H200, at about twice the peak memory (BENCHMARKS.md issue
+# 14, long prompts); mlx-lm's prefill step is 2,048 tokens too.
+CUDA_PREFILL_CHUNK = 2048
+
+
+def prefill_chunk_for(engine: Engine, chunk: int | None) -> int:
+    """Prompt tokens per prefill step: `chunk` when given, else CUDA_PREFILL_CHUNK for the MLX
+    engine on MLX's CUDA backend and DEFAULT_PREFILL_CHUNK elsewhere (Metal and CPU: not
+    measured larger)."""
+    if chunk is None:
+        from fuselm.runtime_metal.kernels import cuda_device
+
+        return CUDA_PREFILL_CHUNK if engine.name == "mlx" and cuda_device() else (
+            DEFAULT_PREFILL_CHUNK)
     if chunk <= 0:
         raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
+    return chunk
+
+
+def prefill(engine: Engine, prompt: Sequence[int], chunk: int | None = None) -> np.ndarray:
+    """Feed the prompt in chunks of `chunk` tokens (bounded activation memory for long
+    prompts; None: prefill_chunk_for's default); return the last position's logits."""
+    chunk = prefill_chunk_for(engine, chunk)
     ids = np.asarray(prompt, np.int64)
     logits = None
     for start in range(0, ids.size, chunk):
@@ -57,7 +77,7 @@ def prefill(engine: Engine, prompt: Sequence[int], chunk: int) -> np.ndarray:
 
 
 def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
-                   sampler: Sampler, prefill_chunk: int = 512,
+                   sampler: Sampler, prefill_chunk: int | None = None,
                    timings: dict[str, float] | None = None,
                    device_sampler: DeviceSampler | None = None) -> Iterator[int]:
     """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
@@ -93,12 +113,11 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
 
 
 def _pipelined_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
-                     sample: DeviceSampler, chunk: int, timings: dict[str, float] | None
-                     ) -> Iterator[int]:
+                     sample: DeviceSampler, chunk: int | None,
+                     timings: dict[str, float] | None) -> Iterator[int]:
     import mlx.core as mx
 
-    if chunk <= 0:
-        raise RuntimeUserError(f"prefill chunk must be > 0, got {chunk}")
+    chunk = prefill_chunk_for(engine, chunk)
     ids = np.asarray(prompt, np.int64)
     t0 = time.perf_counter()
     last = (ids.size - 1) // chunk * chunk
@@ -180,7 +199,7 @@ def iter_generate(
     eos_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     decode: Callable[[list[int]], str] | None = None,
-    prefill_chunk: int = 512,
+    prefill_chunk: int | None = None,
     context_length: int | None = None,
     reset: bool = True,
     device_sampling: bool | None = None,

@@ -15,7 +15,7 @@ import numpy as np
 
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import NonFiniteLogitsError
-from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.generate import generate, prefill_chunk_for
 from fuselm.runtime_metal.prefix import common_prefix as agreement
 
 
@@ -52,7 +52,8 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def engine_logits(engine: Any, ids: list[int], chunk: int) -> np.ndarray:
+def engine_logits(engine: Any, ids: list[int], chunk: int | None) -> np.ndarray:
+    chunk = prefill_chunk_for(engine, chunk)
     engine.reset()
     parts = [engine.forward(np.asarray(ids[i:i + chunk])[None], all_logits=True)
              for i in range(0, len(ids), chunk)]
@@ -83,7 +84,7 @@ class Report:
 
 
 def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]],
-             n_tokens: int = 32, prefill_chunk: int = 512,
+             n_tokens: int = 32, prefill_chunk: int | None = None,
              engines: tuple[str, ...] = ("onnxruntime", "mlx"),
              ppl_tokens: list[int] | None = None, ppl_context: int = 256,
              on_prompt: Callable[[int], None] | None = None) -> Report:
