@@ -52,8 +52,11 @@ fi
 part=${1:?tests | sbs SHAPE GROUP | batch SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
 case "$part" in
   tests)
-    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_kernels.py \
-      ${2:+-k "$2"}
+    # six workers when pytest-xdist is there (bring its and execnet's wheels with MLX's): the
+    # kernels' JIT compiles are CPU-bound, 83 tests took 116 s that way on the H200 host
+    par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 6)
+    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider "${par[@]}" \
+      tests/runtime/test_kernels.py ${2:+-k "$2"}
     ;;
   sbs)
     # shellcheck disable=SC2086
