@@ -168,24 +168,16 @@ class QWeight:
 
 
 def _pack_rows(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes [R, C] (C % 8 == 0) -> uint32 [R, C/8], element j of a word at bits 4j."""
-    r, c = codes.shape
-    if np.little_endian:  # two codes a byte (low nibble first), four bytes a word: a view
-        pairs = codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
-        return pairs.view(np.uint32)
-    c8 = codes.reshape(r, c // 8, 8)
-    out = c8[..., 0].astype(np.uint32)
-    for j in range(1, 8):
-        out |= c8[..., j].astype(np.uint32) << np.uint32(4 * j)
-    return out
+    """uint8 codes [R, C] (C % 8 == 0) -> uint32 [R, C/8], element j of a word at bits 4j:
+    two codes a byte (low nibble first), four bytes a little-endian word, read as a view."""
+    pairs = np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4)))
+    return pairs.view(np.dtype("<u4")).astype(np.uint32, copy=False)
 
 
 def _pack_columns(codes: np.ndarray) -> np.ndarray:
     """uint8 codes [R, C] (R % 8 == 0) -> uint32 [C, R/8]: _pack_rows(codes.T), packing first
     (contiguous rows, 4-byte words) and transposing the 8x smaller words after; transposing
     the one-byte codes first was most of a large model's load."""
-    if not np.little_endian:
-        return _pack_rows(np.ascontiguousarray(codes.T))
     pairs = codes[0::2] | (codes[1::2] << np.uint8(4))  # [R/2, C]: codes 2i, 2i+1 of a byte
     words = pairs[0::4].astype(np.uint32)
     for b in range(1, 4):
