@@ -116,10 +116,6 @@ def main() -> None:
             x = mx.zeros((rows, 1, kdim), dt)
             packed = mx.zeros((nout, kdim // 8), mx.uint32)
             sc = mx.zeros((nout, kdim // 32), dt)
-            normed = kernels_q4.NormedRows(x, x, mx.ones((kdim,), dt),
-                                           mx.zeros((1,), mx.float32))
-            if normed.fits():  # as the program folds only rows that fit
-                kernels_q4.q4_gemv(normed, packed, sc, sc, 32, act)
             kernels_q4.q4_gemv(x, packed, sc, sc, 32, act)
             if act is None and nout <= 4096:  # an o_proj / down shape: the add+norm epilogue
                 res = mx.zeros((rows, 1, nout), dt)

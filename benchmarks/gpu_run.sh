@@ -24,8 +24,8 @@
 #                                               # off, mlx-lm; RUNS="sys:fold:split[:ops] ..."
 #                                               # picks -> $OUT/profile_*.json (needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
-#                                               # alone (GEMV with and without the norm
-#                                               # prologue, attention with 0..32/auto key
+#                                               # alone (GEMV with and without the add+norm
+#                                               # epilogue, attention with 0..32/auto key
 #                                               # splits and several warps x keys per block)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
@@ -120,10 +120,11 @@ case "$part" in
     wait
     ;;
   profile)
-    # fuselm as it runs by default (add+RMSNorm fold off, attention split auto), the fold on,
-    # the split off, then mlx-lm; RUNS="sys:fold:split[:graph_ops] ..." picks (graph_ops:
-    # FUSELM_CUDA_GRAPH_OPS, MLX's launches per CUDA graph; empty = fuselm's default)
-    for run in ${RUNS:-fuselm:0:auto fuselm:1:auto fuselm:0:0 mlx-lm:0:auto}; do
+    # fuselm as it runs by default (add+RMSNorm in the GEMV epilogue, attention split auto), the
+    # separate add+RMSNorm kernel, one attention block per head, then mlx-lm;
+    # RUNS="sys:fold:split[:graph_ops] ..." picks (graph_ops: FUSELM_CUDA_GRAPH_OPS, MLX's
+    # launches per CUDA graph; empty = fuselm's default)
+    for run in ${RUNS:-fuselm:epilogue:auto fuselm:0:auto fuselm:epilogue:0 mlx-lm:0:auto}; do
       IFS=: read -r sys fold split ops <<< "$run"
       FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split FUSELM_CUDA_GRAPH_OPS=${ops:-} \
         python3 benchmarks/step_profile.py \

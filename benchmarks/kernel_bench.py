@@ -6,10 +6,9 @@ Each kernel is called n times on random inputs of one model shape's decode step 
 float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUPTI records
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
-- the Q4 GEMV (kernels_q4) plain against the same GEMV with the add+RMSNorm prologue
-  (NormedRows: FUSELM_FOLD_NORM=prologue), for the q/k/v and the gated gate/up shapes, the
-  o_proj and down GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the
-  default), and the separate add+RMSNorm kernel both replace;
+- the Q4 GEMV (kernels_q4) for the q/k/v and the gated gate/up shapes, the o_proj and down
+  GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the default), and the
+  separate add+RMSNorm kernel the epilogue replaces;
 - rope+attention (kernels_cuda.rope_attend): a block per query head (split 0), and the split
   kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto` as kernels.attend_splits picks)
   at each cached length --pos, with the program's warps/keys per block and each of
@@ -85,10 +84,7 @@ def main() -> None:
     calls: dict[str, Any] = {
         "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
         "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g),
-        "qkv norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps), *qkv, g),
         "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
-        "gate_up norm": lambda: kernels_q4.q4_gemv(kernels_q4.NormedRows(x, r, nw, eps),
-                                                   *gate_up, g, "silu"),
         "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g),
         "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps)[1],
         "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),

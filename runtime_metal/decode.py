@@ -25,10 +25,8 @@ decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache r
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
 With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
 o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
-adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM:
-`epilogue`, the default). `prologue` instead hands it to the GEMV reading the normalized row
-(program_ops.fold_norms, kernels_q4.NormedRows: measured slower on the H200); `0` keeps the
-separate add+RMSNorm kernel.
+adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=
+`epilogue`, the default; `0` keeps the separate add+RMSNorm kernel).
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
@@ -53,7 +51,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal import kernels, kernels_q4, program_ops, qweight
+from fuselm.runtime_metal import kernels, program_ops, qweight
 from fuselm.runtime_metal.attention import Mask
 from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
@@ -85,7 +83,7 @@ class DecodeProgram:
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
     gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
     # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
-    # the added row), "prologue" (in the GEMV reading the normalized row), "0" (its own kernel)
+    # the added row) or "0" (its own kernel)
     fold: str = "0"
 
     # ---- load time -------------------------------------------------------------------------
@@ -124,9 +122,7 @@ class DecodeProgram:
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
                       len(plan.steps) - len(live), kernels=on, windows=windows,
                       gemv=gemv, fold=kernels.fold_norm_mode(gemv))
-        if program.fold == "prologue":
-            program_ops.fold_norms(program.ops)
-        elif program.fold == "epilogue":
+        if program.fold == "epilogue":
             program_ops.fold_into_producers(program.ops)
         try:
             check_prefill(plan, windows)
@@ -187,8 +183,6 @@ class DecodeProgram:
 
         env: dict[str, object] = {"input_ids": ids}
         out_kv: list[mx.array] = list(kv)
-        # an add+RMSNorm left to the GEMV reading it: that op's id -> (the sum's name, rows)
-        folded: dict[int, tuple[str, kernels_q4.NormedRows]] = {}
         # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
         # the pairs so computed (they launch nothing)
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
@@ -209,15 +203,6 @@ class DecodeProgram:
                     if hy is not None:
                         _bind(env, pair.step.outputs[:1] + pair.partner.step.outputs[:1], hy)
                         done.add(id(pair))
-                        continue
-                if (o.kind == "add_norm" and self.fold == "prologue" and s == 1
-                        and o.norm_reader is not None):
-                    assert o.partner is not None
-                    rows = program_ops.normed_rows(o.partner.step, args[0], args[1],
-                                                   _resolve(o.partner.args[1:2], env)[0])
-                    if rows is not None:  # the sum is bound once the reader has run
-                        env[o.partner.step.outputs[0]] = rows
-                        folded[id(o.norm_reader)] = (o.step.outputs[0], rows)
                         continue
                 if o.kind == "add_norm":
                     assert o.partner is not None
@@ -251,10 +236,6 @@ class DecodeProgram:
                 else:
                     values = call_step(o.step, lm_head_rows(o.step, args))
                 _bind(env, o.step.outputs, values)
-                if id(o) in folded:
-                    name, normed = folded.pop(id(o))
-                    assert normed.h is not None, "the folded norm's reader did not read it"
-                    env[name] = normed.h
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)
         last = logits.reshape(ids.shape[0], -1, logits.shape[-1])[:, -1].astype(mx.float32)

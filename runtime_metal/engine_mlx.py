@@ -172,9 +172,8 @@ class MLXEngine:
             "fused_kernels": (
                 "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
                     ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
-                + {"epilogue": ", add+rms_norm in the GEMV epilogue",
-                   "prologue": ", add+rms_norm in the GEMV prologue"}.get(
-                       self.fast.program.fold, "")
+                + (", add+rms_norm in the GEMV epilogue"
+                   if self.fast.program.fold == "epilogue" else "")
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }

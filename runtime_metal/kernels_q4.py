@@ -19,13 +19,6 @@ does not depend on the batch it runs in (batch-invariance of the server). The re
 to the activation dtype like a matmul output; the gated epilogue rounds gate and up first, as
 the plain path's matmul output would be, then act(gate), then the product.
 
-* `q4_gemv(x, w, norm=NormedRows)`: the input is RMSNorm(a + b) * scale, not computed yet:
-  each block computes it for all R rows in a prologue (into shared memory, with the roundings
-  of kernels_cuda.add_rms_norm: the sum rounded, then the normalized row) and block 0 also
-  writes the sum h = a + b (the next residual). The separate add+RMSNorm launch is gone, but
-  measured on the H200 the GEMV took ~21 µs instead of ~3.5 µs: a loss, so it runs only under
-  FUSELM_FOLD_NORM=prologue (kernels.fold_norm_mode).
-
 * `q4_gemv_add_norm(x, w, residual, scale, eps)`: the plain form whose epilogue adds the
   residual (h = x @ W + r, the next residual) and whose last block normalizes h:
   y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
@@ -38,7 +31,6 @@ checks it against the dequantized weights in float64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -87,7 +79,6 @@ _GEMV = """
   constexpr int KW = K / 8, KG = K / G, WPG = G / 8, NR = EPI ? 2 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * NW + warp;
-  /*PROLOGUE*/
   if (n >= NO) return;
   float acc[NR][R];
   #pragma unroll
@@ -115,7 +106,7 @@ _GEMV = """
     #pragma unroll
     for (int r = 0; r < R; ++r) {
       float xv[8];
-      fl_load8(XIN + (size_t)r * K + (size_t)w * 8, xv);
+      fl_load8(x + (size_t)r * K + (size_t)w * 8, xv);
       float xs = 0.f;
       #pragma unroll
       for (int e = 0; e < 8; ++e) xs += xv[e];
@@ -153,41 +144,7 @@ _GEMV = """
 """
 
 
-# The prologue of the norm-folding variant: xs = RMSNorm(x + r) * nw for the R rows, as
-# kernels_cuda.add_rms_norm computes it with a block of NW * 32 = 256 threads (same order of the
-# sums, same roundings); block 0 writes h = x + r. Every thread reaches the barriers (the
-# columns past NO return only after).
-_PROLOGUE = """
-  __shared__ __align__(16) T xs[R * K];
-  __shared__ float part[32];
-  for (int r = 0; r < R; ++r) {
-    const size_t base = (size_t)r * K;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += NW * 32) {
-      const T v = T(static_cast<float>(x[base + i]) + static_cast<float>(rr[base + i]));
-      if (blockIdx.x == 0) h[base + i] = v;
-      xs[base + i] = v;
-      const float f = static_cast<float>(v);
-      ss += f * f;
-    }
-    ss = fl_warp_sum(ss);
-    if (lane == 0) part[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-      float s2 = lane < NW ? part[lane] : 0.f;
-      s2 = fl_warp_sum(s2);
-      if (lane == 0) part[0] = s2;
-    }
-    __syncthreads();
-    const float rs = rsqrtf(part[0] / K + eps[0]);
-    for (int i = threadIdx.x; i < K; i += NW * 32)
-      xs[base + i] = T(static_cast<float>(xs[base + i]) * rs * static_cast<float>(nw[i]));
-    __syncthreads();
-  }
-"""
-NORM_SHARED_BYTES = 46 * 1024  # the prologue's rows: static shared memory (48 KB)
-
-# The add+RMSNorm in the epilogue instead (kernels.fold_norm_mode() "epilogue", the default):
+# The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue", the default):
 # the GEMV producing x (a layer's o_proj or down projection) writes h = x + r, the next
 # residual, rounded as the separate Add rounds it, and the LAST block to finish (a ticket)
 # normalizes the whole rows: y = RMSNorm(h) * nw with kernels_cuda.add_rms_norm's order of sums
@@ -236,49 +193,19 @@ _ADD_NORM_TAIL = """
 """
 
 @cache
-def _kernel(norm: bool = False) -> Any:
-    if norm:
-        return mx.fast.cuda_kernel(
-            name="fuselm_q4_gemv_norm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
-            output_names=["out", "h"], header=_HEADER,
-            source=_GEMV.replace("/*PROLOGUE*/", _PROLOGUE).replace("XIN", "xs"))
+def _kernel() -> Any:
     return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
-                               output_names=["out"], header=_HEADER,
-                               source=_GEMV.replace("/*PROLOGUE*/", "").replace("XIN", "x"))
+                               output_names=["out"], header=_HEADER, source=_GEMV)
 
 
 @cache
 def _add_norm_kernel() -> Any:
     assert _PLAIN_WRITE in _GEMV
     # `out` only appears in the gated branch, dead at EPI = 0
-    source = ("  T* out = h;\n" + _GEMV.replace("/*PROLOGUE*/", "").replace("XIN", "x")
-              .replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL)
+    source = "  T* out = h;\n" + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL
     return mx.fast.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
         output_names=["h", "y"], header=_HEADER + _ADD_NORM_TICKET, source=source)
-
-
-@dataclass
-class NormedRows:
-    """RMSNorm(x + r) * scale, not computed yet (the compiled program's folded add+RMSNorm,
-    runtime_metal/program_ops.fold_norms): the Q4 GEMV reading it computes it in its prologue
-    and sets `h` = x + r; any other reader takes `value()`, the add+RMSNorm kernel."""
-
-    x: mx.array
-    r: mx.array
-    scale: mx.array
-    eps: mx.array  # float32 [1]
-    h: mx.array | None = None
-
-    def value(self) -> mx.array:
-        from fuselm.runtime_metal.kernels_cuda import add_rms_norm
-
-        self.h, y = add_rms_norm(self.x, self.r, self.scale, self.eps)
-        return y
-
-    def fits(self) -> bool:
-        """The prologue's rows fit in the block's shared memory."""
-        return self.x.size * self.x.dtype.size <= NORM_SHARED_BYTES
 
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
@@ -296,32 +223,19 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
             and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
 
 
-def q4_gemv(x: mx.array | NormedRows, packed: mx.array, scales: mx.array, biases: mx.array,
+def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
             group_size: int, act: str | None = None) -> mx.array:
-    """See the module doc; the caller checked `fits` (with a NormedRows: on its `x`, and its
-    own `fits`), and sets the NormedRows' `h`."""
-    norm = x if isinstance(x, NormedRows) else None
-    xa = norm.x if norm is not None else x
-    assert isinstance(xa, mx.array)
-    k = xa.shape[-1]
-    rows = xa.size // k
+    """See the module doc; the caller checked `fits`."""
+    k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
-    inputs = [xa, packed, scales, biases]
-    shapes, dtypes = [(*xa.shape[:-1], n_out)], [xa.dtype]
-    if norm is not None:
-        inputs += [norm.r, norm.scale, norm.eps]
-        shapes.append(xa.shape)
-        dtypes.append(xa.dtype)
-    outs = _kernel(norm is not None)(
-        inputs=inputs,
-        template=[("T", xa.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
+    (out,) = _kernel()(
+        inputs=[x, packed, scales, biases],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", x.size // k),
                   ("EPI", ACTIVATIONS[act] if act else 0), ("NW", _WARPS)],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=shapes, output_dtypes=dtypes)
-    if norm is not None:
-        norm.h = outs[1]
-    return outs[0]
+        output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[x.dtype])
+    return out
 
 
 def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object) -> bool:

@@ -3,7 +3,9 @@ program is, and what it runs for attention and for the two step pairs it fuses, 
 plain-MLX path it falls back to.
 
 Pairs (found at load by `fuse_pairs`, executed at trace time):
-* a residual `Add` and the `RMSNormalization` that reads it -> kernels_cuda.add_rms_norm;
+* a residual `Add` and the `RMSNormalization` that reads it -> kernels_cuda.add_rms_norm, or,
+  when a Q4 MatMul makes the added row (fold_into_producers), nothing of its own: that GEMV's
+  epilogue (kernels_q4.q4_gemv_add_norm);
 * a `FusedRoPE` and the `Attention` that reads both its outputs -> kernels_cuda.rope_attend
   for one decoded token per sequence, which also writes the new key/value rows into the cache.
 Where the kernels are off (not MLX-CUDA, FUSELM_KERNELS=off) or the shapes do not fit, the
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal import kernels, kernels_cuda, kernels_q4
+from fuselm.runtime_metal import kernels, kernels_cuda
 from fuselm.runtime_metal.attention import Attention, Mask
 from fuselm.runtime_metal.qweight import QWeight
 from fuselm.runtime_metal.step import Step, call_step
@@ -29,45 +31,10 @@ class ProgramOp:
     step: Step
     args: list[tuple[str, object]]  # ("const", value) | ("env", name) | ("none", None)
     partner: ProgramOp | None = None  # the step fused with this one (fuse_pairs)
-    norm_reader: ProgramOp | None = None  # add_norm: the Q4 matmul that may fold it (fold_norms)
     # add_norm: the Q4 matmul producing one of the Add's inputs (fold_into_producers), and
     # which input (0 or 1); the other is the residual
     norm_producer: ProgramOp | None = None
     producer_arg: int = 0
-
-
-# Ops whose first input goes straight into one Q4 matmul (QWeight.matmul / gated_matmul), so
-# that a folded add+RMSNorm reaches the GEMV kernel's prologue.
-_FOLDABLE = ("FusedQKV", "FusedGateUp", "MatMul")
-_FOLD_MAX_OUT = 65536  # wider outputs would repeat the prologue in too many blocks
-
-
-def fold_norms(ops: list[ProgramOp]) -> None:
-    """Give each add_norm pair `norm_reader`: the one op reading the normalized row, when it is
-    a Q4 matmul (a constant QWeight, no bias; not the LM head: its thousands of blocks would
-    each redo the prologue) that runs before any other reader of the sum."""
-    readers: dict[str, list[int]] = {}
-    for i, o in enumerate(ops):
-        for p in (o, o.partner):
-            for kind, name in p.args if p is not None else []:
-                if kind == "env":
-                    readers.setdefault(str(name), []).append(i)
-    for at, o in enumerate(ops):
-        if o.kind != "add_norm" or o.partner is None:
-            continue
-        y, h = o.partner.step.outputs[0], o.step.outputs[0]
-        ys = readers.get(y, [])
-        if len(set(ys)) != 1 or not y or not h:
-            continue
-        c = ops[ys[0]]
-        w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
-        if (c.kind == "step" and c.step.op_type in _FOLDABLE and not c.step.is_lm_head
-                and c.args[0] == ("env", y)
-                and isinstance(w, QWeight) and w.shape[1] <= _FOLD_MAX_OUT
-                and all(k == "none" or (k == "const" and i < 4)
-                        for i, (k, _) in enumerate(c.args[1:], 1))
-                and all(i > ys[0] for i in readers.get(h, []) if i != at)):
-            o.norm_reader = c
 
 
 def _q4_matmul(c: ProgramOp) -> QWeight | None:
@@ -94,7 +61,7 @@ def fold_into_producers(ops: list[ProgramOp]) -> None:
                     readers.setdefault(str(name), []).append(i)
             made_at.update((n, i) for n in p.step.outputs if n)
     for at, o in enumerate(ops):
-        if o.kind != "add_norm" or o.partner is None or o.norm_reader is not None:
+        if o.kind != "add_norm" or o.partner is None:
             continue
         for which in (0, 1):
             mine, other = o.args[which], o.args[1 - which]
@@ -177,17 +144,6 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
         return kernels_cuda.add_rms_norm(a, b, scale, eps)  # type: ignore[arg-type]
     h = call_step(add, [a, b])[0]
     return h, call_step(norm, [h, scale])[0]
-
-
-def normed_rows(norm: Step, a: object, b: object, scale: object
-                ) -> kernels_q4.NormedRows | None:
-    """RMSNorm(a + b) * scale left for the Q4 GEMV that reads it (fold_norms), or None where
-    the add+RMSNorm kernel would not take these shapes (the pair then runs as usual)."""
-    axis = int(norm.attrs.get("axis", -1))  # type: ignore[call-overload]
-    if not kernels.add_rms_norm_fits(a, b, scale, axis):
-        return None
-    eps = mx.array([float(norm.attrs.get("epsilon", 1e-5))], mx.float32)  # type: ignore[arg-type]
-    return kernels_q4.NormedRows(a, b, scale, eps)  # type: ignore[arg-type]
 
 
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,

@@ -94,14 +94,8 @@ class QWeight:
             self._cast[dtype] = pair
         return self._cast[dtype]
 
-    def matmul(self, x: mx.array | kernels_q4.NormedRows) -> mx.array:
-        """x @ W as ONE quantized matmul. A NormedRows input (a folded add+RMSNorm) is
-        normalized in the GEMV kernel's prologue where it fits, else computed first."""
-        if isinstance(x, kernels_q4.NormedRows):
-            if self._gemv_fits(x.x) and x.fits():
-                s, b = self.affine(x.x.dtype)
-                return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
-            x = x.value()
+    def matmul(self, x: mx.array) -> mx.array:
+        """x @ W as ONE quantized matmul."""
         s, b = self.affine(x.dtype)
         if self._gemv_fits(x):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
@@ -142,16 +136,12 @@ class QWeight:
                                                self.group_size, self.bits, self.transposed,
                                                activation)
 
-    def gated_matmul(self, x: mx.array | kernels_q4.NormedRows, activation: str
-                     ) -> mx.array | None:
+    def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
-        or None where the kernel is off or does not fit (the caller runs the plain path, and
-        `matmul` takes a NormedRows there)."""
-        xa = x.x if isinstance(x, kernels_q4.NormedRows) else x
-        if not self._gemv_fits(xa, activation) or (
-                isinstance(x, kernels_q4.NormedRows) and not x.fits()):
+        or None where the kernel is off or does not fit (the caller runs the plain path)."""
+        if not self._gemv_fits(x, activation):
             return None
-        s, b = self.affine(xa.dtype)
+        s, b = self.affine(x.dtype)
         return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size, activation)
 
     def take_rows(self, indices: mx.array) -> mx.array:

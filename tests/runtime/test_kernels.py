@@ -72,13 +72,12 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_FOLD_NORM: epilogue by default, prologue, 0; without the GEMV kernel: 0."""
+    """FUSELM_FOLD_NORM: epilogue by default, 0; without the GEMV kernel: 0."""
     monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
     assert kernels.fold_norm_mode(True) == "epilogue"
     assert kernels.fold_norm_mode(False) == "0"
-    for mode in ("prologue", "0"):
-        monkeypatch.setenv(kernels.FOLD_ENV, mode)
-        assert kernels.fold_norm_mode(True) == mode
+    monkeypatch.setenv(kernels.FOLD_ENV, "0")
+    assert kernels.fold_norm_mode(True) == "0"
     monkeypatch.setenv(kernels.FOLD_ENV, "1")
     with pytest.raises(RuntimeUserError, match="FUSELM_FOLD_NORM='1': use one of epilogue"):
         kernels.fold_norm_mode(True)
@@ -437,22 +436,7 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
     assert tokens["on"] == tokens["off"]
 
 
-# ---- the add+RMSNorm folded into the Q4 GEMV's prologue (kernels_q4.NormedRows) ---------------
-
-def test_fold_norms_finds_each_layers_matmuls(q4_artifact: Path) -> None:
-    """Everywhere (the pairing is plain Python): each add+RMSNorm before a layer's q/k/v or
-    gate/up matmul gets that matmul as the op that folds it; 2 per layer but the first (its
-    input norm reads the embedding, no Add)."""
-    from fuselm.runtime_metal import program_ops
-    from fuselm.runtime_metal.engine import make_engine
-
-    program = make_engine(q4_artifact, "mlx").fast.program
-    program_ops.fold_norms(program.ops)
-    folded = collections.Counter(o.norm_reader.step.op_type for o in program.ops
-                                 if o.norm_reader is not None)
-    layers = program.num_layers
-    assert folded == {"FusedQKV": layers - 1, "FusedGateUp": layers}  # never the LM head
-
+# ---- the add+RMSNorm in the epilogue of the Q4 GEMV making its row (q4_gemv_add_norm) --------
 
 def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) -> None:
     """Everywhere (plain Python): each residual add+RMSNorm gets the Q4 MatMul making its
@@ -506,44 +490,11 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("rows,k,n,act", [(1, 1024, 4096, None), (4, 1024, 6144, "silu"),
-                                          (1, 4096, 512, None), (2, 96, 64, "gelu_tanh")])
-def test_q4_gemv_norm_prologue(dtype: mx.Dtype, rows: int, k: int, n: int,
-                               act: str | None) -> None:
-    """The GEMV with the add+RMSNorm in its prologue against the add+RMSNorm kernel followed by
-    the plain GEMV: the sum h bit-equal, the product within the dtype's tolerance (equal
-    where the two reduce in the same order, hidden < 4096)."""
-    from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
-
-    rng = np.random.default_rng(rows + k + n)
-    w, _ = _q4_weight(rng, k, n, 32)
-    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
-    r, _ = _rounded(rng.normal(size=(rows, 1, k)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, k), dtype)
-    eps = mx.array([1e-6], mx.float32)
-    h_ref, y_norm = kernels_cuda.add_rms_norm(x, r, scale, eps)
-    normed = kernels_q4.NormedRows(x, r, scale, eps)
-    assert normed.fits()
-    with qweight.gemv_kernel():
-        want = w.gated_matmul(y_norm, act) if act else w.matmul(y_norm)
-        got = w.gated_matmul(normed, act) if act else w.matmul(normed)
-    assert got is not None and want is not None and normed.h is not None
-    assert np.array_equal(np.array(normed.h.astype(mx.float32)),
-                          np.array(h_ref.astype(mx.float32)))
-    g, e = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    assert rel(g, e) <= TOL[dtype]
-    if k < 4096:
-        assert np.array_equal(g, e)
-
-
-@cuda
-@pytest.mark.parametrize("mode", ["epilogue", "prologue"])
-def test_q4_program_fold_on_matches_fold_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             mode: str) -> None:
-    """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm folded into the
-    GEMVs against the separate add+RMSNorm kernel: logits rel <= 1e-4 (float32) over 8 steps,
-    the same greedy tokens."""
+def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm in the
+    producing GEMVs' epilogue against the separate add+RMSNorm kernel: logits rel <= 1e-4
+    (float32) over 8 steps, the same greedy tokens."""
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
@@ -551,16 +502,14 @@ def test_q4_program_fold_on_matches_fold_off(tmp_path: Path, monkeypatch: pytest
     out = _q4_qwen3(tmp_path, seed=7)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
     logits, tokens = {}, {}
+    mode = "epilogue"
     for fold in ("0", mode):
         monkeypatch.setenv(kernels.FOLD_ENV, fold)
         engine = make_engine(out, "mlx")
         program = engine.fast.program
         assert program.fold == fold
-        readers = sum(o.norm_reader is not None for o in program.ops)
         producers = sum(o.norm_producer is not None for o in program.ops)
-        # prologue: each layer's two, but the first layer's input norm (the final norm feeds
-        # the head); epilogue: each layer's two (the last one feeds the final norm)
-        assert readers == (2 * program.num_layers - 1 if fold == "prologue" else 0)
+        # each layer's two (the last one feeds the final norm)
         assert producers == (2 * program.num_layers if fold == "epilogue" else 0)
         tokens[fold] = generate(engine, prompt, max_new_tokens=16).tokens
         engine.reset()
