@@ -34,6 +34,20 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
 }
+// RoPE's pairing of element e < rd of a head, for both attention kernels: the frequency index
+// m, the partner element and the sign of the partner's term; pairs (2i, 2i+1) when
+// interleaved (GPT-J), else the halves [0, rd/2) and [rd/2, rd) (rotate_half)
+template <bool INTERLEAVED_, int RD_>
+__device__ __forceinline__ void rope_pair(int e, int& m, int& partner, float& sign) {
+  if (INTERLEAVED_) {
+    m = e >> 1; partner = e ^ 1; sign = (e & 1) ? 1.f : -1.f;
+  } else {
+    constexpr int HALF = RD_ / 2;
+    m = e < HALF ? e : e - HALF;
+    partner = e < HALF ? e + HALF : e - HALF;
+    sign = e < HALF ? -1.f : 1.f;
+  }
+}
 """
 
 _ADD_RMS_NORM = """
@@ -101,14 +115,7 @@ _ROPE_ATTEND_BODY = """
     if (tid < RD) {
       int m, partner;
       float sign;
-      if (INTERLEAVED) {
-        m = tid >> 1; partner = tid ^ 1; sign = (tid & 1) ? 1.f : -1.f;
-      } else {
-        constexpr int HALF = RD / 2;
-        m = tid < HALF ? tid : tid - HALF;
-        partner = tid < HALF ? tid + HALF : tid - HALF;
-        sign = tid < HALF ? -1.f : 1.f;
-      }
+      rope_pair<INTERLEAVED, RD>(tid, m, partner, sign);
       const float th = static_cast<float>(pos) * inv_freq[m];
       const float c = cosf(th), s = sinf(th);
       a = (a * c + sign * tq[partner] * s) * prm[2];
@@ -259,14 +266,7 @@ _ATTEND_SPLIT = """
     if (e < RD) {
       int m, partner;
       float sign;
-      if (INTERLEAVED) {
-        m = e >> 1; partner = e ^ 1; sign = (e & 1) ? 1.f : -1.f;
-      } else {
-        constexpr int HALF = RD / 2;
-        m = e < HALF ? e : e - HALF;
-        partner = e < HALF ? e + HALF : e - HALF;
-        sign = e < HALF ? -1.f : 1.f;
-      }
+      rope_pair<INTERLEAVED, RD>(e, m, partner, sign);
       const float th = static_cast<float>(pos) * inv_freq[m];
       a = (a * cosf(th) + sign * src[partner] * sinf(th)) * prm[2];
     }
