@@ -158,13 +158,20 @@ class Fuselm:
         self.engine.reset()
         return int(np.argmax(self.engine.forward(np.asarray([prompt]))))
 
-    def decode(self, token: Any, steps: int) -> Any:
+    def decode(self, token: Any, steps: int, split: dict[str, float] | None = None) -> Any:
+        """split: adds the host seconds spent building the steps' graphs ("build") and in
+        mx.async_eval ("dispatch": MLX encoding and launching them)."""
         import mlx.core as mx
 
         y = mx.array(token, mx.int32)
         for _ in range(steps):
+            t0 = time.perf_counter()
             y = mx.argmax(self.engine.decode_step(y))
+            t1 = time.perf_counter()
             mx.async_eval(y)
+            if split is not None:
+                split["build"] += t1 - t0
+                split["dispatch"] += time.perf_counter() - t1
         return y
 
     def weight_bytes(self) -> int:
@@ -208,16 +215,21 @@ class MlxLm:
         logits = self.model(mx.array(prompt)[None], cache=self.cache)
         return int(mx.argmax(logits[0, -1]).item())
 
-    def decode(self, token: Any, steps: int) -> Any:
+    def decode(self, token: Any, steps: int, split: dict[str, float] | None = None) -> Any:
         # generate_step's per-token work: model call, logsumexp (logprobs), greedy sampler
         import mlx.core as mx
 
         y = mx.array([token])
         for _ in range(steps):
+            t0 = time.perf_counter()
             logits = self.model(y[None], cache=self.cache)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, keepdims=True)
             y = mx.argmax(logprobs, axis=-1)
+            t1 = time.perf_counter()
             mx.async_eval(y, logprobs)
+            if split is not None:
+                split["build"] += t1 - t0
+                split["dispatch"] += time.perf_counter() - t1
         return y
 
     def weight_bytes(self) -> int:

@@ -76,46 +76,55 @@ __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
 _GEMV = """
   // warp `warp` of block b computes output column n = b * NW + warp for all R rows.
   // wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
-  constexpr int KW = K / 8, KG = K / G, WPG = G / 8, NR = EPI ? 2 : 1;
+  // Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
+  // multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
+  // the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
+  constexpr int KQ = K / 32, QPG = G / 32, KG = K / G, NR = EPI ? 2 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * NW + warp;
   if (n >= NO) return;
+  const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows are K / 2 bytes: 16-aligned
   float acc[NR][R];
   #pragma unroll
   for (int j = 0; j < NR; ++j)
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
   #pragma unroll 2
-  for (int w = lane; w < KW; w += 32) {
-    const int g = w / WPG;
-    uint32_t q[NR];
+  for (int w4 = lane; w4 < KQ; w4 += 32) {
+    const int g = w4 / QPG;
+    uint4 q4[NR];
     float s[NR], bb[NR];
     #pragma unroll
     for (int j = 0; j < NR; ++j) {
       const size_t row = (size_t)(n + j * NO);
-      q[j] = wq[row * KW + w];
+      q4[j] = wq4[row * KQ + w4];
       s[j] = static_cast<float>(sc[row * KG + g]);
       bb[j] = static_cast<float>(bi[row * KG + g]);
     }
-    float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
     #pragma unroll
-    for (int j = 0; j < NR; ++j)
-      #pragma unroll
-      for (int e = 0; e < 8; ++e)
-        f[j][e] = __uint_as_float(0x4B000000u | ((q[j] >> (4 * e)) & 15u)) - 8388608.f;
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float xv[8];
-      fl_load8(x + (size_t)r * K + (size_t)w * 8, xv);
-      float xs = 0.f;
-      #pragma unroll
-      for (int e = 0; e < 8; ++e) xs += xv[e];
+    for (int c = 0; c < 4; ++c) {  // the four words, codes 8c .. 8c+7 of the 32
+      float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
       #pragma unroll
       for (int j = 0; j < NR; ++j) {
-        float d = 0.f;
+        const uint32_t q = c == 0 ? q4[j].x : c == 1 ? q4[j].y : c == 2 ? q4[j].z : q4[j].w;
         #pragma unroll
-        for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
-        acc[j][r] += s[j] * d + bb[j] * xs;  // sum_e x_e (s q_e + b)
+        for (int e = 0; e < 8; ++e)
+          f[j][e] = __uint_as_float(0x4B000000u | ((q >> (4 * e)) & 15u)) - 8388608.f;
+      }
+      #pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float xv[8];
+        fl_load8(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+        float xs = 0.f;
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) xs += xv[e];
+        #pragma unroll
+        for (int j = 0; j < NR; ++j) {
+          float d = 0.f;
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
+          acc[j][r] += s[j] * d + bb[j] * xs;  // sum_e x_e (s q_e + b)
+        }
       }
     }
   }
@@ -146,48 +155,61 @@ _GEMV = """
 
 # The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue", the default):
 # the GEMV producing x (a layer's o_proj or down projection) writes h = x + r, the next
-# residual, rounded as the separate Add rounds it, and the LAST block to finish (a ticket)
-# normalizes the whole rows: y = RMSNorm(h) * nw with kernels_cuda.add_rms_norm's order of sums
-# and roundings (its 256-thread block, used below 4,096 columns: bit-equal there). One launch
-# instead of two, and no block repeats the norm. NO % NW == 0: no warp leaves early, so every
-# thread of the last block reaches the tail's barriers.
+# residual, rounded as the separate Add rounds it, and its block's share of each row's sum of
+# squares (its NW columns, in warp order); the LAST block to finish (a ticket) sums the blocks'
+# shares and normalizes the rows: y = RMSNorm(h) * nw. One launch instead of two, no block
+# repeats the norm, and the tail is one L2 round trip (h and the shares read at once, every
+# warp summing the shares itself, no barrier): the first form, which re-read h for the sum of
+# squares and reduced it across the block like the separate kernel, measured ~5 µs of tail on
+# the H200, as long as the separate launch. The order of sums differs from add_rms_norm's (a
+# few units in the last place of y); it is fixed per row, so a row's result does not depend on
+# its batch or on which block came last. NO % NW == 0: no warp leaves early, so every thread of
+# the last block reaches the tail's barriers.
 _PLAIN_WRITE = "        out[(size_t)r * NO + n] = T(v[0]);"
-_ADD_WRITE = """        h[(size_t)r * NO + n] =
-            T(static_cast<float>(T(v[0])) + static_cast<float>(rr[(size_t)r * NO + n]));"""
+_ADD_WRITE = """        const T hv =
+            T(static_cast<float>(T(v[0])) + static_cast<float>(rr[(size_t)r * NO + n]));
+        h[(size_t)r * NO + n] = hv;
+        hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);"""
 _ADD_NORM_TICKET = """
 // zero when the module loads; the last block of every call sets it back to zero (launches on
 // one stream never overlap; two streams decoding at once in one process are not supported)
 __device__ unsigned int fuselm_addnorm_ticket = 0u;
 """
+_ADD_NORM_HEAD = "  T* out = h;  // only named in the gated branch, dead at EPI = 0\n" \
+    "  __shared__ float hsq[R][NW];\n"
 _ADD_NORM_TAIL = """
-  __shared__ float part[32];
+  constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
   __shared__ unsigned int ticket;
-  __threadfence();  // this block's h visible device-wide before its ticket
+  __syncthreads();  // hsq is whole
+  if (threadIdx.x < R) {  // this block's share of row r's sum of squares, in warp order
+    float p = 0.f;
+    for (int w = 0; w < NW; ++w) p += hsq[threadIdx.x][w];
+    part[(size_t)threadIdx.x * NB + blockIdx.x] = p;
+  }
+  __threadfence();  // this block's h and share visible device-wide before its ticket
   __syncthreads();
   if (threadIdx.x == 0) ticket = atomicAdd(&fuselm_addnorm_ticket, 1u);
   __syncthreads();
   if (ticket != gridDim.x - 1) return;
   __threadfence();
-  for (int r = 0; r < R; ++r) {  // read through L2: other blocks wrote h
+  #pragma unroll 1
+  for (int r = 0; r < R; ++r) {  // read through L2: other blocks wrote h and the shares
     const size_t base = (size_t)r * NO;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < NO; i += NW * 32) {
-      const float f = static_cast<float>(__ldcg(h + base + i));
-      ss += f * f;
+    float hv[PT];
+    #pragma unroll
+    for (int t = 0; t < PT; ++t) {
+      const int i = threadIdx.x + t * NT;
+      hv[t] = i < NO ? static_cast<float>(__ldcg(h + base + i)) : 0.f;
     }
+    float ss = 0.f;  // every warp sums all the shares in the same order: no barrier needed
+    for (int i = lane; i < NB; i += 32) ss += __ldcg(part + (size_t)r * NB + i);
     ss = fl_warp_sum(ss);
-    if (lane == 0) part[warp] = ss;
-    __syncthreads();
-    if (warp == 0) {
-      float s2 = lane < NW ? part[lane] : 0.f;
-      s2 = fl_warp_sum(s2);
-      if (lane == 0) part[0] = s2;
+    const float rs = rsqrtf(ss / NO + eps[0]);
+    #pragma unroll
+    for (int t = 0; t < PT; ++t) {
+      const int i = threadIdx.x + t * NT;
+      if (i < NO) y[base + i] = T(hv[t] * rs * static_cast<float>(nw[i]));
     }
-    __syncthreads();
-    const float rs = rsqrtf(part[0] / NO + eps[0]);
-    for (int i = threadIdx.x; i < NO; i += NW * 32)
-      y[base + i] = T(static_cast<float>(__ldcg(h + base + i)) * rs * static_cast<float>(nw[i]));
-    __syncthreads();  // part is the next row's
   }
   if (threadIdx.x == 0) fuselm_addnorm_ticket = 0u;
 """
@@ -201,11 +223,10 @@ def _kernel() -> Any:
 @cache
 def _add_norm_kernel() -> Any:
     assert _PLAIN_WRITE in _GEMV
-    # `out` only appears in the gated branch, dead at EPI = 0
-    source = "  T* out = h;\n" + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL
+    source = _ADD_NORM_HEAD + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL
     return mx.fast.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
-        output_names=["h", "y"], header=_HEADER + _ADD_NORM_TICKET, source=source)
+        output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_TICKET, source=source)
 
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
@@ -254,11 +275,12 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     the caller checked `fits` and `add_norm_fits`."""
     k = x.shape[-1]
     n_out = packed.shape[0]
-    shape = (*x.shape[:-1], n_out)
-    h, y = _add_norm_kernel()(
+    shape, rows = (*x.shape[:-1], n_out), x.size // k
+    h, y, _ = _add_norm_kernel()(
         inputs=[x, packed, scales, biases, residual, scale, eps],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
-                  ("R", x.size // k), ("EPI", 0), ("NW", _WARPS)],
+                  ("R", rows), ("EPI", 0), ("NW", _WARPS)],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[shape, shape], output_dtypes=[x.dtype, x.dtype])
+        output_shapes=[shape, shape, (rows, n_out // _WARPS)],
+        output_dtypes=[x.dtype, x.dtype, mx.float32])
     return h, y

@@ -464,9 +464,9 @@ def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) ->
                                       (3, 96, 64)])
 def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -> None:
     """The GEMV with the residual add + RMSNorm in its epilogue against the plain GEMV followed
-    by the add+RMSNorm kernel: the sum h bit-equal; y bit-equal below 4,096 columns (the same
-    order of sums), within the dtype's tolerance at 4,096; the same again on a second call
-    (the last-block ticket is back to zero)."""
+    by the add+RMSNorm kernel: the sum h bit-equal; y within the dtype's tolerance (the sum of
+    squares is formed in another order); a second call bit-equal to the first (the last-block
+    ticket is back to zero, and the order of sums does not depend on which block came last)."""
     from fuselm.runtime_metal import kernels_cuda, qweight
 
     rng = np.random.default_rng(rows + k + n)
@@ -480,13 +480,14 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
         fused = [w.matmul_add_norm(x, r, scale, eps) for _ in range(2)]
     h_ref, y_ref = kernels_cuda.add_rms_norm(plain, r, scale, eps)
     hr, yr = np.array(h_ref.astype(mx.float32)), np.array(y_ref.astype(mx.float32))
+    ys = []
     for got in fused:
         assert got is not None
         h, y = (np.array(a.astype(mx.float32)) for a in got)
         assert np.array_equal(h, hr)
         assert rel(y, yr) <= TOL[dtype]
-        if n < 4096:
-            assert np.array_equal(y, yr)
+        ys.append(y)
+    assert np.array_equal(ys[0], ys[1])
 
 
 @cuda
