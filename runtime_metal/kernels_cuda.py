@@ -88,10 +88,10 @@ _ROPE_ATTEND_BODY = """
   const size_t qh = (size_t)b * HQ + h, kh = (size_t)b * HK + g;
   __shared__ float sq[D], sk[D], sv[D], tq[D], tk[D], rs[2];
   __shared__ float wm[NW], wl[NW], wacc[NW][D];
-  if (tid < D) {
-    sq[tid] = static_cast<float>(q[qh * D + tid]);
-    sk[tid] = static_cast<float>(k[kh * D + tid]);
-    sv[tid] = static_cast<float>(v[kh * D + tid]);
+  if (tid < D) {  // q/k/v rows: QRW / KRW elements wide, k and v from element KO / VO
+    sq[tid] = static_cast<float>(q[(size_t)b * QRW + h * D + tid]);
+    sk[tid] = static_cast<float>(k[(size_t)b * KRW + KO + g * D + tid]);
+    sv[tid] = static_cast<float>(v[(size_t)b * KRW + VO + g * D + tid]);
   }
   __syncthreads();
   if (warp < 2) {  // warp 0: q's sum of squares, warp 1: k's
@@ -226,16 +226,38 @@ _ATTEND_SPLIT = """
   const int s = blockIdx.x % S, gb = (blockIdx.x / S) % NGB, g = blockIdx.x / (S * NGB);
   const int h0 = g * G + gb * GB, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Every global load the prologue needs is issued here, at once: each load that waited for
+  // the previous phase cost a memory round trip (ncu: the kernel was ~77 % stalled on them).
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t kh = (size_t)b * HK + g;
+  const float eps = prm[0], qscale = prm[1], ascale = prm[2];
   __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
+  __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
   __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
-  for (int i = tid; i < GB * D; i += NT)
-    sq[i / D][i % D] = static_cast<float>(q[((size_t)b * HQ + h0) * D + i]);
+  // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
+  const int n = pos + 1, chunk = (n + S - 1) / S;
+  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
+  const int j_first = j_begin + warp * KB;
+  const T* kb = kc + kh * cap * D + lane * VPT;
+  const T* vb = vc + kh * cap * D + lane * VPT;
+  float kr[KB][VPT], vr[KB][VPT];
+  #pragma unroll
+  for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
+    const int j = j_first + u;
+    if (j < j_end && j < pos) {
+      fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
+      fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+    }
+  }
+  for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
+    sq[i / D][i % D] = static_cast<float>(q[(size_t)b * QRW + h0 * D + i]);
   for (int i = tid; i < D; i += NT) {
-    sk[i] = static_cast<float>(k[kh * D + i]);
-    sv[i] = static_cast<float>(v[kh * D + i]);
+    sk[i] = static_cast<float>(k[(size_t)b * KRW + KO + g * D + i]);
+    sv[i] = static_cast<float>(v[(size_t)b * KRW + VO + g * D + i]);
+    if (HAS_QN) sqn[i] = static_cast<float>(qn[i]);
+    if (HAS_KN) skn[i] = static_cast<float>(kn[i]);
+    if (i < RD / 2) sif[i] = inv_freq[i];
   }
   __syncthreads();
   for (int r = warp; r <= GB; r += NW) {  // r < GB: query head r's sum of squares; GB: k's
@@ -243,18 +265,18 @@ _ATTEND_SPLIT = """
     float ss = 0.f;
     for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
     ss = warp_sum(ss);
-    if (lane == 0) rs[r] = rsqrtf(ss / D + prm[0]);
+    if (lane == 0) rs[r] = rsqrtf(ss / D + eps);
   }
   __syncthreads();
   for (int i = tid; i < (GB + 1) * D; i += NT) {
     const int r = i / D, e = i % D;
     if (r < GB) {
       float a = sq[r][e];
-      if (HAS_QN) a = static_cast<float>(T(a * rs[r] * static_cast<float>(qn[e])));
+      if (HAS_QN) a = static_cast<float>(T(a * rs[r] * sqn[e]));
       tq[r][e] = a;
     } else {
       float a = sk[e];
-      if (HAS_KN) a = static_cast<float>(T(a * rs[GB] * static_cast<float>(kn[e])));
+      if (HAS_KN) a = static_cast<float>(T(a * rs[GB] * skn[e]));
       tk[e] = a;
     }
   }
@@ -267,12 +289,12 @@ _ATTEND_SPLIT = """
       int m, partner;
       float sign;
       rope_pair<INTERLEAVED, RD>(e, m, partner, sign);
-      const float th = static_cast<float>(pos) * inv_freq[m];
-      a = (a * cosf(th) + sign * src[partner] * sinf(th)) * prm[2];
+      const float th = static_cast<float>(pos) * sif[m];
+      a = (a * cosf(th) + sign * src[partner] * sinf(th)) * ascale;
     }
     const T ta = T(a);
     if (r < GB) {
-      sq[r][e] = static_cast<float>(ta) * prm[1];  // the softmax scale, folded into q
+      sq[r][e] = static_cast<float>(ta) * qscale;  // the softmax scale, folded into q
     } else {
       const T tv = T(sv[e]);
       sk[e] = static_cast<float>(ta);
@@ -284,11 +306,6 @@ _ATTEND_SPLIT = """
     }
   }
   __syncthreads();
-  // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
-  const int n = pos + 1, chunk = (n + S - 1) / S;
-  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
-  const T* kb = kc + kh * cap * D + lane * VPT;
-  const T* vb = vc + kh * cap * D + lane * VPT;
   float qr[GB][VPT], acc[GB][VPT], m[GB], l[GB];
   #pragma unroll
   for (int hh = 0; hh < GB; ++hh) {
@@ -297,14 +314,16 @@ _ATTEND_SPLIT = """
     #pragma unroll
     for (int e = 0; e < VPT; ++e) { qr[hh][e] = sq[hh][lane * VPT + e]; acc[hh][e] = 0.f; }
   }
-  for (int j0 = j_begin + warp * KB; j0 < j_end; j0 += NW * KB) {
-    float kr[KB][VPT], vr[KB][VPT], sc[KB][GB];
+  for (int j0 = j_first; j0 < j_end; j0 += NW * KB) {
+    float sc[KB][GB];
     #pragma unroll
     for (int u = 0; u < KB; ++u) {  // all KB rows' loads in flight before the first score
       const int j = j0 + u;
       if (j < j_end && j < pos) {
-        fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
-        fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+        if (j0 != j_first) {  // the first step's rows were loaded before the prologue
+          fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
+          fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+        }
       } else {
         const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
         #pragma unroll
@@ -442,7 +461,7 @@ def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
 def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                        kn: mx.array | None, inv_freq: mx.array, prm: mx.array,
                        offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
-                       rotary_dim: int, interleaved: bool, splits: int,
+                       rotary_dim: int, interleaved: bool, splits: int, rows_at: list[Any],
                        warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS) -> mx.array:
     d, rows = kc.shape[-1], kc.shape[0]
     gb = split_heads_per_block(hq, hk, d)
@@ -454,7 +473,7 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
-                  ("KB", keys)],
+                  ("KB", keys), *rows_at],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] if splits == 1 else
         [(rows, 1, hq * d), (rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)],
@@ -494,8 +513,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
                 kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
                 interleaved: bool, splits: int | None = None,
-                split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS
-                ) -> tuple[mx.array, mx.array, mx.array]:
+                split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
+                qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
     prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
@@ -512,8 +531,18 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     splits (_ATTEND_SPLIT), one launch either way; None: kernels.attend_splits() (the
     environment's, by default from the capacity). split_warps / split_keys: the split
     kernel's warps per block and keys per warp step in flight (benchmarks/kernel_bench.py
-    compares them; the defaults are what the program runs)."""
+    compares them; the defaults are what the program runs).
+
+    qkv: the fused projection [b, 1, (hq + 2 hk) * D] that q, k and v are slices of: the
+    kernel reads them from it (q, k, v then only give the shapes), so the three slices are
+    not in the step's graph (each graph node costs the host time of an MLX evaluation)."""
     d, rows = kc.shape[-1], kc.shape[0]
+    if qkv is not None:
+        q = k = v = qkv
+        rows_at = [("QRW", qkv.shape[-1]), ("KRW", qkv.shape[-1]), ("KO", hq * d),
+                   ("VO", (hq + hk) * d)]
+    else:
+        rows_at = [("QRW", hq * d), ("KRW", hk * d), ("KO", 0), ("VO", 0)]
     gb = split_heads_per_block(hq, hk, d)
     n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // gb)
                if splits is None else splits)
@@ -522,7 +551,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     if n_split > 0:
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,
-                                 splits=n_split, warps=split_warps, keys=split_keys)
+                                 splits=n_split, rows_at=rows_at, warps=split_warps,
+                                 keys=split_keys)
         return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
     dummy = inv_freq
@@ -531,7 +561,7 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", warps)],
+                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
     return out, kc, vc

@@ -83,6 +83,7 @@ _GEMV = """
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * NW + warp;
   if (n >= NO) return;
+/*PRE*/
   const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows are K / 2 bytes: 16-aligned
   float acc[NR][R];
   #pragma unroll
@@ -166,8 +167,7 @@ _GEMV = """
 # its batch or on which block came last. NO % NW == 0: no warp leaves early, so every thread of
 # the last block reaches the tail's barriers.
 _PLAIN_WRITE = "        out[(size_t)r * NO + n] = T(v[0]);"
-_ADD_WRITE = """        const T hv =
-            T(static_cast<float>(T(v[0])) + static_cast<float>(rr[(size_t)r * NO + n]));
+_ADD_WRITE = """        const T hv = T(static_cast<float>(T(v[0])) + rrv[r]);
         h[(size_t)r * NO + n] = hv;
         hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);"""
 _ADD_NORM_TICKET = """
@@ -177,6 +177,11 @@ __device__ unsigned int fuselm_addnorm_ticket = 0u;
 """
 _ADD_NORM_HEAD = "  T* out = h;  // only named in the gated branch, dead at EPI = 0\n" \
     "  __shared__ float hsq[R][NW];\n"
+# the residual's values, loaded with the weights rather than after the sums (a round trip)
+_ADD_NORM_PRE = """  float rrv[R];
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;"""
 _ADD_NORM_TAIL = """
   constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
   __shared__ unsigned int ticket;
@@ -192,6 +197,13 @@ _ADD_NORM_TAIL = """
   __syncthreads();
   if (ticket != gridDim.x - 1) return;
   __threadfence();
+  const float e0 = eps[0];
+  float wv[PT];  // the norm's scale, loaded with h and the shares
+  #pragma unroll
+  for (int t = 0; t < PT; ++t) {
+    const int i = threadIdx.x + t * NT;
+    wv[t] = i < NO ? static_cast<float>(nw[i]) : 0.f;
+  }
   #pragma unroll 1
   for (int r = 0; r < R; ++r) {  // read through L2: other blocks wrote h and the shares
     const size_t base = (size_t)r * NO;
@@ -204,11 +216,11 @@ _ADD_NORM_TAIL = """
     float ss = 0.f;  // every warp sums all the shares in the same order: no barrier needed
     for (int i = lane; i < NB; i += 32) ss += __ldcg(part + (size_t)r * NB + i);
     ss = fl_warp_sum(ss);
-    const float rs = rsqrtf(ss / NO + eps[0]);
+    const float rs = rsqrtf(ss / NO + e0);
     #pragma unroll
     for (int t = 0; t < PT; ++t) {
       const int i = threadIdx.x + t * NT;
-      if (i < NO) y[base + i] = T(hv[t] * rs * static_cast<float>(nw[i]));
+      if (i < NO) y[base + i] = T(hv[t] * rs * wv[t]);
     }
   }
   if (threadIdx.x == 0) fuselm_addnorm_ticket = 0u;
@@ -217,13 +229,15 @@ _ADD_NORM_TAIL = """
 @cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
-                               output_names=["out"], header=_HEADER, source=_GEMV)
+                               output_names=["out"], header=_HEADER,
+                               source=_GEMV.replace("/*PRE*/", ""))
 
 
 @cache
 def _add_norm_kernel() -> Any:
     assert _PLAIN_WRITE in _GEMV
-    source = _ADD_NORM_HEAD + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE) + _ADD_NORM_TAIL
+    source = _ADD_NORM_HEAD + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE).replace(
+        "/*PRE*/", _ADD_NORM_PRE) + _ADD_NORM_TAIL
     return mx.fast.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
         output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_TICKET, source=source)

@@ -115,10 +115,14 @@ def _dense_or_q(weight, scales, zero_points, block_size: int):  # noqa: ANN001, 
 @op(D, "FusedQKV", qweight=True)
 def fused_qkv(  # noqa: ANN201
     xp: ModuleType, x, weight, scales=None, zero_points=None, bias=None, *,  # noqa: ANN001
-    q_size: int, k_size: int, v_size: int, block_size: int = 32,
+    q_size: int, k_size: int, v_size: int, block_size: int = 32, joined: bool = False,
 ):
+    """joined (a runtime keyword, not an attribute): return the projection [..., q+k+v] itself,
+    for a decode kernel that reads q, k and v from it (kernels_cuda.rope_attend's qkv)."""
     w = _dense_or_q(weight, scales, zero_points, block_size)
     y = project(x, w.astype(x.dtype) if isinstance(w, mx.array) else w, bias)
+    if joined:
+        return y
     return y[..., :q_size], y[..., q_size:q_size + k_size], y[..., q_size + k_size:]
 
 

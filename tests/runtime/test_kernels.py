@@ -300,6 +300,32 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
 
 
 @cuda
+@pytest.mark.parametrize("splits", [0, 3])
+def test_rope_attend_reads_a_fused_qkv_row(splits: int) -> None:
+    """q, k and v read from the fused projection they are slices of (qkv=, batch rows at their
+    own positions) give exactly what the three separate arrays give, caches included."""
+    from fuselm.runtime_metal import kernels_cuda
+
+    rng = np.random.default_rng(11)
+    dtype, d, hq, hk, cap, positions = mx.float16, 64, 8, 2, 256, [5, 200]
+    b = len(positions)
+    qkv = _rounded(rng.normal(size=(b, 1, (hq + 2 * hk) * d)), dtype)[0]
+    q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
+    inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
+    got = []
+    for joined in (None, qkv):  # fresh cache buffers each time: the kernel writes in place
+        kc, vc = (mx.array(c).astype(dtype) for c in caches)
+        y, kc, vc = kernels_cuda.rope_attend(
+            q, k, v, None, None, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
+            hk=hk, rotary_dim=d, interleaved=False, splits=splits, qkv=joined)
+        got.append([np.array(a.astype(mx.float32)) for a in (y, kc, vc)])
+    for a, b_ in zip(*got, strict=True):
+        assert np.array_equal(a, b_)
+
+
+@cuda
 def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched program on MLX-CUDA (the rope+attention kernel over b rows): greedy tokens
