@@ -4,7 +4,7 @@ and report each one's registers, spills and whether its block fits the register 
     python benchmarks/cuda_compile_check.py [--arch sm_90] [--only NAME_PART ...] [--keep DIR]
 
 How: mx.fast.cuda_kernel is replaced by a recorder, then the public kernel functions
-(kernels_cuda.rope_attend, kernels_q4.q4_gemv) are called on small CPU arrays of the model
+(kernels_cuda.rope_attend, kernels_q4.q4_gemv, ...) are called on small CPU arrays of the model
 shapes below. Each call hands the recorder exactly what MLX-CUDA's JIT would get (name,
 header, body, input/output dtypes, template arguments, block size); the recorder writes the
 translation unit the way MLX's build_kernel does (mlx/backend/cuda/custom_kernel.cpp: its
@@ -121,6 +121,9 @@ def main() -> None:
                 res = mx.zeros((rows, 1, nout), dt)
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
                                             mx.zeros((1,), mx.float32))
+        packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
+        kernels_q4.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
+                                mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32, dt)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for fname, (text, threads) in sorted(units.items()):

@@ -145,8 +145,15 @@ class QWeight:
         return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size, activation)
 
     def take_rows(self, indices: mx.array) -> mx.array:
-        """W[indices] for an untransposed W (a quantized embedding): dequantize only those rows."""
+        """W[indices] for an untransposed W (a quantized embedding): dequantize only those rows;
+        a negative index counts from the end (ONNX Gather). Inside gemv_kernel (the decode
+        steps on MLX-CUDA): one kernel launch (kernels_q4.q4_take_rows)."""
         assert not self.transposed
+        if _gemv and kernels_q4.take_fits(indices, self.packed, self.scales, self.group_size,
+                                          self.bits):
+            return kernels_q4.q4_take_rows(indices, self.packed, self.scales, self.biases,
+                                           self.group_size, self.dtype)
+        indices = mx.where(indices < 0, indices + self.shape[0], indices)
         rows = mx.dequantize(self.packed[indices], self.scales[indices], self.biases[indices],
                              group_size=self.group_size, bits=self.bits)
         return rows.astype(self.dtype)

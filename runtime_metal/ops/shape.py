@@ -121,7 +121,7 @@ def slice_(xp: ModuleType, x, starts, ends, axes=None, steps=None):  # noqa: ANN
 def gather(xp: ModuleType, data, indices, *, axis: int = 0):  # noqa: ANN001, ANN201
     if isinstance(data, QWeight):  # quantized embedding: dequantize only the rows looked up
         if axis == 0 and not data.transposed:
-            return data.take_rows(xp.where(indices < 0, indices + data.shape[0], indices))
+            return data.take_rows(indices)
         data = data.dense()
     dim = data.shape[axis]
     indices = xp.where(indices < 0, indices + dim, indices)

@@ -371,6 +371,32 @@ def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int):  # noqa: A
     return w, codes.astype(np.float64)
 
 
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("group", [32, 64])
+def test_q4_take_rows_kernel(dtype: mx.Dtype, group: int) -> None:
+    """A quantized embedding lookup in one launch against MLX's gathers + dequantize: rows
+    (negative indices from the end, as ONNX Gather) within a unit in the last place of the
+    dtype, exact in float32."""
+    from fuselm.runtime_metal import qweight
+
+    rng = np.random.default_rng(group)
+    w, _ = _q4_weight(rng, 256, 1000, group)  # M [1000, 256]: a 1000-row table of width 256
+    table = qweight.QWeight(w.packed, w.scales.astype(dtype), w.biases.astype(dtype), group,
+                            False, dtype, {})
+    ids = mx.array([[3, 999, -1, 0, 517, -1000]], mx.int32)
+    plain = table.take_rows(ids)
+    with qweight.gemv_kernel():
+        fast = table.take_rows(ids)
+    a, b = np.array(fast.astype(mx.float32)), np.array(plain.astype(mx.float32))
+    assert fast.shape == plain.shape == (1, 6, 256) and fast.dtype == dtype
+    assert np.array_equal(a[0, 2], a[0, 1]) and np.array_equal(a[0, 5], a[0, 3])
+    if dtype == mx.float32:
+        assert rel(a, b) <= 1e-6
+    else:
+        assert rel(a, b) <= TOL[dtype]
+
+
 GEMV_CASES = [
     # rows, K, N, group, gated activation
     (1, 1024, 2048, 32, None),  # Qwen3-0.6B's q/k/v rows, one sequence
