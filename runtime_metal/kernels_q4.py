@@ -23,6 +23,8 @@ the plain path's matmul output would be, then act(gate), then the product.
   residual (h = x @ W + r, the next residual) and whose last block normalizes h:
   y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
   add+RMSNorm launch after them is gone (the default; program_ops.fold_into_producers).
+* `q4_take_rows(ids, table)`: a quantized embedding lookup (QWeight.take_rows inside
+  gemv_kernel): the rows' codes, scales and biases gathered and dequantized in one launch.
 
 Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
 ops/fused.fused_gate_up); the on/off switches are kernels.py's; tests/runtime/test_kernels.py
