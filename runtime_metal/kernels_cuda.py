@@ -226,8 +226,9 @@ _ATTEND_SPLIT = """
   const int s = blockIdx.x % S, gb = (blockIdx.x / S) % NGB, g = blockIdx.x / (S * NGB);
   const int h0 = g * G + gb * GB, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Every global load the prologue needs is issued here, at once: each load that waited for
-  // the previous phase cost a memory round trip (ncu: the kernel was ~77 % stalled on them).
+  // Every global load the prologue needs is issued here, at once, and the first keys' loads
+  // are in flight through it (ncu had the kernel ~77 % stalled on dependent loads). Measured
+  // in the H200 step: 17.3 -> 17.0 µs, so those stalls are not where its time goes.
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t kh = (size_t)b * HK + g;
@@ -535,7 +536,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
 
     qkv: the fused projection [b, 1, (hq + 2 hk) * D] that q, k and v are slices of: the
     kernel reads them from it (q, k, v then only give the shapes), so the three slices are
-    not in the step's graph (each graph node costs the host time of an MLX evaluation)."""
+    not in the step's graph (a Qwen3-0.6B step: 274 nodes -> 151 with the other reshapes gone;
+    the H200 host's dispatch time did not change: it follows kernel launches, not nodes)."""
     d, rows = kc.shape[-1], kc.shape[0]
     if qkv is not None:
         q = k = v = qkv
