@@ -228,7 +228,7 @@ _ATTEND_SPLIT = """
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // Every global load the prologue needs is issued here, at once, and the first keys' loads
   // are in flight through it (ncu had the kernel ~77 % stalled on dependent loads). Measured
-  // in the H200 step: 17.3 -> 17.0 µs, so those stalls are not where its time goes.
+  // in the H200 step: 17.3 -> 17.0 us, so those stalls are not where its time goes.
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t kh = (size_t)b * HK + g;
