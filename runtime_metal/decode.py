@@ -188,10 +188,11 @@ class DecodeProgram:
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
                      if self.fold == "epilogue" and s == 1 else {})
         done: set[int] = set()
-        # decode with the kernels: a FusedQKV's projection by its q output's name (with its
-        # three output names), so the attention kernel reads q, k and v from it (no slices)
-        joined: dict[str, tuple[mx.array, tuple[str, ...]]] = {}
-        offset_rows: mx.array | None = None  # offset as [b], once a step for every layer
+        # decode with the kernels: a FusedQKV's projection by its (q, k, v) output names, so the
+        # attention kernel reads them out of it (no slices)
+        joined: dict[tuple[object, ...], mx.array] = {}
+        # the attention kernel's positions, offset as [b]: made once a step for every layer
+        offset_rows = mx.broadcast_to(offset.reshape(-1), kv[0].shape[:1] if kv else (1,))
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
             for o in self.ops:
@@ -225,14 +226,10 @@ class DecodeProgram:
                     use_kernel = self.kernels and _window(self.windows, attn.step) is None
                     if o.partner is not None:
                         v = _resolve(attn.args[2:3], env)[0]
-                        names = (o.args[0][1], o.args[1][1], attn.args[2][1])
-                        parent, made = joined.get(str(names[0]), (None, ()))
-                        if use_kernel and offset_rows is None:
-                            offset_rows = mx.broadcast_to(offset.reshape(-1), k_old.shape[:1])
+                        parent = joined.get((o.args[0][1], o.args[1][1], attn.args[2][1]))
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            use_kernel, rows, qkv=parent if made == names else None,
-                            offset_rows=offset_rows)
+                            use_kernel, offset_rows, rows, qkv=parent)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
@@ -243,12 +240,11 @@ class DecodeProgram:
                 if o.kind == "rope":
                     values = call_step(o.step, args, {"device_offset": offset})
                 elif o.step.op_type == "FusedQKV" and self.kernels and s == 1:
-                    (qkv,) = call_step(o.step, args, {"joined": True})
-                    assert isinstance(qkv, mx.array)
-                    a, b = int(o.step.attrs["q_size"]), int(o.step.attrs["k_size"])  # type: ignore[call-overload]
                     # the slices stay bound for any other reader; unread, they are no graph node
-                    values = (qkv[..., :a], qkv[..., a:a + b], qkv[..., a + b:])
-                    joined[o.step.outputs[0]] = (qkv, tuple(o.step.outputs[:3]))
+                    *parts, qkv = call_step(o.step, args, {"joined": True})
+                    assert isinstance(qkv, mx.array)
+                    values = tuple(parts)
+                    joined[tuple(o.step.outputs[:3])] = qkv
                 else:
                     values = call_step(o.step, lm_head_rows(o.step, args))
                 _bind(env, o.step.outputs, values)

@@ -148,13 +148,12 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
 
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,
                    keys: mx.array, values: mx.array, offset: mx.array, mask: Mask,
-                   use_kernel: bool, rows: int | None = None, qkv: mx.array | None = None,
-                   offset_rows: mx.array | None = None
-                   ) -> tuple[mx.array, mx.array, mx.array]:
+                   use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
+                   qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
-    `qkv`, the fused projection q, k and v were sliced from (read in place of the slices), and
-    `offset_rows`, offset as [b] (computed once a step by the caller, not once a layer)."""
+    `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), and
+    `qkv`, the fused projection q, k and v were sliced from (read in place of the slices)."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -170,8 +169,6 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                         attn.scale_for(head_dim),
                         float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
-        if offset_rows is None:
-            offset_rows = mx.broadcast_to(offset.reshape(-1), keys.shape[:1])
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,

@@ -117,13 +117,13 @@ def fused_qkv(  # noqa: ANN201
     xp: ModuleType, x, weight, scales=None, zero_points=None, bias=None, *,  # noqa: ANN001
     q_size: int, k_size: int, v_size: int, block_size: int = 32, joined: bool = False,
 ):
-    """joined (a runtime keyword, not an attribute): return the projection [..., q+k+v] itself,
-    for a decode kernel that reads q, k and v from it (kernels_cuda.rope_attend's qkv)."""
+    """joined (a runtime keyword, not an attribute): also return the projection [..., q+k+v]
+    the three are sliced from, for a decode kernel that reads them out of it
+    (kernels_cuda.rope_attend's qkv)."""
     w = _dense_or_q(weight, scales, zero_points, block_size)
     y = project(x, w.astype(x.dtype) if isinstance(w, mx.array) else w, bias)
-    if joined:
-        return y
-    return y[..., :q_size], y[..., q_size:q_size + k_size], y[..., q_size + k_size:]
+    q, k, v = y[..., :q_size], y[..., q_size:q_size + k_size], y[..., q_size + k_size:]
+    return (q, k, v, y) if joined else (q, k, v)
 
 
 @op(D, "FusedGateUp", qweight=True)
