@@ -121,6 +121,13 @@ def main() -> None:
                 res = mx.zeros((rows, 1, nout), dt)
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
                                             mx.zeros((1,), mx.float32))
+                for n2, g2, a2 in ((3 * nout, 64, "silu"), (2 * nout, 32, None)):
+                    # the chain: that GEMV, then a gate/up or q/k/v GEMV over its y
+                    p2 = mx.zeros((n2, nout // 8), mx.uint32)
+                    s2 = mx.zeros((n2, nout // g2), dt)
+                    kernels_q4.q4_gemv_add_norm_then(
+                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
+                        mx.zeros((1,), mx.float32), (p2, s2, s2, g2, a2))
         packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
         kernels_q4.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
                                 mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32, dt)

@@ -25,8 +25,10 @@ decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache r
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
 With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
 o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
-adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=
-`epilogue`, the default; `0` keeps the separate add+RMSNorm kernel).
+adds the residual in its epilogue and its last block normalizes the rows; by default the GEMV
+reading those rows (the layer's gate/up, the next layer's q/k/v) runs in the same launch, its
+blocks waiting for that last block (FUSELM_FOLD_NORM=`chain`, program_ops.chain_consumers;
+`epilogue` launches it apart; `0` keeps the separate add+RMSNorm kernel).
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
@@ -82,8 +84,9 @@ class DecodeProgram:
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
     gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
-    # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
-    # the added row) or "0" (its own kernel)
+    # where decode steps' add+RMSNorm runs with the GEMV kernel: "chain" (in the GEMV making
+    # the added row, launched with the GEMV reading the result), "epilogue" (the same, apart)
+    # or "0" (its own kernel)
     fold: str = "0"
 
     # ---- load time -------------------------------------------------------------------------
@@ -122,8 +125,10 @@ class DecodeProgram:
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
                       len(plan.steps) - len(live), kernels=on, windows=windows,
                       gemv=gemv, fold=kernels.fold_norm_mode(gemv))
-        if program.fold == "epilogue":
+        if program.fold != "0":
             program_ops.fold_into_producers(program.ops)
+        if program.fold == "chain":
+            program_ops.chain_consumers(program.ops)
         try:
             check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
@@ -186,7 +191,7 @@ class DecodeProgram:
         # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
         # the pairs so computed (they launch nothing)
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
-                     if self.fold == "epilogue" and s == 1 else {})
+                     if self.fold != "0" and s == 1 else {})
         done: set[int] = set()
         # decode with the kernels: a FusedQKV's projection by its (q, k, v) output names, so the
         # attention kernel reads them out of it (no slices)

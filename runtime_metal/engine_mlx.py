@@ -172,8 +172,9 @@ class MLXEngine:
             "fused_kernels": (
                 "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
                     ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
-                + (", add+rms_norm in the GEMV epilogue"
-                   if self.fast.program.fold == "epilogue" else "")
+                + {"chain": ", add+rms_norm in the GEMV epilogue, chained with the next GEMV",
+                   "epilogue": ", add+rms_norm in the GEMV epilogue"}.get(
+                       self.fast.program.fold, "")
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }

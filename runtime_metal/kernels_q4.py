@@ -22,7 +22,10 @@ the plain path's matmul output would be, then act(gate), then the product.
 * `q4_gemv_add_norm(x, w, residual, scale, eps)`: the plain form whose epilogue adds the
   residual (h = x @ W + r, the next residual) and whose last block normalizes h:
   y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
-  add+RMSNorm launch after them is gone (the default; program_ops.fold_into_producers).
+  add+RMSNorm launch after them is gone (program_ops.fold_into_producers).
+* `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
+  its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
+  GEMV's blocks waiting for the first's last block (the default: two launches a layer fewer).
 * `q4_take_rows(ids, table)`: a quantized embedding lookup (QWeight.take_rows inside
   gemv_kernel): the rows' codes, scales and biases gathered and dequantized in one launch.
 
@@ -48,15 +51,27 @@ __device__ __forceinline__ float fl_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
 }
-// 8 consecutive activations as float32 (16-byte loads for half types; rows are 16-byte
-// aligned: K is a multiple of the group size, >= 32)
-__device__ __forceinline__ void fl_load8(const float* p, float* o) {
-  const float4 a = *reinterpret_cast<const float4*>(p);
-  const float4 b = *reinterpret_cast<const float4*>(p + 4);
-  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+// 16 bytes; CG: through L2 only (ld.global.cg), for data another block of the same launch
+// wrote (a chained GEMV's input): L1 is not coherent across SMs
+template <bool CG>
+__device__ __forceinline__ uint4 fl_ld16(const void* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  if (CG) return __ldcg(q);
+  return *q;
 }
+// 8 consecutive activations as float32 (16-byte loads; rows are 16-byte aligned: K is a
+// multiple of the group size, >= 32)
+template <bool CG>
+__device__ __forceinline__ void fl_load8(const float* p, float* o) {
+  const uint4 a = fl_ld16<CG>(p), b = fl_ld16<CG>(p + 4);
+  o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y);
+  o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+  o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y);
+  o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
+}
+template <bool CG>
 __device__ __forceinline__ void fl_load8(const __half* p, float* o) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint4 u = fl_ld16<CG>(p);
   const __half2* h = reinterpret_cast<const __half2*>(&u);
   for (int i = 0; i < 4; ++i) {
     const float2 f = __half22float2(h[i]);
@@ -64,8 +79,9 @@ __device__ __forceinline__ void fl_load8(const __half* p, float* o) {
     o[2 * i + 1] = f.y;
   }
 }
+template <bool CG>
 __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const uint4 u = fl_ld16<CG>(p);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
   for (int i = 0; i < 4; ++i) {
     const float2 f = __bfloat1622float2(h[i]);
@@ -73,19 +89,18 @@ __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
     o[2 * i + 1] = f.y;
   }
 }
-"""
 
-_GEMV = """
-  // warp `warp` of block b computes output column n = b * NW + warp for all R rows.
-  // wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
-  // Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
-  // multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
-  // the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
-  constexpr int KQ = K / 32, QPG = G / 32, KG = K / G, NR = EPI ? 2 : 1;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = blockIdx.x * NW + warp;
-  if (n >= NO) return;
-/*PRE*/
+// The GEMV's main loop, one warp: v[j][r] = sum_k x[r, k] W[k, n + j NO] over the NR weight
+// rows of output column n (NR = 2: the gated form's gate and up halves), for R rows of x,
+// summed across the warp (every lane holds the sums).
+// wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
+// Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
+// multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
+// the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
+template <typename T, int K, int G, int NO, int R, int NR, bool CG>
+__device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const T* sc,
+                                           const T* bi, int n, int lane, float (&v)[NR][R]) {
+  constexpr int KQ = K / 32, QPG = G / 32, KG = K / G;
   const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows are K / 2 bytes: 16-aligned
   float acc[NR][R];
   #pragma unroll
@@ -117,7 +132,7 @@ _GEMV = """
       #pragma unroll
       for (int r = 0; r < R; ++r) {
         float xv[8];
-        fl_load8(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+        fl_load8<CG>(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
         float xs = 0.f;
         #pragma unroll
         for (int e = 0; e < 8; ++e) xs += xv[e];
@@ -132,72 +147,96 @@ _GEMV = """
     }
   }
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float v[NR];
+  for (int r = 0; r < R; ++r)
     #pragma unroll
-    for (int j = 0; j < NR; ++j) v[j] = fl_warp_sum(acc[j][r]);
-    if (lane == 0) {
-      if (EPI == 0) {
-        out[(size_t)r * NO + n] = T(v[0]);
+    for (int j = 0; j < NR; ++j) v[j][r] = fl_warp_sum(acc[j][r]);
+}
+
+// Column n's outputs for the R rows (lane 0): x @ W rounded to T (EPI 0), or the gated form
+// act(gate) * up (EPI 1: silu, 2: gelu_tanh), gate and up rounded first as the plain path's
+// matmul output would be, then act(gate), then the product.
+template <typename T, int NO, int R, int NR, int EPI>
+__device__ __forceinline__ void fl_q4_store(T* out, int n, const float (&v)[NR][R]) {
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (EPI == 0) {
+      out[(size_t)r * NO + n] = T(v[0][r]);
+    } else {
+      const float gt = static_cast<float>(T(v[0][r])), up = static_cast<float>(T(v[NR - 1][r]));
+      float a;
+      if (EPI == 1) {
+        const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
+        a = static_cast<float>(T(gt * sg));
       } else {
-        const float gt = static_cast<float>(T(v[0])), up = static_cast<float>(T(v[NR - 1]));
-        float a;
-        if (EPI == 1) {
-          const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
-          a = static_cast<float>(T(gt * sg));
-        } else {
-          const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
-          a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
-        }
-        out[(size_t)r * NO + n] = T(a * up);
+        const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
+        a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
       }
+      out[(size_t)r * NO + n] = T(a * up);
     }
   }
+}
+"""
+
+_GEMV = """
+  // warp `warp` of block b computes output column n = b * NW + warp for all R rows
+  constexpr int NR = EPI ? 2 : 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * NW + warp;
+  if (n >= NO) return;
+  float v[NR][R];
+  fl_q4_dots<T, K, G, NO, R, NR, false>(x, wq, sc, bi, n, lane, v);
+  if (lane == 0) fl_q4_store<T, NO, R, NR, EPI>(out, n, v);
 """
 
 
-# The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue", the default):
-# the GEMV producing x (a layer's o_proj or down projection) writes h = x + r, the next
-# residual, rounded as the separate Add rounds it, and its block's share of each row's sum of
-# squares (its NW columns, in warp order); the LAST block to finish (a ticket) sums the blocks'
-# shares and normalizes the rows: y = RMSNorm(h) * nw. One launch instead of two, no block
-# repeats the norm, and the tail is one L2 round trip (h and the shares read at once, every
-# warp summing the shares itself, no barrier): the first form, which re-read h for the sum of
+# The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue" and "chain"): the GEMV
+# producing x (a layer's o_proj or down projection) writes h = x + r, the next residual,
+# rounded as the separate Add rounds it, and its block's share of each row's sum of squares
+# (its NW columns, in warp order); the LAST block to finish (a ticket) sums the blocks' shares
+# and normalizes the rows: y = RMSNorm(h) * nw. One launch instead of two, no block repeats
+# the norm, and the tail is one L2 round trip (h and the shares read at once, every warp
+# summing the shares itself, no barrier): the first form, which re-read h for the sum of
 # squares and reduced it across the block like the separate kernel, measured ~5 µs of tail on
 # the H200, as long as the separate launch. The order of sums differs from add_rms_norm's (a
 # few units in the last place of y); it is fixed per row, so a row's result does not depend on
-# its batch or on which block came last. NO % NW == 0: no warp leaves early, so every thread of
-# the last block reaches the tail's barriers.
-_PLAIN_WRITE = "        out[(size_t)r * NO + n] = T(v[0]);"
-_ADD_WRITE = """        const T hv = T(static_cast<float>(T(v[0])) + rrv[r]);
-        h[(size_t)r * NO + n] = hv;
-        hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);"""
-_ADD_NORM_TICKET = """
-// zero when the module loads; the last block of every call sets it back to zero (launches on
-// one stream never overlap; two streams decoding at once in one process are not supported)
-__device__ unsigned int fuselm_addnorm_ticket = 0u;
-"""
-_ADD_NORM_HEAD = "  T* out = h;  // only named in the gated branch, dead at EPI = 0\n" \
-    "  __shared__ float hsq[R][NW];\n"
-# the residual's values, loaded with the weights rather than after the sums (a round trip)
-_ADD_NORM_PRE = """  float rrv[R];
+# its batch or on which block came last. NO % NW == 0: every warp has a column, so every
+# thread of the last block reaches the tail's barriers. Returns true in the last block, after
+# its y writes; it has set the ticket back to zero (for the next launch).
+_ADD_NORM_BLOCK = """
+template <typename T, int K, int G, int NO, int R, int NW>
+__device__ __forceinline__ bool fl_q4_add_norm_block(
+    int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
+    const T* rr, const T* nw, const float* eps, T* h, T* y, float* part) {
+  constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
+  __shared__ float hsq[R][NW];
+  __shared__ unsigned int ticket;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blk * NW + warp;
+  float rrv[R];  // the residual, loaded with the weights rather than after the sums
   #pragma unroll
   for (int r = 0; r < R; ++r)
-    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;"""
-_ADD_NORM_TAIL = """
-  constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
-  __shared__ unsigned int ticket;
+    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
+  float v[1][R];
+  fl_q4_dots<T, K, G, NO, R, 1, false>(x, wq, sc, bi, n, lane, v);
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const T hv = T(static_cast<float>(T(v[0][r])) + rrv[r]);
+      h[(size_t)r * NO + n] = hv;
+      hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);
+    }
+  }
   __syncthreads();  // hsq is whole
   if (threadIdx.x < R) {  // this block's share of row r's sum of squares, in warp order
     float p = 0.f;
     for (int w = 0; w < NW; ++w) p += hsq[threadIdx.x][w];
-    part[(size_t)threadIdx.x * NB + blockIdx.x] = p;
+    part[(size_t)threadIdx.x * NB + blk] = p;
   }
   __threadfence();  // this block's h and share visible device-wide before its ticket
   __syncthreads();
-  if (threadIdx.x == 0) ticket = atomicAdd(&fuselm_addnorm_ticket, 1u);
+  if (threadIdx.x == 0) ticket = atomicAdd(tickets, 1u);
   __syncthreads();
-  if (ticket != gridDim.x - 1) return;
+  if (ticket != NB - 1) return false;
   __threadfence();
   const float e0 = eps[0];
   float wv[PT];  // the norm's scale, loaded with h and the shares
@@ -225,24 +264,101 @@ _ADD_NORM_TAIL = """
       if (i < NO) y[base + i] = T(hv[t] * rs * wv[t]);
     }
   }
-  if (threadIdx.x == 0) fuselm_addnorm_ticket = 0u;
+  if (threadIdx.x == 0) *tickets = 0u;
+  return true;
+}
 """
+# zero when the module loads; the last block of every call sets it back to zero (launches on
+# one stream never overlap; two streams decoding at once in one process are not supported)
+_ADD_NORM_TICKET = "__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
+_ADD_NORM = """
+  fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, x, wq, sc, bi,
+                                           rr, nw, eps, h, y, part);
+"""
+
+# ---- the chain (kernels.fold_norm_mode() "chain", the default): the add+norm GEMV above and
+# the GEMV reading its y (the next gate/up, the next layer's q/k/v, the LM head) in ONE launch.
+# Measured on the H200: a decode step is bound by the host's cost per launch (~9-12 µs of MLX
+# dispatch each), not by the GPU, so two launches a layer fewer is what moves the step.
+# Blocks [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last
+# block sets `ready` to B's block count after its y writes; each B block first asks L2 for
+# its weight rows (they do not depend on y), then waits for `ready`, takes one off it (the
+# last B block leaves it zero for the next launch) and reads y through L2. The wait cannot
+# deadlock while blocks are dispatched in index order (every A block is then resident or done
+# before any B block waits): the forward-progress property single-pass scans with decoupled
+# look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order: bit-equal.
+_CHAIN_GLOBALS = """
+__device__ unsigned int fuselm_chain_ticket = 0u;
+__device__ unsigned int fuselm_chain_ready = 0u;
+// L2 prefetches of a weight row's codes, scales and biases (one line per lane and step)
+template <typename T, int K, int G, int NO, int NR>
+__device__ __forceinline__ void fl_q4_prefetch(const uint32_t* wq, const T* sc, const T* bi,
+                                               int n, int lane) {
+  constexpr int QB = K / 2, SB = (K / G) * (int)sizeof(T);  // bytes a row: codes, scales
+  #pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    const size_t row = (size_t)(n + j * NO);
+    const char* q = reinterpret_cast<const char*>(wq) + row * QB;
+    for (int o = lane * 128; o < QB; o += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(q + o));
+    if (lane * 128 < SB) {
+      asm volatile("prefetch.global.L2 [%0];"
+                   :: "l"(reinterpret_cast<const char*>(sc) + row * SB + lane * 128));
+      asm volatile("prefetch.global.L2 [%0];"
+                   :: "l"(reinterpret_cast<const char*>(bi) + row * SB + lane * 128));
+    }
+  }
+}
+"""
+_CHAIN = """
+  constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
+  if (blockIdx.x < NA) {
+    if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket, x, wq, sc,
+                                                 bi, rr, nw, eps, h, y, part)) {
+      __threadfence();  // every thread's y writes device-wide before the flag
+      __syncthreads();
+      if (threadIdx.x == 0) atomicExch(&fuselm_chain_ready, gridDim.x - NA);
+    }
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = (blockIdx.x - NA) * NW + warp;
+  if (n < NO2) fl_q4_prefetch<T, NO, G2, NO2, NR2>(wq2, sc2, bi2, n, lane);
+  if (threadIdx.x == 0) {
+    while (*reinterpret_cast<volatile unsigned int*>(&fuselm_chain_ready) == 0u)
+      __nanosleep(32);
+    __threadfence();
+    atomicSub(&fuselm_chain_ready, 1u);
+  }
+  __syncthreads();
+  if (n >= NO2) return;
+  float v[NR2][R];
+  fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(y, wq2, sc2, bi2, n, lane, v);
+  if (lane == 0) fl_q4_store<T, NO2, R, NR2, EPI2>(out, n, v);
+"""
+
 
 @cache
 def _kernel() -> Any:
     return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
-                               output_names=["out"], header=_HEADER,
-                               source=_GEMV.replace("/*PRE*/", ""))
+                               output_names=["out"], header=_HEADER, source=_GEMV)
 
 
 @cache
 def _add_norm_kernel() -> Any:
-    assert _PLAIN_WRITE in _GEMV
-    source = _ADD_NORM_HEAD + _GEMV.replace(_PLAIN_WRITE, _ADD_WRITE).replace(
-        "/*PRE*/", _ADD_NORM_PRE) + _ADD_NORM_TAIL
     return mx.fast.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
-        output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_TICKET, source=source)
+        output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_TICKET,
+        source=_ADD_NORM)
+
+
+@cache
+def _chain_kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="fuselm_q4_gemv_chain",
+        input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps", "wq2", "sc2", "bi2"],
+        output_names=["h", "y", "part", "out"],
+        header=_HEADER + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
@@ -295,11 +411,36 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     h, y, _ = _add_norm_kernel()(
         inputs=[x, packed, scales, biases, residual, scale, eps],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
-                  ("R", rows), ("EPI", 0), ("NW", _WARPS)],
+                  ("R", rows), ("NW", _WARPS)],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[shape, shape, (rows, n_out // _WARPS)],
         output_dtypes=[x.dtype, x.dtype, mx.float32])
     return h, y
+
+
+def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+                          group_size: int, residual: mx.array, scale: mx.array, eps: mx.array,
+                          then: tuple[mx.array, mx.array, mx.array, int, str | None]
+                          ) -> tuple[mx.array, mx.array, mx.array]:
+    """(h, y, z): q4_gemv_add_norm's h and y, and z = q4_gemv(y, *then) (then: the next
+    weight's packed codes, scales and biases in y's dtype, group size, gated activation or
+    None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
+    x and `fits` for y (residual's shape and dtype) against the next weight."""
+    packed2, scales2, biases2, group2, act = then
+    k = x.shape[-1]
+    n_out = packed.shape[0]
+    n_out2 = packed2.shape[0] // (2 if act else 1)
+    shape, rows = (*x.shape[:-1], n_out), x.size // k
+    blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
+    h, y, _, z = _chain_kernel()(
+        inputs=[x, packed, scales, biases, residual, scale, eps, packed2, scales2, biases2],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
+                  ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
+                  ("EPI2", ACTIVATIONS[act] if act else 0)],
+        grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[shape, shape, (rows, n_out // _WARPS), (*x.shape[:-1], n_out2)],
+        output_dtypes=[x.dtype, x.dtype, mx.float32, x.dtype])
+    return h, y, z
 
 
 # ---- a quantized embedding lookup: the looked-up rows' codes, scales and biases gathered and

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal import kernels, kernels_cuda
+from fuselm.runtime_metal import kernels, kernels_cuda, kernels_q4
 from fuselm.runtime_metal.attention import Attention, Mask
 from fuselm.runtime_metal.qweight import QWeight
 from fuselm.runtime_metal.step import Step, call_step
@@ -35,6 +35,9 @@ class ProgramOp:
     # which input (0 or 1); the other is the residual
     norm_producer: ProgramOp | None = None
     producer_arg: int = 0
+    # add_norm with a norm_producer: the Q4 GEMV step reading the normalized row, launched
+    # with the producer (chain_consumers)
+    chain_consumer: ProgramOp | None = None
 
 
 def _q4_matmul(c: ProgramOp) -> QWeight | None:
@@ -75,17 +78,63 @@ def fold_into_producers(ops: list[ProgramOp]) -> None:
                 break
 
 
+_CHAINED_OPS = ("FusedQKV", "FusedGateUp", "MatMul")
+
+
+def chain_target(c: ProgramOp) -> tuple[QWeight, str | None] | None:
+    """What a chain consumer runs on its input x: (W, None) for x @ W (FusedQKV, whose bias
+    and slicing follow; a plain MatMul), (W, act) for FusedGateUp's gated form, whose kernel
+    computes act(gate) * up; None for a step whose weight is no constant Q4 weight, the LM
+    head (its bandwidth-bound GEMV keeps its own launch: the chained kernel's registers, set
+    by the add+norm half, would halve its occupancy) or a gate/up the gated kernel does not
+    take (a bias, another activation)."""
+    s = c.step
+    w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
+    if c.kind != "step" or s.op_type not in _CHAINED_OPS or s.is_lm_head or not isinstance(
+            w, QWeight):
+        return None
+    if s.op_type != "FusedGateUp":
+        return w, None
+    act = str(s.attrs.get("activation", "silu"))
+    has_bias = len(c.args) > 4 and c.args[4][0] != "none"
+    return None if has_bias or act not in kernels_q4.ACTIVATIONS else (w, act)
+
+
+def chain_consumers(ops: list[ProgramOp]) -> None:
+    """Give each add_norm pair with a norm_producer its `chain_consumer`: the one step reading
+    the normalized row, when chain_target takes it (a layer's gate/up after o_proj, the next
+    layer's q/k/v after down); its GEMV then runs in the producer's launch
+    (kernels_q4.q4_gemv_add_norm_then) and its own call takes the result (QWeight.matmul)."""
+    readers: dict[str, list[ProgramOp]] = {}
+    for o in ops:
+        for p in (o, o.partner):
+            if p is not None:
+                for kind, name in p.args:
+                    if kind == "env":
+                        readers.setdefault(str(name), []).append(p)
+    for o in ops:
+        if o.norm_producer is None or o.partner is None or not o.partner.step.outputs:
+            continue
+        y = o.partner.step.outputs[0]
+        users = readers.get(y, [])
+        if (len(users) == 1 and users[0].args[:1] == [("env", y)]
+                and chain_target(users[0]) is not None):
+            o.chain_consumer = users[0]
+
+
 def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: object,
                     scale: object) -> tuple[mx.array, mx.array] | None:
     """The epilogue form of fold_into_producers: (h, y) from one GEMV launch, or None where the
-    kernel does not take these shapes (the MatMul and the pair then run as usual)."""
+    kernel does not take these shapes (the MatMul and the pair then run as usual). With a
+    chain consumer, that launch also computes its GEMV over y where it fits."""
     w = _q4_matmul(producer)
     assert w is not None and pair.partner is not None
     axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]
     if not (isinstance(x, mx.array) and axis in (-1, x.ndim - 1)):
         return None
     eps = float(pair.partner.step.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
-    return w.matmul_add_norm(x, residual, scale, mx.array([eps], mx.float32))
+    then = chain_target(pair.chain_consumer) if pair.chain_consumer is not None else None
+    return w.matmul_add_norm(x, residual, scale, mx.array([eps], mx.float32), then)
 
 
 def fuse_pairs(ops: list[ProgramOp]) -> list[ProgramOp]:

@@ -23,6 +23,11 @@ from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 MLX_GROUP_SIZES = (32, 64, 128)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
 _gemv = 0  # > 0 while the compiled program traces a decode step with fuselm's CUDA kernels on
+# Results of GEMVs launched with the add+norm GEMV making their input (the chain,
+# QWeight.matmul_add_norm's `then`): (id of the weight's codes, id of the input, activation)
+# -> (the input, kept so that its id stays unique, the result); the weight's matmul /
+# gated_matmul of that input takes it instead of launching. Emptied when gemv_kernel ends.
+_chained: dict[tuple[int, int, str | None], tuple[mx.array, mx.array]] = {}
 
 
 @contextmanager
@@ -36,6 +41,13 @@ def gemv_kernel(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _gemv -= int(on)
+        if not _gemv:
+            _chained.clear()
+
+
+def chained_pending() -> int:
+    """Chained GEMV results not yet taken by their weight's call (0 after a whole step)."""
+    return len(_chained)
 
 
 @contextmanager
@@ -95,7 +107,10 @@ class QWeight:
         return self._cast[dtype]
 
     def matmul(self, x: mx.array) -> mx.array:
-        """x @ W as ONE quantized matmul."""
+        """x @ W as ONE quantized matmul (or none: made by the chain, see `_chained`)."""
+        done = _chained.pop((id(self.packed), id(x), None), None)
+        if done is not None:
+            return done[1]
         s, b = self.affine(x.dtype)
         if self._gemv_fits(x):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
@@ -119,15 +134,26 @@ class QWeight:
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
 
-    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: mx.array
+    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: mx.array,
+                        then: tuple[QWeight, str | None] | None = None
                         ) -> tuple[mx.array, mx.array] | None:
         """(x @ W + residual, RMSNorm of that * scale) from the GEMV kernel with its add+norm
-        epilogue, or None where it is off or does not fit."""
+        epilogue, or None where it is off or does not fit. `then` = (W2, act): where the
+        kernel takes it, the same launch computes y @ W2 (gated by act if given) for the
+        normalized row y, which W2's matmul / gated_matmul of y then returns."""
         if not (self._gemv_fits(x) and kernels_q4.add_norm_fits(x, self.packed, residual,
                                                                    scale)):
             return None
         assert isinstance(residual, mx.array) and isinstance(scale, mx.array)
         s, b = self.affine(x.dtype)
+        if then is not None and then[0]._gemv_fits(residual, then[1]):
+            nxt, act = then
+            s2, b2 = nxt.affine(x.dtype)
+            h, y, z = kernels_q4.q4_gemv_add_norm_then(
+                x, self.packed, s, b, self.group_size, residual, scale, eps,
+                (nxt.packed, s2, b2, nxt.group_size, act))
+            _chained[(id(nxt.packed), id(y), act)] = (y, z)
+            return h, y
         return kernels_q4.q4_gemv_add_norm(x, self.packed, s, b, self.group_size, residual,
                                            scale, eps)
 
@@ -139,6 +165,9 @@ class QWeight:
     def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
         or None where the kernel is off or does not fit (the caller runs the plain path)."""
+        done = _chained.pop((id(self.packed), id(x), activation), None)
+        if done is not None:
+            return done[1]
         if not self._gemv_fits(x, activation):
             return None
         s, b = self.affine(x.dtype)

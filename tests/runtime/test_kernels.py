@@ -72,14 +72,16 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_FOLD_NORM: epilogue by default, 0; without the GEMV kernel: 0."""
+    """FUSELM_FOLD_NORM: chain by default, epilogue, 0; without the GEMV kernel: 0."""
     monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
-    assert kernels.fold_norm_mode(True) == "epilogue"
+    assert kernels.fold_norm_mode(True) == "chain"
     assert kernels.fold_norm_mode(False) == "0"
-    monkeypatch.setenv(kernels.FOLD_ENV, "0")
-    assert kernels.fold_norm_mode(True) == "0"
+    for mode in ("epilogue", "0"):
+        monkeypatch.setenv(kernels.FOLD_ENV, mode)
+        assert kernels.fold_norm_mode(True) == mode
     monkeypatch.setenv(kernels.FOLD_ENV, "1")
-    with pytest.raises(RuntimeUserError, match="FUSELM_FOLD_NORM='1': use one of epilogue"):
+    with pytest.raises(RuntimeUserError,
+                       match="FUSELM_FOLD_NORM='1': use one of chain, epilogue, 0"):
         kernels.fold_norm_mode(True)
 
 
@@ -510,6 +512,78 @@ def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) ->
         assert sum(("env", made) in p.args for p in program.ops) == 1  # the Add alone reads it
 
 
+def test_chain_consumers_are_each_layers_gate_up_and_next_qkv(q4_artifact: Path) -> None:
+    """Everywhere (plain Python): the GEMV launched with each folded add+RMSNorm is the one
+    step reading its normalized row: the layer's FusedGateUp after o_proj (gated, silu), the
+    next layer's FusedQKV after down; the final norm feeds the LM head, which keeps its own
+    launch: 2 per layer but the last."""
+    from fuselm.runtime_metal import program_ops
+    from fuselm.runtime_metal.engine import make_engine
+
+    program = make_engine(q4_artifact, "mlx").fast.program
+    program_ops.fold_into_producers(program.ops)
+    program_ops.chain_consumers(program.ops)
+    chained = [o for o in program.ops if o.chain_consumer is not None]
+    layers = program.num_layers
+    assert collections.Counter(o.chain_consumer.step.op_type for o in chained) == {
+        "FusedGateUp": layers, "FusedQKV": layers - 1}
+    for o in chained:
+        y = o.partner.step.outputs[0]
+        assert o.chain_consumer.args[0] == ("env", y)
+        assert sum(("env", y) in p.args for p in program.ops) == 1
+        w, act = program_ops.chain_target(o.chain_consumer)
+        assert act == ("silu" if o.chain_consumer.step.op_type == "FusedGateUp" else None)
+        assert w is o.chain_consumer.args[1][1]
+    final = [o for o in program.ops if o.norm_producer is not None and o.chain_consumer is None]
+    assert len(final) == 1  # the last down projection -> the final norm -> the LM head
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n,n2,group2,act", [
+    (1, 2048, 1024, 3072, 32, "silu"),  # Qwen3-0.6B: o_proj, then gate/up
+    (1, 3072, 1024, 4096, 32, None),  # down, then the next layer's q/k/v
+    (4, 1024, 2048, 8192, 64, "silu"),  # a 4-row batch, group 64
+    (1, 4096, 4096, 14336, 32, "silu"),  # Llama-3.1-8B: more B blocks than fit at once
+    (3, 96, 64, 96, 32, None)])
+def test_q4_gemv_chain(dtype: mx.Dtype, rows: int, k: int, n: int, n2: int, group2: int,
+                       act: str | None) -> None:
+    """The add+norm GEMV and the GEMV over its y in one launch against the two launched
+    apart (q4_gemv_add_norm, then q4_gemv of its y): h, y and the second GEMV's result all
+    bit-equal (the same sums in the same order); a second call bit-equal to the first (the
+    ticket and the ready count are back to zero)."""
+    from fuselm.runtime_metal import kernels_q4, qweight
+
+    rng = np.random.default_rng(rows + k + n + n2)
+    w, _ = _q4_weight(rng, k, n, 32)
+    w2, _ = _q4_weight(rng, n, 2 * n2 if act else n2, group2)
+    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
+    eps = mx.array([1e-6], mx.float32)
+    with qweight.gemv_kernel():
+        apart = w.matmul_add_norm(x, r, scale, eps)
+        assert apart is not None
+        z_ref = w2.gated_matmul(apart[1], act) if act else w2.matmul(apart[1])
+        runs = []
+        for _ in range(2):
+            hy = w.matmul_add_norm(x, r, scale, eps, (w2, act))
+            assert hy is not None
+            # the chained result is taken by the next weight's own call, no launch of its own
+            assert qweight.chained_pending() == 1
+            z = w2.gated_matmul(hy[1], act) if act else w2.matmul(hy[1])
+            assert qweight.chained_pending() == 0
+            runs.append((*hy, z))
+    s2, b2 = w2.affine(dtype)
+    assert kernels_q4.fits(r, w2.packed, s2, group2, 4, True, act)
+    ref = [np.array(a.astype(mx.float32)) for a in (*apart, z_ref)]
+    for run in runs:
+        got = [np.array(a.astype(mx.float32)) for a in run]
+        for a, b in zip(got, ref, strict=True):
+            assert a.shape == b.shape
+            assert np.array_equal(a, b)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,k,n", [(1, 2048, 1024), (4, 3072, 1024), (1, 14336, 4096),
@@ -543,32 +617,57 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
 
 
 @cuda
-def test_q4_program_fold_on_matches_fold_off(tmp_path: Path,
+def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q4 Qwen3 in float16 and float32: the decode steps with the add+RMSNorm in the
-    producing GEMVs' epilogue against the separate add+RMSNorm kernel: logits rel <= 1e-4
-    (float32) over 8 steps, the same greedy tokens."""
+    """A Q4 Qwen3 in float32: the decode steps with the add+RMSNorm in the producing GEMVs'
+    epilogue, launched alone ("epilogue") or with the GEMV reading its row ("chain"), against
+    the separate add+RMSNorm kernel ("0"): logits rel <= 1e-4 over 8 steps, the same greedy
+    tokens. And what a step launches: the epilogue removes the 2 add+norm launches a layer;
+    the chain also takes every q/k/v and gate/up GEMV into a chain launch but the first
+    layer's q/k/v (read after the embedding's norm) and leaves the LM head its own launch."""
+    from fuselm.runtime_metal import kernels_q4
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     out = _q4_qwen3(tmp_path, seed=7)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
-    logits, tokens = {}, {}
-    mode = "epilogue"
-    for fold in ("0", mode):
+    logits, tokens, per_step = {}, {}, {}
+    launches: collections.Counter[str] = collections.Counter()
+    for name in ("q4_gemv", "q4_gemv_add_norm", "q4_gemv_add_norm_then", "q4_take_rows"):
+        real = getattr(kernels_q4, name)
+
+        def counted(*a: object, _real=real, _name=name, **kw: object) -> object:  # noqa: ANN001
+            launches[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(kernels_q4, name, counted)
+    for fold in ("0", "epilogue", "chain"):
         monkeypatch.setenv(kernels.FOLD_ENV, fold)
         engine = make_engine(out, "mlx")
         program = engine.fast.program
         assert program.fold == fold
         producers = sum(o.norm_producer is not None for o in program.ops)
         # each layer's two (the last one feeds the final norm)
-        assert producers == (2 * program.num_layers if fold == "epilogue" else 0)
+        assert producers == (2 * program.num_layers if fold != "0" else 0)
+        launches.clear()
         tokens[fold] = generate(engine, prompt, max_new_tokens=16).tokens
+        # the kernels' Python calls happen as mx.compile traces a decode step (once per
+        # shape); the embedding lookup runs once a traced step
+        traces = launches.pop("q4_take_rows")
+        assert traces >= 1 and all(n % traces == 0 for n in launches.values())
+        per_step[fold] = {k: n // traces for k, n in launches.items()}
         engine.reset()
         engine.reserve(len(prompt) + 8)
         engine.forward(np.asarray([prompt]))
         logits[fold] = np.stack([np.array(engine.decode_step(mx.array(t, mx.int32)))
                                  for t in tokens[fold][:8]])
-    assert rel(logits[mode], logits["0"]) <= 1e-4
-    assert tokens[mode] == tokens["0"]
+    layers = program.num_layers
+    gemvs = per_step["0"]["q4_gemv"]  # q/k/v, o_proj, gate/up, down a layer (+ the LM head)
+    assert gemvs >= 4 * layers and set(per_step["0"]) == {"q4_gemv"}
+    assert per_step["epilogue"] == {"q4_gemv_add_norm": 2 * layers, "q4_gemv": gemvs - 2 * layers}
+    # the last down projection's add+norm feeds the LM head: an epilogue launch of its own
+    assert per_step["chain"] == {"q4_gemv_add_norm_then": 2 * layers - 1, "q4_gemv_add_norm": 1,
+                                 "q4_gemv": gemvs - 2 * layers - (2 * layers - 1)}
+    for mode in ("epilogue", "chain"):
+        assert rel(logits[mode], logits["0"]) <= 1e-4
+        assert tokens[mode] == tokens["0"]
