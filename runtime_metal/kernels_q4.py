@@ -277,19 +277,23 @@ _ADD_NORM = """
 """
 
 # ---- the chain (kernels.fold_norm_mode() "chain", the default): the add+norm GEMV above and
-# the GEMV reading its y (the next gate/up, the next layer's q/k/v, the LM head) in ONE launch.
-# Measured on the H200: a decode step is bound by the host's cost per launch (~9-12 µs of MLX
-# dispatch each), not by the GPU, so two launches a layer fewer is what moves the step.
-# Blocks [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last
-# block sets `ready` to B's block count after its y writes; each B block first asks L2 for
-# its weight rows (they do not depend on y), then waits for `ready`, takes one off it (the
-# last B block leaves it zero for the next launch) and reads y through L2. The wait cannot
-# deadlock while blocks are dispatched in index order (every A block is then resident or done
-# before any B block waits): the forward-progress property single-pass scans with decoupled
-# look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order: bit-equal.
+# the GEMV reading its y (the layer's gate/up, the next layer's q/k/v) in ONE launch. Blocks
+# [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last block
+# sets each ready slot to the count of B blocks it serves after its y writes; each B block
+# first asks L2 for its weight rows (they do not depend on y), then waits for its slot, takes
+# one off it (the last leaves it zero for the next launch) and reads y through L2. The wait
+# cannot deadlock while blocks are dispatched in index order (every A block is then resident
+# or done before any B block waits): the forward-progress property single-pass scans with
+# decoupled look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order:
+# bit-equal to the two launches apart.
 _CHAIN_GLOBALS = """
 __device__ unsigned int fuselm_chain_ticket = 0u;
-__device__ unsigned int fuselm_chain_ready = 0u;
+// B block b waits on slot b % SLOTS, its own 128-byte line: with one shared count (the first
+// form) the B blocks' polls all went to one L2 slice, and every A load that slice serves
+// queued behind them: the chained launch took 19-27 us on the H200 against 10 for the two
+// launches apart
+constexpr unsigned int FL_CHAIN_SLOTS = 1024, FL_CHAIN_STRIDE = 32;
+__device__ unsigned int fuselm_chain_ready[FL_CHAIN_SLOTS * FL_CHAIN_STRIDE];
 // L2 prefetches of a weight row's codes, scales and biases (one line per lane and step)
 template <typename T, int K, int G, int NO, int NR>
 __device__ __forceinline__ void fl_q4_prefetch(const uint32_t* wq, const T* sc, const T* bi,
@@ -315,9 +319,12 @@ _CHAIN = """
   if (blockIdx.x < NA) {
     if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket, x, wq, sc,
                                                  bi, rr, nw, eps, h, y, part)) {
-      __threadfence();  // every thread's y writes device-wide before the flag
+      __threadfence();  // every thread's y writes device-wide before any slot is set
       __syncthreads();
-      if (threadIdx.x == 0) atomicExch(&fuselm_chain_ready, gridDim.x - NA);
+      const unsigned int nb = gridDim.x - NA;  // B blocks: slot s serves those with b % SLOTS = s
+      for (unsigned int s = threadIdx.x; s < FL_CHAIN_SLOTS && s < nb; s += blockDim.x)
+        atomicExch(&fuselm_chain_ready[s * FL_CHAIN_STRIDE],
+                   nb / FL_CHAIN_SLOTS + (s < nb % FL_CHAIN_SLOTS ? 1u : 0u));
     }
     return;
   }
@@ -325,10 +332,11 @@ _CHAIN = """
   const int n = (blockIdx.x - NA) * NW + warp;
   if (n < NO2) fl_q4_prefetch<T, NO, G2, NO2, NR2>(wq2, sc2, bi2, n, lane);
   if (threadIdx.x == 0) {
-    while (*reinterpret_cast<volatile unsigned int*>(&fuselm_chain_ready) == 0u)
-      __nanosleep(32);
+    unsigned int* slot = &fuselm_chain_ready[((blockIdx.x - NA) % FL_CHAIN_SLOTS) *
+                                             FL_CHAIN_STRIDE];
+    while (*reinterpret_cast<volatile unsigned int*>(slot) == 0u) __nanosleep(64);
     __threadfence();
-    atomicSub(&fuselm_chain_ready, 1u);
+    atomicSub(slot, 1u);  // the slot's last B block leaves it zero for the next launch
   }
   __syncthreads();
   if (n >= NO2) return;
