@@ -25,10 +25,10 @@ decoded token (runtime_metal/kernels_cuda.py; the attention kernel reads cache r
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
 With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
 o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
-adds the residual in its epilogue and its last block normalizes the rows; by default the GEMV
-reading those rows (the layer's gate/up, the next layer's q/k/v) runs in the same launch, its
-blocks waiting for that last block (FUSELM_FOLD_NORM=`chain`, program_ops.chain_consumers;
-`epilogue` launches it apart; `0` keeps the separate add+RMSNorm kernel).
+adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=
+`epilogue`, the default; `chain` also runs the GEMV reading those rows, the layer's gate/up or
+the next layer's q/k/v, in the same launch, its blocks waiting for that last block:
+program_ops.chain_consumers; `0` keeps the separate add+RMSNorm kernel).
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the

@@ -50,18 +50,20 @@ def gemv_enabled(kernels_on: bool) -> bool:
 
 
 FOLD_ENV = "FUSELM_FOLD_NORM"
-FOLD_MODES = ("chain", "epilogue", "0")
+FOLD_MODES = ("epilogue", "chain", "0")
 
 
 def fold_norm_mode(gemv_on: bool) -> str:
     """Where each decode step's residual add + RMSNorm runs when the Q4 GEMV kernel is on
-    (FUSELM_FOLD_NORM): `chain` (default) in the GEMV that produces the added row (o_proj,
-    down), launched together with the GEMV reading the normalized row (gate/up, the next
-    layer's q/k/v: kernels_q4.q4_gemv_add_norm_then); `epilogue` the same without the chain
-    (kernels_q4.q4_gemv_add_norm, whose last block normalizes); `0` as the separate
-    add+RMSNorm kernel. Without the GEMV kernel: "0". (Folding it into every block of the GEMV
-    reading the normalized row instead measured ~21 µs a GEMV against ~3.5 µs plain on the
-    H200, a Qwen3-0.6B step 2.85 ms against 1.59 ms unfolded: BENCHMARKS.md issue 14.)"""
+    (FUSELM_FOLD_NORM): `epilogue` (default) in the GEMV that produces the added row (o_proj,
+    down: kernels_q4.q4_gemv_add_norm, whose last block normalizes); `chain` the same, launched
+    together with the GEMV reading the normalized row (gate/up, the next layer's q/k/v:
+    kernels_q4.q4_gemv_add_norm_then; 2 launches a layer fewer, but the H200 measured the
+    chained launch at ~2.7x the two apart, a Qwen3-0.6B step 2.48 ms against 1.70 ms:
+    BENCHMARKS.md session 10); `0` as the separate add+RMSNorm kernel. Without the GEMV
+    kernel: "0". (Folding it into every block of the GEMV reading the normalized row instead
+    measured ~21 µs a GEMV against ~3.5 µs plain on the H200, a Qwen3-0.6B step 2.85 ms
+    against 1.59 ms unfolded: BENCHMARKS.md issue 14.)"""
     raw = os.environ.get(FOLD_ENV, FOLD_MODES[0]).strip().lower()
     if raw not in FOLD_MODES:
         raise RuntimeUserError(f"{FOLD_ENV}={raw!r}: use one of {', '.join(FOLD_MODES)}")

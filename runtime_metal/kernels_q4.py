@@ -25,7 +25,8 @@ the plain path's matmul output would be, then act(gate), then the product.
   add+RMSNorm launch after them is gone (program_ops.fold_into_producers).
 * `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
   its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
-  GEMV's blocks waiting for the first's last block (the default: two launches a layer fewer).
+  GEMV's blocks waiting for the first's last block (FUSELM_FOLD_NORM=chain: two launches a
+  layer fewer, but slower on the H200 so far; see the chain's comment below).
 * `q4_take_rows(ids, table)`: a quantized embedding lookup (QWeight.take_rows inside
   gemv_kernel): the rows' codes, scales and biases gathered and dequantized in one launch.
 
@@ -276,7 +277,7 @@ _ADD_NORM = """
                                            rr, nw, eps, h, y, part);
 """
 
-# ---- the chain (kernels.fold_norm_mode() "chain", the default): the add+norm GEMV above and
+# ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
 # the GEMV reading its y (the layer's gate/up, the next layer's q/k/v) in ONE launch. Blocks
 # [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last block
 # sets each ready slot to the count of B blocks it serves after its y writes; each B block
@@ -286,12 +287,16 @@ _ADD_NORM = """
 # or done before any B block waits): the forward-progress property single-pass scans with
 # decoupled look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order:
 # bit-equal to the two launches apart.
+# Measured on the H200 (two hosts, Qwen3-0.6B g32 decode step): 92 launches a step against
+# 147, but the chained launches took 20.5 us (o_proj + gate/up) and 27.9 us (down + q/k/v)
+# against 5.8 + 4.0 and 7.0 + 3.3 apart, so GPU busy time rose 1.13 -> 1.92 ms and the step
+# 1.70 -> 2.48 ms: not the default. One shared ready count or one slot per B block made no
+# difference (19.1 / 26.6 us with the shared count), so L2 contention on the polls is not the
+# cause; per-instruction stall samples (ncu source page) of the A half are the next step.
 _CHAIN_GLOBALS = """
 __device__ unsigned int fuselm_chain_ticket = 0u;
-// B block b waits on slot b % SLOTS, its own 128-byte line: with one shared count (the first
-// form) the B blocks' polls all went to one L2 slice, and every A load that slice serves
-// queued behind them: the chained launch took 19-27 us on the H200 against 10 for the two
-// launches apart
+// B block b waits on slot b % SLOTS, its own 128-byte line, so the polls spread over L2
+// slices instead of all queueing on one (measured: no change against one shared count)
 constexpr unsigned int FL_CHAIN_SLOTS = 1024, FL_CHAIN_STRIDE = 32;
 __device__ unsigned int fuselm_chain_ready[FL_CHAIN_SLOTS * FL_CHAIN_STRIDE];
 // L2 prefetches of a weight row's codes, scales and biases (one line per lane and step)

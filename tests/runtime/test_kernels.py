@@ -72,16 +72,16 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_FOLD_NORM: chain by default, epilogue, 0; without the GEMV kernel: 0."""
+    """FUSELM_FOLD_NORM: epilogue by default, chain, 0; without the GEMV kernel: 0."""
     monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
-    assert kernels.fold_norm_mode(True) == "chain"
+    assert kernels.fold_norm_mode(True) == "epilogue"
     assert kernels.fold_norm_mode(False) == "0"
-    for mode in ("epilogue", "0"):
+    for mode in ("chain", "0"):
         monkeypatch.setenv(kernels.FOLD_ENV, mode)
         assert kernels.fold_norm_mode(True) == mode
     monkeypatch.setenv(kernels.FOLD_ENV, "1")
     with pytest.raises(RuntimeUserError,
-                       match="FUSELM_FOLD_NORM='1': use one of chain, epilogue, 0"):
+                       match="FUSELM_FOLD_NORM='1': use one of epilogue, chain, 0"):
         kernels.fold_norm_mode(True)
 
 
