@@ -93,7 +93,7 @@ def main() -> None:
         return launch
 
     mx.fast.cuda_kernel = recorder  # type: ignore[assignment]
-    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+    from fuselm.runtime_metal import kernels_cuda, kernels_embedding, kernels_q4
 
     rng = np.random.default_rng(0)
     attention = [  # d, hq, hk, q/k norms, interleaved: the test and model shapes
@@ -129,7 +129,7 @@ def main() -> None:
                         x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
                         mx.zeros((1,), mx.float32), (p2, s2, s2, g2, a2))
         packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
-        kernels_q4.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
+        kernels_embedding.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
                                 mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32, dt)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

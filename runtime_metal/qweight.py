@@ -17,7 +17,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal import kernels, kernels_q4
+from fuselm.runtime_metal import kernels, kernels_embedding, kernels_q4
 from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 
 MLX_GROUP_SIZES = (32, 64, 128)
@@ -176,11 +176,11 @@ class QWeight:
     def take_rows(self, indices: mx.array) -> mx.array:
         """W[indices] for an untransposed W (a quantized embedding): dequantize only those rows;
         a negative index counts from the end (ONNX Gather). Inside gemv_kernel (the decode
-        steps on MLX-CUDA): one kernel launch (kernels_q4.q4_take_rows)."""
+        steps on MLX-CUDA): one kernel launch (kernels_embedding.q4_take_rows)."""
         assert not self.transposed
-        if _gemv and kernels_q4.take_fits(indices, self.packed, self.scales, self.group_size,
+        if _gemv and kernels_embedding.take_fits(indices, self.packed, self.scales, self.group_size,
                                           self.bits):
-            return kernels_q4.q4_take_rows(indices, self.packed, self.scales, self.biases,
+            return kernels_embedding.q4_take_rows(indices, self.packed, self.scales, self.biases,
                                            self.group_size, self.dtype)
         indices = mx.where(indices < 0, indices + self.shape[0], indices)
         rows = mx.dequantize(self.packed[indices], self.scales[indices], self.biases[indices],

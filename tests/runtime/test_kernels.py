@@ -625,7 +625,7 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
     tokens. And what a step launches: the epilogue removes the 2 add+norm launches a layer;
     the chain also takes every q/k/v and gate/up GEMV into a chain launch but the first
     layer's q/k/v (read after the embedding's norm) and leaves the LM head its own launch."""
-    from fuselm.runtime_metal import kernels_q4
+    from fuselm.runtime_metal import kernels_embedding, kernels_q4
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
@@ -634,13 +634,15 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 384, 40)]
     logits, tokens, per_step = {}, {}, {}
     launches: collections.Counter[str] = collections.Counter()
-    for name in ("q4_gemv", "q4_gemv_add_norm", "q4_gemv_add_norm_then", "q4_take_rows"):
-        real = getattr(kernels_q4, name)
+    for module, name in ((kernels_q4, "q4_gemv"), (kernels_q4, "q4_gemv_add_norm"),
+                         (kernels_q4, "q4_gemv_add_norm_then"),
+                         (kernels_embedding, "q4_take_rows")):
+        real = getattr(module, name)
 
         def counted(*a: object, _real=real, _name=name, **kw: object) -> object:  # noqa: ANN001
             launches[_name] += 1
             return _real(*a, **kw)
-        monkeypatch.setattr(kernels_q4, name, counted)
+        monkeypatch.setattr(module, name, counted)
     for fold in ("0", "epilogue", "chain"):
         monkeypatch.setenv(kernels.FOLD_ENV, fold)
         engine = make_engine(out, "mlx")
