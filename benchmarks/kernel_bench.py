@@ -7,8 +7,10 @@ float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUP
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) for the q/k/v and the gated gate/up shapes, the o_proj and down
-  GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the default), and the
-  separate add+RMSNorm kernel the epilogue replaces;
+  GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the default), the
+  separate add+RMSNorm kernel the epilogue replaces, and the chained launches of
+  FUSELM_FOLD_NORM=chain (q4_gemv_add_norm_then: o_proj + gate/up, down + q/k/v; compare each
+  with the sum of its two parts);
 - rope+attention (kernels_cuda.rope_attend): a block per query head (split 0), and the split
   kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto` as kernels.attend_splits picks)
   at each cached length --pos, with the program's warps/keys per block and each of
@@ -89,6 +91,11 @@ def main() -> None:
         "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps)[1],
         "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),
         "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps)[1],
+        # FUSELM_FOLD_NORM=chain: the epilogue GEMV and the GEMV over its y in one launch
+        "o_proj addnorm + gate_up chain": lambda: kernels_q4.q4_gemv_add_norm_then(
+            xo, *o_proj, g, r, nw, eps, (*gate_up, g, "silu"))[2],
+        "down addnorm + qkv chain": lambda: kernels_q4.q4_gemv_add_norm_then(
+            xd, *down, g, r, nw, eps, (*qkv, g, None))[2],
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
