@@ -130,7 +130,8 @@ def main() -> None:
                         mx.zeros((1,), mx.float32), (p2, s2, s2, g2, a2))
         packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
         kernels_embedding.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
-                                mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32, dt)
+                                       mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32,
+                                       dt)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for fname, (text, threads) in sorted(units.items()):

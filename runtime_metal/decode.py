@@ -84,9 +84,9 @@ class DecodeProgram:
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
     kernels: bool = False  # fuselm's fused CUDA kernels where they fit (runtime_metal/kernels.py)
     gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
-    # where decode steps' add+RMSNorm runs with the GEMV kernel: "chain" (in the GEMV making
-    # the added row, launched with the GEMV reading the result), "epilogue" (the same, apart)
-    # or "0" (its own kernel)
+    # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
+    # the added row), "chain" (the same, launched with the GEMV reading the result) or "0" (its
+    # own kernel)
     fold: str = "0"
 
     # ---- load time -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 
 ENV = "FUSELM_KERNELS"
 MODES = ("auto", "on", "off")
-_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the activation dtypes the kernels take
 
 
 def cuda_device() -> bool:
@@ -150,7 +150,7 @@ def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
     if not all(isinstance(a, mx.array) for a in (x, r, scale)):
         return False
     assert isinstance(x, mx.array) and isinstance(r, mx.array) and isinstance(scale, mx.array)
-    return (x.ndim >= 1 and x.shape == r.shape and x.dtype == r.dtype and x.dtype in _DTYPES
+    return (x.ndim >= 1 and x.shape == r.shape and x.dtype == r.dtype and x.dtype in DTYPES
             and axis % x.ndim == x.ndim - 1 and scale.ndim == 1
             and scale.shape[0] == x.shape[-1])
 
@@ -172,4 +172,4 @@ def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, objec
             and d % 32 == 0 and d <= 256 and 0 < rotary_dim <= d and rotary_dim % 2 == 0
             and hk > 0 and hq % hk == 0
             and q.shape[2] == hq * d and k.shape[2] == hk * d and v.shape[2] == hk * d
-            and keys.dtype in _DTYPES and q.dtype == keys.dtype)
+            and keys.dtype in DTYPES and q.dtype == keys.dtype)

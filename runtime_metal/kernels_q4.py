@@ -40,9 +40,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from fuselm.runtime_metal.kernels import DTYPES
+
 MAX_ROWS = 16  # a server batch; more rows (a prefill chunk) go to MLX's tiled GEMM
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
-_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _WARPS = 8  # outputs per block
 
 _HEADER = """
@@ -376,7 +377,7 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
          transposed: bool, act: str | None = None) -> bool:
     """x [..., K] of at most MAX_ROWS rows against a 4-bit M [N, K] grouped along K (W = M.T),
     scales/biases of x's dtype; for a gated epilogue, an even N."""
-    if not (transposed and bits == 4 and x.dtype in _DTYPES and x.ndim >= 1):
+    if not (transposed and bits == 4 and x.dtype in DTYPES and x.ndim >= 1):
         return False
     k = x.shape[-1]
     rows = x.size // k if k else 0

@@ -40,12 +40,30 @@ class ProgramOp:
     chain_consumer: ProgramOp | None = None
 
 
+def _const_qweight(c: ProgramOp) -> QWeight | None:
+    """The step's second argument when it is a constant Q4 weight (a MatMul's, FusedQKV's or
+    FusedGateUp's weight), else None."""
+    w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
+    return w if isinstance(w, QWeight) else None
+
+
 def _q4_matmul(c: ProgramOp) -> QWeight | None:
     """The constant Q4 weight of a plain MatMul step (no bias, not the LM head), else None."""
-    w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
     ok = (c.kind == "step" and c.step.op_type == "MatMul" and not c.step.is_lm_head
-          and len(c.args) == 2 and c.args[0][0] == "env" and isinstance(w, QWeight))
-    return w if ok else None
+          and len(c.args) == 2 and c.args[0][0] == "env")
+    return _const_qweight(c) if ok else None
+
+
+def _readers(ops: list[ProgramOp]) -> dict[str, list[tuple[int, ProgramOp]]]:
+    """Each env name -> the (index in ops, op or partner) of every step reading it."""
+    readers: dict[str, list[tuple[int, ProgramOp]]] = {}
+    for i, o in enumerate(ops):
+        for p in (o, o.partner):
+            if p is not None:
+                for kind, name in p.args:
+                    if kind == "env":
+                        readers.setdefault(str(name), []).append((i, p))
+    return readers
 
 
 def fold_into_producers(ops: list[ProgramOp]) -> None:
@@ -53,16 +71,12 @@ def fold_into_producers(ops: list[ProgramOp]) -> None:
     the Add's inputs when the Add is its only reader and the other input (the residual) and
     the norm's scale exist before it runs; that GEMV then adds and normalizes in its epilogue
     (kernels_q4.q4_gemv_add_norm) and the pair launches nothing of its own."""
-    readers: dict[str, list[int]] = {}
+    readers = _readers(ops)
     made_at: dict[str, int] = {"input_ids": -1}
     for i, o in enumerate(ops):
         for p in (o, o.partner):
-            if p is None:
-                continue
-            for kind, name in p.args:
-                if kind == "env":
-                    readers.setdefault(str(name), []).append(i)
-            made_at.update((n, i) for n in p.step.outputs if n)
+            if p is not None:
+                made_at.update((n, i) for n in p.step.outputs if n)
     for at, o in enumerate(ops):
         if o.kind != "add_norm" or o.partner is None:
             continue
@@ -73,7 +87,8 @@ def fold_into_producers(ops: list[ProgramOp]) -> None:
             pi = made_at.get(str(mine[1]))
             if pi is None or pi < 0 or _q4_matmul(ops[pi]) is None:
                 continue
-            if readers.get(str(mine[1])) == [at] and made_at.get(str(other[1]), at) < pi:
+            read_by = [i for i, _ in readers.get(str(mine[1]), [])]
+            if read_by == [at] and made_at.get(str(other[1]), at) < pi:
                 o.norm_producer, o.producer_arg = ops[pi], which
                 break
 
@@ -88,10 +103,8 @@ def chain_target(c: ProgramOp) -> tuple[QWeight, str | None] | None:
     head (its bandwidth-bound GEMV keeps its own launch: the chained kernel's registers, set
     by the add+norm half, would halve its occupancy) or a gate/up the gated kernel does not
     take (a bias, another activation)."""
-    s = c.step
-    w = c.args[1][1] if len(c.args) > 1 and c.args[1][0] == "const" else None
-    if c.kind != "step" or s.op_type not in _CHAINED_OPS or s.is_lm_head or not isinstance(
-            w, QWeight):
+    s, w = c.step, _const_qweight(c)
+    if c.kind != "step" or s.op_type not in _CHAINED_OPS or s.is_lm_head or w is None:
         return None
     if s.op_type != "FusedGateUp":
         return w, None
@@ -105,18 +118,12 @@ def chain_consumers(ops: list[ProgramOp]) -> None:
     the normalized row, when chain_target takes it (a layer's gate/up after o_proj, the next
     layer's q/k/v after down); its GEMV then runs in the producer's launch
     (kernels_q4.q4_gemv_add_norm_then) and its own call takes the result (QWeight.matmul)."""
-    readers: dict[str, list[ProgramOp]] = {}
-    for o in ops:
-        for p in (o, o.partner):
-            if p is not None:
-                for kind, name in p.args:
-                    if kind == "env":
-                        readers.setdefault(str(name), []).append(p)
+    readers = _readers(ops)
     for o in ops:
         if o.norm_producer is None or o.partner is None or not o.partner.step.outputs:
             continue
         y = o.partner.step.outputs[0]
-        users = readers.get(y, [])
+        users = [p for _, p in readers.get(y, [])]
         if (len(users) == 1 and users[0].args[:1] == [("env", y)]
                 and chain_target(users[0]) is not None):
             o.chain_consumer = users[0]

@@ -108,7 +108,7 @@ class QWeight:
 
     def matmul(self, x: mx.array) -> mx.array:
         """x @ W as ONE quantized matmul (or none: made by the chain, see `_chained`)."""
-        done = _chained.pop((id(self.packed), id(x), None), None)
+        done = _chained.pop((id(self.packed), id(x), None), None) if _chained else None
         if done is not None:
             return done[1]
         s, b = self.affine(x.dtype)
@@ -165,7 +165,7 @@ class QWeight:
     def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
         or None where the kernel is off or does not fit (the caller runs the plain path)."""
-        done = _chained.pop((id(self.packed), id(x), activation), None)
+        done = _chained.pop((id(self.packed), id(x), activation), None) if _chained else None
         if done is not None:
             return done[1]
         if not self._gemv_fits(x, activation):
@@ -178,10 +178,10 @@ class QWeight:
         a negative index counts from the end (ONNX Gather). Inside gemv_kernel (the decode
         steps on MLX-CUDA): one kernel launch (kernels_embedding.q4_take_rows)."""
         assert not self.transposed
-        if _gemv and kernels_embedding.take_fits(indices, self.packed, self.scales, self.group_size,
-                                          self.bits):
-            return kernels_embedding.q4_take_rows(indices, self.packed, self.scales, self.biases,
-                                           self.group_size, self.dtype)
+        if _gemv and kernels_embedding.take_fits(indices, self.packed, self.scales,
+                                                 self.group_size, self.bits):
+            return kernels_embedding.q4_take_rows(indices, self.packed, self.scales,
+                                                  self.biases, self.group_size, self.dtype)
         indices = mx.where(indices < 0, indices + self.shape[0], indices)
         rows = mx.dequantize(self.packed[indices], self.scales[indices], self.biases[indices],
                              group_size=self.group_size, bits=self.bits)
