@@ -77,20 +77,32 @@ MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 # launch once the kernels are fast: on an H200 host, a Qwen3-0.6B g32 step took 2.09 ms at 20,
 # 1.62 ms at 60 and 2.47 ms at 200 operations per graph (BENCHMARKS.md issue 14).
 CUDA_GRAPH_OPS = 60
+GRAPHS_ENV = "FUSELM_CUDA_GRAPHS"
+MLX_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+# Whether MLX-CUDA records launches into CUDA graphs at all (FUSELM_CUDA_GRAPHS=0|1; the user's
+# own MLX_USE_CUDA_GRAPHS wins). Without graphs every kernel is launched at once
+# (cuLaunchKernelEx), no per-graph node adds, update and launch on the host.
+CUDA_GRAPHS = True
 
 
 def set_cuda_graph_ops() -> None:
-    """Sets MLX_MAX_OPS_PER_BUFFER for this process on MLX's CUDA backend, unless the user set
-    it: FUSELM_CUDA_GRAPH_OPS=N, else CUDA_GRAPH_OPS. MLX reads it once, at the first GPU
+    """Sets MLX_MAX_OPS_PER_BUFFER (and MLX_USE_CUDA_GRAPHS) for this process on MLX's CUDA
+    backend, unless the user set it: FUSELM_CUDA_GRAPH_OPS=N, else CUDA_GRAPH_OPS
+    (FUSELM_CUDA_GRAPHS=0|1, else CUDA_GRAPHS). MLX reads it once, at the first GPU
     evaluation of the process, so this runs before an engine loads its weights; Metal (which
     reads the same variable for its command buffers) and CPU are left alone."""
-    if MLX_GRAPH_OPS_ENV in os.environ or not cuda_device():
+    if not cuda_device():
         return
     raw = os.environ.get(GRAPH_OPS_ENV, "").strip() or str(CUDA_GRAPH_OPS)
     if not raw.isdigit() or int(raw) < 1:
         raise RuntimeUserError(f"{GRAPH_OPS_ENV}={raw!r} is not an operation count; use e.g. "
                                f"{CUDA_GRAPH_OPS}")
-    os.environ[MLX_GRAPH_OPS_ENV] = raw
+    os.environ.setdefault(MLX_GRAPH_OPS_ENV, raw)
+    graphs = os.environ.get(GRAPHS_ENV, "").strip() or ("1" if CUDA_GRAPHS else "0")
+    if graphs not in ("0", "1"):
+        raise RuntimeUserError(f"{GRAPHS_ENV}={graphs!r}: use 1 (CUDA graphs) or 0 (launch "
+                               "each kernel directly)")
+    os.environ.setdefault(MLX_GRAPHS_ENV, graphs)
 
 
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"

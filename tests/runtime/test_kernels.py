@@ -95,9 +95,25 @@ def test_cuda_graph_ops_set_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     assert os.environ[kernels.MLX_GRAPH_OPS_ENV] == "7"
     monkeypatch.delenv(kernels.MLX_GRAPH_OPS_ENV)
     monkeypatch.setenv(kernels.GRAPH_OPS_ENV, "64")
+    monkeypatch.setenv(kernels.MLX_GRAPHS_ENV, "")  # recorded: restored after the test
+    monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
+    monkeypatch.setenv(kernels.GRAPHS_ENV, "0")
     kernels.set_cuda_graph_ops()
     got = os.environ.get(kernels.MLX_GRAPH_OPS_ENV)
     assert got == ("64" if kernels.cuda_device() else None)
+    assert os.environ.get(kernels.MLX_GRAPHS_ENV) == ("0" if kernels.cuda_device() else None)
+
+
+def test_cuda_graphs_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSELM_CUDA_GRAPHS takes 0 or 1 (on CUDA; elsewhere it is not read)."""
+    monkeypatch.setenv(kernels.GRAPHS_ENV, "yes")
+    monkeypatch.setenv(kernels.MLX_GRAPHS_ENV, "")  # recorded: restored after the test
+    monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
+    if kernels.cuda_device():
+        with pytest.raises(RuntimeUserError, match="FUSELM_CUDA_GRAPHS='yes'"):
+            kernels.set_cuda_graph_ops()
+    else:
+        kernels.set_cuda_graph_ops()
 
 
 def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
