@@ -50,12 +50,30 @@ def cuda_type(dtype: Any) -> str:
             mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}[dtype]
 
 
+def same_ptx(arch: str, a: str, b: str, tmp: Path) -> bool:
+    """Whether two translation units compile to the same PTX (comment lines dropped: they name
+    the file and the compiler). ptxas makes the machine code from the PTX alone, so equal PTX
+    means equal kernels (this machine's CUDA has no cuobjdump to compare SASS itself)."""
+    dumps = []
+    for i, text in enumerate((a, b)):
+        cu, ptx = tmp / f"cmp{i}.cu", tmp / f"cmp{i}.ptx"
+        cu.write_text(text)
+        subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-ptx", "-o", str(ptx), str(cu)],
+                       check=True, capture_output=True)
+        dumps.append([line for line in ptx.read_text().splitlines()
+                      if line.strip() and not line.lstrip().startswith("//")])
+    return dumps[0] == dumps[1] and len(dumps[0]) > 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--only", nargs="*", default=[], help="kernels whose name has all of these")
     ap.add_argument("--keep", type=Path, help="also write each translation unit (.cu) here")
+    ap.add_argument("--compare-ptx", action="store_true",
+                    help="also compile each kernel from its text as written (comments kept) and "
+                         "check that its PTX equals that of kernels.compact_cuda's text")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -93,7 +111,24 @@ def main() -> None:
         return launch
 
     mx.fast.cuda_kernel = recorder  # type: ignore[assignment]
-    from fuselm.runtime_metal import kernels_cuda, kernels_embedding, kernels_q4
+    from fuselm.runtime_metal import kernels, kernels_cuda, kernels_embedding, kernels_q4
+
+    raw_units: dict[str, str] = {}  # --compare-ptx: kernel name -> its text as written
+    if args.compare_ptx:
+        def both(name: str, input_names: list[str], output_names: list[str], source: str,
+                 header: str = "") -> Any:
+            compact = recorder(name, input_names, output_names, kernels.compact_cuda(source),
+                               kernels.compact_cuda(header))
+            raw = recorder(name, input_names, output_names, source, header)
+
+            def launch(*a: Any, **k: Any) -> list[mx.array]:
+                before = set(units)
+                raw(*a, **k)
+                for fname in set(units) - before:
+                    raw_units[fname] = units.pop(fname)[0]
+                return compact(*a, **k)
+            return launch
+        kernels.cuda_kernel = both  # type: ignore[assignment]
 
     rng = np.random.default_rng(0)
     attention = [  # d, hq, hk, q/k norms, interleaved: the test and model shapes
@@ -155,6 +190,11 @@ def main() -> None:
                    "fits_register_file": regs is not None and regs * threads <= 65536}
             if p.returncode != 0:
                 row["error"] = log[-2000:]
+            if args.compare_ptx and fname in raw_units:
+                row["ptx_equal_to_text_as_written"] = same_ptx(args.arch, text,
+                                                               raw_units[fname], Path(tmp))
+                # what MLX hashes at each launch (its own header aside): written vs compact
+                row["text_bytes"] = {"as_written": len(raw_units[fname]), "compact": len(text)}
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"arch": args.arch, "kernels": results}))

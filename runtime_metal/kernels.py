@@ -21,6 +21,37 @@ MODES = ("auto", "on", "off")
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the activation dtypes the kernels take
 
 
+def compact_cuda(text: str) -> str:
+    """CUDA text without its comments, indentation and blank lines (line breaks kept, so
+    preprocessor lines stay whole; a `//` inside a string literal is kept).
+
+    Why: MLX-CUDA hashes a custom kernel's whole source on every launch (custom_kernel.cpp,
+    CustomKernel::eval_gpu names the JIT module with std::hash of it), so every byte of
+    commentary costs host time on each of a decode step's ~150 launches. The compiled code
+    is the same (benchmarks/cuda_compile_check.py --compare-ptx checks it)."""
+    out = []
+    for line in text.splitlines():
+        cut, quoted, i = len(line), False, 0
+        while i < len(line) - 1:
+            if line[i] == '"' and (i == 0 or line[i - 1] != "\\"):
+                quoted = not quoted
+            elif not quoted and line[i:i + 2] == "//":
+                cut = i
+                break
+            i += 1
+        code = line[:cut].strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
+def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str,
+                header: str = "") -> object:
+    """mx.fast.cuda_kernel over compact_cuda's text of the body and header."""
+    return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
+                               source=compact_cuda(source), header=compact_cuda(header))
+
+
 def cuda_device() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 

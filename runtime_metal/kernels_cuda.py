@@ -444,7 +444,7 @@ def _attend_split_kernel(merged: bool) -> Any:
     source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "") if merged
               else _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
               .replace("/*TAIL*/", _MERGE_LAST))
-    return mx.fast.cuda_kernel(
+    return kernels.cuda_kernel(
         name="fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
         output_names=["out"] if merged else ["out", "pm", "pl", "pacc"], source=source,
@@ -484,14 +484,14 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
 
 @cache
 def _add_rms_norm_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return kernels.cuda_kernel(
         name="fuselm_add_rms_norm", input_names=["x", "r", "w", "eps"],
         output_names=["h", "y"], source=_ADD_RMS_NORM, header=_HEADER)
 
 
 @cache
 def _rope_attend_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return kernels.cuda_kernel(
         name="fuselm_rope_attend",
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
         output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)

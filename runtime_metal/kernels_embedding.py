@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuselm.runtime_metal.kernels import DTYPES
+from fuselm.runtime_metal import kernels
 
 _TAKE_ROWS = """
   // thread w of row r: the 8 codes of word w of packed row ids[r] -> out[r, 8w .. 8w+7]
@@ -34,7 +34,7 @@ _TAKE_ROWS = """
 
 @cache
 def _take_kernel() -> Any:
-    return mx.fast.cuda_kernel(name="fuselm_q4_take_rows", input_names=["ids", "wq", "sc", "bi"],
+    return kernels.cuda_kernel(name="fuselm_q4_take_rows", input_names=["ids", "wq", "sc", "bi"],
                                output_names=["out"], source=_TAKE_ROWS)
 
 
@@ -43,7 +43,7 @@ def take_fits(indices: mx.array, packed: mx.array, scales: mx.array, group_size:
     """int32 indices into a 4-bit table [V, K] (rows packed along K, groups along K)."""
     return (bits == 4 and indices.dtype == mx.int32 and 0 < indices.size <= 65535
             and packed.ndim == 2 and packed.dtype == mx.uint32 and group_size in (32, 64, 128)
-            and (packed.shape[1] * 8) % group_size == 0 and scales.dtype in DTYPES
+            and (packed.shape[1] * 8) % group_size == 0 and scales.dtype in kernels.DTYPES
             and scales.shape == (packed.shape[0], packed.shape[1] * 8 // group_size))
 
 

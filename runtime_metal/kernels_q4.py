@@ -40,7 +40,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from fuselm.runtime_metal.kernels import DTYPES
+from fuselm.runtime_metal import kernels
 
 MAX_ROWS = 16  # a server batch; more rows (a prefill chunk) go to MLX's tiled GEMM
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
@@ -352,13 +352,13 @@ _CHAIN = """
 
 @cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
+    return kernels.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
                                output_names=["out"], header=_HEADER, source=_GEMV)
 
 
 @cache
 def _add_norm_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return kernels.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
         output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_TICKET,
         source=_ADD_NORM)
@@ -366,7 +366,7 @@ def _add_norm_kernel() -> Any:
 
 @cache
 def _chain_kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",
         input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps", "wq2", "sc2", "bi2"],
         output_names=["h", "y", "part", "out"],
@@ -377,7 +377,7 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
          transposed: bool, act: str | None = None) -> bool:
     """x [..., K] of at most MAX_ROWS rows against a 4-bit M [N, K] grouped along K (W = M.T),
     scales/biases of x's dtype; for a gated epilogue, an even N."""
-    if not (transposed and bits == 4 and x.dtype in DTYPES and x.ndim >= 1):
+    if not (transposed and bits == 4 and x.dtype in kernels.DTYPES and x.ndim >= 1):
         return False
     k = x.shape[-1]
     rows = x.size // k if k else 0

@@ -116,6 +116,32 @@ def test_cuda_graphs_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None
         kernels.set_cuda_graph_ops()
 
 
+def test_compact_cuda_drops_comments_and_indentation_only() -> None:
+    """What MLX hashes at every launch: comments, indentation and blank lines go; code, line
+    breaks (preprocessor lines stay whole) and a `//` inside a string literal stay."""
+    text = ("// a comment line\n"
+            "#define N 4  // why four\n"
+            "\n"
+            "  __device__ int f(int x) {   // trailing\n"
+            '    asm volatile("// not a comment" ::);\n'
+            "    return x * N;\n"
+            "  }\n")
+    assert kernels.compact_cuda(text) == (
+        "#define N 4\n__device__ int f(int x) {\n"
+        'asm volatile("// not a comment" ::);\nreturn x * N;\n}\n')
+
+
+def test_kernels_are_made_only_through_cuda_kernel() -> None:
+    """Every fused kernel reaches mx.fast.cuda_kernel through kernels.cuda_kernel (compact
+    text); benchmarks/cuda_compile_check.py --compare-ptx checks that the PTX is unchanged."""
+    runtime = Path(kernels.__file__).parent
+    direct = [p.name for p in runtime.rglob("*.py")
+              if p.name != "kernels.py" and "mx.fast.cuda_kernel(" in p.read_text()]
+    assert direct == []
+    made = [p.name for p in runtime.rglob("*.py") if "kernels.cuda_kernel(" in p.read_text()]
+    assert sorted(made) == ["kernels_cuda.py", "kernels_embedding.py", "kernels_q4.py"]
+
+
 def test_program_pairs_every_layer(qwen3_artifact: Path) -> None:
     """Each layer's FusedRoPE+Attention is one op, and each residual Add with the RMSNorm after
     it: 2 per layer (the first layer's input norm reads the embedding, the last Add feeds the
