@@ -34,7 +34,9 @@
 #                                               # then the prefix path with FUSELM_PREFILL_DENSE
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
-# must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them). Results go to
+# must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them), and so must
+# pydantic (the config check; the GPU host lacks it: bring pydantic, pydantic-core,
+# annotated-types and typing-inspection wheels for cp312 too). Results go to
 # $OUT (default: ./gpu_results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,8 +57,11 @@ case "$part" in
     # six workers when pytest-xdist is there (bring its and execnet's wheels with MLX's): the
     # kernels' JIT compiles are CPU-bound, 83 tests took 116 s that way on the H200 host
     par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 6)
-    NVIDIA_TF32_OVERRIDE=0 python3 -m pytest -q -p no:cacheprovider "${par[@]}" \
-      tests/runtime/test_kernels.py ${2:+-k "$2"}
+    # -P and --import-mode=append: the checkout's own fuselm/ (only __init__.py) must not come
+    # before the linked package on sys.path (cwd first, and pytest prepends the rootdir; on
+    # session 11's host either made `fuselm.converter` unimportable)
+    NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
+      "${par[@]}" tests/runtime/test_kernels.py ${2:+-k "$2"}
     ;;
   sbs)
     # shellcheck disable=SC2086
