@@ -134,27 +134,44 @@ def test_recover_merges_foreign_files_and_spares_live_or_unknown_folders(
     assert verify(out, read_manifest(out)).ok
 
 
+# A conversion in its own process that stops right before swap_in, the new artifact complete
+# in its temp folder beside OUT, and says so: the test then kills it there (no race with a
+# build that a small model finishes between two polls of the folder).
+_HELD_CONVERT = """
+import sys, time
+from pathlib import Path
+from fuselm.converter import out_dir
+
+signal_file = Path(sys.argv[1])
+
+def held(tmp, out):
+    signal_file.write_text(str(tmp))
+    time.sleep(600)
+
+out_dir.swap_in = held
+from fuselm.converter.cli import main
+sys.argv = ["fuselm", "convert", *sys.argv[2:]]
+main()
+"""
+
+
 def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
                                                       tmp_path: Path) -> None:
     out = tmp_path / "out"
     shutil.copytree(base, out)
     (out / "notes.txt").write_text("mine")
     before = tree_digest(out)
-    # The traced export keeps the build running for seconds after its temp folder appears; the
-    # graph builder can finish a model this small between two polls, leaving nothing to kill.
-    env = {**os.environ, "FUSELM_EXPORT": "torch"}
-    p = subprocess.Popen([sys.executable, "-m", "fuselm.converter.cli", "convert", str(ckpt),
+    signal_file = tmp_path.parent / f"{tmp_path.name}.held"
+    p = subprocess.Popen([sys.executable, "-c", _HELD_CONVERT, str(signal_file), str(ckpt),
                           "-o", str(out), "--quiet", "--dtype", "float32"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
-        # Kill once the build beside OUT has begun (its temp folder holds a file).
-        while time.monotonic() < deadline and p.poll() is None:
-            tmps = list(tmp_path.glob(f".out.tmp-{p.pid}-*"))
-            if tmps and any(tmps[0].iterdir()):
-                break
-            time.sleep(0.01)
-        assert p.poll() is None, "the conversion ended before it could be killed"
+        while time.monotonic() < deadline and p.poll() is None and not signal_file.exists():
+            time.sleep(0.05)
+        assert p.poll() is None and signal_file.exists(), "the conversion did not reach the swap"
+        held = Path(signal_file.read_text())
+        assert held.name.startswith(f".out.tmp-{p.pid}-") and any(held.iterdir())
         os.kill(p.pid, signal.SIGKILL)
     finally:
         p.kill()
