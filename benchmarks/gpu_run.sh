@@ -23,6 +23,9 @@
 #                                               # decode step: fuselm by default, fold on, split
 #                                               # off, mlx-lm; RUNS="sys:fold:split[:ops] ..."
 #                                               # picks -> $OUT/profile_*.json (needs `prep`)
+#   benchmarks/gpu_run.sh graphs SHAPE GROUP    # the step's wall at MLX launches-per-graph
+#                                               # settings and graphs off (GRAPH_OPS), separate
+#                                               # processes alternating, ROUNDS (needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
 #                                               # alone (GEMV with and without the add+norm
 #                                               # epilogue, attention with 0..32/auto key
@@ -137,6 +140,27 @@ case "$part" in
         --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
         | tee "$OUT/profile_$2_g$3_${sys}_fold${fold}_split${split}${ops:+_ops$ops}.json"
     done
+    ;;
+  graphs)
+    # fuselm's decode step (walls only) at several MLX launches-per-graph settings and with
+    # CUDA graphs off, each run in its own process, the settings alternating, ROUNDS (3)
+    # rounds: the host's spread between processes is wide (+-25 %), so one profile per
+    # setting cannot rank them. GRAPH_OPS="30 45 60 off" picks; needs `prep`.
+    : > "$OUT/graphs_$2_g$3.jsonl"
+    for _ in $(seq "${ROUNDS:-3}"); do
+      for ops in ${GRAPH_OPS:-30 45 60 off}; do
+        if [ "$ops" = off ]; then set_env=(FUSELM_CUDA_GRAPHS=0); else set_env=(FUSELM_CUDA_GRAPH_OPS="$ops"); fi
+        env "${set_env[@]}" python3 benchmarks/step_profile.py --system fuselm --wall-only \
+          --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
+          | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); d['graph_ops']='$ops'; \
+            print(json.dumps(d))" >> "$OUT/graphs_$2_g$3.jsonl"
+      done
+    done
+    python3 -c "import json,sys,statistics as st,collections as c; r=c.defaultdict(list)
+for line in open(sys.argv[1]): d=json.loads(line); r[d['graph_ops']]+=d['wall_ms_runs']
+print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 4),
+                      'max': round(max(v), 4), 'runs': len(v)} for k, v in r.items()}))" \
+      "$OUT/graphs_$2_g$3.jsonl" | tee "$OUT/graphs_$2_g$3.json"
     ;;
   kernels)
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" \

@@ -62,13 +62,16 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128, help="steps timed, then steps profiled")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("-r", type=int, default=3, help="wall-clock repeats")
+    ap.add_argument("--wall-only", action="store_true",
+                    help="the timed walls and host split only, no profiler run (A/B settings)")
     args = ap.parse_args()
 
     import mlx.core as mx
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.init()
+    if not args.wall_only:
+        import torch
+
+        torch.cuda.init()
     system = Fuselm(args.artifact) if args.system == "fuselm" else MlxLm(args.mlx_dir)
     if isinstance(system, Fuselm):  # one cache capacity throughout: no retrace mid-way
         system.engine.reserve(args.p + args.warmup + (args.r + 1) * args.n + 8)
@@ -92,6 +95,15 @@ def main() -> None:
     token = int(y.item())
     split_wall = time.perf_counter() - t
     mx.synchronize()
+    host = {"build": split["build"] * 1e3 / args.n, "dispatch": split["dispatch"] * 1e3 / args.n,
+            "wall": split_wall * 1e3 / args.n}
+    if args.wall_only:
+        print(json.dumps({"system": args.system, "p": args.p, "steps": args.n,
+                          "wall_ms_per_step": statistics.median(walls), "wall_ms_runs": walls,
+                          "host_ms_per_step": host}))
+        return
+    from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         y = system.decode(token, args.n)
@@ -113,9 +125,7 @@ def main() -> None:
         "system": args.system, "p": args.p, "steps": n,
         "wall_ms_per_step": statistics.median(walls), "wall_ms_runs": walls,
         "profiled_wall_ms_per_step": prof_wall,
-        "host_ms_per_step": {"build": split["build"] * 1e3 / args.n,
-                             "dispatch": split["dispatch"] * 1e3 / args.n,
-                             "wall": split_wall * 1e3 / args.n},
+        "host_ms_per_step": host,
         "kernels_per_step": len(kernels) / n,
         "kernel_sum_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / n,
         "busy_ms_per_step": busy / 1e3 / n, "span_ms_per_step": span / 1e3 / n,
