@@ -44,7 +44,7 @@ class MLXEngine:
             fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
         if fast_prefill is None:
             fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
-        kernels.set_cuda_graph_ops()  # before the first GPU evaluation of the process
+        kernels.configure_cuda_graphs()  # before the first GPU evaluation of the process
         self.manifest = manifest
         graph = load_graph(model_path(out_dir))
         check_graph_io(manifest, onnx_inputs(graph.model), graph.path,

@@ -116,7 +116,7 @@ MLX_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 CUDA_GRAPHS = True
 
 
-def set_cuda_graph_ops() -> None:
+def configure_cuda_graphs() -> None:
     """Sets MLX_MAX_OPS_PER_BUFFER (and MLX_USE_CUDA_GRAPHS) for this process on MLX's CUDA
     backend, unless the user set it: FUSELM_CUDA_GRAPH_OPS=N, else CUDA_GRAPH_OPS
     (FUSELM_CUDA_GRAPHS=0|1, else CUDA_GRAPHS). MLX reads it once, at the first GPU

@@ -91,14 +91,14 @@ def test_cuda_graph_ops_set_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     import os
 
     monkeypatch.setenv(kernels.MLX_GRAPH_OPS_ENV, "7")
-    kernels.set_cuda_graph_ops()
+    kernels.configure_cuda_graphs()
     assert os.environ[kernels.MLX_GRAPH_OPS_ENV] == "7"
     monkeypatch.delenv(kernels.MLX_GRAPH_OPS_ENV)
     monkeypatch.setenv(kernels.GRAPH_OPS_ENV, "64")
     monkeypatch.setenv(kernels.MLX_GRAPHS_ENV, "")  # recorded: restored after the test
     monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
     monkeypatch.setenv(kernels.GRAPHS_ENV, "0")
-    kernels.set_cuda_graph_ops()
+    kernels.configure_cuda_graphs()
     got = os.environ.get(kernels.MLX_GRAPH_OPS_ENV)
     assert got == ("64" if kernels.cuda_device() else None)
     assert os.environ.get(kernels.MLX_GRAPHS_ENV) == ("0" if kernels.cuda_device() else None)
@@ -111,9 +111,9 @@ def test_cuda_graphs_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
     if kernels.cuda_device():
         with pytest.raises(RuntimeUserError, match="FUSELM_CUDA_GRAPHS='yes'"):
-            kernels.set_cuda_graph_ops()
+            kernels.configure_cuda_graphs()
     else:
-        kernels.set_cuda_graph_ops()
+        kernels.configure_cuda_graphs()
 
 
 def test_compact_cuda_drops_comments_and_indentation_only() -> None:
