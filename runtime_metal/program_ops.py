@@ -148,11 +148,8 @@ def fuse_pairs(ops: list[ProgramOp]) -> list[ProgramOp]:
     """Give each residual Add its RMSNorm and each FusedRoPE its Attention as `partner`
     (kinds "add_norm" / "rope_attention"); partners leave the list. A pair forms only when
     moving the partner up to its first step reorders nothing it depends on."""
-    readers: dict[str, list[ProgramOp]] = {}
-    for o in ops:
-        for kind, name in o.args:
-            if kind == "env":
-                readers.setdefault(str(name), []).append(o)
+    # no partners yet: each name's readers are the ops themselves
+    readers = {name: [o for _, o in read] for name, read in _readers(ops).items()}
     produced_before: set[str] = {"input_ids"}
     absorbed: set[int] = set()
     out: list[ProgramOp] = []

@@ -45,6 +45,17 @@ def gemv_kernel(on: bool = True) -> Iterator[None]:
             _chained.clear()
 
 
+def _chain_key(w: QWeight, x: mx.array, act: str | None) -> tuple[int, int, str | None]:
+    return id(w.packed), id(x), act
+
+
+def _take_chained(w: QWeight, x: mx.array, act: str | None) -> mx.array | None:
+    """W's result over x made by the chain (QWeight.matmul_add_norm's `then`), taken out of
+    `_chained`, or None."""
+    done = _chained.pop(_chain_key(w, x, act), None) if _chained else None
+    return None if done is None else done[1]
+
+
 def chained_pending() -> int:
     """Chained GEMV results not yet taken by their weight's call (0 after a whole step)."""
     return len(_chained)
@@ -108,9 +119,9 @@ class QWeight:
 
     def matmul(self, x: mx.array) -> mx.array:
         """x @ W as ONE quantized matmul (or none: made by the chain, see `_chained`)."""
-        done = _chained.pop((id(self.packed), id(x), None), None) if _chained else None
+        done = _take_chained(self, x, None)
         if done is not None:
-            return done[1]
+            return done
         s, b = self.affine(x.dtype)
         if self._gemv_fits(x):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
@@ -152,7 +163,7 @@ class QWeight:
             h, y, z = kernels_q4.q4_gemv_add_norm_then(
                 x, self.packed, s, b, self.group_size, residual, scale, eps,
                 (nxt.packed, s2, b2, nxt.group_size, act))
-            _chained[(id(nxt.packed), id(y), act)] = (y, z)
+            _chained[_chain_key(nxt, y, act)] = (y, z)
             return h, y
         return kernels_q4.q4_gemv_add_norm(x, self.packed, s, b, self.group_size, residual,
                                            scale, eps)
@@ -165,9 +176,9 @@ class QWeight:
     def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
         or None where the kernel is off or does not fit (the caller runs the plain path)."""
-        done = _chained.pop((id(self.packed), id(x), activation), None) if _chained else None
+        done = _take_chained(self, x, activation)
         if done is not None:
-            return done[1]
+            return done
         if not self._gemv_fits(x, activation):
             return None
         s, b = self.affine(x.dtype)
