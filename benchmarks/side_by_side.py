@@ -163,7 +163,7 @@ class Fuselm:
         mx.async_eval ("dispatch": MLX encoding and launching them)."""
         import mlx.core as mx
 
-        y = mx.array(token, mx.int32)
+        y = mx.array(token, mx.uint32)  # the argmax dtype: one compiled trace
         for _ in range(steps):
             t0 = time.perf_counter()
             y = mx.argmax(self.engine.decode_step(y))

@@ -38,7 +38,7 @@ def main() -> None:
     engine.reserve(args.prompt + 8)
     engine.forward((np.arange(1, args.prompt + 1) % 200)[None])  # the ids do not shape the graph
     kv = [a for c in fast.caches for a in c.buffers()]
-    outputs = fast.program(mx.array(5, mx.int32), mx.array(fast.caches[0].offset, mx.int32), *kv)
+    outputs = fast.program(mx.array(5, mx.uint32), mx.array(fast.caches[0].offset, mx.int32), *kv)
     with tempfile.TemporaryDirectory() as tmp:
         dot = args.dot or Path(tmp) / "step.dot"
         mx.export_to_dot(str(dot), *outputs)

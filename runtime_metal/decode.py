@@ -162,7 +162,11 @@ class DecodeProgram:
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
         whole capacity, or over the rows of `span` (positions 0..L-1) when given."""
         batched = tokens.ndim == 2
-        ids = (tokens if batched else tokens.reshape(1, -1)).astype(mx.int32)
+        ids = tokens if batched else tokens.reshape(1, -1)
+        if not (ids.dtype == mx.uint32 and self.gemv and ids.shape[1] == 1):
+            # a decode step with the kernels takes the argmax's uint32 token as it is (the
+            # embedding kernel reads it; a cast would be one more launch a step)
+            ids = ids.astype(mx.int32)
         s, capacity = ids.shape[1], kv[0].shape[2]
         rows = s if fresh else None if prefix is None else prefix + s
         masks: dict[int | None, Mask] = {}
@@ -250,8 +254,12 @@ class DecodeProgram:
                     assert isinstance(qkv, mx.array)
                     values = tuple(parts)
                     joined[tuple(o.step.outputs[:3])] = qkv
+                elif o.step.is_lm_head:
+                    # the logits leave float32 (the decode GEMV writes them so: no cast launch)
+                    with qweight.float32_result():
+                        values = call_step(o.step, lm_head_rows(o.step, args))
                 else:
-                    values = call_step(o.step, lm_head_rows(o.step, args))
+                    values = call_step(o.step, args)
                 _bind(env, o.step.outputs, values)
         logits = to_device(env[self.logits])
         assert isinstance(logits, mx.array)

@@ -153,7 +153,8 @@ class MLXEngine:
         """One token (an int, or a device scalar that may be lazy) -> its logits [vocab], lazy
         float32."""
         if not isinstance(token, mx.array):
-            token = mx.array(int(token), mx.int32)
+            # uint32, the argmax's dtype: host and device tokens share one compiled trace
+            token = mx.array(int(token) % 2**32, mx.uint32)
         if self.fast is not None and self.offset > 0:
             return self.fast.step(token)
         return mx.array(self.forward(np.array(token, np.int64).reshape(1, 1)))

@@ -19,7 +19,7 @@ _TAKE_ROWS = """
   constexpr int KW = K / 8, KG = K / G;
   const int w = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y;
   if (w >= KW) return;
-  int i = ids[r];
+  int i = static_cast<int>(ids[r]);  // int32, or the uint32 an argmax hands over
   if (i < 0) i += V;  // ONNX Gather: a negative index counts from the end
   i = min(max(i, 0), V - 1);  // out of range (the caller checks ids): never read outside
   const uint32_t q = wq[(size_t)i * KW + w];
@@ -40,8 +40,9 @@ def _take_kernel() -> Any:
 
 def take_fits(indices: mx.array, packed: mx.array, scales: mx.array, group_size: int,
               bits: int) -> bool:
-    """int32 indices into a 4-bit table [V, K] (rows packed along K, groups along K)."""
-    return (bits == 4 and indices.dtype == mx.int32 and 0 < indices.size <= 65535
+    """int32 indices into a 4-bit table [V, K] (rows packed along K, groups along K), or uint32
+    ones: the decode step takes the argmax's token as it is (no cast launch a step)."""
+    return (bits == 4 and indices.dtype in (mx.int32, mx.uint32) and 0 < indices.size <= 65535
             and packed.ndim == 2 and packed.dtype == mx.uint32 and group_size in (32, 64, 128)
             and (packed.shape[1] * 8) % group_size == 0 and scales.dtype in kernels.DTYPES
             and scales.shape == (packed.shape[0], packed.shape[1] * 8 // group_size))

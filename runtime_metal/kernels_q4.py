@@ -154,13 +154,20 @@ __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const
 
 // Column n's outputs for the R rows (lane 0): x @ W rounded to T (EPI 0), or the gated form
 // act(gate) * up (EPI 1: silu, 2: gelu_tanh), gate and up rounded first as the plain path's
-// matmul output would be, then act(gate), then the product.
-template <typename T, int NO, int R, int NR, int EPI>
-__device__ __forceinline__ void fl_q4_store(T* out, int n, const float (&v)[NR][R]) {
+// matmul output would be, then act(gate), then the product. Written as O: T, or float for the
+// LM head's logits (rounded to T first, then widened: the values of T's result cast to float32,
+// without the cast's launch).
+template <typename T, typename O>
+__device__ __forceinline__ O fl_out(float v) {
+  return static_cast<O>(static_cast<float>(T(v)));
+}
+
+template <typename T, typename O, int NO, int R, int NR, int EPI>
+__device__ __forceinline__ void fl_q4_store(O* out, int n, const float (&v)[NR][R]) {
   #pragma unroll
   for (int r = 0; r < R; ++r) {
     if (EPI == 0) {
-      out[(size_t)r * NO + n] = T(v[0][r]);
+      out[(size_t)r * NO + n] = fl_out<T, O>(v[0][r]);
     } else {
       const float gt = static_cast<float>(T(v[0][r])), up = static_cast<float>(T(v[NR - 1][r]));
       float a;
@@ -171,7 +178,7 @@ __device__ __forceinline__ void fl_q4_store(T* out, int n, const float (&v)[NR][
         const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
         a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
       }
-      out[(size_t)r * NO + n] = T(a * up);
+      out[(size_t)r * NO + n] = fl_out<T, O>(a * up);
     }
   }
 }
@@ -185,7 +192,7 @@ _GEMV = """
   if (n >= NO) return;
   float v[NR][R];
   fl_q4_dots<T, K, G, NO, R, NR, false>(x, wq, sc, bi, n, lane, v);
-  if (lane == 0) fl_q4_store<T, NO, R, NR, EPI>(out, n, v);
+  if (lane == 0) fl_q4_store<T, O, NO, R, NR, EPI>(out, n, v);
 """
 
 
@@ -346,7 +353,7 @@ _CHAIN = """
   if (n >= NO2) return;
   float v[NR2][R];
   fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(y, wq2, sc2, bi2, n, lane, v);
-  if (lane == 0) fl_q4_store<T, NO2, R, NR2, EPI2>(out, n, v);
+  if (lane == 0) fl_q4_store<T, T, NO2, R, NR2, EPI2>(out, n, v);
 """
 
 
@@ -389,17 +396,21 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
 
 
 def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-            group_size: int, act: str | None = None) -> mx.array:
-    """See the module doc; the caller checked `fits`."""
+            group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None
+            ) -> mx.array:
+    """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
+    to x's dtype, then written widened (the LM head's logits: no separate cast launch)."""
     k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
+    out_dtype = out_dtype or x.dtype
     (out,) = _kernel()(
         inputs=[x, packed, scales, biases],
-        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", x.size // k),
-                  ("EPI", ACTIVATIONS[act] if act else 0), ("NW", _WARPS)],
+        template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
+                  ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
+                  ("NW", _WARPS)],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[x.dtype])
+        output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[out_dtype])
     return out
 
 

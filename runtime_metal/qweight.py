@@ -56,6 +56,22 @@ def _take_chained(w: QWeight, x: mx.array, act: str | None) -> mx.array | None:
     return None if done is None else done[1]
 
 
+_float32_result = 0  # > 0 while the LM head's matmul is traced: its GEMV writes float32
+
+
+@contextmanager
+def float32_result() -> Iterator[None]:
+    """Inside, a matmul that runs the Q4 GEMV kernel writes its result as float32 (rounded to
+    the activation dtype first: the values of the usual result cast to float32). The decode
+    step's LM head runs so: the logits come out float32 without a cast launch a step."""
+    global _float32_result
+    _float32_result += 1
+    try:
+        yield
+    finally:
+        _float32_result -= 1
+
+
 def chained_pending() -> int:
     """Chained GEMV results not yet taken by their weight's call (0 after a whole step)."""
     return len(_chained)
@@ -124,7 +140,8 @@ class QWeight:
             return done
         s, b = self.affine(x.dtype)
         if self._gemv_fits(x):
-            return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size)
+            return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size,
+                                      out_dtype=mx.float32 if _float32_result else None)
         rows = x.size // x.shape[-1]
         if rows >= kernels_q4.MAX_ROWS and 0 < kernels.dense_prefill_rows() <= rows:
             # many rows (a prefill chunk) on MLX-CUDA: dequantize for this call only

@@ -421,8 +421,8 @@ def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int):  # noqa: A
 def test_q4_take_rows_kernel(dtype: mx.Dtype, group: int) -> None:
     """A quantized embedding lookup in one launch against MLX's gathers + dequantize: rows
     (negative indices from the end, as ONNX Gather) within a unit in the last place of the
-    dtype, exact in float32."""
-    from fuselm.runtime_metal import qweight
+    dtype, exact in float32; uint32 indices give the int32 ones' rows."""
+    from fuselm.runtime_metal import kernels_embedding, qweight
 
     rng = np.random.default_rng(group)
     w, _ = _q4_weight(rng, 256, 1000, group)  # M [1000, 256]: a 1000-row table of width 256
@@ -439,6 +439,12 @@ def test_q4_take_rows_kernel(dtype: mx.Dtype, group: int) -> None:
         assert rel(a, b) <= 1e-6
     else:
         assert rel(a, b) <= TOL[dtype]
+    # the argmax's uint32 token, as a decode step hands it over: the same rows exactly
+    ids_u = mx.array([[3, 999, 0, 517]], mx.uint32)
+    assert kernels_embedding.take_fits(ids_u, table.packed, table.scales, group, 4)
+    with qweight.gemv_kernel():
+        fast_u = np.array(table.take_rows(ids_u).astype(mx.float32))
+    assert np.array_equal(fast_u[0], a[0, [0, 1, 3, 4]])
 
 
 GEMV_CASES = [
@@ -490,6 +496,11 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
     for i in range(rows):
         alone = kernels_q4.q4_gemv(x[i:i + 1], w.packed, s, b, group, act)
         assert np.array_equal(np.array(alone.astype(mx.float32)).reshape(-1), got[i])
+    if not act:  # the LM head's form: float32 out, the values of the T result widened
+        with qweight.gemv_kernel(), qweight.float32_result():
+            wide = w.matmul(x)
+        assert wide.dtype == mx.float32
+        assert np.array_equal(np.array(wide).reshape(rows, -1), got)
 
 
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
@@ -530,6 +541,38 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
         logits[mode] = np.stack(rows)
     assert rel(logits["on"], logits["off"]) <= 1e-4
     assert tokens["on"] == tokens["off"]
+
+
+@cuda
+def test_q4_decode_step_launches_no_cast(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float16 Q4 decode step with the kernels: no AsType node in its graph (the argmax's
+    uint32 token goes into the embedding kernel as it is, the LM head's GEMV writes float32
+    logits), and a uint32 token gives exactly the logits of the same token as int32."""
+    from fuselm.converter.builtin import build_model
+    from fuselm.runtime_metal.engine import make_engine
+
+    monkeypatch.setenv(kernels.ENV, "on")
+    hf = build_model(tmp_path / "hf", "qwen3", seed=3, hidden_size=128, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    out = convert(hf, tmp_path / "q4", dtype="float16", quant="q4", quant_embeddings=True)
+    engine = make_engine(out, "mlx")
+    fast = engine.fast
+    assert fast is not None and fast.program.gemv
+    engine.reserve(24)
+    engine.forward(np.asarray([[5, 17, 33, 2, 90]]))
+    kv = [a for c in fast.caches for a in c.buffers()]
+    offset = mx.array(fast.caches[0].offset, mx.int32)
+    outs = {dt: fast.program(mx.array(7, dt), offset, *kv) for dt in (mx.uint32, mx.int32)}
+    logits = outs[mx.uint32][0]
+    assert logits.dtype == mx.float32
+    dot = tmp_path / "step.dot"
+    mx.export_to_dot(str(dot), *outs[mx.uint32])
+    labels = re.findall(r'label\s*=\s*"([^"]*)"', dot.read_text())
+    assert any(label.startswith("CustomKernel") for label in labels)
+    assert not [label for label in labels if label.startswith("AsType")]
+    assert np.array_equal(np.array(logits), np.array(outs[mx.int32][0]))
+    assert np.isfinite(np.array(logits)).all()
 
 
 # ---- the add+RMSNorm in the epilogue of the Q4 GEMV making its row (q4_gemv_add_norm) --------
