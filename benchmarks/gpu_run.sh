@@ -31,6 +31,8 @@
 #                                               # epilogue, attention with 0..32/auto key
 #                                               # splits and several warps x keys per block)
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
+#   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
+#                                               # by inputs, outputs, text; graphs on and off
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
 #                                               # capacity mask vs one call, time and peak memory;
@@ -168,6 +170,12 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     ;;
   crossover)
     python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"
+    ;;
+  hostbench)
+    for g in 1 0; do  # one process per setting: MLX reads them once
+      MLX_USE_CUDA_GRAPHS=$g MLX_MAX_OPS_PER_BUFFER=60 python3 benchmarks/host_launch_bench.py \
+        | tee "$OUT/host_launch_graphs$g.json"
+    done
     ;;
   long)
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
