@@ -437,18 +437,37 @@ _SPLIT_KEYS = 4  # keys per warp step in flight: 32 a block, 16 KB of K/V loads 
 _SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per kept head
 
 
+# The splits' partials (max, sum, accumulator: rows x HQ x S x (D + 2) floats) in scratch of
+# the module rather than as outputs of the launch: MLX-CUDA's host cost grows ~2 µs with each
+# output array, and the decode step is host-bound on the H200 (benchmarks/host_launch_bench.py,
+# BENCHMARKS.md issue 14). A launch whose partials do not fit (a batch of many rows at many
+# splits) takes them as outputs instead: the same arithmetic, only where the partials live.
+SPLIT_SCRATCH = 1 << 21  # floats (8 MB a module)
+_SCRATCH = f"__device__ float fuselm_split_scratch[{SPLIT_SCRATCH}];\n"
+_SCRATCH_PARTS = """
+  float* pm = fuselm_split_scratch;
+  float* pl = pm + (size_t)gridDim.y * HQ * S;
+  float* pacc = pl + (size_t)gridDim.y * HQ * S;
+"""
+
+
 @cache
-def _attend_split_kernel(merged: bool) -> Any:
+def _attend_split_kernel(merged: bool, scratch: bool = True) -> Any:
     """merged: S = 1, the block writes the output; else it writes the split's partial and the
-    last block of its head group merges them."""
+    last block of its head group merges them; the partials in the module's scratch, or (not
+    `scratch`) in three more outputs."""
     source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "") if merged
               else _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
               .replace("/*TAIL*/", _MERGE_LAST))
+    in_scratch = scratch and not merged
     return kernels.cuda_kernel(
-        name="fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split",
+        name=("fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split"
+              if scratch else "fuselm_rope_attend_split_out"),
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"] if merged else ["out", "pm", "pl", "pacc"], source=source,
-        header=_HEADER + _VEC_HEADER + ("" if merged else _TICKETS))
+        output_names=["out"] if merged or scratch else ["out", "pm", "pl", "pacc"],
+        source=(_SCRATCH_PARTS if in_scratch else "") + source,
+        header=_HEADER + _VEC_HEADER + ("" if merged else _TICKETS)
+        + (_SCRATCH if in_scratch else ""))
 
 
 def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
@@ -468,7 +487,9 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     dummy = inv_freq
-    outs = _attend_split_kernel(splits == 1)(
+    scratch = rows * hq * splits * (d + 2) <= SPLIT_SCRATCH
+    partials = splits > 1 and not scratch  # the partials as outputs
+    outs = _attend_split_kernel(splits == 1, scratch)(
         inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
@@ -476,9 +497,9 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
                   ("KB", keys), *rows_at],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
-        output_shapes=[(rows, 1, hq * d)] if splits == 1 else
-        [(rows, 1, hq * d), (rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)],
-        output_dtypes=[kc.dtype] if splits == 1 else [kc.dtype] + [mx.float32] * 3)
+        output_shapes=[(rows, 1, hq * d)] + (
+            [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
+        output_dtypes=[kc.dtype] + ([mx.float32] * 3 if partials else []))
     return outs[0]
 
 

@@ -275,12 +275,18 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
   return true;
 }
 """
-# zero when the module loads; the last block of every call sets it back to zero (launches on
-# one stream never overlap; two streams decoding at once in one process are not supported)
-_ADD_NORM_TICKET = "__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
+# The ticket: zero when the module loads; the last block of every call sets it back to zero
+# (launches on one stream never overlap; two streams decoding at once in one process are not
+# supported). The blocks' shares of the sums of squares: scratch of the module, not an output
+# of the launch: MLX-CUDA's host cost grows ~2 µs with each output array (allocation, graph
+# bookkeeping, release), measured by benchmarks/host_launch_bench.py on the H200 host, and a
+# decode step is host-bound there (BENCHMARKS.md issue 14).
+ADD_NORM_PARTS = 65536  # rows x blocks: MAX_ROWS rows of outputs up to 32,768 wide
+_ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
+                     f"__device__ float fuselm_addnorm_part[{ADD_NORM_PARTS}];\n")
 _ADD_NORM = """
   fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, x, wq, sc, bi,
-                                           rr, nw, eps, h, y, part);
+                                           rr, nw, eps, h, y, fuselm_addnorm_part);
 """
 
 # ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
@@ -299,7 +305,7 @@ _ADD_NORM = """
 # 1.70 -> 2.48 ms: not the default. One shared ready count or one slot per B block made no
 # difference (19.1 / 26.6 us with the shared count), so L2 contention on the polls is not the
 # cause; per-instruction stall samples (ncu source page) of the A half are the next step.
-_CHAIN_GLOBALS = """
+_CHAIN_GLOBALS = f"__device__ float fuselm_chain_part[{ADD_NORM_PARTS}];\n" + """
 __device__ unsigned int fuselm_chain_ticket = 0u;
 // B block b waits on slot b % SLOTS, its own 128-byte line, so the polls spread over L2
 // slices instead of all queueing on one (measured: no change against one shared count)
@@ -329,7 +335,7 @@ _CHAIN = """
   constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
   if (blockIdx.x < NA) {
     if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket, x, wq, sc,
-                                                 bi, rr, nw, eps, h, y, part)) {
+                                                 bi, rr, nw, eps, h, y, fuselm_chain_part)) {
       __threadfence();  // every thread's y writes device-wide before any slot is set
       __syncthreads();
       const unsigned int nb = gridDim.x - NA;  // B blocks: slot s serves those with b % SLOTS = s
@@ -367,7 +373,7 @@ def _kernel() -> Any:
 def _add_norm_kernel() -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
-        output_names=["h", "y", "part"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_TICKET,
+        output_names=["h", "y"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
         source=_ADD_NORM)
 
 
@@ -376,7 +382,7 @@ def _chain_kernel() -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",
         input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps", "wq2", "sc2", "bi2"],
-        output_names=["h", "y", "part", "out"],
+        output_names=["h", "y", "out"],
         header=_HEADER + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
 
@@ -416,9 +422,12 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
 
 def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object) -> bool:
     """The epilogue form's own conditions, beyond `fits` (the caller's): whole blocks of
-    outputs, a residual of the output's shape and dtype, a 1-D scale of its width."""
+    outputs whose shares fit the module's scratch, a residual of the output's shape and
+    dtype, a 1-D scale of its width."""
     n = packed.shape[0]
-    return (n % _WARPS == 0 and isinstance(residual, mx.array) and isinstance(scale, mx.array)
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (n % _WARPS == 0 and rows * (n // _WARPS) <= ADD_NORM_PARTS
+            and isinstance(residual, mx.array) and isinstance(scale, mx.array)
             and residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
             and scale.shape == (n,))
 
@@ -431,13 +440,12 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     k = x.shape[-1]
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
-    h, y, _ = _add_norm_kernel()(
+    h, y = _add_norm_kernel()(
         inputs=[x, packed, scales, biases, residual, scale, eps],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
                   ("R", rows), ("NW", _WARPS)],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[shape, shape, (rows, n_out // _WARPS)],
-        output_dtypes=[x.dtype, x.dtype, mx.float32])
+        output_shapes=[shape, shape], output_dtypes=[x.dtype, x.dtype])
     return h, y
 
 
@@ -455,12 +463,12 @@ def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biase
     n_out2 = packed2.shape[0] // (2 if act else 1)
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
-    h, y, _, z = _chain_kernel()(
+    h, y, z = _chain_kernel()(
         inputs=[x, packed, scales, biases, residual, scale, eps, packed2, scales2, biases2],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
                   ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
                   ("EPI2", ACTIVATIONS[act] if act else 0)],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[shape, shape, (rows, n_out // _WARPS), (*x.shape[:-1], n_out2)],
-        output_dtypes=[x.dtype, x.dtype, mx.float32, x.dtype])
+        output_shapes=[shape, shape, (*x.shape[:-1], n_out2)],
+        output_dtypes=[x.dtype, x.dtype, x.dtype])
     return h, y, z

@@ -275,6 +275,59 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
     assert np.array_equal(v_after[:, :, keep], vcf[:, :, keep])
 
 
+@cuda
+@pytest.mark.parametrize("rows", [1, 3])
+def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest.MonkeyPatch,
+                                                             rows: int) -> None:
+    """The split kernel keeps its partials in the module's scratch (one output array instead
+    of four: host time on MLX-CUDA); a launch whose partials would not fit takes them as
+    outputs. Both forms give bit-equal outputs and cache writes, over several calls in a
+    row (the scratch is reused)."""
+    from fuselm.runtime_metal import kernels_cuda
+
+    dtype, d, hq, hk, cap = mx.float16, 64, 32, 8, 512
+    rng = np.random.default_rng(rows)
+    inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    prm = mx.array([1e-6, 1 / np.sqrt(d), 1.0], mx.float32)
+    q = mx.array(rng.normal(size=(rows, 1, hq * d)).astype(np.float32)).astype(dtype)
+    k = mx.array(rng.normal(size=(rows, 1, hk * d)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.normal(size=(rows, 1, hk * d)).astype(np.float32)).astype(dtype)
+    cache = rng.normal(size=(2, rows, hk, cap, d)).astype(np.float32)
+    results = {}
+    for scratch in (kernels_cuda.SPLIT_SCRATCH, 0):
+        monkeypatch.setattr(kernels_cuda, "SPLIT_SCRATCH", scratch)
+        kc, vc = mx.array(cache[0]).astype(dtype), mx.array(cache[1]).astype(dtype)
+        ys = []
+        for pos in (100, 101, 300):
+            y, kc, vc = kernels_cuda.rope_attend(
+                q, k, v, None, None, inv_freq, prm, mx.array([pos] * rows, mx.int32), kc, vc,
+                hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=8)
+            mx.eval(y, kc, vc)
+            ys.append(np.array(y.astype(mx.float32)))
+        results[scratch] = (np.stack(ys), np.array(kc.astype(mx.float32)),
+                            np.array(vc.astype(mx.float32)))
+    (a, b) = results.values()
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert np.isfinite(a[0]).all()
+
+
+def test_add_norm_fits_only_what_its_scratch_holds() -> None:
+    """Everywhere: the add+norm GEMV keeps each block's share of the sums of squares in its
+    module's scratch, so it takes only rows x blocks that fit there (else the caller runs
+    the separate add+norm)."""
+    from fuselm.runtime_metal import kernels_q4
+
+    packed = mx.zeros((4096, 128), mx.uint32)
+    x = mx.zeros((16, 1, 1024), mx.float16)
+    r, w = mx.zeros((16, 1, 4096), mx.float16), mx.zeros((4096,), mx.float16)
+    assert kernels_q4.add_norm_fits(x, packed, r, w)
+    wide = mx.zeros((65536, 128), mx.uint32)  # 8,192 blocks x 16 rows: past the scratch
+    assert not kernels_q4.add_norm_fits(x, wide, mx.zeros((16, 1, 65536), mx.float16),
+                                        mx.zeros((65536,), mx.float16))
+    assert kernels_q4.add_norm_fits(x[:1], wide, mx.zeros((1, 1, 65536), mx.float16),
+                                    mx.zeros((65536,), mx.float16))
+
+
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
 
 @cuda
