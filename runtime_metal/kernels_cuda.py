@@ -452,22 +452,23 @@ _SCRATCH_PARTS = """
 
 
 @cache
-def _attend_split_kernel(merged: bool, scratch: bool = True) -> Any:
-    """merged: S = 1, the block writes the output; else it writes the split's partial and the
-    last block of its head group merges them; the partials in the module's scratch, or (not
-    `scratch`) in three more outputs."""
-    source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "") if merged
-              else _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
-              .replace("/*TAIL*/", _MERGE_LAST))
-    in_scratch = scratch and not merged
+def _attend_split_kernel(form: str) -> Any:
+    """form "merged": S = 1, the block writes the output; else it writes the split's partial
+    and the last block of its head group merges them, the partials in the module's scratch
+    ("scratch") or in three more outputs ("outputs")."""
+    if form == "merged":
+        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
+    else:
+        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART).replace("/*TAIL*/", _MERGE_LAST)
+    scratch = form == "scratch"
     return kernels.cuda_kernel(
-        name=("fuselm_rope_attend_split1" if merged else "fuselm_rope_attend_split"
-              if scratch else "fuselm_rope_attend_split_out"),
+        name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
+              "outputs": "fuselm_rope_attend_split_out"}[form],
         input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"] if merged or scratch else ["out", "pm", "pl", "pacc"],
-        source=(_SCRATCH_PARTS if in_scratch else "") + source,
-        header=_HEADER + _VEC_HEADER + ("" if merged else _TICKETS)
-        + (_SCRATCH if in_scratch else ""))
+        output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
+        source=(_SCRATCH_PARTS if scratch else "") + source,
+        header=_HEADER + _VEC_HEADER + ("" if form == "merged" else _TICKETS)
+        + (_SCRATCH if scratch else ""))
 
 
 def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
@@ -487,9 +488,10 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     dummy = inv_freq
-    scratch = rows * hq * splits * (d + 2) <= SPLIT_SCRATCH
-    partials = splits > 1 and not scratch  # the partials as outputs
-    outs = _attend_split_kernel(splits == 1, scratch)(
+    form = ("merged" if splits == 1 else
+            "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
+    partials = form == "outputs"
+    outs = _attend_split_kernel(form)(
         inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
                 inv_freq, prm, offset, kc, vc],
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),

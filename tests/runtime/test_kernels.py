@@ -289,14 +289,14 @@ def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest
     rng = np.random.default_rng(rows)
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = mx.array([1e-6, 1 / np.sqrt(d), 1.0], mx.float32)
-    q = mx.array(rng.normal(size=(rows, 1, hq * d)).astype(np.float32)).astype(dtype)
-    k = mx.array(rng.normal(size=(rows, 1, hk * d)).astype(np.float32)).astype(dtype)
-    v = mx.array(rng.normal(size=(rows, 1, hk * d)).astype(np.float32)).astype(dtype)
-    cache = rng.normal(size=(2, rows, hk, cap, d)).astype(np.float32)
+    q, _ = _rounded(rng.normal(size=(rows, 1, hq * d)), dtype)
+    k, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
+    v, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
+    cache = rng.normal(size=(2, rows, hk, cap, d))
     results = {}
     for scratch in (kernels_cuda.SPLIT_SCRATCH, 0):
         monkeypatch.setattr(kernels_cuda, "SPLIT_SCRATCH", scratch)
-        kc, vc = mx.array(cache[0]).astype(dtype), mx.array(cache[1]).astype(dtype)
+        (kc, _), (vc, _) = _rounded(cache[0], dtype), _rounded(cache[1], dtype)
         ys = []
         for pos in (100, 101, 300):
             y, kc, vc = kernels_cuda.rope_attend(
