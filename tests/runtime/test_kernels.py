@@ -171,6 +171,24 @@ def test_fits_refuses_what_the_kernel_cannot_take() -> None:
     assert not kernels.add_rms_norm_fits(mx.zeros((1, 8)), mx.zeros((8,)), mx.ones((8,)), -1)
 
 
+def test_float_bits_round_trips_kernel_constants() -> None:
+    """Float constants go to the kernels as the int of their float32 bits (a template argument,
+    not an input array): read back as float32 (the kernel's __int_as_float), each is the
+    float32 the input array held. MLX writes template values into the kernel's name, so a
+    set sign bit (a minus sign), infinity and NaN are refused."""
+    for x in (1e-6, 1e-5, 1 / np.sqrt(128), 1 / np.sqrt(64), 1.0, 1.2, 0.0, 3.0e38):
+        bits = kernels.float_bits(x)
+        assert isinstance(bits, int) and 0 <= bits < 2**31
+        back = np.array([bits], np.int32).view(np.float32)[0]
+        assert back.tobytes() == np.float32(x).tobytes()
+        assert back == np.array(mx.array([x], mx.float32))[0]
+        assert kernels.takes_float_bits(x)
+    for bad in (-1e-6, -1.0, -0.0, float("inf"), float("nan"), 1e39):
+        assert not kernels.takes_float_bits(bad)
+        with pytest.raises(ValueError):
+            kernels.float_bits(bad)
+
+
 # ---- MLX-CUDA: each kernel against the contract's references -----------------------------------
 
 @cuda
