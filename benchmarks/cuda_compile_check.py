@@ -155,14 +155,17 @@ def main() -> None:
             if act is None and nout <= 4096:  # an o_proj / down shape: the add+norm epilogue
                 res = mx.zeros((rows, 1, nout), dt)
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
-                                            mx.zeros((1,), mx.float32))
+                                            1e-6)
                 for n2, g2, a2 in ((3 * nout, 64, "silu"), (2 * nout, 32, None)):
                     # the chain: that GEMV, then a gate/up or q/k/v GEMV over its y
                     p2 = mx.zeros((n2, nout // 8), mx.uint32)
                     s2 = mx.zeros((n2, nout // g2), dt)
                     kernels_q4.q4_gemv_add_norm_then(
-                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
-                        mx.zeros((1,), mx.float32), (p2, s2, s2, g2, a2))
+                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt), 1e-6,
+                        (p2, s2, s2, g2, a2))
+        for hidden in (1024, 4096):  # the separate add+RMSNorm: 256 and 1024 threads a block
+            h = mx.zeros((1, 1, hidden), dt)
+            kernels_cuda.add_rms_norm(h, h, mx.ones((hidden,), dt), 1e-6)
         packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
         kernels_embedding.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
                                        mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32,

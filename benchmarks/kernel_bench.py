@@ -77,7 +77,7 @@ def main() -> None:
         packed, scales, biases = mx.quantize(w, group_size=g, bits=4)
         return packed, scales.astype(dt), biases.astype(dt)
 
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6  # a template constant of the kernels (kernels.float_bits)
     x, r, nw = rand(1, 1, hidden), rand(1, 1, hidden), rand(hidden, scale=0.1) + 1
     qkv = q4((hq + 2 * hk) * d, hidden)
     gate_up = q4(2 * inter, hidden)

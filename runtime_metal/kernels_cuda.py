@@ -71,7 +71,7 @@ _ADD_RMS_NORM = """
     if (lane == 0) part[0] = t;
   }
   __syncthreads();
-  const float rs = rsqrtf(part[0] / H + eps[0]);
+  const float rs = rsqrtf(part[0] / H + __int_as_float(EPSB));
   for (int i = tid; i < H; i += BLOCK) {
     y[base + i] = T(static_cast<float>(h[base + i]) * rs * static_cast<float>(w[i]));
   }
@@ -508,7 +508,7 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
 @cache
 def _add_rms_norm_kernel() -> Any:
     return kernels.cuda_kernel(
-        name="fuselm_add_rms_norm", input_names=["x", "r", "w", "eps"],
+        name="fuselm_add_rms_norm", input_names=["x", "r", "w"],
         output_names=["h", "y"], source=_ADD_RMS_NORM, header=_HEADER)
 
 
@@ -520,14 +520,16 @@ def _rope_attend_kernel() -> Any:
         output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)
 
 
-def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
+def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
                  ) -> tuple[mx.array, mx.array]:
-    """x, r: [..., H] of one dtype (row-contiguous); w: [H]; eps: float32 [1]."""
+    """x, r: [..., H] of one dtype (row-contiguous); w: [H]; eps: >= 0, passed as the template
+    constant EPSB (kernels.float_bits: no input array, ~0.4 µs of MLX-CUDA host time less)."""
     hidden = x.shape[-1]
     rows = x.size // hidden
     block = 1024 if hidden >= 4096 else 256
     h, y = _add_rms_norm_kernel()(
-        inputs=[x, r, w, eps], template=[("T", x.dtype), ("H", hidden), ("BLOCK", block)],
+        inputs=[x, r, w], template=[("T", x.dtype), ("H", hidden), ("BLOCK", block),
+                                    ("EPSB", kernels.float_bits(eps))],
         grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, y

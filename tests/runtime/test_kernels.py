@@ -189,6 +189,63 @@ def test_float_bits_round_trips_kernel_constants() -> None:
             kernels.float_bits(bad)
 
 
+def _launch_factories() -> tuple:
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+
+    return (kernels_cuda._rope_attend_kernel, kernels_cuda._attend_split_kernel,
+            kernels_cuda._add_rms_norm_kernel, kernels_q4._add_norm_kernel,
+            kernels_q4._chain_kernel)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
+    kernel name, input names, input count, body text and template arguments. The kernel
+    factories' caches are emptied before and after, so no recorder stays in them."""
+    seen: list[dict[str, object]] = []
+
+    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
+                 header: str = "") -> object:
+        def launch(*, inputs: list[mx.array], template: list[tuple[str, object]],
+                   output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                   **_: object) -> list[mx.array]:
+            seen.append({"name": name, "input_names": list(input_names),
+                         "inputs": len(inputs), "source": source, "template": dict(template)})
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    for f in _launch_factories():
+        f.cache_clear()
+    monkeypatch.setattr(kernels, "cuda_kernel", recorder)
+    yield seen
+    for f in _launch_factories():
+        f.cache_clear()
+
+
+def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
+    """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7), its chain (9, was 10) and
+    the separate add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it
+    cannot be (negative) leaves QWeight.matmul_add_norm to the plain path (None)."""
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
+
+    x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
+    packed, sc = mx.zeros((128, 32), mx.uint32), mx.zeros((128, 8), mx.float16)
+    w = mx.ones((128,), mx.float16)
+    kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, r, w, 1e-5)
+    p2, s2 = mx.zeros((384, 16), mx.uint32), mx.zeros((384, 4), mx.float16)
+    kernels_q4.q4_gemv_add_norm_then(x, packed, sc, sc, 32, r, w, 1e-5, (p2, s2, s2, 32, None))
+    kernels_cuda.add_rms_norm(r, r, w, 1e-5)
+    assert [r_["inputs"] for r_ in launches] == [6, 9, 3]
+    for r_ in launches:
+        assert "eps" not in r_["input_names"]  # type: ignore[operator]
+        assert r_["template"]["EPSB"] == kernels.float_bits(1e-5)  # type: ignore[index]
+    wq, _ = _q4_weight(np.random.default_rng(0), 256, 128, 32)
+    with qweight.gemv_kernel():
+        assert wq.matmul_add_norm(x, r, w, -1e-5) is None
+        assert wq.matmul_add_norm(x, r, w, 1e-5) is not None
+    assert len(launches) == 4
+
+
 # ---- MLX-CUDA: each kernel against the contract's references -----------------------------------
 
 @cuda
@@ -201,7 +258,7 @@ def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
     x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
     r, rf = _rounded(rng.normal(size=(1, rows, hidden)) * 3, dtype)
     w, wf = _rounded(rng.uniform(0.5, 1.5, hidden), dtype)
-    h, y = kernels_cuda.add_rms_norm(x, r, w, mx.array([1e-6], mx.float32))
+    h, y = kernels_cuda.add_rms_norm(x, r, w, 1e-6)
     _, h_ref = _rounded(xf + rf, dtype)
     assert rel(np.array(h.astype(mx.float32)), h_ref) <= TOL[dtype]
     y_ref = rms_norm_reference(h_ref, wf, 1e-6)
@@ -716,7 +773,7 @@ def test_q4_gemv_chain(dtype: mx.Dtype, rows: int, k: int, n: int, n2: int, grou
     x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
     scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6
     with qweight.gemv_kernel():
         apart = w.matmul_add_norm(x, r, scale, eps)
         assert apart is not None
@@ -756,7 +813,7 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
     x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
     scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6
     with qweight.gemv_kernel():
         plain = w.matmul(x)
         fused = [w.matmul_add_norm(x, r, scale, eps) for _ in range(2)]
