@@ -137,14 +137,17 @@ def main() -> None:
         (96, 6, 2, True, True)]
     for dt in (mx.float16, mx.bfloat16, mx.float32):
         for d, hq, hk, norms, inter in attention:
-            q, k = mx.zeros((1, 1, hq * d), dt), mx.zeros((1, 1, hk * d), dt)
+            qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
+            q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
             cache = mx.zeros((1, hk, 512, d), dt)
-            n = mx.ones((d,), dt) if norms else None
+            n = mx.ones((d,), dt) if norms else None  # without: no qn/kn inputs (null pointers)
             inv = mx.array(rng.random(d // 2).astype(np.float32))
-            prm, off = mx.zeros((3,), mx.float32), mx.array([5], mx.int32)
+            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
             for splits in (0, 1, 8):
-                kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq, hk=hk,
-                                         rotary_dim=d, interleaved=inter, splits=splits)
+                for joined in (None, qkv):  # q, k, v apart, or the fused projection once
+                    kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq,
+                                             hk=hk, rotary_dim=d, interleaved=inter,
+                                             splits=splits, qkv=joined)
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):

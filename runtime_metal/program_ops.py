@@ -219,13 +219,15 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     attn = Attention.from_attrs(attn_step.attrs)
     head_dim = int(ra["head_dim"])  # type: ignore[call-overload]
     rotary = int(ra.get("rotary_dim") or head_dim)  # type: ignore[call-overload]
+    # The kernel's constants (eps, softmax scale, attention scale) are template arguments
+    # (kernels.float_bits), which take no negative value: the plain path runs then.
+    norm_eps = float(ra.get("norm_eps", 1e-6))  # type: ignore[arg-type]
+    ascale = float(ra.get("attention_scale", 1.0))  # type: ignore[arg-type]
+    prm = (norm_eps, attn.scale_for(head_dim), ascale)
     # The kernel has plain softmax: other semantics (softcap, ...) take Attention's own path.
-    if (use_kernel and attn.softcap == 0
+    if (use_kernel and attn.softcap == 0 and kernels.takes_float_bits(*prm)
             and kernels.rope_attend_fits(q, k, v, (qn, kn), keys, values, attn.q_heads,
                                          attn.kv_heads, head_dim, rotary)):
-        prm = mx.array([float(ra.get("norm_eps", 1e-6)),  # type: ignore[arg-type]
-                        attn.scale_for(head_dim),
-                        float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]

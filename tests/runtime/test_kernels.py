@@ -222,6 +222,47 @@ def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         f.cache_clear()
 
 
+@pytest.mark.parametrize("norms", [False, True])  # Llama (no q/k-norm), Qwen3
+@pytest.mark.parametrize("splits", [0, 1, 8])
+def test_attention_launch_takes_no_constant_or_duplicate_input(launches: list, norms: bool,
+                                                               splits: int) -> None:
+    """Everywhere (no launch): with a fused projection the attention launch takes it once, k
+    and v aliasing it in the body; absent q/k-norm scales are no inputs; eps and the two
+    scales are template constants. Llama: 10 -> 5 inputs a layer, Qwen3: 10 -> 7 (MLX-CUDA's
+    host cost ~0.4 µs an input). Every name the body reads is an input or set before use."""
+    from fuselm.runtime_metal import kernels_cuda
+
+    d, hq, hk = 64, 8, 2
+    qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), mx.float16)
+    q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
+    n = mx.ones((d,), mx.float16) if norms else None
+    cache = mx.zeros((1, hk, 256, d), mx.float16)
+    inv = mx.zeros((d // 2,), mx.float32)
+    prm = (1e-6, 1 / np.sqrt(d), 1.0)
+    for joined in (qkv, None):
+        kernels_cuda.rope_attend(q, k, v, n, n, inv, prm, mx.array([5], mx.int32), cache, cache,
+                                 hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=splits,
+                                 qkv=joined)
+    (fused, apart) = launches
+    norm_names = ["qn", "kn"] if norms else []
+    assert fused["input_names"] == ["q", *norm_names, "inv_freq", "offset", "kc", "vc"]
+    assert apart["input_names"] == ["q", "k", "v", *norm_names, "inv_freq", "offset", "kc",
+                                    "vc"]
+    assert fused["name"] != apart["name"]
+    assert [r["inputs"] for r in launches] == [len(r["input_names"]) for r in launches]
+    for r in launches:
+        src = str(r["source"])
+        assert "prm" not in src
+        for name in ("k", "v", "qn", "kn"):
+            if name not in r["input_names"]:  # declared by the prelude, before any use
+                decl = src.index(f"const T* {name} = ")
+                use = re.search(rf"\b{name}\[", src)
+                assert use is not None and decl < use.start()
+        assert r["template"]["PE"] == kernels.float_bits(1e-6)  # type: ignore[index]
+        assert r["template"]["PQ"] == kernels.float_bits(1 / np.sqrt(d))  # type: ignore[index]
+        assert r["template"]["PA"] == kernels.float_bits(1.0)  # type: ignore[index]
+
+
 def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
     """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7), its chain (9, was 10) and
     the separate add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it
@@ -332,7 +373,7 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
     values = np.concatenate([vcf[0, :, :pos], vf.reshape(hk, 1, d)], axis=1)
     y_ref = _attention_reference(qr.reshape(hq, d), keys, values, scale)
 
-    prm = mx.array([1e-6, scale, ascale], mx.float32)
+    prm = (1e-6, scale, ascale)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
         *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, splits=splits))
     y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
@@ -363,7 +404,7 @@ def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest
     dtype, d, hq, hk, cap = mx.float16, 64, 32, 8, 512
     rng = np.random.default_rng(rows)
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    prm = mx.array([1e-6, 1 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1 / np.sqrt(d), 1.0)
     q, _ = _rounded(rng.normal(size=(rows, 1, hq * d)), dtype)
     k, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
     v, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
@@ -456,7 +497,7 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
     kc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
     vc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
     norm = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
-    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
 
     def run(rows: slice, pos: list[int]) -> tuple[mx.array, ...]:
         return kernels_cuda.rope_attend(q[rows], k[rows], v[rows], norm, norm, inv_freq, prm,
@@ -472,10 +513,12 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
 
 
 @cuda
+@pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("splits", [0, 3])
-def test_rope_attend_reads_a_fused_qkv_row(splits: int) -> None:
-    """q, k and v read from the fused projection they are slices of (qkv=, batch rows at their
-    own positions) give exactly what the three separate arrays give, caches included."""
+def test_rope_attend_reads_a_fused_qkv_row(splits: int, norms: bool) -> None:
+    """q, k and v read from the fused projection they are slices of (qkv=: the launch's one
+    input for the three; batch rows at their own positions) give exactly what the three
+    separate arrays give, caches included; without q/k-norm (Llama) and with it (Qwen3)."""
     from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(11)
@@ -483,14 +526,16 @@ def test_rope_attend_reads_a_fused_qkv_row(splits: int) -> None:
     b = len(positions)
     qkv = _rounded(rng.normal(size=(b, 1, (hq + 2 * hk) * d)), dtype)[0]
     q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
+    qn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
+    kn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
     caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
     got = []
     for joined in (None, qkv):  # fresh cache buffers each time: the kernel writes in place
         kc, vc = (mx.array(c).astype(dtype) for c in caches)
         y, kc, vc = kernels_cuda.rope_attend(
-            q, k, v, None, None, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
+            q, k, v, qn, kn, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
             hk=hk, rotary_dim=d, interleaved=False, splits=splits, qkv=joined)
         got.append([np.array(a.astype(mx.float32)) for a in (y, kc, vc)])
     for a, b_ in zip(*got, strict=True):
