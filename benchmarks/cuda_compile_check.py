@@ -137,14 +137,17 @@ def main() -> None:
         (96, 6, 2, True, True)]
     for dt in (mx.float16, mx.bfloat16, mx.float32):
         for d, hq, hk, norms, inter in attention:
-            q, k = mx.zeros((1, 1, hq * d), dt), mx.zeros((1, 1, hk * d), dt)
+            qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
+            q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
             cache = mx.zeros((1, hk, 512, d), dt)
-            n = mx.ones((d,), dt) if norms else None
+            n = mx.ones((d,), dt) if norms else None  # without: no qn/kn inputs (null pointers)
             inv = mx.array(rng.random(d // 2).astype(np.float32))
-            prm, off = mx.zeros((3,), mx.float32), mx.array([5], mx.int32)
+            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
             for splits in (0, 1, 8):
-                kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq, hk=hk,
-                                         rotary_dim=d, interleaved=inter, splits=splits)
+                for joined in (None, qkv):  # q, k, v apart, or the fused projection once
+                    kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq,
+                                             hk=hk, rotary_dim=d, interleaved=inter,
+                                             splits=splits, qkv=joined)
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):
@@ -155,14 +158,17 @@ def main() -> None:
             if act is None and nout <= 4096:  # an o_proj / down shape: the add+norm epilogue
                 res = mx.zeros((rows, 1, nout), dt)
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
-                                            mx.zeros((1,), mx.float32))
+                                            1e-6)
                 for n2, g2, a2 in ((3 * nout, 64, "silu"), (2 * nout, 32, None)):
                     # the chain: that GEMV, then a gate/up or q/k/v GEMV over its y
                     p2 = mx.zeros((n2, nout // 8), mx.uint32)
                     s2 = mx.zeros((n2, nout // g2), dt)
                     kernels_q4.q4_gemv_add_norm_then(
-                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt),
-                        mx.zeros((1,), mx.float32), (p2, s2, s2, g2, a2))
+                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt), 1e-6,
+                        (p2, s2, s2, g2, a2))
+        for hidden in (1024, 4096):  # the separate add+RMSNorm: 256 and 1024 threads a block
+            h = mx.zeros((1, 1, hidden), dt)
+            kernels_cuda.add_rms_norm(h, h, mx.ones((hidden,), dt), 1e-6)
         packed = mx.zeros((1000, 128), mx.uint32)  # an embedding table [1000, 1024]
         kernels_embedding.q4_take_rows(mx.zeros((1, 1), mx.int32), packed,
                                        mx.zeros((1000, 32), dt), mx.zeros((1000, 32), dt), 32,

@@ -11,7 +11,8 @@ launch overhead is not in the figure. Compared:
   separate add+RMSNorm kernel the epilogue replaces, and the chained launches of
   FUSELM_FOLD_NORM=chain (q4_gemv_add_norm_then: o_proj + gate/up, down + q/k/v; compare each
   with the sum of its two parts);
-- rope+attention (kernels_cuda.rope_attend): a block per query head (split 0), and the split
+- rope+attention (kernels_cuda.rope_attend, reading q, k, v out of the fused projection as the
+  program does: one input for the three): a block per query head (split 0), and the split
   kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto` as kernels.attend_splits picks)
   at each cached length --pos, with the program's warps/keys per block and each of
   --split-configs (WARPSxKEYS) at the auto split count.
@@ -77,7 +78,7 @@ def main() -> None:
         packed, scales, biases = mx.quantize(w, group_size=g, bits=4)
         return packed, scales.astype(dt), biases.astype(dt)
 
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6  # a template constant of the kernels (kernels.float_bits)
     x, r, nw = rand(1, 1, hidden), rand(1, 1, hidden), rand(hidden, scale=0.1) + 1
     qkv = q4((hq + 2 * hk) * d, hidden)
     gate_up = q4(2 * inter, hidden)
@@ -98,8 +99,11 @@ def main() -> None:
             xd, *down, g, r, nw, eps, (*qkv, g, None))[2],
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
-    q, k, v = rand(1, 1, hq * d), rand(1, 1, hk * d), rand(1, 1, hk * d)
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)  # eps, softmax scale, attention scale
+    # q, k, v as the program passes them: slices of the fused projection, read from it
+    qkv_row = rand(1, 1, (hq + 2 * hk) * d)
+    q, k, v = (qkv_row[..., :hq * d], qkv_row[..., hq * d:(hq + hk) * d],
+               qkv_row[..., (hq + hk) * d:])
     norm = rand(d, scale=0.1) + 1 if qk_norm else None
     for pos in args.pos:
         cap = (pos // 256 + 1) * 256
@@ -112,14 +116,14 @@ def main() -> None:
             calls[f"attend pos {pos} split {sp}={n_split}"] = (
                 lambda kc=kc, vc=vc, off=off, n_split=n_split: kernels_cuda.rope_attend(
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
-                    rotary_dim=d, interleaved=False, splits=n_split)[0])
+                    rotary_dim=d, interleaved=False, splits=n_split, qkv=qkv_row)[0])
         for cfg in args.split_configs:
             nw, kb = (int(t) for t in cfg.split("x"))
             calls[f"attend pos {pos} split auto={auto} {cfg}"] = (
                 lambda kc=kc, vc=vc, off=off, nw=nw, kb=kb, n=auto: kernels_cuda.rope_attend(
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
                     rotary_dim=d, interleaved=False, splits=n, split_warps=nw,
-                    split_keys=kb)[0])
+                    split_keys=kb, qkv=qkv_row)[0])
     results: dict[str, Any] = {}
     for name, fn in calls.items():
         for _ in range(3):  # compile, allocate

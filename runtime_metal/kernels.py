@@ -10,9 +10,11 @@ path runs there.
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
+import numpy as np
 
 from fuselm.runtime_metal.errors import RuntimeUserError
 
@@ -43,6 +45,31 @@ def compact_cuda(text: str) -> str:
         if code:
             out.append(code)
     return "\n".join(out) + "\n"
+
+
+def _float32(x: float) -> np.float32:
+    with np.errstate(over="ignore"):  # past float32's range: inf, refused by the callers
+        return np.float32(x)
+
+
+def takes_float_bits(*xs: float) -> bool:
+    """Whether float_bits takes every one of xs (the caller runs the plain path otherwise)."""
+    return all(math.isfinite(float(_float32(x))) and not np.signbit(_float32(x)) for x in xs)
+
+
+def float_bits(x: float) -> int:
+    """The float32 bit pattern of x as a non-negative int: a float constant passed to a kernel
+    as an integer template argument (the kernel reads it back with `__int_as_float(NAME)`)
+    instead of a float32 input array, because MLX-CUDA's host cost is ~0.4 µs an input array
+    at every launch. The same float32 value mx.array([x], mx.float32) holds (x rounded to
+    nearest), so the kernel's arithmetic is unchanged.
+
+    MLX writes a template value into the kernel's name (`_<value>`), where a minus sign makes
+    no identifier: only finite values with the sign bit clear; ValueError otherwise."""
+    if not takes_float_bits(x):
+        raise ValueError(f"{x!r} is no finite float32 with the sign bit clear: no kernel "
+                         "template constant")
+    return int(np.array(_float32(x), np.float32).view(np.int32))
 
 
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str,

@@ -71,7 +71,7 @@ _ADD_RMS_NORM = """
     if (lane == 0) part[0] = t;
   }
   __syncthreads();
-  const float rs = rsqrtf(part[0] / H + eps[0]);
+  const float rs = rsqrtf(part[0] / H + __int_as_float(EPSB));
   for (int i = tid; i < H; i += BLOCK) {
     y[base + i] = T(static_cast<float>(h[base + i]) * rs * static_cast<float>(w[i]));
   }
@@ -99,7 +99,7 @@ _ROPE_ATTEND_BODY = """
     float ss = 0.f;
     for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
     ss = warp_sum(ss);
-    if (lane == 0) rs[warp] = rsqrtf(ss / D + prm[0]);
+    if (lane == 0) rs[warp] = rsqrtf(ss / D + __int_as_float(PE));
   }
   __syncthreads();
   if (tid < D) {
@@ -118,11 +118,11 @@ _ROPE_ATTEND_BODY = """
       rope_pair<INTERLEAVED, RD>(tid, m, partner, sign);
       const float th = static_cast<float>(pos) * inv_freq[m];
       const float c = cosf(th), s = sinf(th);
-      a = (a * c + sign * tq[partner] * s) * prm[2];
-      b = (b * c + sign * tk[partner] * s) * prm[2];
+      a = (a * c + sign * tq[partner] * s) * __int_as_float(PA);
+      b = (b * c + sign * tk[partner] * s) * __int_as_float(PA);
     }
     const T qa = T(a), kb = T(b), vb = T(sv[tid]);
-    sq[tid] = static_cast<float>(qa) * prm[1];  // the softmax scale, folded into q
+    sq[tid] = static_cast<float>(qa) * __int_as_float(PQ);  // the softmax scale, in q
     sk[tid] = static_cast<float>(kb);
     sv[tid] = static_cast<float>(vb);
     if (h % G == 0) {  // the new row goes into the cache in place (see rope_attend)
@@ -232,7 +232,8 @@ _ATTEND_SPLIT = """
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t kh = (size_t)b * HK + g;
-  const float eps = prm[0], qscale = prm[1], ascale = prm[2];
+  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
+  const float ascale = __int_as_float(PA);
   __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
   __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
   __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
@@ -451,11 +452,53 @@ _SCRATCH_PARTS = """
 """
 
 
+# Inputs a launch does not need are left out: MLX-CUDA's host cost is ~0.4 µs an input array
+# at every launch, and the decode step is host-bound on the H200. So the float constants (eps,
+# softmax scale, attention scale) are template arguments PE, PQ, PA (kernels.float_bits), the
+# fused projection (joined: q, k and v are slices of it) is one input `q` that k and v alias,
+# and absent q/k-norm scales are no inputs (null pointers, never read: HAS_QN / HAS_KN).
+def _attend_inputs(joined: bool, norms: tuple[bool, bool]) -> list[str]:
+    """The attention kernels' input names: q (k, v unless joined), qn / kn where present."""
+    return (["q"] + ([] if joined else ["k", "v"]) + (["qn"] if norms[0] else [])
+            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", "kc", "vc"])
+
+
+def _attend_prelude(joined: bool, norms: tuple[bool, bool]) -> str:
+    """The kernel body's first lines: the names of the inputs _attend_inputs leaves out
+    (MLX puts the body after the kernel's parameters, so these come before any use)."""
+    return (("  const T* k = q;\n  const T* v = q;\n" if joined else "")
+            + ("" if norms[0] else "  const T* qn = nullptr;\n")
+            + ("" if norms[1] else "  const T* kn = nullptr;\n"))
+
+
+def _attend_suffix(joined: bool, norms: tuple[bool, bool]) -> str:
+    """A kernel name per input set: MLX-CUDA keys a custom kernel's compiled module by its name
+    and template arguments (custom_kernel.cpp), so two input sets under one name and the same
+    template could be handed one module."""
+    return ("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
+
+
+def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
+                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: mx.array,
+                 vc: mx.array, joined: bool) -> list[mx.array]:
+    """The input arrays in _attend_inputs' order."""
+    return ([q] + ([] if joined else [k, v]) + ([qn] if qn is not None else [])
+            + ([kn] if kn is not None else []) + [inv_freq, offset, kc, vc])
+
+
+def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
+    """prm = (eps, softmax scale, RoPE attention scale) as the template constants PE, PQ, PA."""
+    eps, qscale, ascale = prm
+    return [("PE", kernels.float_bits(eps)), ("PQ", kernels.float_bits(qscale)),
+            ("PA", kernels.float_bits(ascale))]
+
+
 @cache
-def _attend_split_kernel(form: str) -> Any:
+def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool]) -> Any:
     """form "merged": S = 1, the block writes the output; else it writes the split's partial
     and the last block of its head group merges them, the partials in the module's scratch
-    ("scratch") or in three more outputs ("outputs")."""
+    ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
+    (_attend_inputs)."""
     if form == "merged":
         source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
     else:
@@ -463,10 +506,10 @@ def _attend_split_kernel(form: str) -> Any:
     scratch = form == "scratch"
     return kernels.cuda_kernel(
         name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
-              "outputs": "fuselm_rope_attend_split_out"}[form],
-        input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
+              "outputs": "fuselm_rope_attend_split_out"}[form] + _attend_suffix(joined, norms),
+        input_names=_attend_inputs(joined, norms),
         output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
-        source=(_SCRATCH_PARTS if scratch else "") + source,
+        source=_attend_prelude(joined, norms) + (_SCRATCH_PARTS if scratch else "") + source,
         header=_HEADER + _VEC_HEADER + ("" if form == "merged" else _TICKETS)
         + (_SCRATCH if scratch else ""))
 
@@ -480,24 +523,23 @@ def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
 
 
 def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
-                       kn: mx.array | None, inv_freq: mx.array, prm: mx.array,
-                       offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
-                       rotary_dim: int, interleaved: bool, splits: int, rows_at: list[Any],
+                       kn: mx.array | None, inv_freq: mx.array,
+                       prm: tuple[float, float, float], offset: mx.array, kc: mx.array,
+                       vc: mx.array, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
+                       splits: int, rows_at: list[Any], joined: bool,
                        warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS) -> mx.array:
     d, rows = kc.shape[-1], kc.shape[0]
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
-    dummy = inv_freq
     form = ("merged" if splits == 1 else
             "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
     partials = form == "outputs"
-    outs = _attend_split_kernel(form)(
-        inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
-                inv_freq, prm, offset, kc, vc],
+    outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None))(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
-                  ("KB", keys), *rows_at],
+                  ("KB", keys), *rows_at, *_attend_consts(prm)],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] + (
             [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
@@ -508,42 +550,48 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
 @cache
 def _add_rms_norm_kernel() -> Any:
     return kernels.cuda_kernel(
-        name="fuselm_add_rms_norm", input_names=["x", "r", "w", "eps"],
+        name="fuselm_add_rms_norm", input_names=["x", "r", "w"],
         output_names=["h", "y"], source=_ADD_RMS_NORM, header=_HEADER)
 
 
 @cache
-def _rope_attend_kernel() -> Any:
+def _rope_attend_kernel(joined: bool, norms: tuple[bool, bool]) -> Any:
+    """joined / norms: the inputs (_attend_inputs)."""
     return kernels.cuda_kernel(
-        name="fuselm_rope_attend",
-        input_names=["q", "k", "v", "qn", "kn", "inv_freq", "prm", "offset", "kc", "vc"],
-        output_names=["out"], source=_ROPE_ATTEND, header=_HEADER)
+        name="fuselm_rope_attend" + _attend_suffix(joined, norms),
+        input_names=_attend_inputs(joined, norms), output_names=["out"],
+        source=_attend_prelude(joined, norms) + _ROPE_ATTEND, header=_HEADER)
 
 
-def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: mx.array
+def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
                  ) -> tuple[mx.array, mx.array]:
-    """x, r: [..., H] of one dtype (row-contiguous); w: [H]; eps: float32 [1]."""
+    """x, r: [..., H] of one dtype (row-contiguous); w: [H]; eps: >= 0, passed as the template
+    constant EPSB (kernels.float_bits: no input array, ~0.4 µs of MLX-CUDA host time less)."""
     hidden = x.shape[-1]
     rows = x.size // hidden
     block = 1024 if hidden >= 4096 else 256
     h, y = _add_rms_norm_kernel()(
-        inputs=[x, r, w, eps], template=[("T", x.dtype), ("H", hidden), ("BLOCK", block)],
+        inputs=[x, r, w], template=[("T", x.dtype), ("H", hidden), ("BLOCK", block),
+                                    ("EPSB", kernels.float_bits(eps))],
         grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
         output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, y
 
 
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
-                kn: mx.array | None, inv_freq: mx.array, prm: mx.array, offset: mx.array,
-                kc: mx.array, vc: mx.array, *, hq: int, hk: int, rotary_dim: int,
-                interleaved: bool, splits: int | None = None,
+                kn: mx.array | None, inv_freq: mx.array, prm: tuple[float, float, float],
+                offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
+                rotary_dim: int, interleaved: bool, splits: int | None = None,
                 split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
                 qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
-    prm = float32 [eps, softmax scale, RoPE attention scale]. Returns the attention output
-    [b, 1, hq*D] and the caches kc, vc themselves: the kernel wrote each row's new key/value
-    (RoPE'd, normed) at position offset[i] IN PLACE, so no scatter launch follows.
+    prm = (eps, softmax scale, RoPE attention scale): Python floats, each finite with the sign
+    bit clear (kernels.takes_float_bits), passed as template constants (kernels.float_bits),
+    not an input array. qn / kn: the q/k-norm scales [D], or None (no norm: no input either).
+    Returns the attention output [b, 1, hq*D] and the caches kc, vc themselves: the kernel
+    wrote each row's new key/value (RoPE'd, normed) at position offset[i] IN PLACE, so no
+    scatter launch follows.
 
     In place means outside MLX's value semantics: the caller must own kc/vc (the compiled
     program's cache buffers: row-contiguous, so MLX passes them uncopied) and give up the
@@ -560,8 +608,10 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     qkv: the fused projection [b, 1, (hq + 2 hk) * D] that q, k and v are slices of: the
     kernel reads them from it (q, k, v then only give the shapes), so the three slices are
     not in the step's graph (a Qwen3-0.6B step: 274 nodes -> 151 with the other reshapes gone;
-    the H200 host's dispatch time did not change: it follows kernel launches, not nodes)."""
+    the H200 host's dispatch time did not change: it follows kernel launches, not nodes). It
+    is the launch's one input for all three (k and v alias it in the kernel)."""
     d, rows = kc.shape[-1], kc.shape[0]
+    joined = qkv is not None
     if qkv is not None:
         q = k = v = qkv
         rows_at = [("QRW", qkv.shape[-1]), ("KRW", qkv.shape[-1]), ("KO", hq * d),
@@ -576,17 +626,15 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     if n_split > 0:
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,
-                                 splits=n_split, rows_at=rows_at, warps=split_warps,
-                                 keys=split_keys)
+                                 splits=n_split, rows_at=rows_at, joined=joined,
+                                 warps=split_warps, keys=split_keys)
         return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
-    dummy = inv_freq
-    (out,) = _rope_attend_kernel()(
-        inputs=[q, k, v, qn if qn is not None else dummy, kn if kn is not None else dummy,
-                inv_freq, prm, offset, kc, vc],
+    (out,) = _rope_attend_kernel(joined, (qn is not None, kn is not None))(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at],
+                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at, *_attend_consts(prm)],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
     return out, kc, vc

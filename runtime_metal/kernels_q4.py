@@ -22,7 +22,8 @@ the plain path's matmul output would be, then act(gate), then the product.
 * `q4_gemv_add_norm(x, w, residual, scale, eps)`: the plain form whose epilogue adds the
   residual (h = x @ W + r, the next residual) and whose last block normalizes h:
   y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
-  add+RMSNorm launch after them is gone (program_ops.fold_into_producers).
+  add+RMSNorm launch after them is gone (program_ops.fold_into_producers). eps is a Python
+  float, compiled into the kernel as a template constant rather than passed as an array.
 * `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
   its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
   GEMV's blocks waiting for the first's last block (FUSELM_FOLD_NORM=chain: two launches a
@@ -213,7 +214,7 @@ _ADD_NORM_BLOCK = """
 template <typename T, int K, int G, int NO, int R, int NW>
 __device__ __forceinline__ bool fl_q4_add_norm_block(
     int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
-    const T* rr, const T* nw, const float* eps, T* h, T* y, float* part) {
+    const T* rr, const T* nw, float e0, T* h, T* y, float* part) {
   constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
   __shared__ float hsq[R][NW];
   __shared__ unsigned int ticket;
@@ -245,7 +246,6 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
   __syncthreads();
   if (ticket != NB - 1) return false;
   __threadfence();
-  const float e0 = eps[0];
   float wv[PT];  // the norm's scale, loaded with h and the shares
   #pragma unroll
   for (int t = 0; t < PT; ++t) {
@@ -286,7 +286,8 @@ _ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
                      f"__device__ float fuselm_addnorm_part[{ADD_NORM_PARTS}];\n")
 _ADD_NORM = """
   fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, x, wq, sc, bi,
-                                           rr, nw, eps, h, y, fuselm_addnorm_part);
+                                           rr, nw, __int_as_float(EPSB), h, y,
+                                           fuselm_addnorm_part);
 """
 
 # ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
@@ -335,7 +336,8 @@ _CHAIN = """
   constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
   if (blockIdx.x < NA) {
     if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket, x, wq, sc,
-                                                 bi, rr, nw, eps, h, y, fuselm_chain_part)) {
+                                                 bi, rr, nw, __int_as_float(EPSB), h, y,
+                                                 fuselm_chain_part)) {
       __threadfence();  // every thread's y writes device-wide before any slot is set
       __syncthreads();
       const unsigned int nb = gridDim.x - NA;  // B blocks: slot s serves those with b % SLOTS = s
@@ -372,7 +374,7 @@ def _kernel() -> Any:
 @cache
 def _add_norm_kernel() -> Any:
     return kernels.cuda_kernel(
-        name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps"],
+        name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
         output_names=["h", "y"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
         source=_ADD_NORM)
 
@@ -381,7 +383,7 @@ def _add_norm_kernel() -> Any:
 def _chain_kernel() -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",
-        input_names=["x", "wq", "sc", "bi", "rr", "nw", "eps", "wq2", "sc2", "bi2"],
+        input_names=["x", "wq", "sc", "bi", "rr", "nw", "wq2", "sc2", "bi2"],
         output_names=["h", "y", "out"],
         header=_HEADER + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
@@ -433,30 +435,33 @@ def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object
 
 
 def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-                     group_size: int, residual: mx.array, scale: mx.array, eps: mx.array
+                     group_size: int, residual: mx.array, scale: mx.array, eps: float
                      ) -> tuple[mx.array, mx.array]:
-    """(h, y): h = x @ W + residual, y = RMSNorm(h) * scale (eps: float32 [1]), in one launch;
-    the caller checked `fits` and `add_norm_fits`."""
+    """(h, y): h = x @ W + residual, y = RMSNorm(h) * scale, in one launch; the caller checked
+    `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the template
+    constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host time an
+    input, every launch)."""
     k = x.shape[-1]
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     h, y = _add_norm_kernel()(
-        inputs=[x, packed, scales, biases, residual, scale, eps],
+        inputs=[x, packed, scales, biases, residual, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
-                  ("R", rows), ("NW", _WARPS)],
+                  ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps))],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[shape, shape], output_dtypes=[x.dtype, x.dtype])
     return h, y
 
 
 def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-                          group_size: int, residual: mx.array, scale: mx.array, eps: mx.array,
+                          group_size: int, residual: mx.array, scale: mx.array, eps: float,
                           then: tuple[mx.array, mx.array, mx.array, int, str | None]
                           ) -> tuple[mx.array, mx.array, mx.array]:
     """(h, y, z): q4_gemv_add_norm's h and y, and z = q4_gemv(y, *then) (then: the next
     weight's packed codes, scales and biases in y's dtype, group size, gated activation or
     None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
-    x and `fits` for y (residual's shape and dtype) against the next weight."""
+    x and `fits` for y (residual's shape and dtype) against the next weight; eps as in
+    q4_gemv_add_norm (a template constant)."""
     packed2, scales2, biases2, group2, act = then
     k = x.shape[-1]
     n_out = packed.shape[0]
@@ -464,10 +469,10 @@ def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biase
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
     h, y, z = _chain_kernel()(
-        inputs=[x, packed, scales, biases, residual, scale, eps, packed2, scales2, biases2],
+        inputs=[x, packed, scales, biases, residual, scale, packed2, scales2, biases2],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
                   ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
-                  ("EPI2", ACTIVATIONS[act] if act else 0)],
+                  ("EPI2", ACTIVATIONS[act] if act else 0), ("EPSB", kernels.float_bits(eps))],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[shape, shape, (*x.shape[:-1], n_out2)],
         output_dtypes=[x.dtype, x.dtype, x.dtype])

@@ -132,16 +132,19 @@ def chain_consumers(ops: list[ProgramOp]) -> None:
 def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: object,
                     scale: object) -> tuple[mx.array, mx.array] | None:
     """The epilogue form of fold_into_producers: (h, y) from one GEMV launch, or None where the
-    kernel does not take these shapes (the MatMul and the pair then run as usual). With a
-    chain consumer, that launch also computes its GEMV over y where it fits."""
+    kernel does not take these shapes, or the norm's epsilon as its template constant (a
+    negative one): the MatMul and the pair then run as usual. With a chain consumer, that
+    launch also computes its GEMV over y where it fits."""
     w = _q4_matmul(producer)
     assert w is not None and pair.partner is not None
     axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]
     if not (isinstance(x, mx.array) and axis in (-1, x.ndim - 1)):
         return None
     eps = float(pair.partner.step.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
+    if not kernels.takes_float_bits(eps):
+        return None
     then = chain_target(pair.chain_consumer) if pair.chain_consumer is not None else None
-    return w.matmul_add_norm(x, residual, scale, mx.array([eps], mx.float32), then)
+    return w.matmul_add_norm(x, residual, scale, eps, then)
 
 
 def fuse_pairs(ops: list[ProgramOp]) -> list[ProgramOp]:
@@ -192,8 +195,10 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
              ) -> tuple[object, object]:
     """(a + b, RMSNorm(a + b) * scale)."""
     axis = int(norm.attrs.get("axis", -1))  # type: ignore[call-overload]
-    if use_kernel and kernels.add_rms_norm_fits(a, b, scale, axis):
-        eps = mx.array([float(norm.attrs.get("epsilon", 1e-5))], mx.float32)  # type: ignore[arg-type]
+    eps = float(norm.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
+    # the kernel takes eps as a template constant (kernels.float_bits): not a negative one
+    if (use_kernel and kernels.add_rms_norm_fits(a, b, scale, axis)
+            and kernels.takes_float_bits(eps)):
         return kernels_cuda.add_rms_norm(a, b, scale, eps)  # type: ignore[arg-type]
     h = call_step(add, [a, b])[0]
     return h, call_step(norm, [h, scale])[0]
@@ -214,13 +219,15 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     attn = Attention.from_attrs(attn_step.attrs)
     head_dim = int(ra["head_dim"])  # type: ignore[call-overload]
     rotary = int(ra.get("rotary_dim") or head_dim)  # type: ignore[call-overload]
+    # The kernel's constants (eps, softmax scale, attention scale) are template arguments
+    # (kernels.float_bits), which take no negative value: the plain path runs then.
+    norm_eps = float(ra.get("norm_eps", 1e-6))  # type: ignore[arg-type]
+    ascale = float(ra.get("attention_scale", 1.0))  # type: ignore[arg-type]
+    prm = (norm_eps, attn.scale_for(head_dim), ascale)
     # The kernel has plain softmax: other semantics (softcap, ...) take Attention's own path.
-    if (use_kernel and attn.softcap == 0
+    if (use_kernel and attn.softcap == 0 and kernels.takes_float_bits(*prm)
             and kernels.rope_attend_fits(q, k, v, (qn, kn), keys, values, attn.q_heads,
                                          attn.kv_heads, head_dim, rotary)):
-        prm = mx.array([float(ra.get("norm_eps", 1e-6)),  # type: ignore[arg-type]
-                        attn.scale_for(head_dim),
-                        float(ra.get("attention_scale", 1.0))], mx.float32)  # type: ignore[arg-type]
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]

@@ -162,15 +162,16 @@ class QWeight:
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
 
-    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: mx.array,
+    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: float,
                         then: tuple[QWeight, str | None] | None = None
                         ) -> tuple[mx.array, mx.array] | None:
         """(x @ W + residual, RMSNorm of that * scale) from the GEMV kernel with its add+norm
-        epilogue, or None where it is off or does not fit. `then` = (W2, act): where the
-        kernel takes it, the same launch computes y @ W2 (gated by act if given) for the
-        normalized row y, which W2's matmul / gated_matmul of y then returns."""
-        if not (self._gemv_fits(x) and kernels_q4.add_norm_fits(x, self.packed, residual,
-                                                                   scale)):
+        epilogue, or None where it is off or does not fit, an eps the kernel cannot take as a
+        template constant included (a negative one: kernels.takes_float_bits). `then` =
+        (W2, act): where the kernel takes it, the same launch computes y @ W2 (gated by act if
+        given) for the normalized row y, which W2's matmul / gated_matmul of y then returns."""
+        if not (self._gemv_fits(x) and kernels.takes_float_bits(eps)
+                and kernels_q4.add_norm_fits(x, self.packed, residual, scale)):
             return None
         assert isinstance(residual, mx.array) and isinstance(scale, mx.array)
         s, b = self.affine(x.dtype)

@@ -171,6 +171,122 @@ def test_fits_refuses_what_the_kernel_cannot_take() -> None:
     assert not kernels.add_rms_norm_fits(mx.zeros((1, 8)), mx.zeros((8,)), mx.ones((8,)), -1)
 
 
+def test_float_bits_round_trips_kernel_constants() -> None:
+    """Float constants go to the kernels as the int of their float32 bits (a template argument,
+    not an input array): read back as float32 (the kernel's __int_as_float), each is the
+    float32 the input array held. MLX writes template values into the kernel's name, so a
+    set sign bit (a minus sign), infinity and NaN are refused."""
+    for x in (1e-6, 1e-5, 1 / np.sqrt(128), 1 / np.sqrt(64), 1.0, 1.2, 0.0, 3.0e38):
+        bits = kernels.float_bits(x)
+        assert isinstance(bits, int) and 0 <= bits < 2**31
+        back = np.array([bits], np.int32).view(np.float32)[0]
+        assert back.tobytes() == np.float32(x).tobytes()
+        assert back == np.array(mx.array([x], mx.float32))[0]
+        assert kernels.takes_float_bits(x)
+    for bad in (-1e-6, -1.0, -0.0, float("inf"), float("nan"), 1e39):
+        assert not kernels.takes_float_bits(bad)
+        with pytest.raises(ValueError):
+            kernels.float_bits(bad)
+
+
+def _launch_factories() -> tuple:
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4
+
+    return (kernels_cuda._rope_attend_kernel, kernels_cuda._attend_split_kernel,
+            kernels_cuda._add_rms_norm_kernel, kernels_q4._add_norm_kernel,
+            kernels_q4._chain_kernel)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
+    kernel name, input names, input count, body text and template arguments. The kernel
+    factories' caches are emptied before and after, so no recorder stays in them."""
+    seen: list[dict[str, object]] = []
+
+    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
+                 header: str = "") -> object:
+        def launch(*, inputs: list[mx.array], template: list[tuple[str, object]],
+                   output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                   **_: object) -> list[mx.array]:
+            seen.append({"name": name, "input_names": list(input_names),
+                         "inputs": len(inputs), "source": source, "template": dict(template)})
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        return launch
+
+    for f in _launch_factories():
+        f.cache_clear()
+    monkeypatch.setattr(kernels, "cuda_kernel", recorder)
+    yield seen
+    for f in _launch_factories():
+        f.cache_clear()
+
+
+@pytest.mark.parametrize("norms", [False, True])  # Llama (no q/k-norm), Qwen3
+@pytest.mark.parametrize("splits", [0, 1, 8])
+def test_attention_launch_takes_no_constant_or_duplicate_input(launches: list, norms: bool,
+                                                               splits: int) -> None:
+    """Everywhere (no launch): with a fused projection the attention launch takes it once, k
+    and v aliasing it in the body; absent q/k-norm scales are no inputs; eps and the two
+    scales are template constants. Llama: 10 -> 5 inputs a layer, Qwen3: 10 -> 7 (MLX-CUDA's
+    host cost ~0.4 µs an input). Every name the body reads is an input or set before use."""
+    from fuselm.runtime_metal import kernels_cuda
+
+    d, hq, hk = 64, 8, 2
+    qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), mx.float16)
+    q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
+    n = mx.ones((d,), mx.float16) if norms else None
+    cache = mx.zeros((1, hk, 256, d), mx.float16)
+    inv = mx.zeros((d // 2,), mx.float32)
+    prm = (1e-6, 1 / np.sqrt(d), 1.0)
+    for joined in (qkv, None):
+        kernels_cuda.rope_attend(q, k, v, n, n, inv, prm, mx.array([5], mx.int32), cache, cache,
+                                 hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=splits,
+                                 qkv=joined)
+    (fused, apart) = launches
+    norm_names = ["qn", "kn"] if norms else []
+    assert fused["input_names"] == ["q", *norm_names, "inv_freq", "offset", "kc", "vc"]
+    assert apart["input_names"] == ["q", "k", "v", *norm_names, "inv_freq", "offset", "kc",
+                                    "vc"]
+    assert fused["name"] != apart["name"]
+    assert [r["inputs"] for r in launches] == [len(r["input_names"]) for r in launches]
+    for r in launches:
+        src = str(r["source"])
+        assert "prm" not in src
+        for name in ("k", "v", "qn", "kn"):
+            if name not in r["input_names"]:  # declared by the prelude, before any use
+                decl = src.index(f"const T* {name} = ")
+                use = re.search(rf"\b{name}\[", src)
+                assert use is not None and decl < use.start()
+        assert r["template"]["PE"] == kernels.float_bits(1e-6)  # type: ignore[index]
+        assert r["template"]["PQ"] == kernels.float_bits(1 / np.sqrt(d))  # type: ignore[index]
+        assert r["template"]["PA"] == kernels.float_bits(1.0)  # type: ignore[index]
+
+
+def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
+    """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7), its chain (9, was 10) and
+    the separate add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it
+    cannot be (negative) leaves QWeight.matmul_add_norm to the plain path (None)."""
+    from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
+
+    x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
+    packed, sc = mx.zeros((128, 32), mx.uint32), mx.zeros((128, 8), mx.float16)
+    w = mx.ones((128,), mx.float16)
+    kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, r, w, 1e-5)
+    p2, s2 = mx.zeros((384, 16), mx.uint32), mx.zeros((384, 4), mx.float16)
+    kernels_q4.q4_gemv_add_norm_then(x, packed, sc, sc, 32, r, w, 1e-5, (p2, s2, s2, 32, None))
+    kernels_cuda.add_rms_norm(r, r, w, 1e-5)
+    assert [r_["inputs"] for r_ in launches] == [6, 9, 3]
+    for r_ in launches:
+        assert "eps" not in r_["input_names"]  # type: ignore[operator]
+        assert r_["template"]["EPSB"] == kernels.float_bits(1e-5)  # type: ignore[index]
+    wq, _ = _q4_weight(np.random.default_rng(0), 256, 128, 32)
+    with qweight.gemv_kernel():
+        assert wq.matmul_add_norm(x, r, w, -1e-5) is None
+        assert wq.matmul_add_norm(x, r, w, 1e-5) is not None
+    assert len(launches) == 4
+
+
 # ---- MLX-CUDA: each kernel against the contract's references -----------------------------------
 
 @cuda
@@ -183,7 +299,7 @@ def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
     x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
     r, rf = _rounded(rng.normal(size=(1, rows, hidden)) * 3, dtype)
     w, wf = _rounded(rng.uniform(0.5, 1.5, hidden), dtype)
-    h, y = kernels_cuda.add_rms_norm(x, r, w, mx.array([1e-6], mx.float32))
+    h, y = kernels_cuda.add_rms_norm(x, r, w, 1e-6)
     _, h_ref = _rounded(xf + rf, dtype)
     assert rel(np.array(h.astype(mx.float32)), h_ref) <= TOL[dtype]
     y_ref = rms_norm_reference(h_ref, wf, 1e-6)
@@ -257,7 +373,7 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
     values = np.concatenate([vcf[0, :, :pos], vf.reshape(hk, 1, d)], axis=1)
     y_ref = _attention_reference(qr.reshape(hq, d), keys, values, scale)
 
-    prm = mx.array([1e-6, scale, ascale], mx.float32)
+    prm = (1e-6, scale, ascale)
     fn = mx.compile(lambda *a: kernels_cuda.rope_attend(
         *a, hq=hq, hk=hk, rotary_dim=rd, interleaved=inter, splits=splits))
     y, k_cache, v_cache = fn(q, k, v, qn, kn, mx.array(inv_freq), prm,
@@ -288,7 +404,7 @@ def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest
     dtype, d, hq, hk, cap = mx.float16, 64, 32, 8, 512
     rng = np.random.default_rng(rows)
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    prm = mx.array([1e-6, 1 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1 / np.sqrt(d), 1.0)
     q, _ = _rounded(rng.normal(size=(rows, 1, hq * d)), dtype)
     k, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
     v, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
@@ -381,7 +497,7 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
     kc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
     vc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
     norm = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
-    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
 
     def run(rows: slice, pos: list[int]) -> tuple[mx.array, ...]:
         return kernels_cuda.rope_attend(q[rows], k[rows], v[rows], norm, norm, inv_freq, prm,
@@ -397,10 +513,12 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
 
 
 @cuda
+@pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("splits", [0, 3])
-def test_rope_attend_reads_a_fused_qkv_row(splits: int) -> None:
-    """q, k and v read from the fused projection they are slices of (qkv=, batch rows at their
-    own positions) give exactly what the three separate arrays give, caches included."""
+def test_rope_attend_reads_a_fused_qkv_row(splits: int, norms: bool) -> None:
+    """q, k and v read from the fused projection they are slices of (qkv=: the launch's one
+    input for the three; batch rows at their own positions) give exactly what the three
+    separate arrays give, caches included; without q/k-norm (Llama) and with it (Qwen3)."""
     from fuselm.runtime_metal import kernels_cuda
 
     rng = np.random.default_rng(11)
@@ -408,14 +526,16 @@ def test_rope_attend_reads_a_fused_qkv_row(splits: int) -> None:
     b = len(positions)
     qkv = _rounded(rng.normal(size=(b, 1, (hq + 2 * hk) * d)), dtype)[0]
     q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
+    qn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
+    kn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    prm = mx.array([1e-6, 1.0 / np.sqrt(d), 1.0], mx.float32)
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
     caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
     got = []
     for joined in (None, qkv):  # fresh cache buffers each time: the kernel writes in place
         kc, vc = (mx.array(c).astype(dtype) for c in caches)
         y, kc, vc = kernels_cuda.rope_attend(
-            q, k, v, None, None, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
+            q, k, v, qn, kn, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
             hk=hk, rotary_dim=d, interleaved=False, splits=splits, qkv=joined)
         got.append([np.array(a.astype(mx.float32)) for a in (y, kc, vc)])
     for a, b_ in zip(*got, strict=True):
@@ -698,7 +818,7 @@ def test_q4_gemv_chain(dtype: mx.Dtype, rows: int, k: int, n: int, n2: int, grou
     x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
     scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6
     with qweight.gemv_kernel():
         apart = w.matmul_add_norm(x, r, scale, eps)
         assert apart is not None
@@ -738,7 +858,7 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
     x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
     scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
-    eps = mx.array([1e-6], mx.float32)
+    eps = 1e-6
     with qweight.gemv_kernel():
         plain = w.matmul(x)
         fused = [w.matmul_add_norm(x, r, scale, eps) for _ in range(2)]
