@@ -50,7 +50,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--pos", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--pos", type=int, nargs="*", default=[512, 1024, 4096],
+                    help="cached lengths for the attention kernels (none: GEMVs only)")
     ap.add_argument("-n", type=int, default=50)
     ap.add_argument("--splits", nargs="+", default=["0", "4", "8", "16", "32", "auto"])
     ap.add_argument("--split-configs", nargs="*", default=["4x2", "8x2", "16x4", "8x8"])
