@@ -6,7 +6,8 @@ Each kernel is called n times on random inputs of one model shape's decode step 
 float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUPTI records
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
-- the Q4 GEMV (kernels_q4) for the q/k/v and the gated gate/up shapes, the o_proj and down
+- the Q4 GEMV (kernels_q4) for the q/k/v, the gated gate/up and the LM head (float32 out)
+  shapes, the o_proj and down
   GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the default), the
   separate add+RMSNorm kernel the epilogue replaces, and the chained launches of
   FUSELM_FOLD_NORM=chain (q4_gemv_add_norm_then: o_proj + gate/up, down + q/k/v; compare each
@@ -30,10 +31,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SHAPES = {  # hidden, q heads, kv heads, head_dim, intermediate, q/k norm
-    "qwen3-0.6b": (1024, 16, 8, 128, 3072, True),
-    "llama-3.2-1b": (2048, 32, 8, 64, 8192, False),
-    "llama-3.1-8b": (4096, 32, 8, 128, 14336, False),
+SHAPES = {  # hidden, q heads, kv heads, head_dim, intermediate, q/k norm, vocabulary
+    "qwen3-0.6b": (1024, 16, 8, 128, 3072, True, 151936),
+    "llama-3.2-1b": (2048, 32, 8, 64, 8192, False, 128256),
+    "llama-3.1-8b": (4096, 32, 8, 128, 14336, False, 128256),
 }
 
 
@@ -51,7 +52,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--pos", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--pos", type=int, nargs="*", default=[512, 1024, 4096],
+                    help="cached lengths for the attention kernels (none: GEMVs only)")
     ap.add_argument("-n", type=int, default=50)
     ap.add_argument("--splits", nargs="+", default=["0", "4", "8", "16", "32", "auto"])
     ap.add_argument("--split-configs", nargs="*", default=["4x2", "8x2", "16x4", "8x8"])
@@ -65,7 +67,7 @@ def main() -> None:
     from fuselm.runtime_metal import kernels, kernels_cuda, kernels_q4
 
     torch.cuda.init()
-    hidden, hq, hk, d, inter, qk_norm = SHAPES[args.shape]
+    hidden, hq, hk, d, inter, qk_norm, vocab = SHAPES[args.shape]
     g = args.group_size
     dt = mx.float16
     rng = np.random.default_rng(0)
@@ -83,6 +85,7 @@ def main() -> None:
     qkv = q4((hq + 2 * hk) * d, hidden)
     gate_up = q4(2 * inter, hidden)
     o_proj, down = q4(hidden, hq * d), q4(hidden, inter)
+    lm_head = q4(vocab, hidden)
     xo, xd = rand(1, 1, hq * d), rand(1, 1, inter)
     calls: dict[str, Any] = {
         "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
@@ -91,6 +94,7 @@ def main() -> None:
         "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g),
         "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps)[1],
         "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),
+        "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32),
         "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps)[1],
         # FUSELM_FOLD_NORM=chain: the epilogue GEMV and the GEMV over its y in one launch
         "o_proj addnorm + gate_up chain": lambda: kernels_q4.q4_gemv_add_norm_then(

@@ -107,6 +107,26 @@ def gemv_enabled(kernels_on: bool) -> bool:
     return kernels_on and os.environ.get(GEMV_ENV, "1").strip() != "0"
 
 
+UNROLL_ENV = "FUSELM_Q4_UNROLL"
+# How many of a lane's 16-byte weight loads the Q4 GEMV keeps in flight at once: all of them
+# when the row takes at most this many a lane (K <= 1,024 x N), else two at a time.
+Q4_UNROLL = 2
+
+
+def q4_unroll() -> int:
+    """FUSELM_Q4_UNROLL=N (1..16), else Q4_UNROLL: the Q4 GEMV's loads in flight a lane (a weight
+    row of K columns takes K / 1,024 of them). More loads in flight hide more memory latency on
+    the long rows (a down projection: few output columns, so few warps, each reading a long
+    row), at more registers; the result is the same (the sums run in the same order)."""
+    raw = os.environ.get(UNROLL_ENV, "").strip()
+    if not raw:
+        return Q4_UNROLL
+    if not raw.isdigit() or not 1 <= int(raw) <= 16:
+        raise RuntimeUserError(f"{UNROLL_ENV}={raw!r}: use a load count 1..16 (default "
+                               f"{Q4_UNROLL})")
+    return int(raw)
+
+
 FOLD_ENV = "FUSELM_FOLD_NORM"
 FOLD_MODES = ("epilogue", "chain", "0")
 

@@ -48,6 +48,9 @@ ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 _WARPS = 8  # outputs per block
 
 _HEADER = """
+#ifndef FL_UNROLL_MAX
+#define FL_UNROLL_MAX 2
+#endif
 __device__ __forceinline__ float fl_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
@@ -108,41 +111,56 @@ __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const
   for (int j = 0; j < NR; ++j)
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
-  #pragma unroll 2
-  for (int w4 = lane; w4 < KQ; w4 += 32) {
-    const int g = w4 / QPG;
-    uint4 q4[NR];
-    float s[NR], bb[NR];
+  // A lane's weight words, scales and biases for B of its 16-byte steps are loaded before any
+  // is used, so B loads a lane are in flight at once: every step of the row when it takes at
+  // most FL_UNROLL_MAX (kernels.q4_unroll), else two at a time. The sums run in step order
+  // whatever B is, so the result does not depend on it.
+  constexpr int STEPS = (KQ + 31) / 32, B = STEPS <= FL_UNROLL_MAX ? STEPS : 2;
+  for (int s0 = 0; s0 < STEPS; s0 += B) {
+    uint4 q4[B][NR];
+    float s[B][NR], bb[B][NR];
     #pragma unroll
-    for (int j = 0; j < NR; ++j) {
-      const size_t row = (size_t)(n + j * NO);
-      q4[j] = wq4[row * KQ + w4];
-      s[j] = static_cast<float>(sc[row * KG + g]);
-      bb[j] = static_cast<float>(bi[row * KG + g]);
-    }
-    #pragma unroll
-    for (int c = 0; c < 4; ++c) {  // the four words, codes 8c .. 8c+7 of the 32
-      float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
+    for (int u = 0; u < B; ++u) {
+      const int w4 = lane + 32 * (s0 + u), g = w4 / QPG;
       #pragma unroll
       for (int j = 0; j < NR; ++j) {
-        const uint32_t q = c == 0 ? q4[j].x : c == 1 ? q4[j].y : c == 2 ? q4[j].z : q4[j].w;
-        #pragma unroll
-        for (int e = 0; e < 8; ++e)
-          f[j][e] = __uint_as_float(0x4B000000u | ((q >> (4 * e)) & 15u)) - 8388608.f;
+        if (w4 < KQ) {
+          const size_t row = (size_t)(n + j * NO);
+          q4[u][j] = wq4[row * KQ + w4];
+          s[u][j] = static_cast<float>(sc[row * KG + g]);
+          bb[u][j] = static_cast<float>(bi[row * KG + g]);
+        }
       }
+    }
+    #pragma unroll
+    for (int u = 0; u < B; ++u) {
+      const int w4 = lane + 32 * (s0 + u);
+      if (w4 >= KQ) continue;
       #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        float xv[8];
-        fl_load8<CG>(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
-        float xs = 0.f;
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) xs += xv[e];
+      for (int c = 0; c < 4; ++c) {  // the four words, codes 8c .. 8c+7 of the 32
+        float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
         #pragma unroll
         for (int j = 0; j < NR; ++j) {
-          float d = 0.f;
+          const uint4 w = q4[u][j];
+          const uint32_t q = c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
           #pragma unroll
-          for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
-          acc[j][r] += s[j] * d + bb[j] * xs;  // sum_e x_e (s q_e + b)
+          for (int e = 0; e < 8; ++e)
+            f[j][e] = __uint_as_float(0x4B000000u | ((q >> (4 * e)) & 15u)) - 8388608.f;
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float xv[8];
+          fl_load8<CG>(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+          float xs = 0.f;
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) xs += xv[e];
+          #pragma unroll
+          for (int j = 0; j < NR; ++j) {
+            float d = 0.f;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
+            acc[j][r] += s[u][j] * d + bb[u][j] * xs;  // sum_e x_e (s q_e + b)
+          }
         }
       }
     }
@@ -365,27 +383,32 @@ _CHAIN = """
 """
 
 
+def _header(unroll: int) -> str:
+    """The shared device code with FL_UNROLL_MAX = unroll (kernels.q4_unroll)."""
+    return f"#define FL_UNROLL_MAX {unroll}\n" + _HEADER
+
+
 @cache
-def _kernel() -> Any:
+def _kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
-                               output_names=["out"], header=_HEADER, source=_GEMV)
+                               output_names=["out"], header=_header(unroll), source=_GEMV)
 
 
 @cache
-def _add_norm_kernel() -> Any:
+def _add_norm_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
-        output_names=["h", "y"], header=_HEADER + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
+        output_names=["h", "y"], header=_header(unroll) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
         source=_ADD_NORM)
 
 
 @cache
-def _chain_kernel() -> Any:
+def _chain_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",
         input_names=["x", "wq", "sc", "bi", "rr", "nw", "wq2", "sc2", "bi2"],
         output_names=["h", "y", "out"],
-        header=_HEADER + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
+        header=_header(unroll) + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
@@ -404,15 +427,16 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
 
 
 def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-            group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None
-            ) -> mx.array:
+            group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None,
+            unroll: int | None = None) -> mx.array:
     """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
-    to x's dtype, then written widened (the LM head's logits: no separate cast launch)."""
+    to x's dtype, then written widened (the LM head's logits: no separate cast launch).
+    unroll: loads in flight a lane (kernels.q4_unroll, the default); the result is the same."""
     k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
     out_dtype = out_dtype or x.dtype
-    (out,) = _kernel()(
+    (out,) = _kernel(unroll or kernels.q4_unroll())(
         inputs=[x, packed, scales, biases],
         template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
                   ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
@@ -435,8 +459,8 @@ def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object
 
 
 def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-                     group_size: int, residual: mx.array, scale: mx.array, eps: float
-                     ) -> tuple[mx.array, mx.array]:
+                     group_size: int, residual: mx.array, scale: mx.array, eps: float,
+                     unroll: int | None = None) -> tuple[mx.array, mx.array]:
     """(h, y): h = x @ W + residual, y = RMSNorm(h) * scale, in one launch; the caller checked
     `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the template
     constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host time an
@@ -444,7 +468,7 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     k = x.shape[-1]
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
-    h, y = _add_norm_kernel()(
+    h, y = _add_norm_kernel(unroll or kernels.q4_unroll())(
         inputs=[x, packed, scales, biases, residual, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
                   ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps))],
@@ -455,8 +479,8 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
 
 def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
                           group_size: int, residual: mx.array, scale: mx.array, eps: float,
-                          then: tuple[mx.array, mx.array, mx.array, int, str | None]
-                          ) -> tuple[mx.array, mx.array, mx.array]:
+                          then: tuple[mx.array, mx.array, mx.array, int, str | None],
+                          unroll: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """(h, y, z): q4_gemv_add_norm's h and y, and z = q4_gemv(y, *then) (then: the next
     weight's packed codes, scales and biases in y's dtype, group size, gated activation or
     None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
@@ -468,7 +492,7 @@ def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biase
     n_out2 = packed2.shape[0] // (2 if act else 1)
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
-    h, y, z = _chain_kernel()(
+    h, y, z = _chain_kernel(unroll or kernels.q4_unroll())(
         inputs=[x, packed, scales, biases, residual, scale, packed2, scales2, biases2],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
                   ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),

@@ -71,6 +71,17 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels_cuda.split_heads_per_block(8, 1, 256) == 2
 
 
+def test_q4_unroll_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(kernels.UNROLL_ENV, raising=False)
+    assert kernels.q4_unroll() == kernels.Q4_UNROLL
+    monkeypatch.setenv(kernels.UNROLL_ENV, "8")
+    assert kernels.q4_unroll() == 8
+    for bad in ("0", "17", "many"):
+        monkeypatch.setenv(kernels.UNROLL_ENV, bad)
+        with pytest.raises(RuntimeUserError, match=kernels.UNROLL_ENV):
+            kernels.q4_unroll()
+
+
 def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """FUSELM_FOLD_NORM: epilogue by default, chain, 0; without the GEMV kernel: 0."""
     monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
@@ -674,6 +685,39 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
             wide = w.matmul(x)
         assert wide.dtype == mx.float32
         assert np.array_equal(np.array(wide).reshape(rows, -1), got)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n,act", [(1, 8192, 512, None), (3, 4096, 256, "silu"),
+                                          (1, 3072, 1024, None), (2, 14336, 256, None)])
+def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: int, k: int,
+                                                       n: int, act: str | None) -> None:
+    """How many of a lane's weight loads the GEMV keeps in flight (kernels.q4_unroll: two at a
+    time, or the whole row) changes no bit of the plain, gated, float32-out and add+norm
+    forms: the sums run in the same order."""
+    from fuselm.runtime_metal import kernels_q4
+
+    rng = np.random.default_rng(k + n)
+    w, _ = _q4_weight(rng, k, n, 32)
+    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    s, b = w.affine(dtype)
+    out_n = n // 2 if act else n
+    r, _ = _rounded(rng.normal(size=(rows, 1, out_n)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, out_n), dtype)
+    eps = 1e-6
+
+    def forms(unroll: int) -> list[np.ndarray]:
+        got = [kernels_q4.q4_gemv(x, w.packed, s, b, 32, act, unroll=unroll)]
+        if not act:
+            got.append(kernels_q4.q4_gemv(x, w.packed, s, b, 32, None, mx.float32, unroll))
+            got += kernels_q4.q4_gemv_add_norm(x, w.packed, s, b, 32, r, scale, eps, unroll)
+        return [np.array(a.astype(mx.float32)) for a in got]
+
+    two, whole = forms(2), forms(16)
+    assert len(two) == len(whole) == (1 if act else 4)
+    for a, c in zip(two, whole, strict=True):
+        assert np.array_equal(a, c)
 
 
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
