@@ -110,7 +110,7 @@ def gemv_enabled(kernels_on: bool) -> bool:
 UNROLL_ENV = "FUSELM_Q4_UNROLL"
 # How many of a lane's 16-byte weight loads the Q4 GEMV keeps in flight at once: all of them
 # when the row takes at most this many a lane (K <= 1,024 x N), else two at a time.
-Q4_UNROLL = 2
+Q4_UNROLL = 16
 
 
 def q4_unroll() -> int:
