@@ -26,6 +26,11 @@
 #   benchmarks/gpu_run.sh graphs SHAPE GROUP    # the step's wall at MLX launches-per-graph
 #                                               # settings and graphs off (GRAPH_OPS), separate
 #                                               # processes alternating, ROUNDS (needs `prep`)
+#   benchmarks/gpu_run.sh pin SHAPE GROUP       # the decode step's wall under CPU placements
+#                                               # (PLACEMENTS="none 2,3 2": unpinned or a taskset
+#                                               # CPU list), one process each, alternating,
+#                                               # ROUNDS; thread_probe.py says where its threads
+#                                               # ran (SYS=mlx-lm for the peer; needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
 #                                               # alone (GEMV with and without the add+norm
 #                                               # epilogue, attention with 0..32/auto key
@@ -163,6 +168,23 @@ for line in open(sys.argv[1]): d=json.loads(line); r[d['graph_ops']]+=d['wall_ms
 print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 4),
                       'max': round(max(v), 4), 'runs': len(v)} for k, v in r.items()}))" \
       "$OUT/graphs_$2_g$3.jsonl" | tee "$OUT/graphs_$2_g$3.json"
+    ;;
+  pin)
+    f="$OUT/pin_$2_g$3_${SYS:-fuselm}.jsonl"
+    : > "$f"
+    for r in $(seq "${ROUNDS:-3}"); do
+      for place in ${PLACEMENTS:-none 2,3 2}; do
+        pre=(); [ "$place" = none ] || pre=(taskset -c "$place")
+        ${pre[@]+"${pre[@]}"} python3 benchmarks/thread_probe.py benchmarks/step_profile.py \
+          --system "${SYS:-fuselm}" --wall-only --hf "$WORK/$2/hf" -p 512 -n 128 \
+          --artifact "$WORK/fuselm_$2_g$3_float16" --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
+          | tail -2 | python3 -c "import json,sys; a=[json.loads(l) for l in sys.stdin]; \
+            d={**a[0], **a[1], 'placement': '$place', 'round': $r}; print(json.dumps(d)); \
+            print(d['placement'], d['round'], round(d['wall_ms_per_step'], 3), \
+                  [(t['name'], t['cpu_ticks'], t['cpus']) for t in d['probe']['threads'][:3]], \
+                  file=sys.stderr)" >> "$f"
+      done
+    done
     ;;
   kernels)
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" \
