@@ -35,6 +35,11 @@
 #                                               # alone (GEMV with and without the add+norm
 #                                               # epilogue, attention with 0..32/auto key
 #                                               # splits and several warps x keys per block)
+#   benchmarks/gpu_run.sh attn SHAPE GROUP      # where the split attention's ~17 µs go: its time
+#                                               # at 16 and 640 cached keys by split count (a
+#                                               # fixed cost shows at 16), then one launch under
+#                                               # ncu's full set with per-SASS-line stall
+#                                               # samples -> $OUT/attn_*.{json,txt}
 #   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
 #                                               # by inputs, outputs, text; graphs on and off
@@ -189,6 +194,17 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
   kernels)
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" \
       | tee "$OUT/kernels_$2_g$3.json"
+    ;;
+  attn)
+    python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --pos 16 640 \
+      --splits 0 1 2 4 12 auto --split-configs | tail -1 > "$OUT/attn_$2_g$3.json"
+    ncu --set full --kernel-name regex:rope_attend_split --launch-skip 3 --launch-count 1 \
+      --page source --print-source sass python3 benchmarks/kernel_bench.py --shape "$2" \
+      --group-size "$3" --pos 640 --splits auto --split-configs -n 1 --launch-only \
+      > "$OUT/attn_ncu_$2_g$3.txt" 2>&1 || true
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
+      print({k: round(v['total_us'], 2) for k, v in d['kernels'].items() if 'attend' in k})" \
+      "$OUT/attn_$2_g$3.json"
     ;;
   crossover)
     python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"

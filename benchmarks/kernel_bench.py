@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=50)
     ap.add_argument("--splits", nargs="+", default=["0", "4", "8", "16", "32", "auto"])
     ap.add_argument("--split-configs", nargs="*", default=["4x2", "8x2", "16x4", "8x8"])
+    ap.add_argument("--launch-only", action="store_true",
+                    help="launch each kernel (3 + n times) without PyTorch's profiler, for an "
+                         "outside profiler (ncu: gpu_run.sh attn); prints nothing")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -128,6 +131,12 @@ def main() -> None:
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
                     rotary_dim=d, interleaved=False, splits=n, split_warps=nw,
                     split_keys=kb, qkv=qkv_row)[0])
+    if args.launch_only:
+        for fn in calls.values():
+            for _ in range(3 + args.n):
+                mx.eval(fn())
+        mx.synchronize()
+        return
     results: dict[str, Any] = {}
     for name, fn in calls.items():
         for _ in range(3):  # compile, allocate
