@@ -7,9 +7,9 @@ float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUP
 MLX's kernels too); the median device duration per kernel name is reported, so Python's
 launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) for the q/k/v, the gated gate/up and the LM head (float32 out)
-  shapes, the o_proj and down
-  GEMVs plain and with the add+RMSNorm epilogue (q4_gemv_add_norm: the default), the
-  separate add+RMSNorm kernel the epilogue replaces, and the chained launches of
+  shapes, the o_proj and down GEMVs plain and with the add+RMSNorm epilogue
+  (q4_gemv_add_norm: the default), the separate add+RMSNorm kernel the epilogue replaces,
+  and the chained launches of
   FUSELM_FOLD_NORM=chain (q4_gemv_add_norm_then: o_proj + gate/up, down + q/k/v; compare each
   with the sum of its two parts);
 - rope+attention (kernels_cuda.rope_attend, reading q, k, v out of the fused projection as the

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -54,7 +57,7 @@ def _float32(x: float) -> np.float32:
 
 def takes_float_bits(*xs: float) -> bool:
     """Whether float_bits takes every one of xs (the caller runs the plain path otherwise)."""
-    return all(math.isfinite(float(_float32(x))) and not np.signbit(_float32(x)) for x in xs)
+    return all(math.isfinite(f) and not np.signbit(f) for f in map(_float32, xs))
 
 
 def float_bits(x: float) -> int:
@@ -70,6 +73,25 @@ def float_bits(x: float) -> int:
         raise ValueError(f"{x!r} is no finite float32 with the sign bit clear: no kernel "
                          "template constant")
     return int(np.array(_float32(x), np.float32).view(np.int32))
+
+
+_FACTORIES: list[Any] = []
+
+
+def kernel_factory(make: Callable[..., Any]) -> Any:
+    """A kernel module's function making one of its kernels (through cuda_kernel), cached per
+    argument set like functools.cache, and registered so clear_kernel_factories can empty them
+    all at once."""
+    cached = cache(make)
+    _FACTORIES.append(cached)
+    return cached
+
+
+def clear_kernel_factories() -> None:
+    """Empties every kernel_factory's cache: the next call makes its kernel again through
+    cuda_kernel (tests that record launches with a stand-in cuda_kernel)."""
+    for f in _FACTORIES:
+        f.cache_clear()
 
 
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str,

@@ -22,7 +22,6 @@ RoPE), so the two agree to a few units in the last place of that dtype.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -472,18 +471,19 @@ def _attend_prelude(joined: bool, norms: tuple[bool, bool]) -> str:
 
 
 def _attend_suffix(joined: bool, norms: tuple[bool, bool]) -> str:
-    """A kernel name per input set: MLX-CUDA keys a custom kernel's compiled module by its name
-    and template arguments (custom_kernel.cpp), so two input sets under one name and the same
-    template could be handed one module."""
+    """A kernel name per input set, so profiles (ncu, kernel_bench, step_profile) tell the
+    variants apart (MLX-CUDA keeps one module per text in any case: custom_kernel.cpp names it
+    by the kernel's name and a hash of its source)."""
     return ("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
 
 
 def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                  kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: mx.array,
                  vc: mx.array, joined: bool) -> list[mx.array]:
-    """The input arrays in _attend_inputs' order."""
-    return ([q] + ([] if joined else [k, v]) + ([qn] if qn is not None else [])
-            + ([kn] if kn is not None else []) + [inv_freq, offset, kc, vc])
+    """The input arrays, in _attend_inputs' order (its names pick them)."""
+    arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
+                              "inv_freq": inv_freq, "offset": offset, "kc": kc, "vc": vc}
+    return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None))]
 
 
 def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
@@ -493,7 +493,7 @@ def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
             ("PA", kernels.float_bits(ascale))]
 
 
-@cache
+@kernels.kernel_factory
 def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool]) -> Any:
     """form "merged": S = 1, the block writes the output; else it writes the split's partial
     and the last block of its head group merges them, the partials in the module's scratch
@@ -547,14 +547,14 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
     return outs[0]
 
 
-@cache
+@kernels.kernel_factory
 def _add_rms_norm_kernel() -> Any:
     return kernels.cuda_kernel(
         name="fuselm_add_rms_norm", input_names=["x", "r", "w"],
         output_names=["h", "y"], source=_ADD_RMS_NORM, header=_HEADER)
 
 
-@cache
+@kernels.kernel_factory
 def _rope_attend_kernel(joined: bool, norms: tuple[bool, bool]) -> Any:
     """joined / norms: the inputs (_attend_inputs)."""
     return kernels.cuda_kernel(

@@ -7,7 +7,6 @@ test_kernels.py checks it against that path.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -32,7 +31,7 @@ _TAKE_ROWS = """
 """
 
 
-@cache
+@kernels.kernel_factory
 def _take_kernel() -> Any:
     return kernels.cuda_kernel(name="fuselm_q4_take_rows", input_names=["ids", "wq", "sc", "bi"],
                                output_names=["out"], source=_TAKE_ROWS)

@@ -36,7 +36,6 @@ checks it against the dequantized weights in float64.
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import mlx.core as mx
@@ -48,9 +47,6 @@ ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 _WARPS = 8  # outputs per block
 
 _HEADER = """
-#ifndef FL_UNROLL_MAX
-#define FL_UNROLL_MAX 2
-#endif
 __device__ __forceinline__ float fl_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
@@ -384,17 +380,18 @@ _CHAIN = """
 
 
 def _header(unroll: int) -> str:
-    """The shared device code with FL_UNROLL_MAX = unroll (kernels.q4_unroll)."""
+    """The shared device code with FL_UNROLL_MAX = unroll (kernels.q4_unroll): every kernel's
+    header comes from here, so _HEADER needs no default of its own."""
     return f"#define FL_UNROLL_MAX {unroll}\n" + _HEADER
 
 
-@cache
+@kernels.kernel_factory
 def _kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
                                output_names=["out"], header=_header(unroll), source=_GEMV)
 
 
-@cache
+@kernels.kernel_factory
 def _add_norm_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
@@ -402,7 +399,7 @@ def _add_norm_kernel(unroll: int) -> Any:
         source=_ADD_NORM)
 
 
-@cache
+@kernels.kernel_factory
 def _chain_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",

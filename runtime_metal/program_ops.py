@@ -133,16 +133,14 @@ def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: o
                     scale: object) -> tuple[mx.array, mx.array] | None:
     """The epilogue form of fold_into_producers: (h, y) from one GEMV launch, or None where the
     kernel does not take these shapes, or the norm's epsilon as its template constant (a
-    negative one): the MatMul and the pair then run as usual. With a chain consumer, that
-    launch also computes its GEMV over y where it fits."""
+    negative one: QWeight.matmul_add_norm refuses it): the MatMul and the pair then run as
+    usual. With a chain consumer, that launch also computes its GEMV over y where it fits."""
     w = _q4_matmul(producer)
     assert w is not None and pair.partner is not None
     axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]
     if not (isinstance(x, mx.array) and axis in (-1, x.ndim - 1)):
         return None
     eps = float(pair.partner.step.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
-    if not kernels.takes_float_bits(eps):
-        return None
     then = chain_target(pair.chain_consumer) if pair.chain_consumer is not None else None
     return w.matmul_add_norm(x, residual, scale, eps, then)
 

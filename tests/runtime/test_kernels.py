@@ -200,14 +200,6 @@ def test_float_bits_round_trips_kernel_constants() -> None:
             kernels.float_bits(bad)
 
 
-def _launch_factories() -> tuple:
-    from fuselm.runtime_metal import kernels_cuda, kernels_q4
-
-    return (kernels_cuda._rope_attend_kernel, kernels_cuda._attend_split_kernel,
-            kernels_cuda._add_rms_norm_kernel, kernels_q4._add_norm_kernel,
-            kernels_q4._chain_kernel)
-
-
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
@@ -225,12 +217,10 @@ def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
         return launch
 
-    for f in _launch_factories():
-        f.cache_clear()
+    kernels.clear_kernel_factories()
     monkeypatch.setattr(kernels, "cuda_kernel", recorder)
     yield seen
-    for f in _launch_factories():
-        f.cache_clear()
+    kernels.clear_kernel_factories()
 
 
 @pytest.mark.parametrize("norms", [False, True])  # Llama (no q/k-norm), Qwen3
