@@ -72,8 +72,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=[], help="kernels whose name has all of these")
     ap.add_argument("--keep", type=Path, help="also write each translation unit (.cu) here")
     ap.add_argument("--compare-ptx", action="store_true",
-                    help="also compile each kernel from its text as written (comments kept) and "
-                         "check that its PTX equals that of kernels.compact_cuda's text")
+                    help="also compile each kernel from its text as written (comments kept, "
+                         "inline) and check that its PTX equals that of the text MLX gets "
+                         "(kernels.compact_cuda's, through kernel_files' #include)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -111,14 +112,22 @@ def main() -> None:
         return launch
 
     mx.fast.cuda_kernel = recorder  # type: ignore[assignment]
-    from fuselm.runtime_metal import kernels, kernels_cuda, kernels_embedding, kernels_q4
+    from fuselm.runtime_metal import (
+        kernel_files,
+        kernels,
+        kernels_cuda,
+        kernels_embedding,
+        kernels_q4,
+    )
 
     raw_units: dict[str, str] = {}  # --compare-ptx: kernel name -> its text as written
     if args.compare_ptx:
         def both(name: str, input_names: list[str], output_names: list[str], source: str,
                  header: str = "") -> Any:
-            compact = recorder(name, input_names, output_names, kernels.compact_cuda(source),
-                               kernels.compact_cuda(header))
+            # what kernels.cuda_kernel hands MLX (kernel_files: the #include of the text)
+            body, head = kernel_files.mlx_text(input_names, kernels.compact_cuda(source),
+                                               kernels.compact_cuda(header))
+            compact = recorder(name, input_names, output_names, body, head)
             raw = recorder(name, input_names, output_names, source, header)
 
             def launch(*a: Any, **k: Any) -> list[mx.array]:
@@ -199,8 +208,8 @@ def main() -> None:
             if args.compare_ptx and fname in raw_units:
                 row["ptx_equal_to_text_as_written"] = same_ptx(args.arch, text,
                                                                raw_units[fname], Path(tmp))
-                # what MLX hashes at each launch (its own header aside): written vs compact
-                row["text_bytes"] = {"as_written": len(raw_units[fname]), "compact": len(text)}
+                # what MLX hashes at each launch (its own header aside): written vs handed over
+                row["text_bytes"] = {"as_written": len(raw_units[fname]), "to_mlx": len(text)}
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps({"arch": args.arch, "kernels": results}))

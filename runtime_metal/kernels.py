@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal import kernel_files
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 ENV = "FUSELM_KERNELS"
@@ -96,9 +97,12 @@ def clear_kernel_factories() -> None:
 
 def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str,
                 header: str = "") -> object:
-    """mx.fast.cuda_kernel over compact_cuda's text of the body and header."""
+    """mx.fast.cuda_kernel over compact_cuda's text of the body and header, handed over as
+    kernel_files.mlx_text makes it (an #include of a file holding that text: MLX hashes the
+    text it gets at every launch)."""
+    body, head = kernel_files.mlx_text(input_names, compact_cuda(source), compact_cuda(header))
     return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                               source=compact_cuda(source), header=compact_cuda(header))
+                               source=body, header=head)
 
 
 def cuda_device() -> bool:
