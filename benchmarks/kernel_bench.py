@@ -95,15 +95,15 @@ def main() -> None:
         "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g),
         "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
         "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g),
-        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps)[1],
+        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps),
         "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),
         "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32),
-        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps)[1],
+        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps),
         # FUSELM_FOLD_NORM=chain: the epilogue GEMV and the GEMV over its y in one launch
         "o_proj addnorm + gate_up chain": lambda: kernels_q4.q4_gemv_add_norm_then(
-            xo, *o_proj, g, r, nw, eps, (*gate_up, g, "silu"))[2],
+            xo, *o_proj, g, r, nw, eps, (*gate_up, g, "silu"))[1],
         "down addnorm + qkv chain": lambda: kernels_q4.q4_gemv_add_norm_then(
-            xd, *down, g, r, nw, eps, (*qkv, g, None))[2],
+            xd, *down, g, r, nw, eps, (*qkv, g, None))[1],
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)  # eps, softmax scale, attention scale

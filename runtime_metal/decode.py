@@ -212,10 +212,12 @@ class DecodeProgram:
                     pair = producing[id(o)]
                     assert pair.partner is not None
                     residual = _resolve([pair.args[1 - pair.producer_arg]], env)[0]
-                    hy = program_ops.matmul_add_norm(
+                    # h and y: views of the launch's one output, which the GEMVs reading
+                    # them take in their place (qweight._packed): unread, no graph node
+                    h_y = program_ops.matmul_add_norm(
                         o, pair, args[0], residual, _resolve(pair.partner.args[1:2], env)[0])
-                    if hy is not None:
-                        _bind(env, pair.step.outputs[:1] + pair.partner.step.outputs[:1], hy)
+                    if h_y is not None:
+                        _bind(env, pair.step.outputs[:1] + pair.partner.step.outputs[:1], h_y)
                         done.add(id(pair))
                         continue
                 if o.kind == "add_norm":

@@ -24,6 +24,10 @@ the plain path's matmul output would be, then act(gate), then the product.
   y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
   add+RMSNorm launch after them is gone (program_ops.fold_into_producers). eps is a Python
   float, compiled into the kernel as a template constant rather than passed as an array.
+  h and y are ONE output array hy [2, ...] (h, then y: one output's MLX host cost, not two);
+  the GEMVs reading them take hy and their element offset in it (template constants XO for
+  x, RO for the residual), so the views h and y (`halves`) need never be evaluated
+  (qweight.QWeight.matmul_add_norm registers them, the consumers look them up).
 * `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
   its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
   GEMV's blocks waiting for the first's last block (FUSELM_FOLD_NORM=chain: two launches a
@@ -50,6 +54,16 @@ _HEADER = """
 __device__ __forceinline__ float fl_warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
   return v;
+}
+// p + O (elements): an input read at a template-constant offset into its array (the add+norm's
+// one output hy holds h, then y). A nonzero offset goes through an opaque register move: with
+// the constant folded into every load's address, ptxas held the 16-row gated GEMV in ~2x the
+// registers (127 -> 243, float32 spilling; what a separate pointer argument compiled to).
+template <int O, typename T>
+__device__ __forceinline__ const T* fl_at(const T* p) {
+  p += O;
+  if (O != 0) asm("mov.b64 %0, %0;" : "+l"(p));
+  return p;
 }
 // 16 bytes; CG: through L2 only (ld.global.cg), for data another block of the same launch
 // wrote (a chained GEMV's input): L1 is not coherent across SMs
@@ -206,7 +220,7 @@ _GEMV = """
   const int n = blockIdx.x * NW + warp;
   if (n >= NO) return;
   float v[NR][R];
-  fl_q4_dots<T, K, G, NO, R, NR, false>(x, wq, sc, bi, n, lane, v);
+  fl_q4_dots<T, K, G, NO, R, NR, false>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
   if (lane == 0) fl_q4_store<T, O, NO, R, NR, EPI>(out, n, v);
 """
 
@@ -298,10 +312,13 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
 ADD_NORM_PARTS = 65536  # rows x blocks: MAX_ROWS rows of outputs up to 32,768 wide
 _ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
                      f"__device__ float fuselm_addnorm_part[{ADD_NORM_PARTS}];\n")
+# One output hy: h at element 0, y after the R rows of h (MLX-CUDA's host cost is per output
+# array, as above). x and the residual are read at element offsets XO and RO of their arrays:
+# a previous add+norm's hy (its h as this one's residual), the view's Slice never evaluated.
 _ADD_NORM = """
-  fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, x, wq, sc, bi,
-                                           rr, nw, __int_as_float(EPSB), h, y,
-                                           fuselm_addnorm_part);
+  fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, fl_at<XO>(x),
+                                           wq, sc, bi, fl_at<RO>(rr), nw, __int_as_float(EPSB),
+                                           hy, hy + R * NO, fuselm_addnorm_part);
 """
 
 # ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
@@ -349,8 +366,9 @@ __device__ __forceinline__ void fl_q4_prefetch(const uint32_t* wq, const T* sc, 
 _CHAIN = """
   constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
   if (blockIdx.x < NA) {
-    if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket, x, wq, sc,
-                                                 bi, rr, nw, __int_as_float(EPSB), h, y,
+    if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket,
+                                                 fl_at<XO>(x), wq, sc, bi, fl_at<RO>(rr), nw,
+                                                 __int_as_float(EPSB), hy, hy + R * NO,
                                                  fuselm_chain_part)) {
       __threadfence();  // every thread's y writes device-wide before any slot is set
       __syncthreads();
@@ -374,7 +392,8 @@ _CHAIN = """
   __syncthreads();
   if (n >= NO2) return;
   float v[NR2][R];
-  fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(y, wq2, sc2, bi2, n, lane, v);
+  fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(fl_at<R * NO>(static_cast<const T*>(hy)), wq2, sc2,
+                                           bi2, n, lane, v);
   if (lane == 0) fl_q4_store<T, T, NO2, R, NR2, EPI2>(out, n, v);
 """
 
@@ -395,7 +414,7 @@ def _kernel(unroll: int) -> Any:
 def _add_norm_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
-        output_names=["h", "y"], header=_header(unroll) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
+        output_names=["hy"], header=_header(unroll) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
         source=_ADD_NORM)
 
 
@@ -404,7 +423,7 @@ def _chain_kernel(unroll: int) -> Any:
     return kernels.cuda_kernel(
         name="fuselm_q4_gemv_chain",
         input_names=["x", "wq", "sc", "bi", "rr", "nw", "wq2", "sc2", "bi2"],
-        output_names=["h", "y", "out"],
+        output_names=["hy", "out"],
         header=_header(unroll) + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
 
@@ -423,21 +442,35 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
             and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
 
 
+Source = tuple[mx.array, int]  # (an array the kernel reads, an element offset in it)
+
+
+def _source(x: mx.array, at: Source | None) -> Source:
+    """Where a launch reads x: `at` = (a row-major array holding x's elements from an element
+    offset on: the add+norm GEMV's output hy holding its h and y), else x itself at 0. Read out
+    of hy so, the lazy view of h or y that x is stays unevaluated: no graph node (MLX's compile
+    drops what nothing reads), ~1.7 µs of MLX host time a step less than a Slice each."""
+    return (x, 0) if at is None else at
+
+
 def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
             group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None,
-            unroll: int | None = None) -> mx.array:
+            unroll: int | None = None, x_at: Source | None = None) -> mx.array:
     """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
     to x's dtype, then written widened (the LM head's logits: no separate cast launch).
-    unroll: loads in flight a lane (kernels.q4_unroll, the default); the result is the same."""
+    unroll: loads in flight a lane (kernels.q4_unroll, the default); the result is the same.
+    x_at: where the kernel reads x (`_source`; x then gives only its shape and dtype): the
+    template constant XO is its element offset."""
     k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
     out_dtype = out_dtype or x.dtype
+    xs, xo = _source(x, x_at)
     (out,) = _kernel(unroll or kernels.q4_unroll())(
-        inputs=[x, packed, scales, biases],
+        inputs=[xs, packed, scales, biases],
         template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
                   ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
-                  ("NW", _WARPS)],
+                  ("NW", _WARPS), ("XO", xo)],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[out_dtype])
     return out
@@ -455,46 +488,67 @@ def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object
             and scale.shape == (n,))
 
 
+def halves(hy: mx.array) -> tuple[mx.array, mx.array]:
+    """The add+norm GEMV's h and y as lazy views of its one output hy [2, *shape] (h, then y):
+    a Slice and a Reshape each, no copy, and no graph node at all where nothing evaluates them
+    (a consumer that reads them out of hy itself, at y_offset)."""
+    return hy[0:1].reshape(hy.shape[1:]), hy[1:2].reshape(hy.shape[1:])
+
+
+def y_offset(hy: mx.array) -> int:
+    """y's element offset in hy (rows x N: h comes first)."""
+    return hy.size // 2
+
+
 def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
                      group_size: int, residual: mx.array, scale: mx.array, eps: float,
-                     unroll: int | None = None) -> tuple[mx.array, mx.array]:
-    """(h, y): h = x @ W + residual, y = RMSNorm(h) * scale, in one launch; the caller checked
-    `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the template
-    constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host time an
-    input, every launch)."""
+                     unroll: int | None = None, x_at: Source | None = None,
+                     residual_at: Source | None = None) -> mx.array:
+    """hy [2, *shape]: hy[0] = h = x @ W + residual, hy[1] = y = RMSNorm(h) * scale, in one
+    launch with ONE output array (MLX-CUDA's host cost is ~2.1 µs an output array at every
+    launch, and this one runs twice a layer); `halves` gives h and y. The caller checked
+    `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the
+    template constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host
+    time an input, every launch). x_at / residual_at: where the kernel reads x / the residual
+    (`_source`; e.g. the previous add+norm's hy for its h), template constants XO / RO."""
     k = x.shape[-1]
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
-    h, y = _add_norm_kernel(unroll or kernels.q4_unroll())(
-        inputs=[x, packed, scales, biases, residual, scale],
+    (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
+    (hy,) = _add_norm_kernel(unroll or kernels.q4_unroll())(
+        inputs=[xs, packed, scales, biases, rs, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
-                  ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps))],
+                  ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps)),
+                  ("XO", xo), ("RO", ro)],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[shape, shape], output_dtypes=[x.dtype, x.dtype])
-    return h, y
+        output_shapes=[(2, *shape)], output_dtypes=[x.dtype])
+    return hy
 
 
 def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
                           group_size: int, residual: mx.array, scale: mx.array, eps: float,
                           then: tuple[mx.array, mx.array, mx.array, int, str | None],
-                          unroll: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
-    """(h, y, z): q4_gemv_add_norm's h and y, and z = q4_gemv(y, *then) (then: the next
+                          unroll: int | None = None, x_at: Source | None = None,
+                          residual_at: Source | None = None) -> tuple[mx.array, mx.array]:
+    """(hy, z): q4_gemv_add_norm's hy (h and y), and z = q4_gemv(y, *then) (then: the next
     weight's packed codes, scales and biases in y's dtype, group size, gated activation or
     None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
-    x and `fits` for y (residual's shape and dtype) against the next weight; eps as in
-    q4_gemv_add_norm (a template constant)."""
+    x and `fits` for y (residual's shape and dtype) against the next weight; eps, x_at and
+    residual_at as in q4_gemv_add_norm (template constants)."""
     packed2, scales2, biases2, group2, act = then
     k = x.shape[-1]
     n_out = packed.shape[0]
     n_out2 = packed2.shape[0] // (2 if act else 1)
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
-    h, y, z = _chain_kernel(unroll or kernels.q4_unroll())(
-        inputs=[x, packed, scales, biases, residual, scale, packed2, scales2, biases2],
+    (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
+    hy, z = _chain_kernel(unroll or kernels.q4_unroll())(
+        inputs=[xs, packed, scales, biases, rs, scale, packed2, scales2, biases2],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
                   ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
-                  ("EPI2", ACTIVATIONS[act] if act else 0), ("EPSB", kernels.float_bits(eps))],
+                  ("EPI2", ACTIVATIONS[act] if act else 0), ("EPSB", kernels.float_bits(eps)),
+                  ("XO", xo), ("RO", ro)],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[shape, shape, (*x.shape[:-1], n_out2)],
-        output_dtypes=[x.dtype, x.dtype, x.dtype])
-    return h, y, z
+        output_shapes=[(2, *shape), (*x.shape[:-1], n_out2)],
+        output_dtypes=[x.dtype, x.dtype])
+    return hy, z

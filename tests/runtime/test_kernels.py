@@ -200,11 +200,13 @@ def test_float_bits_round_trips_kernel_constants() -> None:
             kernels.float_bits(bad)
 
 
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def _record(monkeypatch: pytest.MonkeyPatch, linked: bool):  # noqa: ANN202
     """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
-    kernel name, input names, input count, body text and template arguments. The kernel
-    factories' caches are emptied before and after, so no recorder stays in them."""
+    kernel name, input and output names, input count, body text, template arguments, input
+    arrays and the outputs it returned (zeros). linked: each output also reads every input
+    (a Sum of it times 0, added), so a step's graph has the edges its launches would have: a
+    view an input was sliced from shows in mx.export_to_dot. The kernel factories' caches are
+    emptied before and after, so no recorder stays in them."""
     seen: list[dict[str, object]] = []
 
     def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
@@ -212,15 +214,35 @@ def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         def launch(*, inputs: list[mx.array], template: list[tuple[str, object]],
                    output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
                    **_: object) -> list[mx.array]:
+            outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+            if linked:
+                dep = mx.array(0, mx.float32)
+                for a in inputs:
+                    dep = dep + mx.sum(a.astype(mx.float32)) * 0
+                outs = [o + dep.astype(o.dtype) for o in outs]
             seen.append({"name": name, "input_names": list(input_names),
-                         "inputs": len(inputs), "source": source, "template": dict(template)})
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+                         "output_names": list(output_names), "inputs": len(inputs),
+                         "source": source, "template": dict(template), "arrays": list(inputs),
+                         "outputs": outs})
+            return outs
         return launch
 
     kernels.clear_kernel_factories()
     monkeypatch.setattr(kernels, "cuda_kernel", recorder)
     yield seen
     kernels.clear_kernel_factories()
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """The launches' records (_record), outputs plain zeros."""
+    yield from _record(monkeypatch, linked=False)
+
+
+@pytest.fixture
+def linked_launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """The launches' records (_record), each output reading every input (a graph to export)."""
+    yield from _record(monkeypatch, linked=True)
 
 
 @pytest.mark.parametrize("norms", [False, True])  # Llama (no q/k-norm), Qwen3
@@ -273,11 +295,15 @@ def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
     x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
     packed, sc = mx.zeros((128, 32), mx.uint32), mx.zeros((128, 8), mx.float16)
     w = mx.ones((128,), mx.float16)
-    kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, r, w, 1e-5)
+    hy = kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, r, w, 1e-5)
     p2, s2 = mx.zeros((384, 16), mx.uint32), mx.zeros((384, 4), mx.float16)
-    kernels_q4.q4_gemv_add_norm_then(x, packed, sc, sc, 32, r, w, 1e-5, (p2, s2, s2, 32, None))
+    hy2, z = kernels_q4.q4_gemv_add_norm_then(x, packed, sc, sc, 32, r, w, 1e-5,
+                                              (p2, s2, s2, 32, None))
     kernels_cuda.add_rms_norm(r, r, w, 1e-5)
     assert [r_["inputs"] for r_ in launches] == [6, 9, 3]
+    # h and y: ONE output [2, ...] (MLX-CUDA's host cost is ~2.1 µs an output array)
+    assert [r_["output_names"] for r_ in launches[:2]] == [["hy"], ["hy", "out"]]
+    assert hy.shape == hy2.shape == (2, 1, 1, 128) and z.shape == (1, 1, 384)
     for r_ in launches:
         assert "eps" not in r_["input_names"]  # type: ignore[operator]
         assert r_["template"]["EPSB"] == kernels.float_bits(1e-5)  # type: ignore[index]
@@ -286,6 +312,115 @@ def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
         assert wq.matmul_add_norm(x, r, w, -1e-5) is None
         assert wq.matmul_add_norm(x, r, w, 1e-5) is not None
     assert len(launches) == 4
+
+
+def test_add_norm_rows_are_read_out_of_its_one_output(launches: list) -> None:
+    """Everywhere (no launch): QWeight.matmul_add_norm's h and y are views of the launch's one
+    output hy [2, rows, 1, N]; a GEMV reading y (plain, gated, float32-out), an add+norm or a
+    chain taking h as its residual gets hy itself and the view's element offset (XO = rows x N
+    for y, RO = 0 for h), a view of no add+norm (or outside gemv_kernel) its own array at 0.
+    The registry empties when gemv_kernel ends."""
+    from fuselm.runtime_metal import kernels_q4, qweight
+
+    rng = np.random.default_rng(0)
+    rows, k, n = 3, 256, 128
+    w, _ = _q4_weight(rng, k, n, 32)
+    w2, _ = _q4_weight(rng, n, 256, 32)
+    x, r = mx.zeros((rows, 1, k), mx.float32), mx.zeros((rows, 1, n), mx.float32)
+    scale = mx.ones((n,), mx.float32)
+    with qweight.gemv_kernel():
+        hy_views = w.matmul_add_norm(x, r, scale, 1e-6)
+        assert hy_views is not None and qweight.packed_pending() == 2
+        h, y = hy_views
+        (first,) = launches
+        hy = first["outputs"][0]
+        assert hy.shape == (2, rows, 1, n) and h.shape == y.shape == (rows, 1, n)
+        assert first["arrays"][0] is x and first["arrays"][4] is r
+        assert (first["template"]["XO"], first["template"]["RO"]) == (0, 0)
+        w2.matmul(y)
+        w2.gated_matmul(y, "silu")
+        with qweight.float32_result():
+            w2.matmul(y)
+        w2.matmul(r)  # no view: its own array
+        w.matmul_add_norm(x, h, scale, 1e-6)
+        w.matmul_add_norm(x, h, scale, 1e-6, (w2, None))
+        assert qweight.chained_pending() == 1
+        assert launches[-1]["arrays"][0] is not hy
+    assert qweight.packed_pending() == qweight.chained_pending() == 0
+    gemvs = launches[1:4]
+    for g in gemvs:
+        assert g["name"] == "fuselm_q4_gemv"
+        assert g["arrays"][0] is hy and g["template"]["XO"] == rows * n
+    assert launches[4]["arrays"][0] is r and launches[4]["template"]["XO"] == 0
+    for a in launches[5:]:  # the add+norm, then the chain: h as the residual
+        assert a["arrays"][4] is hy and a["template"]["RO"] == 0
+        assert a["arrays"][0] is x and a["template"]["XO"] == 0
+    assert [a["name"] for a in launches[5:]] == ["fuselm_q4_gemv_addnorm",
+                                                 "fuselm_q4_gemv_chain"]
+    # outside gemv_kernel nothing is registered: the plain path reads its inputs
+    assert qweight._packed_source(y) is None
+    assert kernels_q4.y_offset(hy) == rows * n
+
+
+@pytest.fixture(scope="module")
+def q4_kernel_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Q4 Qwen3 whose decode step the kernels take whole (head_dim 64: the attention kernel
+    fits, so its q/k/v are no slices either): _q4_qwen3."""
+    return _q4_qwen3(tmp_path_factory.mktemp("q4_kernels"), seed=3)
+
+
+@pytest.mark.parametrize("fold", ["epilogue", "chain"])
+def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: Path, fold: str,
+                                                           linked_launches: list,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """Everywhere (the launches recorded, outputs zeros that read their inputs): a Q4 decode
+    step built with the kernels on has no Slice or Gather node in its graph (each costs MLX
+    host time a step): every add+norm launch has one output hy, and the GEMVs reading its
+    rows take hy itself, y at XO = N (one row) and h as the next add+norm's residual at RO =
+    0. Epilogue: each layer's gate/up, the next layer's q/k/v and the LM head read y so, every
+    add+norm but the first (whose residual is the embedding) h; chain: the chained GEMVs read
+    y inside the launch, the LM head out of hy."""
+    from fuselm.runtime_metal import qweight
+    from fuselm.runtime_metal.decode import DecodeProgram
+    from fuselm.runtime_metal.engine import make_engine
+
+    engine = make_engine(q4_kernel_artifact, "mlx")  # on CPU: kernels off, the caches to run with
+    # the program's kernel path on this machine: MLX's CUDA device claimed, launches recorded
+    monkeypatch.setattr(kernels, "cuda_device", lambda: True)
+    monkeypatch.setenv(kernels.FOLD_ENV, fold)
+    program = DecodeProgram.build(engine.plan, "on")
+    assert program.gemv and program.fold == fold
+    engine.reserve(8)
+    kv = [a for c in engine.fast.caches for a in c.buffers()]
+    outs = program(mx.array(7, mx.int32), mx.array(3, mx.int32), *kv)
+    assert qweight.packed_pending() == 0
+    dot = q4_kernel_artifact.parent / f"step_{fold}.dot"
+    mx.export_to_dot(str(dot), *outs)
+    labels = collections.Counter(re.findall(r'label\s*=\s*"([^"]*)"', dot.read_text()))
+    assert labels["Sum"] > 0  # the recorder's edges are in the graph
+    assert labels["Slice"] == labels["Gather"] == 0
+    layers = program.num_layers
+    made = [r for r in linked_launches if r["name"] in ("fuselm_q4_gemv_addnorm",
+                                                         "fuselm_q4_gemv_chain")]
+    assert len(made) == 2 * layers
+    assert collections.Counter(r["name"] for r in made) == (
+        {"fuselm_q4_gemv_addnorm": 2 * layers} if fold == "epilogue" else
+        {"fuselm_q4_gemv_chain": 2 * layers - 1, "fuselm_q4_gemv_addnorm": 1})
+    hys = {id(r["outputs"][0]): r for r in made}
+    for r in made:
+        assert r["output_names"][0] == "hy" and r["outputs"][0].shape[0] == 2
+    n = made[0]["template"]["NO"]
+    residual_reads = [r for r in made if id(r["arrays"][4]) in hys]
+    assert len(residual_reads) == 2 * layers - 1
+    assert all(r["template"]["RO"] == 0 for r in made)
+    y_reads = [r for r in linked_launches
+               if r["name"] == "fuselm_q4_gemv" and id(r["arrays"][0]) in hys]
+    assert len(y_reads) == (2 * layers if fold == "epilogue" else 1)
+    assert all(r["template"]["XO"] == n for r in y_reads)
+    others = [r for r in linked_launches
+              if r["name"] == "fuselm_q4_gemv" and id(r["arrays"][0]) not in hys]
+    assert others and all(r["template"]["XO"] == 0 for r in others)
 
 
 # ---- MLX-CUDA: each kernel against the contract's references -----------------------------------
@@ -701,11 +836,12 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
         got = [kernels_q4.q4_gemv(x, w.packed, s, b, 32, act, unroll=unroll)]
         if not act:
             got.append(kernels_q4.q4_gemv(x, w.packed, s, b, 32, None, mx.float32, unroll))
-            got += kernels_q4.q4_gemv_add_norm(x, w.packed, s, b, 32, r, scale, eps, unroll)
+            got.append(kernels_q4.q4_gemv_add_norm(x, w.packed, s, b, 32, r, scale, eps,
+                                                   unroll))  # hy: h and y
         return [np.array(a.astype(mx.float32)) for a in got]
 
     two, whole = forms(2), forms(16)
-    assert len(two) == len(whole) == (1 if act else 4)
+    assert len(two) == len(whole) == (1 if act else 3)
     for a, c in zip(two, whole, strict=True):
         assert np.array_equal(a, c)
 
@@ -778,6 +914,8 @@ def test_q4_decode_step_launches_no_cast(tmp_path: Path,
     labels = re.findall(r'label\s*=\s*"([^"]*)"', dot.read_text())
     assert any(label.startswith("CustomKernel") for label in labels)
     assert not [label for label in labels if label.startswith("AsType")]
+    # the add+norm GEMVs' h and y are read out of their one output: no views evaluated
+    assert not [label for label in labels if label.startswith(("Slice", "Gather"))]
     assert np.array_equal(np.array(logits), np.array(outs[mx.int32][0]))
     assert np.isfinite(np.array(logits)).all()
 
@@ -906,6 +1044,58 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
         assert rel(y, yr) <= TOL[dtype]
         ys.append(y)
     assert np.array_equal(ys[0], ys[1])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("rows,k,n,n2", [(1, 2048, 1024, 3072), (4, 3072, 1024, 2048),
+                                         (3, 96, 64, 96)])
+def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: int, k: int,
+                                                       n: int, n2: int) -> None:
+    """h and y read by the next GEMVs out of the add+norm's one output hy (at offsets XO /
+    RO: qweight._packed) against the same GEMVs over copies of h and y (fresh arrays read
+    at 0): the plain, gated and float32-out GEMV over y, the next add+norm and the chain
+    with h as their residual, all bit-equal; h and y themselves (the views) equal the
+    rows of hy."""
+    from fuselm.runtime_metal import qweight
+
+    rng = np.random.default_rng(rows + k + n)
+    w, _ = _q4_weight(rng, k, n, 32)
+    w2, _ = _q4_weight(rng, n, 2 * n2, 32)
+    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
+    eps = 1e-6
+
+    def copy(a: mx.array) -> mx.array:  # a fresh array of a's values: no view of hy
+        return mx.array(np.array(a.astype(mx.float32))).astype(a.dtype)
+
+    def consumers(h: mx.array, y: mx.array) -> list[mx.array]:
+        out = [w2.matmul(y), w2.gated_matmul(y, "silu")]
+        with qweight.float32_result():
+            out.append(w2.matmul(y))
+        out += list(w.matmul_add_norm(x, h, scale, eps) or ())
+        h3, y3 = w.matmul_add_norm(x, h, scale, eps, (w2, "silu")) or (None, None)
+        assert h3 is not None and y3 is not None
+        return [*out, h3, y3, w2.gated_matmul(y3, "silu")]
+
+    with qweight.gemv_kernel():
+        hy_views = w.matmul_add_norm(x, r, scale, eps)
+        assert hy_views is not None
+        h, y = hy_views
+        hy = qweight._packed[id(y)][1]  # the launch's one output
+        packed = consumers(h, y)
+        hc, yc = copy(h), copy(y)
+        assert qweight._packed_source(hc) is None
+        apart = consumers(hc, yc)
+    assert len(packed) == len(apart) == 8
+    for a, b in zip(packed, apart, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
+    rows_of_hy = np.array(hy.astype(mx.float32))
+    assert rows_of_hy.shape == (2, rows, 1, n)
+    assert np.array_equal(rows_of_hy[0], np.array(h.astype(mx.float32)))
+    assert np.array_equal(rows_of_hy[1], np.array(y.astype(mx.float32)))
 
 
 @cuda
