@@ -213,7 +213,7 @@ class DecodeProgram:
                     assert pair.partner is not None
                     residual = _resolve([pair.args[1 - pair.producer_arg]], env)[0]
                     # h and y: views of the launch's one output, which the GEMVs reading
-                    # them take in their place (qweight._packed): unread, no graph node
+                    # them take in their place (QWeight.matmul_add_norm): unread, no graph node
                     h_y = program_ops.matmul_add_norm(
                         o, pair, args[0], residual, _resolve(pair.partner.args[1:2], env)[0])
                     if h_y is not None:

@@ -53,7 +53,8 @@ def body_macro(body: str, macro: str) -> str | None:
     for line in body.splitlines():
         m = _PRAGMA.match(line.strip())
         if m:
-            line = "_Pragma(" + '"' + m.group(1).replace("\\", "\\\\").replace('"', '\\"') + '")'
+            escaped = m.group(1).replace("\\", "\\\\").replace('"', '\\"')
+            line = f'_Pragma("{escaped}")'
         elif _DIRECTIVE.match(line):
             return None
         lines.append(line)

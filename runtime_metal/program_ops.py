@@ -133,10 +133,10 @@ def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: o
                     scale: object) -> tuple[mx.array, mx.array] | None:
     """The epilogue form of fold_into_producers: (h, y) from one GEMV launch (lazy views of
     its one output, which the next GEMVs read in their place: QWeight.matmul_add_norm), or
-    None where the kernel does not take these shapes, or the norm's epsilon as its template
-    constant (a negative one: QWeight.matmul_add_norm refuses it): the MatMul and the pair
-    then run as usual. With a chain consumer, that launch also computes its GEMV over y where
-    it fits."""
+    None where the kernel does not take these shapes or the norm's epsilon as its template
+    constant (QWeight.matmul_add_norm refuses a negative one): the MatMul and the pair then
+    run as usual. With a chain consumer, that launch also computes its GEMV over y where it
+    fits."""
     w = _q4_matmul(producer)
     assert w is not None and pair.partner is not None
     axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from fuselm.converter.builtin import FAMILIES, build_model
+from fuselm.runtime_metal import kernels
 from tests.families import TEST_CONFIGS
 
 # Per family: what makes its checkpoint different (Qwen2: q/k/v biases; Qwen3: q/k-norm and
@@ -81,3 +83,50 @@ def q4_artifact(qwen3_artifact: Path, tmp_path_factory: pytest.TempPathFactory) 
     Q4 pass (passes/quantize.py) on the converted float model."""
     return quantized_copy(qwen3_artifact, tmp_path_factory.mktemp("q4") / "out", lm_head=True,
                           embeddings=True)
+
+
+# ---- kernel launches recorded (no launch: runs anywhere) -------------------------------------
+
+def _record(monkeypatch: pytest.MonkeyPatch, linked: bool):  # noqa: ANN202
+    """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
+    kernel name, input and output names, input count, body and header text, template
+    arguments, input arrays and the outputs it returned (zeros). linked: each output also
+    reads every input (a Sum of it times 0, added), so a step's graph has the edges its
+    launches would have: a view an input was sliced from shows in mx.export_to_dot. The kernel
+    factories' caches are emptied before and after, so no recorder stays in them."""
+    seen: list[dict[str, object]] = []
+
+    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
+                 header: str = "") -> object:
+        def launch(*, inputs: list[mx.array], template: list[tuple[str, object]],
+                   output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                   **_: object) -> list[mx.array]:
+            outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+            if linked:
+                dep = mx.array(0, mx.float32)
+                for a in inputs:
+                    dep = dep + mx.sum(a.astype(mx.float32)) * 0
+                outs = [o + dep.astype(o.dtype) for o in outs]
+            seen.append({"name": name, "input_names": list(input_names),
+                         "output_names": list(output_names), "inputs": len(inputs),
+                         "source": source, "header": header, "template": dict(template),
+                         "arrays": list(inputs), "outputs": outs})
+            return outs
+        return launch
+
+    kernels.clear_kernel_factories()
+    monkeypatch.setattr(kernels, "cuda_kernel", recorder)
+    yield seen
+    kernels.clear_kernel_factories()
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """The launches' records (_record), outputs plain zeros."""
+    yield from _record(monkeypatch, linked=False)
+
+
+@pytest.fixture
+def linked_launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """The launches' records (_record), each output reading every input (a graph to export)."""
+    yield from _record(monkeypatch, linked=True)

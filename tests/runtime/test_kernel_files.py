@@ -63,51 +63,32 @@ def test_kernel_text_goes_through_a_header_file(tmp_path: Path,
     assert other[1] != head and other[0] != body
 
 
-def test_real_kernels_expand_to_their_inline_text(tmp_path: Path,
+def test_real_kernels_expand_to_their_inline_text(tmp_path: Path, launches: list,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode step's kernel texts as the kernel modules make them (kernels.cuda_kernel
     recorded: no launch), split attention with its merge and the add+norm GEMV: through the
     file, the preprocessed text equals the inline text."""
     import mlx.core as mx
-    import numpy as np
 
-    made: list[tuple[list[str], str, str]] = []
-
-    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
-                 header: str = "") -> object:
-        made.append((input_names, source, header))
-
-        def launch(*, output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
-                   **_: object) -> list[mx.array]:
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-        return launch
-
-    kernels.clear_kernel_factories()
-    monkeypatch.setattr(kernels, "cuda_kernel", recorder)
-    try:
-        d, hq, hk = 128, 4, 2
-        qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), mx.float16)
-        cache = mx.zeros((1, hk, 512, d), mx.float16)
-        n = mx.ones((d,), mx.float16)
-        kernels_cuda.rope_attend(qkv, qkv, qkv, n, n, mx.zeros((d // 2,), mx.float32),
-                                 (1e-6, d ** -0.5, 1.0), mx.array([5], mx.int32), cache, cache,
-                                 hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=4,
-                                 qkv=qkv)
-        x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
-        sc = mx.zeros((128, 8), mx.float16)
-        kernels_q4.q4_gemv_add_norm(x, mx.zeros((128, 32), mx.uint32), sc, sc, 32, r,
-                                    mx.ones((128,), mx.float16), 1e-5)
-    finally:
-        kernels.clear_kernel_factories()
-    assert len(made) == 2
+    d, hq, hk = 128, 4, 2
+    qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), mx.float16)
+    cache = mx.zeros((1, hk, 512, d), mx.float16)
+    n = mx.ones((d,), mx.float16)
+    kernels_cuda.rope_attend(qkv, qkv, qkv, n, n, mx.zeros((d // 2,), mx.float32),
+                             (1e-6, d ** -0.5, 1.0), mx.array([5], mx.int32), cache, cache,
+                             hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=4, qkv=qkv)
+    x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
+    sc = mx.zeros((128, 8), mx.float16)
+    kernels_q4.q4_gemv_add_norm(x, mx.zeros((128, 32), mx.uint32), sc, sc, 32, r,
+                                mx.ones((128,), mx.float16), 1e-5)
+    assert len(launches) == 2
     monkeypatch.setenv(kernel_files.ENV, str(tmp_path / "k"))
-    for names, source, header in made:
-        b, h = kernels.compact_cuda(source), kernels.compact_cuda(header)
-        body, head = kernel_files.mlx_text(names, b, h)
+    for rec in launches:
+        b, h = kernels.compact_cuda(rec["source"]), kernels.compact_cuda(rec["header"])
+        body, head = kernel_files.mlx_text(rec["input_names"], b, h)
         assert head.startswith("#include") and len(body) < 100
         assert _expanded(head, body, tmp_path) == _expanded(h, b, tmp_path)
-    assert np.all(np.array(made[0][0]) == np.array(["q", "qn", "kn", "inv_freq", "offset", "kc",
-                                                    "vc"]))
+    assert launches[0]["input_names"] == ["q", "qn", "kn", "inv_freq", "offset", "kc", "vc"]
 
 
 def test_inline_when_asked_or_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

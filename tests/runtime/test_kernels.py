@@ -200,51 +200,6 @@ def test_float_bits_round_trips_kernel_constants() -> None:
             kernels.float_bits(bad)
 
 
-def _record(monkeypatch: pytest.MonkeyPatch, linked: bool):  # noqa: ANN202
-    """kernels.cuda_kernel replaced by a recorder (no launch: runs anywhere): each launch's
-    kernel name, input and output names, input count, body text, template arguments, input
-    arrays and the outputs it returned (zeros). linked: each output also reads every input
-    (a Sum of it times 0, added), so a step's graph has the edges its launches would have: a
-    view an input was sliced from shows in mx.export_to_dot. The kernel factories' caches are
-    emptied before and after, so no recorder stays in them."""
-    seen: list[dict[str, object]] = []
-
-    def recorder(name: str, input_names: list[str], output_names: list[str], source: str,
-                 header: str = "") -> object:
-        def launch(*, inputs: list[mx.array], template: list[tuple[str, object]],
-                   output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
-                   **_: object) -> list[mx.array]:
-            outs = [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-            if linked:
-                dep = mx.array(0, mx.float32)
-                for a in inputs:
-                    dep = dep + mx.sum(a.astype(mx.float32)) * 0
-                outs = [o + dep.astype(o.dtype) for o in outs]
-            seen.append({"name": name, "input_names": list(input_names),
-                         "output_names": list(output_names), "inputs": len(inputs),
-                         "source": source, "template": dict(template), "arrays": list(inputs),
-                         "outputs": outs})
-            return outs
-        return launch
-
-    kernels.clear_kernel_factories()
-    monkeypatch.setattr(kernels, "cuda_kernel", recorder)
-    yield seen
-    kernels.clear_kernel_factories()
-
-
-@pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """The launches' records (_record), outputs plain zeros."""
-    yield from _record(monkeypatch, linked=False)
-
-
-@pytest.fixture
-def linked_launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """The launches' records (_record), each output reading every input (a graph to export)."""
-    yield from _record(monkeypatch, linked=True)
-
-
 @pytest.mark.parametrize("norms", [False, True])  # Llama (no q/k-norm), Qwen3
 @pytest.mark.parametrize("splits", [0, 1, 8])
 def test_attention_launch_takes_no_constant_or_duplicate_input(launches: list, norms: bool,
