@@ -112,13 +112,11 @@ def main() -> None:
         return launch
 
     mx.fast.cuda_kernel = recorder  # type: ignore[assignment]
-    from fuselm.runtime_metal import (
-        kernel_files,
-        kernels,
-        kernels_cuda,
-        kernels_embedding,
-        kernels_q4,
-    )
+    from fuselm.runtime_metal.cuda_kernels import embedding as kernels_embedding
+    from fuselm.runtime_metal.cuda_kernels import kernel_files
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import selection as kernels
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     raw_units: dict[str, str] = {}  # --compare-ptx: kernel name -> its text as written
     if args.compare_ptx:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import onnx
 
-from fuselm.converter.builtin import QWEN3_0_6B, build_model
+from fuselm.converter.models.builtin import QWEN3_0_6B, build_model
 
 
 def ensure_checkpoint(path: Path) -> Path:
@@ -41,7 +41,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-m",
-        "fuselm.converter.cli",
+        "fuselm.converter.cli.main",
         "convert",
         str(ckpt),
         "-o",

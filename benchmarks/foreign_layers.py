@@ -34,7 +34,7 @@ def measure(family: str, work: Path, opset: int) -> dict[str, object]:
     from passes_foreign import export_foreign
     from passes_support import decoder_feeds, hf_logits_and_greedy, max_rel, run
 
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from fuselm.export.onnx_export import export_model
     from fuselm.passes.layers import residual_layer_sizes
     from fuselm.passes.manager import run_pipeline
@@ -69,7 +69,7 @@ def measure(family: str, work: Path, opset: int) -> dict[str, object]:
 
 
 def main() -> None:
-    from fuselm.converter.builtin import FAMILIES
+    from fuselm.converter.models.builtin import FAMILIES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--opset", type=int, default=23)

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
 
-    from fuselm.converter.builtin import QWEN3_0_6B, build_model
+    from fuselm.converter.models.builtin import QWEN3_0_6B, build_model
     from fuselm.converter.pipeline import ConvertOptions, convert
     from fuselm.runtime_metal import artifact, integrity, manifest_schema
     from fuselm.runtime_metal.engine import make_engine

@@ -67,7 +67,9 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from fuselm.runtime_metal import kernels, kernels_cuda, kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import selection as kernels
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     torch.cuda.init()
     hidden, hq, hk, d, inter, qk_norm, vocab = SHAPES[args.shape]

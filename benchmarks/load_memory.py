@@ -30,7 +30,7 @@ def main() -> None:
     import numpy as np
 
     from fuselm.runtime_metal.engine import make_engine
-    from fuselm.runtime_metal.qweight import held_bytes
+    from fuselm.runtime_metal.mlx_engine.qweight import held_bytes
 
     engine = make_engine(args.out_dir, "mlx")
     engine.forward(np.arange(1, 9)[None])

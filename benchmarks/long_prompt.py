@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from fuselm.converter.builtin import QWEN3_0_6B, TINY, build_model
+from fuselm.converter.models.builtin import QWEN3_0_6B, TINY, build_model
 from fuselm.runtime_metal.engine import make_engine
 
 SMALL = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,

@@ -3,7 +3,7 @@
     python benchmarks/make_checkpoint.py OUT_DIR [--shape llama-3.1-8b] [--layers N]
 
 The checkpoint is a real HF directory: config.json (from transformers' own config class),
-a small trained tokenizer (converter/builtin.py's; its ids lie below
+a small trained tokenizer (converter/models/builtin.py's; its ids lie below
 the vocabulary size, which is all convert checks), and bfloat16 safetensors shards with
 `model.safetensors.index.json`. Each shard (one per decoder layer, one for the embedding, one
 for the LM head and final norm) is generated, written and freed before the next, so memory
@@ -71,7 +71,7 @@ def main() -> None:
     import transformers
     from safetensors.torch import save_file
 
-    from fuselm.converter.builtin import build_tokenizer
+    from fuselm.converter.models.builtin import build_tokenizer
 
     t0 = time.perf_counter()
     cfg = dict(SHAPES[args.shape])

@@ -40,7 +40,7 @@ def _per_layer(small: list[tuple[str, int]], big: list[tuple[str, int]], dl: int
 
 
 def _build(work: Path, name: str, layers: int, dtype: str) -> Path:
-    from fuselm.converter.builtin import QWEN3_0_6B, build_model
+    from fuselm.converter.models.builtin import QWEN3_0_6B, build_model
 
     d = work / name
     if not (d / "config.json").exists():

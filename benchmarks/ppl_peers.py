@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-FUSELM = [sys.executable, "-m", "fuselm.converter.cli"]
+FUSELM = [sys.executable, "-m", "fuselm.converter.cli.main"]
 
 
 def timed(cmd: list[str]) -> dict[str, float]:
@@ -62,7 +62,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fuselm.converter.smollm2 import bundled_gguf
+    from fuselm.converter.models.smollm2 import bundled_gguf
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.perplexity import (
         SAMPLE_TEXT,
@@ -109,7 +109,8 @@ def main() -> None:
 
     # imports alone: the floor under any conversion's peak RSS
     results["import_baseline"] = timed(
-        [sys.executable, "-c", "import fuselm.converter.cli, fuselm.converter.pipeline, torch, "
+        [sys.executable, "-c", "import fuselm.converter.cli.main, fuselm.converter.pipeline, "
+        "torch, "
          "onnx, onnxscript, transformers, gguf"])
 
     runs = {"fuselm_float16": [], "fuselm_q4_b32": ["--quant", "q4", "--block-size", "32"],

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fuselm.passes.q4_math import quantize_array
+from fuselm.passes.quant.q4_math import quantize_array
 from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, perplexity_of, read_text, text_tokens
 
 CALIB = Path(__file__).resolve().parent.parent / "passes" / "calibration.txt"
@@ -110,7 +110,7 @@ class Harness:
             w = self.orig[name].numpy()  # [out, in]; fuselm quantizes W.T [K=in, N=out]
             if method == "gptq":
                 from fuselm.passes.ops import dequantize_reference
-                from fuselm.passes.q4_gptq import gptq_params
+                from fuselm.passes.quant.q4_gptq import gptq_params
 
                 c, s, z = gptq_params(w.T, self.grams[name], block)
                 deq = dequantize_reference(c, s.astype(np.float32), z.astype(np.uint8), block)
@@ -184,7 +184,7 @@ def main() -> None:
             for gname in ("head", "attn", "mlp"):
                 run(f"only {gname} b32", {n: (32, False) for n in g[gname]})
         elif exp.startswith("alloc"):
-            from fuselm.passes.q4_allocate import allocate_blocks
+            from fuselm.passes.quant.q4_allocate import allocate_blocks
 
             mode = exp.split(":")[1]  # imatrix | proxy | none
             budget = float(exp.split(":")[2])

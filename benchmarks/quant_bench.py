@@ -13,7 +13,7 @@ converted twice, default against default:
 and both run the same prompt: prefill (`-p` tokens) then greedy decode (`-n` tokens).
 fuselm's model runs through its onnxruntime engine at the engine's defaults (accuracy level 4 =
 int8 activations, what the builder's int4 CPU model uses; the CPU lowering of
-runtime_metal/ort_lowering.py, or the plain graph with `--no-lower`; intra-op threads
+runtime_metal/ort_engine/lowering.py, or the plain graph with `--no-lower`; intra-op threads
 ort_session.default_threads()); the builder's through onnxruntime-genai (its default threads:
 hardware threads / 2). Decode is n new tokens: n - 1 forward passes after the prompt's, on
 both sides. Each side runs in its own process; `--rounds` alternates the two (fuselm,
@@ -72,7 +72,7 @@ def build_checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
     if layers is not None:
         overrides = f"{{**{overrides}, 'num_hidden_layers': {layers}}}"
     _child(
-        "from fuselm.converter.builtin import build_model, QWEN3_0_6B\n"
+        "from fuselm.converter.models.builtin import build_model, QWEN3_0_6B\n"
         f"build_model({str(ckpt)!r}, 'qwen3', dtype='bfloat16', **{overrides})"
     )
     return ckpt

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from fuselm.passes.q4_math import quantize_array
+from fuselm.passes.quant.q4_math import quantize_array
 
 
 def _err(w: np.ndarray, block: int, method: str) -> tuple[float, float, float]:

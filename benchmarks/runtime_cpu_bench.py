@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fuselm.converter.builtin import QWEN3_0_6B, TINY, build_model
+from fuselm.converter.models.builtin import QWEN3_0_6B, TINY, build_model
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 

@@ -158,7 +158,7 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list
     max_batch = str(max(args.streams))
     if "fuselm" in args.systems:
         port = free_port()
-        cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(fl_dir), "--port",
+        cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(fl_dir), "--port",
                str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
                "--log-level", "warning", "--model-name", "bench",
                "--max-context", str(args.fuselm_max_context)]

@@ -79,7 +79,7 @@ SHAPES = ("tiny", "qwen3-0.6b", "llama-3.2-1b")
 # ---- checkpoints and conversions ---------------------------------------------------------------
 
 def shape_config(shape: str) -> tuple[str, dict[str, Any]]:
-    from fuselm.converter.builtin import LLAMA_3_2_1B, QWEN3_0_6B, TINY
+    from fuselm.converter.models.builtin import LLAMA_3_2_1B, QWEN3_0_6B, TINY
 
     return {"tiny": ("qwen3", dict(TINY)), "qwen3-0.6b": ("qwen3", dict(QWEN3_0_6B)),
             "llama-3.2-1b": ("llama", dict(LLAMA_3_2_1B))}[shape]
@@ -90,7 +90,7 @@ def ensure_checkpoint(work: Path, shape: str, checkpoint: str | None) -> Path:
         return Path(checkpoint)
     hf = work / shape / "hf"
     if not (hf / "config.json").is_file():
-        from fuselm.converter.builtin import build_model
+        from fuselm.converter.models.builtin import build_model
 
         family, cfg = shape_config(shape)
         t = time.perf_counter()
@@ -175,7 +175,7 @@ class Fuselm:
         return y
 
     def weight_bytes(self) -> int:
-        from fuselm.runtime_metal.qweight import held_bytes
+        from fuselm.runtime_metal.mlx_engine.qweight import held_bytes
 
         return held_bytes(self.engine.plan.constants)
 

@@ -22,7 +22,7 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     Options are ConvertOptions' fields: dtype ("auto" | "float32" | "float16"), quant (None |
     "q4"), block_size, symmetric, quant_lm_head, quant_embeddings, passes, optimize,
     keep_intermediate. Returns the artifact folder."""
-    from fuselm.converter.hub import resolve_source
+    from fuselm.converter.models.hub import resolve_source
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.pipeline import convert as run_convert
 

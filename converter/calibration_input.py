@@ -1,4 +1,4 @@
-"""The calibration text of the activation-aware Q4 pass (passes/q4_calibration.py), tokenized
+"""The calibration text of the activation-aware Q4 pass (passes/quant/q4_calibration.py), tokenized
 with the checkpoint's own tokenizer: `--calibration FILE` (error feedback, GPTQ-style), or by
 default the shipped passes/calibration.txt (its first BUILTIN_TOKENS tokens, per-channel
 importance only: one cheap forward). `--no-calibration`, or a checkpoint without a tokenizer,
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fuselm.converter.errors import UserError
 from fuselm.export.config import DecoderSpec
-from fuselm.passes.q4_calibration import Calibration, read_calibration
+from fuselm.passes.quant.q4_calibration import Calibration, read_calibration
 
 CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
 # The default's tokens: one forward of CONTEXT. On SmolLM2 (block 64, importance-weighted) 256,

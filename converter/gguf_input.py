@@ -2,7 +2,7 @@
 
 The file's metadata becomes a small staged HF directory (config.json, generation config,
 tokenizer files with the chat template) in a temporary folder; the weights are read from the
-GGUF itself, dequantized one tensor at a time (export/gguf_source.py).
+GGUF itself, dequantized one tensor at a time (export/gguf/source.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter import pipeline
 from fuselm.converter.exporter_choice import exporter_for, trace_reason
 from fuselm.export import heap
-from fuselm.export.gguf_source import (
+from fuselm.export.gguf.source import (
     GGUFCheckpoint,
     builder_unsupported,
     gguf_spec,

@@ -23,11 +23,11 @@ from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter.errors import UserError
 from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
-from fuselm.export.gguf_file import is_gguf
+from fuselm.export.gguf.file import is_gguf
 from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
 from fuselm.passes.manager import select
-from fuselm.passes.quantize import SPILL_FILE, validate_options
+from fuselm.passes.quant.quantize import SPILL_FILE, validate_options
 from fuselm.runtime_metal import artifact, integrity
 
 Progress = Callable[[str, int, int], None]
@@ -123,7 +123,7 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
         model = onnx.load(str(raw), load_external_data=False)
     extra = []
     if opts.quant == "q4":
-        from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE, quantize_pass, resolve_budget
+        from fuselm.passes.quant.quantize import DEFAULT_BLOCK_SIZE, quantize_pass, resolve_budget
 
         budget = resolve_budget(opts.bits_budget, opts.block_size, calibration is not None)
         extra.append(

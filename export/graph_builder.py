@@ -4,8 +4,8 @@ The torch path (export/onnx_export.py, then passes/) traces export/decoder.py's 
 and fuses the trace: RMSNormalization, FusedQKV, FusedRoPE, ONNX Attention with the KV concat
 inside, FusedGateUp, MatMul + Add. For the plain decoders (llama / mistral / qwen2 / qwen3)
 that fused graph is known node by node, so this writes it straight away, as onnxruntime-genai's
-model builder does, each weight read from the checkpoint (HF safetensors, export/checkpoint.py,
-or a GGUF file, export/gguf_source.py: both answer `tensors`, `shape`, `array` in HF names),
+model builder does, each weight read from the checkpoint (HF safetensors, safetensors/checkpoint.py,
+or a GGUF file, export/gguf/source.py: both answer `tensors`, `shape`, `array` in HF names),
 laid out [K, N] (q/k/v and gate/up packed along N as the pairing passes pack them) and cast.
 The trace costs ~40 s of dynamo on a 28-layer model (and ~420 MB of torch, onnxscript and
 dynamo machinery before the first weight is read); this costs neither.
@@ -33,12 +33,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from fuselm.export.checkpoint import Checkpoint, cast
 from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
 from fuselm.export.export_result import ExportResult
 from fuselm.export.family import Source
 from fuselm.export.registry import decoder_spec, family_of
+from fuselm.export.safetensors.checkpoint import Checkpoint, cast
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
@@ -53,7 +53,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class WeightReader(Protocol):
-    """A checkpoint in HF tensor names (export/checkpoint.py, export/gguf_source.py)."""
+    """A checkpoint in HF tensor names (export/safetensors/checkpoint.py, export/gguf/source.py)."""
 
     root: Path
 

@@ -20,19 +20,19 @@ import torch
 from onnx import TensorProto
 
 from fuselm.export import heap
-from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.config import DecoderSpec
 from fuselm.export.decoder import Decoder
 from fuselm.export.errors import ExportError
 from fuselm.export.export_result import ExportResult
 from fuselm.export.registry import decoder_spec
+from fuselm.export.safetensors.checkpoint import Checkpoint
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
 
 if TYPE_CHECKING:
-    from fuselm.export.gguf_source import GGUFCheckpoint
+    from fuselm.export.gguf.source import GGUFCheckpoint
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}

@@ -3,6 +3,8 @@ The CLI reports it like every package's user error (converter/errors.py lists th
 
 from __future__ import annotations
 
+from fuselm.errors import FuselmError
 
-class PassesError(Exception):
+
+class PassesError(FuselmError):
     """Bad input to the graph passes; the message names the problem and the fix."""

@@ -59,7 +59,7 @@ PIPELINE: list[Pass] = [
     QKVPairing(),  # needs FusedRoPE/Attention downstream to tell q, k and v apart
     GateUpPairing(),
     # <- `extra` passes go here: fuselm's 4-bit quantization runs after pairing, on packed
-    #    weights (passes/quantize.py).
+    #    weights (passes/quant/quantize.py).
     Cleanup(),  # last: toposort, unused initializers/functions/opsets dropped
 ]
 PASS_NAMES = tuple(dict.fromkeys(p.name for p in PIPELINE))

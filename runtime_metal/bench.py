@@ -153,7 +153,7 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
 def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int | None
                  ) -> list[dict[str, Any]]:
     """Per-op time of the MLX executor (node by node, warm-up passes skipped)."""
-    from fuselm.runtime_metal.profile import Profiler
+    from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     if name != "mlx":
         raise ValueError("--profile times the MLX engine's nodes; use --engine mlx")

@@ -98,9 +98,9 @@ def make_engine(out_dir: str | Path, name: str = "auto", **options: object) -> E
     check_sizes(out_dir, manifest)
     resolved = resolve_engine(name)
     if resolved == "mlx":
-        from fuselm.runtime_metal.engine_mlx import MLXEngine
+        from fuselm.runtime_metal.mlx_engine.engine import MLXEngine
 
         return MLXEngine(out_dir, manifest, **options)  # type: ignore[arg-type]
-    from fuselm.runtime_metal.engine_ort import OrtEngine
+    from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 
     return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from fuselm.errors import FuselmError
 
-class RuntimeUserError(Exception):
+
+class RuntimeUserError(FuselmError):
     """Bad input to the runtime (model, prompt, options); the message names the problem and fix."""
 
 

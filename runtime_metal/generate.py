@@ -55,7 +55,7 @@ def prefill_chunk_for(engine: Engine, chunk: int | None) -> int:
     engine on MLX's CUDA backend and DEFAULT_PREFILL_CHUNK elsewhere (Metal and CPU: not
     measured larger)."""
     if chunk is None:
-        from fuselm.runtime_metal.kernels import cuda_device
+        from fuselm.runtime_metal.cuda_kernels.selection import cuda_device
 
         return CUDA_PREFILL_CHUNK if engine.name == "mlx" and cuda_device() else (
             DEFAULT_PREFILL_CHUNK)

@@ -7,11 +7,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fuselm.errors import FuselmError
+
 FORMAT = "fuselm"
 FORMAT_VERSION = 1
 
 
-class ArtifactError(Exception):
+class ArtifactError(FuselmError):
     """A fuselm output directory that cannot be read; the message says what to do."""
 
 

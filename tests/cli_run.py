@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fuselm.converter.cli import main
+from fuselm.converter.cli.main import main
 
 
 def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:

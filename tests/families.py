@@ -1,5 +1,5 @@
 """Tiny test configs of the families added after the move (export/families/): one line each,
-shared by the export, runtime and passes suites. Every one keeps converter/builtin.py's TINY
+shared by the export, runtime and passes suites. Every one keeps converter/models/builtin.py's TINY
 shapes (head_dim 24 != hidden 64 / 4 heads, GQA 4:2) and exercises its family's quirks with
 values large enough to matter: sliding windows shorter than the test prompts, small caps."""
 

@@ -76,6 +76,6 @@ def test_no_private_names_across_modules_in_runtime_metal() -> None:
 def test_the_graph_sees_every_module() -> None:
     """The checks above cover real files: the walk finds the runtime's core modules."""
     known = modules()
-    for m in ("fuselm.runtime_metal.step", "fuselm.runtime_metal.attention",
-              "fuselm.runtime_metal.kv_cache", "fuselm.runtime_metal.ops.attention"):
+    for m in ("fuselm.runtime_metal.mlx_engine.step", "fuselm.runtime_metal.mlx_engine.attention",
+              "fuselm.runtime_metal.kv_cache", "fuselm.runtime_metal.mlx_engine.ops.attention"):
         assert m in known and known[m].is_relative_to(ROOT)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from fuselm.export.onnx_export import export_model
 from tests.families import TEST_CONFIGS, longrope
 

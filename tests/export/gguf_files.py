@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from fuselm.converter.builtin import build_model
-from fuselm.export.gguf_source import gguf_name
+from fuselm.converter.models.builtin import build_model
+from fuselm.export.gguf.source import gguf_name
 
 # K-quant block layouts: (bytes per 256 values, byte offsets of float16 d/dmin fields)
 _K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from fuselm.converter.cli import main
+from fuselm.converter.cli.main import main
 
 
 def run_cli(*args: str) -> tuple[int, str]:

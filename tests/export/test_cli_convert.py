@@ -12,7 +12,7 @@ from fuselm.runtime_metal.artifact import read_manifest
 
 def fuselm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fuselm.converter.cli", *args],
+        [sys.executable, "-m", "fuselm.converter.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,

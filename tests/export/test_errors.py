@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def fuselm(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fuselm.converter.cli", *args],
+        [sys.executable, "-m", "fuselm.converter.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=300,

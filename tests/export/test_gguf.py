@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from fuselm.converter.cli import cli
+from fuselm.converter.cli.main import cli
 from fuselm.export.errors import ExportError
-from fuselm.export.gguf_file import SUPPORTED_TYPES
-from fuselm.export.gguf_source import GGUFCheckpoint, unpermute_qk
+from fuselm.export.gguf.file import SUPPORTED_TYPES
+from fuselm.export.gguf.source import GGUFCheckpoint, unpermute_qk
 from fuselm.runtime_metal.artifact import read_manifest
-from fuselm.runtime_metal.engine_ort import OrtEngine
+from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 from fuselm.runtime_metal.validate import rel
 from tests.export.gguf_files import permute_qk, write_gguf
 
@@ -169,7 +169,7 @@ def test_reader_holds_no_map_and_slabs_match_whole_tensors(
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from fuselm.export import gguf_file
+    from fuselm.export.gguf import file as gguf_file
 
     path, _ = gguf_cases["llama"]
     f = gguf_file.GGUFFile(path)
@@ -190,11 +190,11 @@ def test_reader_holds_no_map_and_slabs_match_whole_tensors(
 
 
 def test_header_reader_matches_llama_cpp_reader(gguf_cases: dict[str, tuple[Path, dict]]) -> None:
-    """export/gguf_header.py (plain values, no per-entry numpy views) reads what gguf's
+    """export/gguf/header.py (plain values, no per-entry numpy views) reads what gguf's
     GGUFReader reads: every metadata value, every tensor's type, shape, offset and size."""
     from gguf import GGUFReader
 
-    from fuselm.export.gguf_header import read_header
+    from fuselm.export.gguf.header import read_header
 
     for path, _ in gguf_cases.values():
         reader = GGUFReader(path)

@@ -147,7 +147,7 @@ def test_spec_without_transformers_equals_transformers(gguf_files: dict[str, Pat
                                                        tmp_path: Path) -> None:
     """The builder's spec (the GGUF config dict as the config object) is the one the registry
     makes with transformers' config classes, RoPE frequencies included."""
-    from fuselm.export.gguf_source import GGUFCheckpoint, gguf_spec, stage
+    from fuselm.export.gguf.source import GGUFCheckpoint, gguf_spec, stage
     from fuselm.export.registry import decoder_spec
 
     for name, path in gguf_files.items():
@@ -164,7 +164,7 @@ def test_builder_conversion_imports_no_torch(gguf_files: dict[str, Path], tmp_pa
     of the 403 MB bound on SmolLM2), nor Numba for a model this small (+112 MB)."""
     code = (
         "import sys\n"
-        "from fuselm.converter.cli import cli\n"
+        "from fuselm.converter.cli.main import cli\n"
         f"try:\n    cli(['convert', {str(gguf_files['llama'])!r}, '-o', "
         f"{str(tmp_path / 'out')!r}, '--quant', 'q4'])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
@@ -197,8 +197,8 @@ def test_tokenizer_files_equal_transformers_loader(gguf_files: dict[str, Path],
     two flags; the tokenizer.json it loads is the same file."""
     from transformers import AutoTokenizer
 
-    from fuselm.export.gguf_file import GGUFFile
-    from fuselm.export.gguf_tokenizer import light_tokenizer
+    from fuselm.export.gguf.file import GGUFFile
+    from fuselm.export.gguf.tokenizer import light_tokenizer
 
     text = "The quick brown fox — naïve café, 3.14! <|im_start|>user\nHi<|im_end|>"
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
@@ -228,7 +228,7 @@ def test_tokenizer_files_equal_transformers_loader(gguf_files: dict[str, Path],
 def test_torch_path_when_the_builder_does_not_apply(gguf_files: dict[str, Path]) -> None:
     from fuselm.converter.gguf_input import torch_reason
     from fuselm.converter.pipeline import ConvertOptions
-    from fuselm.export.gguf_source import GGUFCheckpoint
+    from fuselm.export.gguf.source import GGUFCheckpoint
 
     ckpt = GGUFCheckpoint(gguf_files["llama"])
     assert torch_reason(ckpt, None) is None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from fuselm.converter.pipeline import ConvertOptions, convert
 
 

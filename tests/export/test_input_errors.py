@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.errors import ExportError
+from fuselm.export.safetensors.checkpoint import Checkpoint
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
 from tests.export.inputs import (

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuselm.converter.errors import user_errors
-from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.decoder import Decoder
 from fuselm.export.registry import decoder_spec
+from fuselm.export.safetensors.checkpoint import Checkpoint
 from fuselm.export.tensor_match import check_tensor_names
 from fuselm.export.tokenizer_check import check_tokenizer
 from tests.export.inputs import copy_model, error_line, run_cli, split_safetensors

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from fuselm.converter.out_dir import recover
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.runtime_metal.artifact import read_manifest
@@ -149,7 +149,7 @@ def held(tmp, out):
     time.sleep(600)
 
 out_dir.swap_in = held
-from fuselm.converter.cli import main
+from fuselm.converter.cli.main import main
 sys.argv = ["fuselm", "convert", *sys.argv[2:]]
 main()
 """

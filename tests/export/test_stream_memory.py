@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from fuselm.export import onnx_export
-from fuselm.export.checkpoint import Checkpoint
 from fuselm.export.decoder import Decoder
 from fuselm.export.registry import decoder_spec
+from fuselm.export.safetensors.checkpoint import Checkpoint
 
 
 def test_slabbed_weights_equal_whole_tensor_export(

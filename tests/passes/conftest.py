@@ -47,7 +47,7 @@ FOREIGN_FORMS: dict[str, tuple[bool, int, bool]] = {
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
 
     cache: dict[str, Path] = {}
 

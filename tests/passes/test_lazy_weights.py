@@ -17,11 +17,11 @@ import pytest
 from click.testing import CliRunner
 from onnx import numpy_helper
 
+from fuselm.converter.cli.optimize_cmd import optimize
 from fuselm.converter.errors import UserError
-from fuselm.converter.optimize_cmd import optimize
 from fuselm.passes import weights
 from fuselm.passes.manager import run_pipeline
-from fuselm.passes.quantize import quantize_pass
+from fuselm.passes.quant.quantize import quantize_pass
 from fuselm.passes.writer import ALIGN, write_model
 
 
@@ -156,7 +156,7 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
                 ConvertOptions(**free, quant_lm_head=False, block_size=32))
     with weights.recording() as budget_reads:
         convert(model_dir("qwen3"), tmp_path / "out3", ConvertOptions(**free, bits_budget=4.45))
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from tests.passes.conftest import CASES
 
     family, kw = CASES["qwen3"]
@@ -194,7 +194,7 @@ def test_quantized_tensors_spill_to_disk(raw: Path, tmp_path: Path) -> None:
 
     from onnx import TensorProto
 
-    from fuselm.passes.quantize import SPILL_FILE
+    from fuselm.passes.quant.quantize import SPILL_FILE
 
     for name in (raw.name, raw.name + ".data"):
         shutil.copy(raw.parent / name, tmp_path / name)

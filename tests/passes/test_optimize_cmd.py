@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 from passes_support import decoder_feeds, max_rel, op_counts, run
 
+from fuselm.converter.cli.optimize_cmd import optimize
 from fuselm.converter.errors import UserError
-from fuselm.converter.optimize_cmd import optimize
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_cli_prints_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys, click; from fuselm.converter.optimize_cmd import optimize; "
+    code = ("import sys, click; from fuselm.converter.cli.optimize_cmd import optimize; "
             "from fuselm.converter.errors import UserError\n"
             "try:\n    optimize.main(sys.argv[1:], standalone_mode=False)\n"
             "except UserError as e:\n    print(f'error: {e}', file=sys.stderr); sys.exit(2)")

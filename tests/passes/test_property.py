@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from passes_foreign import export_foreign
 from passes_support import decoder_feeds, max_rel, op_counts, run
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from fuselm.passes.manager import run_pipeline
 
 

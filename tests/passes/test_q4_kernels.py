@@ -1,4 +1,4 @@
-"""The compiled Q4 search (passes/q4_kernels.py) against its NumPy form: the same scales, zero
+"""The compiled Q4 search (passes/quant/q4_kernels.py) against its NumPy form: the same scales, zero
 points and codes bit for bit, for every option and the awkward blocks (all zero, signed zeros,
 grid weights, a partial last block, one column, one block), so compiling changes no output."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuselm.passes import q4_math, q4_search
+from fuselm.passes.quant import q4_math, q4_search
 
 
 def _weights(rng: np.random.Generator, k: int, n: int, df: float = 3.0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The Q4 scale/zero-point search (passes/q4_search.py): never worse than min/max on any block,
+"""The Q4 scale/zero-point search (quant/q4_search.py): never worse than min/max on any block,
 exact on grid weights, deterministic, and measurably better on heavy-tailed weights."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuselm.passes.q4_math import quantize_array
+from fuselm.passes.quant.q4_math import quantize_array
 
 
 def _block_sse(w: np.ndarray, method: str, block: int, symmetric: bool, imp=None) -> np.ndarray:  # noqa: ANN001

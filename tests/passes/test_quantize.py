@@ -14,8 +14,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops
-from fuselm.passes.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
-from fuselm.runtime_metal.ort_session import make_session
+from fuselm.passes.quant.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
+from fuselm.runtime_metal.ort_engine.session import make_session
 from fuselm.runtime_metal.validate import rel  # the one error metric (DESIGN.md)
 
 torch = pytest.importorskip("torch")
@@ -338,7 +338,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
 
     out = {}
     for name, kw in MODELS.items():
@@ -431,7 +431,7 @@ def _to_grid(w: torch.Tensor, gen: np.random.Generator, block: int = 32) -> torc
 
 
 def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
 
     ckpt = build_model(tmp_path / "ckpt", "qwen3", tokenizer=False)
     hf = _load(ckpt)
@@ -470,7 +470,7 @@ def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
 
 @pytest.mark.parametrize("shape", [(4, 6), (3, 5)])  # even and odd element counts
 def test_uint4_packing_matches_onnx(shape) -> None:
-    from fuselm.passes.quantize import to_uint4, uint4_tensor
+    from fuselm.passes.quant.quantize import to_uint4, uint4_tensor
 
     codes = np.random.default_rng(8).integers(0, 16, shape).astype(np.uint8)
     ours = uint4_tensor(codes, "c")
@@ -482,7 +482,7 @@ def test_uint4_packing_matches_onnx(shape) -> None:
 def test_threaded_slabs_equal_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """quantize_array's slabs run on several cores: codes, scales, zero points and the error
     are exactly those of one thread (columns are independent; sums are added in slab order)."""
-    from fuselm.passes import q4_math
+    from fuselm.passes.quant import q4_math
 
     w = (np.random.default_rng(3).standard_normal((96, 2500)) * 0.02).astype(np.float16)
     results = []

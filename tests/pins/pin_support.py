@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 import fuselm
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from tests.families import TEST_CONFIGS
 
 # every registered family once, with its test quirks (tests/families.py)

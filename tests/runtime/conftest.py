@@ -8,8 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from fuselm.converter.builtin import FAMILIES, build_model
-from fuselm.runtime_metal import kernels
+from fuselm.converter.models.builtin import FAMILIES, build_model
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from tests.families import TEST_CONFIGS
 
 # Per family: what makes its checkpoint different (Qwen2: q/k/v biases; Qwen3: q/k-norm and
@@ -35,11 +35,11 @@ def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
 
 
 def quantized_copy(artifact: Path, out: Path, **quant: object) -> Path:
-    """A copy of a converted float artifact with the Q4 pass (passes/quantize.py) applied,
+    """A copy of a converted float artifact with the Q4 pass (passes/quant/quantize.py) applied,
     e.g. lm_head=True, embeddings=True."""
     import onnx
 
-    from fuselm.passes.quantize import quantize_q4
+    from fuselm.passes.quant.quantize import quantize_q4
 
     shutil.copytree(artifact, out)
     model = onnx.load(str(out / "model.onnx"))
@@ -80,7 +80,7 @@ def qwen3_artifact(family_models: dict[str, tuple[Path, Path]]) -> Path:
 @pytest.fixture(scope="session")
 def q4_artifact(qwen3_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The qwen3 artifact with every weight (tied embedding included) in blocked Q4, made by the
-    Q4 pass (passes/quantize.py) on the converted float model."""
+    Q4 pass (passes/quant/quantize.py) on the converted float model."""
     return quantized_copy(qwen3_artifact, tmp_path_factory.mktemp("q4") / "out", lm_head=True,
                           embeddings=True)
 

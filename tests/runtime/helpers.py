@@ -9,9 +9,9 @@ from onnx import helper
 
 from fuselm.passes import ops as contract
 from fuselm.runtime_metal.dtypes import to_host
-from fuselm.runtime_metal.executor import Executor
 from fuselm.runtime_metal.loader import LoadedGraph
-from fuselm.runtime_metal.plan import build_plan
+from fuselm.runtime_metal.mlx_engine.executor import Executor
+from fuselm.runtime_metal.mlx_engine.plan import build_plan
 
 
 def _info(name: str, arr: np.ndarray) -> onnx.ValueInfoProto:

@@ -102,7 +102,7 @@ def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa
     rounded up to 256 (not the reserved context): with a context of 700 (capacity 768) the
     short sequences here run at L = 256, a row grown past 256 moves the whole batch to 512, and
     every sequence's tokens stay generate's."""
-    from fuselm.runtime_metal import kernels
+    from fuselm.runtime_metal.cuda_kernels import selection as kernels
 
     engine = make_engine(qwen3_artifact, "mlx")
     prompts = _prompts() + [[int(t) for t in np.random.default_rng(5).integers(4, 384, 250)]]

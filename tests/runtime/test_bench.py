@@ -9,7 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from fuselm.converter.cli import cli
+from fuselm.converter.cli.main import cli
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 
@@ -62,7 +62,7 @@ def test_threads_flag_reaches_onnxruntime(qwen3_artifact, tmp_path) -> None:  # 
         assert isinstance(bad.exception, RuntimeUserError), bad.output
         assert "--threads sets onnxruntime's threads" in str(bad.exception)
     # through the real entry point: one line on stderr, exit code 2, no traceback
-    proc = subprocess.run([sys.executable, "-m", "fuselm.converter.cli", "run",
+    proc = subprocess.run([sys.executable, "-m", "fuselm.converter.cli.main", "run",
                            str(qwen3_artifact), "--prompt-ids", "1,2", "--engine", "mlx",
                            "-t", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2

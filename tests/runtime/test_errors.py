@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from fuselm.converter.cli import main
+from fuselm.converter.cli.main import main
 
 
 def _run(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:

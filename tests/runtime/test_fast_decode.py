@@ -1,4 +1,4 @@
-"""The compiled program (runtime_metal/decode.py: chunked prefill and the decode step) against
+"""The compiled program (mlx_engine/decode.py: chunked prefill and the decode step) against
 the node-by-node executor and onnxruntime: every prefill chunk's last logits and every step's
 within rel 1e-5, 64 greedy tokens identical, for the tiny families (Qwen3: head_dim !=
 hidden/heads + GQA + q/k-norm; Llama; Qwen2: GQA 4:1 + biases; Granite: multipliers; SmolLM3: a
@@ -110,7 +110,7 @@ def test_device_sampling_is_seeded(qwen3_artifact) -> None:  # noqa: ANN001
 
 
 def test_profiling_keeps_the_executor(qwen3_artifact) -> None:  # noqa: ANN001
-    from fuselm.runtime_metal.profile import Profiler
+    from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     engine = make_engine(qwen3_artifact, "mlx", profiler=Profiler())
     assert engine.fast is None and "profil" in str(engine.describe()["decode"])
@@ -166,7 +166,7 @@ def test_longrope_switch_in_the_compiled_program(tmp_path) -> None:  # noqa: ANN
     """Phi-3's LongRoPE switches to its long factors once a position reaches the original
     context (16 here): the compiled program selects them on the device; decoding across the
     switch matches the executor and onnxruntime step by step."""
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from tests.families import TEST_CONFIGS, longrope
     from tests.runtime.conftest import convert
 

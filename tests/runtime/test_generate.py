@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuselm.converter.builtin import FAMILIES
+from fuselm.converter.models.builtin import FAMILIES
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
@@ -102,7 +102,7 @@ def test_q4_runs_every_family(family: str, family_models, tmp_path) -> None:  # 
 def test_prefill_chunk_default_follows_the_engine_and_device(qwen3_artifact) -> None:  # noqa: ANN001
     """No chunk given: 2,048 tokens for MLX on CUDA (measured faster on the H200), else 512;
     a given chunk is kept; 0 is one clear error."""
-    from fuselm.runtime_metal import kernels
+    from fuselm.runtime_metal.cuda_kernels import selection as kernels
     from fuselm.runtime_metal.errors import RuntimeUserError
     from fuselm.runtime_metal.generate import (
         CUDA_PREFILL_CHUNK,

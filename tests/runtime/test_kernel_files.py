@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.runtime_metal import kernel_files, kernels, kernels_cuda, kernels_q4
+from fuselm.runtime_metal.cuda_kernels import kernel_files
+from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
 _BODY = """  const int tid = threadIdx.x;
   float acc[4];

@@ -1,4 +1,4 @@
-"""fuselm's fused CUDA kernels (runtime_metal/kernels_cuda.py) against the fused-op contract's
+"""fuselm's fused CUDA kernels (cuda_kernels/sources.py) against the fused-op contract's
 NumPy references, and the compiled program with them on against it with them off.
 
 The kernel tests need MLX's CUDA backend (they ran on an H200, see BENCHMARKS.md); on other
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from fuselm.passes.ops import fused_rope_reference, rms_norm_reference
-from fuselm.runtime_metal import kernels
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.validate import rel
 from tests.runtime.conftest import convert
@@ -48,7 +48,7 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """FUSELM_ATTN_SPLIT: auto by default: as many splits as fill the H200's blocks, at most
     one per 64 cache slots and MAX_SPLITS; 0 (a block per query head); a count; else an
     error."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     monkeypatch.delenv(kernels.ATTEND_SPLIT_ENV, raising=False)
     assert kernels.attend_splits(4096, 8, 1) == 32  # Qwen3-0.6B: 8 KV heads, 2 q heads a block
@@ -208,7 +208,7 @@ def test_attention_launch_takes_no_constant_or_duplicate_input(launches: list, n
     and v aliasing it in the body; absent q/k-norm scales are no inputs; eps and the two
     scales are template constants. Llama: 10 -> 5 inputs a layer, Qwen3: 10 -> 7 (MLX-CUDA's
     host cost ~0.4 µs an input). Every name the body reads is an input or set before use."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     d, hq, hk = 64, 8, 2
     qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), mx.float16)
@@ -245,7 +245,9 @@ def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
     """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7), its chain (9, was 10) and
     the separate add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it
     cannot be (negative) leaves QWeight.matmul_add_norm to the plain path (None)."""
-    from fuselm.runtime_metal import kernels_cuda, kernels_q4, qweight
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     x, r = mx.zeros((1, 1, 256), mx.float16), mx.zeros((1, 1, 128), mx.float16)
     packed, sc = mx.zeros((128, 32), mx.uint32), mx.zeros((128, 8), mx.float16)
@@ -275,7 +277,8 @@ def test_add_norm_rows_are_read_out_of_its_one_output(launches: list) -> None:
     chain taking h as its residual gets hy itself and the view's element offset (XO = rows x N
     for y, RO = 0 for h), a view of no add+norm (or outside gemv_kernel) its own array at 0.
     The registry empties when gemv_kernel ends."""
-    from fuselm.runtime_metal import kernels_q4, qweight
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(0)
     rows, k, n = 3, 256, 128
@@ -336,9 +339,9 @@ def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: P
     0. Epilogue: each layer's gate/up, the next layer's q/k/v and the LM head read y so, every
     add+norm but the first (whose residual is the embedding) h; chain: the chained GEMVs read
     y inside the launch, the LM head out of hy."""
-    from fuselm.runtime_metal import qweight
-    from fuselm.runtime_metal.decode import DecodeProgram
     from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.mlx_engine import qweight
+    from fuselm.runtime_metal.mlx_engine.decode import DecodeProgram
 
     engine = make_engine(q4_kernel_artifact, "mlx")  # on CPU: kernels off, the caches to run with
     # the program's kernel path on this machine: MLX's CUDA device claimed, launches recorded
@@ -384,7 +387,7 @@ def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: P
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,hidden", [(1, 1024), (1, 2048), (7, 96), (3, 5000)])
 def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     rng = np.random.default_rng(rows * hidden)
     x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
@@ -435,7 +438,7 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
                             splits: int) -> None:
     """splits: 0 = a block per query head, N = the split kernel (FUSELM_ATTN_SPLIT; position
     0 leaves 7 of 8 splits empty)."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     rng = np.random.default_rng(d + hq + pos)
     rd = int(d * frac)
@@ -490,7 +493,7 @@ def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest
     of four: host time on MLX-CUDA); a launch whose partials would not fit takes them as
     outputs. Both forms give bit-equal outputs and cache writes, over several calls in a
     row (the scratch is reused)."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     dtype, d, hq, hk, cap = mx.float16, 64, 32, 8, 512
     rng = np.random.default_rng(rows)
@@ -522,7 +525,7 @@ def test_add_norm_fits_only_what_its_scratch_holds() -> None:
     """Everywhere: the add+norm GEMV keeps each block's share of the sums of squares in its
     module's scratch, so it takes only rows x blocks that fit there (else the caller runs
     the separate add+norm)."""
-    from fuselm.runtime_metal import kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
 
     packed = mx.zeros((4096, 128), mx.uint32)
     x = mx.zeros((16, 1, 1024), mx.float16)
@@ -547,7 +550,7 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
     fallback: no Softmax/Matmul primitives in its graph); the attention a block per query
     head and split (FUSELM_ATTN_SPLIT)."""
     monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, split)
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
@@ -576,7 +579,7 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits: int) -> None:
     """Batch rows, each at its own position, give exactly what each row gives alone."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     rng = np.random.default_rng(7)
     d, hq, hk, cap, positions = 128, 8, 2, 512, [3, 300, 0, 47]
@@ -610,7 +613,7 @@ def test_rope_attend_reads_a_fused_qkv_row(splits: int, norms: bool) -> None:
     """q, k and v read from the fused projection they are slices of (qkv=: the launch's one
     input for the three; batch rows at their own positions) give exactly what the three
     separate arrays give, caches included; without q/k-norm (Llama) and with it (Qwen3)."""
-    from fuselm.runtime_metal import kernels_cuda
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     rng = np.random.default_rng(11)
     dtype, d, hq, hk, cap, positions = mx.float16, 64, 8, 2, 256, [5, 200]
@@ -638,7 +641,7 @@ def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched program on MLX-CUDA (the rope+attention kernel over b rows): greedy tokens
     of three sequences of different lengths, joined at different steps, equal generate's."""
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from fuselm.runtime_metal.batch import BatchDecoder
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
@@ -669,7 +672,7 @@ def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int):  # noqa: A
     stored as M [N, K] (transposed)."""
     import ml_dtypes
 
-    from fuselm.runtime_metal.qweight import from_dequantize_linear
+    from fuselm.runtime_metal.mlx_engine.qweight import from_dequantize_linear
 
     codes = rng.integers(0, 16, (k, n)).astype(ml_dtypes.uint4)
     scales = rng.uniform(0.01, 0.05, (k // group, n)).astype(np.float32)
@@ -686,7 +689,8 @@ def test_q4_take_rows_kernel(dtype: mx.Dtype, group: int) -> None:
     """A quantized embedding lookup in one launch against MLX's gathers + dequantize: rows
     (negative indices from the end, as ONNX Gather) within a unit in the last place of the
     dtype, exact in float32; uint32 indices give the int32 ones' rows."""
-    from fuselm.runtime_metal import kernels_embedding, qweight
+    from fuselm.runtime_metal.cuda_kernels import embedding as kernels_embedding
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(group)
     w, _ = _q4_weight(rng, 256, 1000, group)  # M [1000, 256]: a 1000-row table of width 256
@@ -728,7 +732,8 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
                         act: str | None) -> None:
     """Against the dequantized weight in float64 (the weight's affine terms as the kernel
     reads them, in the activation dtype); each row alone gives exactly its row of the batch."""
-    from fuselm.runtime_metal import kernels_q4, qweight
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows * k + n)
     w, codes = _q4_weight(rng, k, n, group)
@@ -776,7 +781,7 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
     """How many of a lane's weight loads the GEMV keeps in flight (kernels.q4_unroll: two at a
     time, or the whole row) changes no bit of the plain, gated, float32-out and add+norm
     forms: the sums run in the same order."""
-    from fuselm.runtime_metal import kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
 
     rng = np.random.default_rng(k + n)
     w, _ = _q4_weight(rng, k, n, 32)
@@ -803,7 +808,7 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
 
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
     """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized) from float32."""
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from tests.runtime.conftest import quantized_copy
 
     hf = build_model(tmp_path / "hf", "qwen3", seed=seed, hidden_size=128, head_dim=64,
@@ -847,7 +852,7 @@ def test_q4_decode_step_launches_no_cast(tmp_path: Path,
     """A float16 Q4 decode step with the kernels: no AsType node in its graph (the argmax's
     uint32 token goes into the embedding kernel as it is, the LM head's GEMV writes float32
     logits), and a uint32 token gives exactly the logits of the same token as int32."""
-    from fuselm.converter.builtin import build_model
+    from fuselm.converter.models.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
 
     monkeypatch.setenv(kernels.ENV, "on")
@@ -881,8 +886,8 @@ def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) ->
     """Everywhere (plain Python): each residual add+RMSNorm gets the Q4 MatMul making its
     added row as the op computing it in its epilogue: a layer's o_proj and down projection
     (the last down feeds the final norm), whose only reader is that Add; 2 per layer."""
-    from fuselm.runtime_metal import program_ops
     from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.mlx_engine import program_ops
 
     program = make_engine(q4_artifact, "mlx").fast.program
     program_ops.fold_into_producers(program.ops)
@@ -902,8 +907,8 @@ def test_chain_consumers_are_each_layers_gate_up_and_next_qkv(q4_artifact: Path)
     step reading its normalized row: the layer's FusedGateUp after o_proj (gated, silu), the
     next layer's FusedQKV after down; the final norm feeds the LM head, which keeps its own
     launch: 2 per layer but the last."""
-    from fuselm.runtime_metal import program_ops
     from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.mlx_engine import program_ops
 
     program = make_engine(q4_artifact, "mlx").fast.program
     program_ops.fold_into_producers(program.ops)
@@ -937,7 +942,8 @@ def test_q4_gemv_chain(dtype: mx.Dtype, rows: int, k: int, n: int, n2: int, grou
     apart (q4_gemv_add_norm, then q4_gemv of its y): h, y and the second GEMV's result all
     bit-equal (the same sums in the same order); a second call bit-equal to the first (the
     ticket and the ready count are back to zero)."""
-    from fuselm.runtime_metal import kernels_q4, qweight
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows + k + n + n2)
     w, _ = _q4_weight(rng, k, n, 32)
@@ -978,7 +984,8 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
     by the add+RMSNorm kernel: the sum h bit-equal; y within the dtype's tolerance (the sum of
     squares is formed in another order); a second call bit-equal to the first (the last-block
     ticket is back to zero, and the order of sums does not depend on which block came last)."""
-    from fuselm.runtime_metal import kernels_cuda, qweight
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows + k + n)
     w, _ = _q4_weight(rng, k, n, 32)
@@ -1012,7 +1019,7 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
     at 0): the plain, gated and float32-out GEMV over y, the next add+norm and the chain
     with h as their residual, all bit-equal; h and y themselves (the views) equal the
     rows of hy."""
-    from fuselm.runtime_metal import qweight
+    from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows + k + n)
     w, _ = _q4_weight(rng, k, n, 32)
@@ -1062,7 +1069,8 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
     tokens. And what a step launches: the epilogue removes the 2 add+norm launches a layer;
     the chain also takes every q/k/v and gate/up GEMV into a chain launch but the first
     layer's q/k/v (read after the embedding's norm) and leaves the LM head its own launch."""
-    from fuselm.runtime_metal import kernels_embedding, kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import embedding as kernels_embedding
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from fuselm.runtime_metal import kernels
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.validate import rel

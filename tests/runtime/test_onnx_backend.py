@@ -11,9 +11,9 @@ import onnx.backend.test
 from onnx.backend.base import Backend, BackendRep
 
 from fuselm.runtime_metal.dtypes import to_host
-from fuselm.runtime_metal.executor import Executor
 from fuselm.runtime_metal.loader import LoadedGraph
-from fuselm.runtime_metal.plan import build_plan
+from fuselm.runtime_metal.mlx_engine.executor import Executor
+from fuselm.runtime_metal.mlx_engine.plan import build_plan
 
 
 class MLXRep(BackendRep):

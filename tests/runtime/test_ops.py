@@ -110,7 +110,7 @@ def test_fused_gate_up(quant: bool) -> None:
 
 def test_q4_weights_are_the_onnx_weights_exactly() -> None:
     """MLX's affine form (bias = -zp*scale) dequantizes to ONNX's weights bit for bit."""
-    from fuselm.runtime_metal.qweight import from_dequantize_linear
+    from fuselm.runtime_metal.mlx_engine.qweight import from_dequantize_linear
 
     codes, scales, zps = _q4(128, 40)
     want = contract.dequantize_reference(codes, scales, zps, 32)
@@ -128,7 +128,7 @@ def test_q4_weights_are_the_onnx_weights_exactly() -> None:
 def test_q4_packing_all_code_types(signed: bool, with_zp: bool, axis: int) -> None:
     """int4 and uint4 codes, with and without zero points (ONNX's default zero point is 0),
     blocks along either axis: the packed weight dequantizes to ONNX's values bit for bit."""
-    from fuselm.runtime_metal.qweight import from_dequantize_linear
+    from fuselm.runtime_metal.mlx_engine.qweight import from_dequantize_linear
 
     t = ml_dtypes.int4 if signed else ml_dtypes.uint4
     lo, hi = (-8, 8) if signed else (0, 16)
@@ -216,8 +216,8 @@ def test_tied_q4_embedding_gather_and_lm_head() -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
     feeds = {"ids": ids, "h": h}
     from fuselm.runtime_metal.loader import LoadedGraph
-    from fuselm.runtime_metal.plan import build_plan
-    from fuselm.runtime_metal.qweight import QWeight
+    from fuselm.runtime_metal.mlx_engine.plan import build_plan
+    from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 
     plan = build_plan(LoadedGraph(model, {"c": e_codes, "s": e_scales, "z": e_zps}, None))
     assert isinstance(plan.constants["e"], QWeight)  # packed once, no dense weight kept

@@ -1,4 +1,4 @@
-"""The onnxruntime engine's CPU lowering (runtime_metal/ort_lowering.py): contrib ops, float32
+"""The onnxruntime engine's CPU lowering (ort_engine/lowering.py): contrib ops, float32
 activations, a KV buffer shared by past and present. Ground truth: HF float32 and the same
 artifact's plain graph (`lower=False`). Lowerable models need head_dim % 16 == 0 (onnxruntime's
 CPU GroupQueryAttention): Qwen3 with head_dim 32 != 64 / 4 heads (GQA 4:2, q/k-norm, tied
@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, hf_logits, hf_model, rel
@@ -129,7 +129,7 @@ def test_what_the_lowering_does_not_cover_runs_the_plain_graph(family: str, reas
 def test_rope_variants_without_a_lowering_are_refused(h32_models, tmp_path) -> None:  # noqa: ANN001
     """Dynamic-NTK frequencies and partial rotary: the plain graph, with the reason."""
     from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.ort_lowering import Lowered, lower_for_cpu
+    from fuselm.runtime_metal.ort_engine.lowering import Lowered, lower_for_cpu
 
     out = h32_models["qwen3"][1]
     manifest = read_manifest(out)
@@ -150,7 +150,7 @@ def test_default_threads_are_explicit_one_per_physical_core(h32_models) -> None:
     asked for is kept; the thread count does not change the logits beyond summation order."""
     import os
 
-    from fuselm.runtime_metal.ort_session import default_threads
+    from fuselm.runtime_metal.ort_engine.session import default_threads
 
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if cpus is None:

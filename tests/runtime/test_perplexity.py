@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from fuselm.converter.cli import cli
+from fuselm.converter.cli.main import cli
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.perplexity import (
     SAMPLE_TEXT,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from fuselm.runtime_metal.engine import make_engine
-from fuselm.runtime_metal.qweight import QWeight
+from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.runtime.conftest import convert, quantized_copy
 
@@ -98,7 +98,7 @@ def test_default_q4_convert_quantizes_the_head_and_reports(family_models, tmp_pa
 
     from click.testing import CliRunner
 
-    from fuselm.converter.cli import cli
+    from fuselm.converter.cli.main import cli
     from fuselm.runtime_metal.artifact import read_manifest
 
     out = convert(family_models["qwen2"][0], tmp_path / "q4_default", quant="q4")

@@ -11,11 +11,11 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from fuselm.converter.builtin import build_model
 from fuselm.converter.errors import UserError
-from fuselm.passes.q4_allocate import bits_per_weight
-from fuselm.passes.q4_calibration import Calibration, collect
-from fuselm.passes.q4_math import output_error, quantize_array, quantize_gptq
+from fuselm.converter.models.builtin import build_model
+from fuselm.passes.quant.q4_allocate import bits_per_weight
+from fuselm.passes.quant.q4_calibration import Calibration, collect
+from fuselm.passes.quant.q4_math import output_error, quantize_array, quantize_gptq
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.runtime.conftest import convert, quantized_copy
@@ -112,7 +112,7 @@ def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
 def test_no_calibration_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
     """`--quant q4 --no-calibration`: block 32 for every tensor (no budget), and every weight
     fed by an RMSNorm quantized with gamma^2 as its input channels' importance."""
-    from fuselm.passes.quantize import DEFAULT_BLOCK_SIZE
+    from fuselm.passes.quant.quantize import DEFAULT_BLOCK_SIZE
     from fuselm.runtime_metal.artifact import read_manifest
 
     q = read_manifest(models["data_free"]).quantization

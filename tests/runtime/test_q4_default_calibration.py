@@ -1,5 +1,5 @@
 """The default Q4 (`--quant q4` alone): the built-in calibration text's per-channel importance,
-collected by running the float graph in segments (passes/q4_segments.py), and blocks of 32 or
+collected by running the float graph in segments (passes/quant/q4_segments.py), and blocks of 32 or
 64 per tensor under DEFAULT_BITS_BUDGET. Deterministic; the segments compute what one session
 over the whole graph computes; a checkpoint without a tokenizer, or `--no-calibration`, gets
 the data-free quantizer."""
@@ -13,13 +13,13 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from fuselm.converter.builtin import build_model
 from fuselm.converter.errors import UserError
-from fuselm.passes import q4_segments
-from fuselm.passes.q4_allocate import bits_per_weight
-from fuselm.passes.q4_calibration import collect
-from fuselm.passes.q4_math import quantize_array
-from fuselm.passes.quantize import DEFAULT_BITS_BUDGET
+from fuselm.converter.models.builtin import build_model
+from fuselm.passes.quant import q4_segments
+from fuselm.passes.quant.q4_allocate import bits_per_weight
+from fuselm.passes.quant.q4_calibration import collect
+from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.quantize import DEFAULT_BITS_BUDGET
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.validate import engine_logits, rel

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal.qweight import (
+from fuselm.runtime_metal.mlx_engine.qweight import (
     _DENSE_ALL,
     _DENSE_ROWS,
     from_dequantize_linear,

@@ -105,7 +105,7 @@ def test_tokenizer_ids_beyond_the_vocabulary(capsys, art: Path, engine: str) -> 
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(qwen3_artifact: Path) -> None:
-    p = subprocess.Popen([sys.executable, "-m", "fuselm.converter.cli", "inspect",
+    p = subprocess.Popen([sys.executable, "-m", "fuselm.converter.cli.main", "inspect",
                           str(qwen3_artifact)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stderr is not None
     p.stdout.close()  # like `| head` that has read its lines
@@ -129,7 +129,7 @@ import contextlib, io, json, os, sys, traceback
 import mlx.core, onnxruntime, transformers, jinja2, tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from fuselm.converter import cli, run_cmd
-import fuselm.runtime_metal.engine_mlx, fuselm.runtime_metal.engine_ort
+import fuselm.runtime_metal.mlx_engine.engine, fuselm.runtime_metal.ort_engine.engine
 import fuselm.runtime_metal.generate, fuselm.runtime_metal.tokenizer
 import fuselm.runtime_metal.integrity, fuselm.runtime_metal.manifest_schema
 cases = json.loads(sys.argv[1])

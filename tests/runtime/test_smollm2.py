@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fuselm.converter.smollm2 import bundled_gguf
+from fuselm.converter.models.smollm2 import bundled_gguf
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, perplexity, perplexity_of, text_tokens

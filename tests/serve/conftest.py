@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 
 MODEL = "tiny-qwen3"
 STARTUP_S = 180  # imports + model load on a loaded 2-core CI box took 36 s
@@ -62,7 +62,7 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _start(artifact: Path, log: Path, engine: str) -> tuple[subprocess.Popen, Server]:
     port = free_port()
-    cmd = [sys.executable, "-m", "fuselm.converter.cli", "serve", str(artifact),
+    cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(artifact),
            "--port", str(port), "--engine", engine, "--max-batch", str(MAX_BATCH),
            "--max-queue", str(MAX_QUEUE), "--max-context", str(MAX_CONTEXT)]
     with open(log, "wb") as f:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from fuselm.converter.cli import cli
+from fuselm.converter.cli.main import cli
 from tests.serve.conftest import MAX_BATCH, MAX_CONTEXT, MAX_QUEUE, MODEL, Server
 
 PROMPTS = [f"{w} the quick brown fox {i}" for i, w in enumerate(

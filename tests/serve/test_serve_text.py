@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fuselm.converter.serve_text import TextStream
+from fuselm.converter.serve.text import TextStream
 
 PIECES = ["Hel", "lo", " wo", "rld", "!", " E", "ND", " more"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FUSELM = str(Path(sys.executable).with_name("fuselm"))
@@ -32,11 +32,11 @@ def cli_process(*args: str, input: str | bytes | None = None,
 
 
 def cli(*args: str, input: str | bytes | None = None) -> subprocess.CompletedProcess:
-    """The real entry point (`fuselm.converter.cli:main`: error lines, exit codes) run in this
+    """The real entry point (`fuselm.converter.cli.main:main`: error lines, exit codes) run in this
     process with stdin/stdout/stderr swapped, so each call does not pay the imports again."""
     from click.testing import CliRunner
 
-    from fuselm.converter.cli import main
+    from fuselm.converter.cli.main import main
 
     code = 0
     argv = sys.argv

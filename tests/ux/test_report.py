@@ -88,7 +88,7 @@ def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -
     assert cli("report", str(q4)).returncode == 0
     assert "not recorded" in (q4 / "report.html").read_text()
     # A quantizer that records per-tensor error gets a chart.
-    # (the record's shape is the quantizer's: see passes/quantize.py and quant-report)
+    # (the record's shape is the quantizer's: see passes/quant/quantize.py and quant-report)
     manifest["quantization"]["tensors"] = [
         {"name": n, "role": "linear", "shape": [64, 64], "rel_rms_error": e,
          "bits_per_weight": 4.625}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fuselm.converter.builtin import build_model
+from fuselm.converter.models.builtin import build_model
 from tests.ux.conftest import cli
 
 
@@ -68,7 +68,7 @@ def test_thresholds_per_precision() -> None:
 
 
 def test_mlx_on_cpu_warning_names_speed_and_alternative() -> None:
-    from fuselm.converter.builtin import QWEN3_0_6B
+    from fuselm.converter.models.builtin import QWEN3_0_6B
     from fuselm.runtime_metal.artifact import ModelInfo
     from fuselm.runtime_metal.model_size import mlx_cpu_warning, parameter_count
 
@@ -83,6 +83,6 @@ def test_mlx_on_cpu_warning_names_speed_and_alternative() -> None:
     assert 0.5e9 < parameter_count(big) < 0.7e9  # Qwen3-0.6B
     message = mlx_cpu_warning(big)
     assert message and "tokens/s" in message and "--engine onnxruntime" in message
-    from fuselm.converter.builtin import TINY
+    from fuselm.converter.models.builtin import TINY
 
     assert mlx_cpu_warning(info(TINY)) is None

@@ -1,0 +1,183 @@
+"""`fuselm chat`: an interactive conversation with a converted model.
+
+Line editing and history come from Python's readline (through input()); Ctrl-C stops the
+current reply only; the KV cache of earlier turns is reused (runtime_metal/session.py), so a
+turn prefills only its new tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fuselm.converter.cli.options import model_argument, threads_option
+from fuselm.converter.cli.run_cmd import (
+    ACCURACY_OPTION,
+    ENGINE_OPTION,
+    open_artifact,
+    sampling_from,
+    sampling_options,
+)
+from fuselm.runtime_metal.artifact import TOKENIZER_FILES
+from fuselm.runtime_metal.errors import RuntimeUserError
+
+HELP = """commands:
+  /help          this list
+  /reset         forget the conversation (asks first)
+  /system TEXT   set the system prompt (empty TEXT removes it)
+  /history       show the conversation so far
+  /quit, /exit   end the session (Ctrl-D too)
+Ctrl-C stops the current reply; the conversation is kept. Up/down arrows recall earlier lines."""
+
+
+def _enable_line_editing() -> None:
+    """input() gains line editing and in-session history once readline is imported."""
+    with contextlib.suppress(ImportError):  # e.g. Windows' Python has no readline
+        import readline  # noqa: F401
+
+
+def _read_line(prompt: str) -> str | None:
+    """One user line; None at end of input. Ctrl-C on an empty prompt does not end the
+    session (as in Python's own REPL)."""
+    while True:
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+        except KeyboardInterrupt:
+            click.echo("\n(Ctrl-D or /quit ends the session)")
+
+
+def _has_bad_bytes(line: str) -> bool:
+    # stdin decodes with surrogateescape: undecodable bytes become lone surrogates U+DC80..DCFF
+    return any("\udc80" <= c <= "\udcff" for c in line)
+
+
+class Chat:
+    """The conversation state: messages, system prompt, and the cached session."""
+
+    def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any]) -> None:
+        self.tok, self.session, self.gen = tok, session, gen
+        self.system = system
+        self.turns: list[dict[str, str]] = []
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def command(self, line: str) -> bool:
+        """Handle a slash command locally; False means quit."""
+        name, _, arg = line.partition(" ")
+        if name in ("/quit", "/exit", "/bye"):
+            return False
+        if name in ("/help", "/?"):
+            click.echo(HELP)
+        elif name == "/reset":
+            answer = _read_line("forget the whole conversation? [y/N] ")
+            if answer is not None and answer.strip().lower() in ("y", "yes"):
+                self.turns = []
+                self.session.reset()
+                click.echo("(conversation cleared)")
+            else:
+                click.echo("(kept)")
+        elif name == "/history":
+            for m in self.messages():
+                click.echo(f"[{m['role']}] {m['content']}")
+        elif name == "/system":
+            self.system = arg.strip() or None
+            click.echo(f"(system prompt {'set' if self.system else 'removed'})")
+        else:
+            click.echo(f"unknown command {name}; /help lists the commands "
+                       "(start a message with a space to send a leading slash)")
+        return True
+
+    def reply(self, line: str) -> None:
+        from fuselm.runtime_metal.tokenizer import encode_prompt
+
+        ids = encode_prompt(self.tok, line, history=self.messages())
+        pieces: list[str] = []
+        stream = self.session.stream(ids, **self.gen)
+        try:
+            while True:
+                try:
+                    piece = next(stream)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            stream.close()
+            click.echo(" [stopped]")
+            self.turns += [{"role": "user", "content": line},
+                           {"role": "assistant", "content": "".join(pieces)}]
+            return
+        sys.stdout.write("\n")
+        if result.stop_reason == "length":
+            click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]")
+        sys.stdout.flush()
+        self.turns += [{"role": "user", "content": line},
+                       {"role": "assistant", "content": result.text}]
+
+
+@click.command("chat")
+@model_argument
+@click.option("-n", "--max-new-tokens", "--max-tokens", type=click.IntRange(1), default=256,
+              show_default=True, help="tokens per reply at most")
+@sampling_options
+@ENGINE_OPTION
+@ACCURACY_OPTION
+@threads_option
+@click.option("--system", default=None, help="system prompt")
+def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+         repetition_penalty: float, seed: int | None, engine: str, accuracy_level: int,
+         threads: int | None, system: str | None) -> None:
+    """Interactive chat with OUT_DIR (history kept; /help lists the commands)."""
+    from fuselm.runtime_metal.session import CachedSession
+    from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
+
+    if sys.stdin is None or sys.stdin.closed:
+        raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
+                               "(for one reply without stdin use `fuselm run --prompt TEXT`)")
+    if not any((Path(out_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise RuntimeUserError(
+            f"{out_dir} has no tokenizer, and chat needs one to turn text into tokens; "
+            "re-convert from a checkpoint folder that has tokenizer.json "
+            "(`fuselm run --prompt-ids` works without one)")
+    sampling = sampling_from(temperature, top_k, top_p, repetition_penalty, seed)
+    manifest, eng, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
+    tok = load_tokenizer(out_dir)
+    gen = {"max_new_tokens": max_new_tokens, "sampling": sampling,
+           "eos_ids": eos_ids(manifest, generation_config(out_dir), tok),
+           "decode": lambda t: tok.decode(t, skip_special_tokens=True),
+           "context_length": manifest.model.context_length}
+    with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream
+        sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
+    _enable_line_editing()
+    state = Chat(tok, CachedSession(eng), system, gen)
+    if sys.stdin.isatty():
+        click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
+    while True:
+        line = _read_line(">>> ")
+        if line is None:
+            click.echo()
+            return
+        if _has_bad_bytes(line):
+            click.echo("that line is not valid UTF-8 text (check the terminal's encoding); "
+                       "type it again", err=True)
+            continue
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            if not state.command(line.strip()):
+                return
+            continue
+        try:
+            state.reply(line)
+        except RuntimeUserError as e:  # e.g. the conversation outgrew the context
+            click.echo(f"error: {e}; /reset starts over", err=True)

@@ -1,0 +1,199 @@
+"""`fuselm convert` and `fuselm demo`."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import click
+
+from fuselm.converter import out_dir as out_dir_safety
+from fuselm.converter import pipeline
+from fuselm.converter.pipeline import ConvertOptions
+from fuselm.converter.progress import stage_progress, stderr
+
+
+def _passes(value: str | None) -> list[str] | None:
+    return [p.strip() for p in value.split(",") if p.strip()] if value else None
+
+
+@click.command("convert")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Output directory (model.onnx, model.onnx.data, fuselm.json, tokenizer).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Graph dtype; auto keeps the checkpoint's (bf16 → float16).",
+)
+@click.option(
+    "--quant",
+    type=click.Choice(["none", "q4"]),
+    default="none",
+    show_default=True,
+    help="q4: 4-bit block weights (DequantizeLinear + MatMul / fused ops).",
+)
+@click.option(
+    "--block-size",
+    "--q-group-size",
+    type=int,
+    default=None,
+    help="Q4 block size along the reduction axis (32, 64 or 128) for every tensor. Default: "
+    "32 or 64 per tensor under --bits-budget (4.45 when calibrated), else 32.",
+)
+@click.option("--bits-budget", type=float, default=None, metavar="BITS",
+              help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
+              "chosen by measured error. Default: 4.45 with calibration statistics (the "
+              "default), else none (block 32 everywhere, 4.625 bits).")
+@click.option("--q-bits", type=click.Choice(["4"]), default=None,
+              help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
+@click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
+@click.option(
+    "--quant-lm-head/--no-quant-lm-head",
+    default=None,
+    help="Quantize the LM head (and a tied embedding table with it); on with --quant q4.",
+)
+@click.option("--quant-embeddings", is_flag=True, help="Also quantize an untied embedding table.")
+@click.option(
+    "--quant-method",
+    type=click.Choice(["search", "minmax"]),
+    default="search",
+    show_default=True,
+    help="Q4 scale/zero-point choice: error-minimizing search, or plain min/max.",
+)
+@click.option("--calibration", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Q4: a text (a few hundred words or more, not your evaluation text) run "
+              "through the float model; weights are rounded with error feedback on its "
+              "activations (GPTQ-style). Slower convert. Default: a built-in text, "
+              "per-channel importance only.")
+@click.option("--no-calibration", is_flag=True,
+              help="Q4 without the built-in calibration text: data-free (block 32, norm-weighted).")
+@click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")
+@click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
+@click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
+@click.option("--keep-intermediate", is_flag=True, help="Keep raw.onnx beside the output.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@click.option("--quiet", is_flag=True, help="No progress output.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Convert NaN/Inf weights instead of refusing (recorded in fuselm.json).")
+def convert_command(
+    model_dir: Path,
+    out_dir: Path,
+    dtype: str,
+    quant: str,
+    block_size: int | None,
+    bits_budget: float | None,
+    q_bits: str | None,
+    sym: bool,
+    quant_lm_head: bool | None,
+    quant_embeddings: bool,
+    quant_method: str,
+    calibration: str | None,
+    no_calibration: bool,
+    report: bool,
+    passes: str | None,
+    no_optimize: bool,
+    keep_intermediate: bool,
+    as_json: bool,
+    quiet: bool,
+    allow_nonfinite: bool,
+) -> None:
+    """Convert an HF decoder checkpoint (MODEL_DIR, or a hub id ORG/NAME) into a fused ONNX
+    artifact."""
+    from fuselm.converter.models.hub import resolve_source
+
+    if q_bits is not None:
+        quant = "q4"
+    model_dir = resolve_source(model_dir)
+    opts = ConvertOptions(
+        dtype=dtype,
+        optimize=not no_optimize,
+        passes=_passes(passes),
+        quant=None if quant == "none" else quant,
+        block_size=block_size,
+        bits_budget=bits_budget,
+        symmetric=sym,
+        quant_lm_head=quant_lm_head,
+        quant_embeddings=quant_embeddings,
+        quant_method=quant_method,
+        calibration=calibration,
+        default_calibration=not no_calibration,
+        keep_intermediate=keep_intermediate,
+        allow_nonfinite=allow_nonfinite,
+    )
+    with stage_progress(not quiet and not as_json) as progress:
+        result = pipeline.convert(model_dir, out_dir, opts, progress)
+    if result.report is not None and not quiet:
+        stderr.print(result.report.render())
+    if result.manifest.source.get("nonfinite_tensors"):  # allowed, but never silently
+        bad = result.manifest.source["nonfinite_tensors"]
+        stderr.print(f"[yellow]warning:[/] {len(bad)} tensor(s) hold NaN/Inf: {', '.join(bad[:4])}")
+    summary = {
+        "out_dir": str(result.out_dir),
+        "architecture": result.manifest.model.architecture,
+        "dtype": result.manifest.dtype,
+        "steps": result.manifest.steps,
+        "quantization": result.manifest.quantization,
+        "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+        "passes": result.manifest.passes,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        stderr.print(f"[green]wrote[/] {result.out_dir} in {result.seconds['total']:.1f}s")
+    if report and not as_json:
+        from fuselm.converter.cli.quant_report_cmd import render
+
+        click.echo(render(result.manifest.quantization))
+
+
+convert = convert_command
+
+
+@click.command("demo")
+@click.option(
+    "-o",
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where to write the converted model (default: a temp dir).",
+)
+@click.option("--prompt", default="What is the capital of France?", show_default=True)
+@click.option("-n", "max_new_tokens", type=int, default=64, show_default=True)
+@click.option(
+    "--engine",
+    type=click.Choice(["auto", "mlx", "onnxruntime"]),
+    default="auto",
+    show_default=True,
+    help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise",
+)
+def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
+    """Convert the bundled SmolLM2-135M-Instruct GGUF to Q4 and answer a question with it."""
+    from fuselm.converter.cli.run_cmd import run
+    from fuselm.converter.models.smollm2 import bundled_gguf
+
+    if out_dir is not None:  # before any output: a refused -o is one error line
+        out_dir_safety.check_target(out_dir)
+    gguf = bundled_gguf()
+    artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
+    stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")
+    with stage_progress() as progress:
+        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant="q4"), progress)
+    if result.report is not None:
+        stderr.print(result.report.render())
+    stderr.print(f"[green]converted[/] in {result.seconds['total']:.1f}s → {artifact_dir}")
+    stderr.print(f"[bold]>>> {prompt}[/]  (chat template applied)")
+    click.get_current_context().invoke(
+        run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens,
+        engine=engine
+    )

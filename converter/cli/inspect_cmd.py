@@ -1,0 +1,108 @@
+"""`fuselm inspect`: a model's I/O signature and op histogram, without loading its weights."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import click
+import onnx
+from rich.console import Console
+from rich.table import Table
+
+from fuselm.converter.errors import UserError
+
+
+class _Stdout(Console):
+    def on_broken_pipe(self) -> None:
+        # rich exits 1 here; a reader that stopped early (`| head`) is no error: the CLI's
+        # BrokenPipeError handler exits 0
+        raise BrokenPipeError
+
+_TYPES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+
+
+def _shape(vi: onnx.ValueInfoProto) -> list[int | str]:
+    return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """I/O signature, op histogram and weight sizes of an ONNX model (file or artifact dir)."""
+    if path.is_dir():
+        path = path / "model.onnx"
+    if not path.is_file():
+        raise UserError(f"{path} not found; pass a .onnx file or a fuselm output directory")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and friends: all mean "not ONNX"
+        raise UserError(f"{path} is not a readable ONNX model ({type(e).__name__})") from e
+    hist = Counter(
+        f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+        for n in model.graph.node
+    )
+    weight_bytes = 0
+    for t in model.graph.initializer:
+        ext = {e.key: e.value for e in t.external_data}
+        weight_bytes += int(ext.get("length", 0)) if ext else len(t.raw_data)
+
+    def io(vis: Any) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": v.name,
+                "type": _TYPES.get(v.type.tensor_type.elem_type, "?"),
+                "shape": _shape(v),
+            }
+            for v in vis
+        ]
+
+    return {
+        "path": str(path),
+        "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+        "inputs": io(model.graph.input),
+        "outputs": io(model.graph.output),
+        "nodes": len(model.graph.node),
+        "ops": dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "functions": sorted(f"{f.domain}.{f.name}" for f in model.functions),
+        "initializers": len(model.graph.initializer),
+        "weight_bytes": weight_bytes,
+    }
+
+
+@click.command("inspect")
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
+@click.option("--full", is_flag=True, help="Every I/O row (KV rows are collapsed otherwise).")
+def inspect(model: Path, as_json: bool, full: bool) -> None:
+    """Show MODEL's (a .onnx file or an output directory) summary, I/O signature and op
+    histogram."""
+    from fuselm.converter.cli.inspect_summary import collapse_io, summary
+
+    info = describe(model)
+    nodes = list(onnx.load(info["path"], load_external_data=False).graph.node)
+    rows = summary(model, info, nodes)
+    if as_json:
+        click.echo(json.dumps({**info, "summary": dict(rows)}, indent=2))
+        return
+    head = Table(title=info["path"], show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    for label, value in rows:
+        head.add_row(label, value)
+    io = Table(title=f"inputs / outputs  opsets {info['opsets']}"
+               + ("" if full else "  (--full: every row)"))
+    for col in ("", "name", "type", "shape"):
+        io.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for v in info[kind] if full else collapse_io(info[kind]):
+            io.add_row(kind[:-1], v["name"], v["type"], str(v["shape"]))
+    ops = Table(title=f"{info['nodes']} nodes, {info['weight_bytes'] / 1e6:.1f} MB of weights")
+    ops.add_column("op")
+    ops.add_column("count", justify="right")
+    for name, count in info["ops"].items():
+        ops.add_row(name, str(count))
+    console = _Stdout()
+    console.print(head)
+    console.print(io)
+    console.print(ops)

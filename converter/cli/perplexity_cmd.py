@@ -1,0 +1,44 @@
+"""`fuselm perplexity`: PPL of a text file under a converted model, llama-perplexity style."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from fuselm.converter.cli.options import ort_options, threads_option
+
+_RULE = ("The text is tokenized without special tokens and cut into consecutive chunks of "
+         "--context tokens (a last partial chunk is dropped); each chunk runs from an empty "
+         "cache and only its second half is scored, so every scored token sees at least "
+         "context/2 tokens. PPL = exp(mean NLL), ± its standard error.")
+
+
+@click.command("perplexity", help=f"Perplexity of a text under the model in OUT_DIR. {_RULE}")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--text", "text_file", type=click.Path(dir_okay=False), default=None,
+              help="UTF-8 text file [default: a bundled ~2.5k-token English prose passage]")
+@click.option("--context", type=click.IntRange(4), default=512, show_default=True,
+              help="tokens per chunk (even)")
+@click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
+              show_default=True,
+              help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@threads_option
+@click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
+def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
+               accuracy_level: int, threads: int | None, as_json: bool) -> None:
+    from fuselm.runtime_metal.engine import resolve_engine
+    from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
+    from fuselm.runtime_metal.perplexity import perplexity as run_ppl
+
+    text = read_text(text_file or SAMPLE_TEXT)
+    options = ort_options(resolve_engine(engine), accuracy_level, threads)
+    result = run_ppl(out_dir, text, context=context, engine=engine, **options)
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(), "text": str(text_file or SAMPLE_TEXT)}))
+        return
+    click.echo(f"[{result.engine}] PPL = {result.ppl:.4f} ± {result.ppl_stderr:.4f}  "
+               f"({result.chunks} chunks × {result.context} tokens, {result.scored_tokens} "
+               f"scored, {result.tokens_per_s:.1f} tok/s)")

@@ -1,0 +1,176 @@
+"""`fuselm run`, `fuselm chat`, `fuselm validate`: thin click layers over runtime_metal."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.runtime_metal.errors import RuntimeUserError
+
+_ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]),
+                       default="auto", show_default=True,
+                       help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
+_ACC = click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+                    help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+_CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+                      help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, "
+                      "else 512]")
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float,
+              seed: int | None):  # noqa: ANN202
+    from fuselm.runtime_metal.sampling import SamplingOptions
+
+    opts = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+    opts.validate()
+    return opts
+
+
+def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
+          threads: int | None = None):
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.engine import make_engine, resolve_engine
+    from fuselm.runtime_metal.mlx_engine.profile import Profiler
+
+    manifest = read_manifest(out_dir)
+    name = resolve_engine(engine)
+    profiler = Profiler() if profile else None
+    options = ort_options(name, accuracy_level, threads)
+    if name == "onnxruntime":
+        if profile:
+            raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
+        return manifest, make_engine(out_dir, name, **options), None
+    warn_mlx_on_cpu(manifest, engine)
+    return manifest, make_engine(out_dir, name, profiler=profiler), profiler
+
+
+def warn_mlx_on_cpu(manifest: Any, engine: str) -> None:
+    """An explicit --engine mlx without a GPU: say how slow it will be and what is faster."""
+    from fuselm.runtime_metal.engine import mlx_has_gpu
+    from fuselm.runtime_metal.model_size import mlx_cpu_warning
+
+    if engine == "mlx" and not mlx_has_gpu():
+        message = mlx_cpu_warning(manifest.model)
+        if message:
+            click.echo(message, err=True)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise RuntimeUserError(
+            f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise RuntimeUserError("--prompt-ids is empty")
+    return ids
+
+
+def _sampling_options(f):  # noqa: ANN001, ANN202
+    for opt in reversed([
+        click.option("--temperature", "--temp", type=float, default=0.0, show_default=True,
+                     help="0 = greedy"),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off"),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off"),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("run")
+@model_argument
+@click.option("--prompt", default=None, help="text; the chat template is applied if present")
+@click.option("--prompt-ids", default=None, help="token ids as given, e.g. 1,2,3")
+@click.option("--raw", is_flag=True, help="do not apply the chat template to --prompt")
+@click.option("-n", "--max-new-tokens", "--max-tokens", type=click.IntRange(1), default=64,
+              show_default=True)
+@_sampling_options
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@_ENGINE
+@_ACC
+@threads_option
+@_CHUNK
+@click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
+@click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
+@click.option("--device-sampling", is_flag=True,
+              help="MLX: sample on device with MLX's generator (greedy always runs on device)")
+@click.option("--verify", "verify_files", is_flag=True,
+              help="hash the artifact's files against fuselm.json before loading")
+def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
+        temperature: float, top_k: int, top_p: float, repetition_penalty: float,
+        seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
+        threads: int | None, prefill_chunk: int | None, as_json: bool, profile: bool,
+        device_sampling: bool, verify_files: bool = False) -> None:
+    """Generate text from a converted model in OUT_DIR."""
+    from fuselm.runtime_metal.generate import generate
+    from fuselm.runtime_metal.tokenizer import (
+        check_text,
+        encode_prompt,
+        eos_ids,
+        generation_config,
+        load_tokenizer,
+    )
+
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt and --prompt-ids")
+    sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
+    if verify_files:
+        from fuselm.converter.cli.verify_cmd import verify_artifact
+
+        verify_artifact(out_dir)
+    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile, threads)
+    gen_cfg = generation_config(out_dir)
+    tok = None
+    if prompt is not None:
+        check_text(prompt)
+        tok = load_tokenizer(out_dir)
+        ids = encode_prompt(tok, prompt, raw=raw)
+    else:
+        ids = _parse_ids(prompt_ids or "")
+        vocab = manifest.model.vocab_size
+        if any(i < 0 or i >= vocab for i in ids):
+            raise RuntimeUserError(f"--prompt-ids must be in [0, {vocab})")
+        if (Path(out_dir) / "tokenizer.json").is_file():
+            tok = load_tokenizer(out_dir)
+    decode = (lambda t: tok.decode(t, skip_special_tokens=True)) if tok is not None else None
+    stream = sys.stderr if as_json else sys.stdout
+
+    def on_text(piece: str) -> None:
+        stream.write(piece)
+        stream.flush()
+
+    result = generate(eng, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                      eos_ids=eos_ids(manifest, gen_cfg, tok), stop_strings=stop,
+                      decode=decode, on_text=on_text, prefill_chunk=prefill_chunk,
+                      context_length=manifest.model.context_length,
+                      device_sampling=True if device_sampling else None)
+    stream.write("\n")
+    if as_json:
+        out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,
+               "prompt_tokens": result.prompt_tokens, "stop_reason": result.stop_reason,
+               "engine": result.engine}
+        if profiler is not None:
+            out["profile"] = profiler.by_op()
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"[{result.engine['engine']}] prompt {result.prompt_tokens} tok, "
+                   f"pp {result.pp:.1f} tok/s, tg {result.tg:.1f} tok/s, "
+                   f"stop: {result.stop_reason}", err=True)
+    if profiler is not None and not as_json:
+        click.echo(profiler.table(), err=True)
+
+
+# Shared with chat_cmd (same options, one definition).
+sampling_from = _sampling
+open_artifact = _open
+sampling_options = _sampling_options
+ENGINE_OPTION = _ENGINE
+ACCURACY_OPTION = _ACC
+CHUNK_OPTION = _CHUNK

@@ -1,0 +1,112 @@
+"""`fuselm serve`: an OpenAI-compatible HTTP server over a converted model (Starlette + uvicorn)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from fuselm.converter.cli.options import ort_options, threads_option
+from fuselm.runtime_metal.errors import RuntimeUserError
+
+DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
+
+
+def _need_serve_extra() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise RuntimeUserError(
+            "`fuselm serve` needs the serve extra: pip install 'fuselm[serve]'") from None
+
+
+def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
+                 prefill_chunk: int | None):
+    """The batch decoder the scheduler drives for this engine."""
+    from fuselm.converter.serve.decoder import ServeDecoder
+
+    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk)
+
+
+@click.command("serve")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
+              show_default=True,
+              help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
+@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
+              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@threads_option
+@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
+              help="sequences decoded together")
+@click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
+              help="requests allowed to wait for a slot; more get HTTP 503")
+@click.option("--max-context", type=click.IntRange(2), default=None,
+              help="tokens per sequence (prompt + completion); KV memory is reserved for "
+              f"max-batch x max-context  [default: the model's context, at most {DEFAULT_CONTEXT}]")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=2048, show_default=True,
+              help="completion length when a chat request gives no max_tokens")
+@click.option("--prefill-chunk", type=click.IntRange(1), default=None,
+              help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
+@click.option("--model-name", default=None, help="the model id clients send; default: "
+              "OUT_DIR's folder name")
+@click.option("--max-body", type=click.IntRange(1024), default=2 * 1024 * 1024,
+              show_default=True, help="largest request body in bytes (HTTP 413 above)")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
+          threads: int | None, max_batch: int,
+          max_queue: int, max_context: int | None, default_max_tokens: int,
+          prefill_chunk: int | None,
+          model_name: str | None, max_body: int, log_level: str) -> None:
+    """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health), decoding up to --max-batch requests together."""
+    _need_serve_extra()
+    import uvicorn
+
+    from fuselm.converter.serve.app import ServeState, create_app
+    from fuselm.converter.serve.scheduler import Scheduler
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.engine import make_engine, resolve_engine
+    from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    manifest = read_manifest(out_dir)
+    context = manifest.model.context_length
+    if max_context is not None and max_context > context:
+        raise RuntimeUserError(f"--max-context {max_context} is over the model's context "
+                               f"({context}); give at most {context}")
+    max_context = max_context or min(context, DEFAULT_CONTEXT)
+    name = resolve_engine(engine)
+    options = ort_options(name, accuracy_level, threads)
+    described: dict[str, object] = {}
+
+    def build():  # noqa: ANN202 - on the engine thread (MLX streams are per thread)
+        eng = make_engine(out_dir, name, **options)
+        decoder = make_decoder(eng, max_batch, max_context, prefill_chunk)
+        described.update(eng.describe(), batch=decoder.describe())
+        return decoder
+
+    # Two tokenizers: the handlers encode with one while the engine thread decodes with the
+    # other (a fast tokenizer is not safe to share across threads).
+    tok_handlers, tok_engine = load_tokenizer(out_dir), load_tokenizer(out_dir)
+    eos = eos_ids(manifest, generation_config(out_dir), tok_engine)
+    scheduler = Scheduler(build, lambda t: tok_engine.decode(t, skip_special_tokens=True), eos,
+                          max_batch=max_batch, max_queue=max_queue)
+    scheduler.start()
+    state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
+                       max_context, manifest.model.vocab_size, default_max_tokens,
+                       max_body, described)
+    app = create_app(state)
+    logging.getLogger("fuselm.serve").info(
+        "serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
+        name, max_batch, state.max_context, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        scheduler.stop()

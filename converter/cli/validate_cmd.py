@@ -1,0 +1,135 @@
+"""`fuselm validate`: the verification ladder (HF float32 -> onnxruntime -> MLX) with a verdict
+per rung and a non-zero exit on FAIL."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from fuselm.converter.cli.run_cmd import CHUNK_OPTION
+from fuselm.runtime_metal.errors import RuntimeUserError
+
+DEFAULT_PROMPTS = ("Hello world, the quick brown fox", "Rotary embeddings rotate")
+# The fields that make two models the same network (ModelInfo's names).
+SAME_MODEL = ("architecture", "vocab_size", "num_layers", "hidden_size", "num_heads",
+              "num_kv_heads", "head_dim", "intermediate_size")
+
+
+def check_same_model(model_dir: str, manifest: object) -> None:
+    """Refuse, before any compute, an HF folder and an artifact of different models."""
+    from fuselm.export.registry import decoder_spec
+
+    if not Path(model_dir, "config.json").is_file():
+        raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder")
+    spec = decoder_spec(model_dir)
+    info = manifest.model  # type: ignore[attr-defined]
+    diff = [f"{k}: {getattr(spec, k)} in {model_dir} vs {getattr(info, k)} in the artifact"
+            for k in SAME_MODEL if getattr(spec, k) != getattr(info, k)]
+    if diff:
+        what = "vocabularies" if diff[0].startswith("vocab_size") and len(diff) == 1 \
+            else "models"
+        raise RuntimeUserError(
+            f"the checkpoint and the artifact are different {what} ({'; '.join(diff)}); "
+            "pass the folder the artifact was converted from")
+
+
+@click.command("validate")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("-n", "--tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="greedy tokens compared per prompt")
+@click.option("--prompt", "prompts", multiple=True, help="text prompt (repeatable)")
+@click.option("--engine", "engines", multiple=True, type=click.Choice(["onnxruntime", "mlx"]),
+              help="rungs to run (default: onnxruntime, and MLX where it has a GPU)")
+@click.option("--mlx", "want_mlx", is_flag=True,
+              help="also run the MLX rung on a CPU-only host (slow: MLX's CPU backend)")
+@CHUNK_OPTION
+@click.option("--text", "ppl_text", type=click.Path(dir_okay=False), default=None,
+              help="PPL of each rung on this text (default: the bundled English prose)")
+@click.option("--context", "ppl_context", type=click.IntRange(4), default=256,
+              show_default=True, help="PPL chunk size (see `fuselm perplexity --help`)")
+@click.option("--no-ppl", is_flag=True, help="skip the PPL of each rung")
+@click.option("--json", "as_json", is_flag=True)
+def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...],
+             engines: tuple[str, ...], want_mlx: bool, prefill_chunk: int | None,
+             ppl_text: str | None, ppl_context: int, no_ppl: bool, as_json: bool) -> None:
+    """Check a conversion: HF transformers float32 -> onnxruntime -> MLX on a few prompts,
+    with a PASS / WARN / FAIL verdict per rung (exit 1 on FAIL).
+
+    Thresholds on rel = max|a-b| / max|b| of the logits vs HF: float32 pass <= 1e-4, fail >
+    1e-3; float16 pass <= 1e-2, fail > 5e-2; Q4 pass <= 0.2, fail > 0.5 (why: see
+    runtime_metal/verdict.py). NaN/Inf anywhere fails."""
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.engine import mlx_has_gpu
+    from fuselm.runtime_metal.tokenizer import load_tokenizer
+    from fuselm.runtime_metal.validate import validate as run_ladder
+    from fuselm.runtime_metal.verdict import THRESHOLDS, judge, precision
+
+    manifest = read_manifest(out_dir)
+    check_same_model(model_dir, manifest)
+    say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+    rungs = list(engines) or ["onnxruntime", "mlx"]
+    if "mlx" in rungs and not engines and not want_mlx and not mlx_has_gpu():
+        rungs.remove("mlx")
+        say("MLX rung skipped: this host has no GPU for MLX and its CPU backend is slow "
+            "(add --mlx to run it)")
+    elif want_mlx and "mlx" not in rungs:
+        rungs.append("mlx")
+    texts = list(prompts) or list(DEFAULT_PROMPTS)
+    ppl_tokens = None
+    if (Path(out_dir) / "tokenizer.json").is_file() or prompts:
+        tok = load_tokenizer(out_dir)
+        ids = [tok.encode(t) for t in texts]
+        shown = [repr(t) for t in texts]
+        if not no_ppl:
+            from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text, text_tokens
+
+            ppl_tokens = text_tokens(tok, read_text(ppl_text or SAMPLE_TEXT))
+    else:  # no tokenizer: fixed id prompts spread over the vocabulary
+        v = manifest.model.vocab_size
+        ids = [[(7 * i + 3) % v for i in range(12)], [(13 * i + 5) % v for i in range(20)]]
+        shown = [f"ids {p[:4]}... (no tokenizer)" for p in ids]
+    if any(not p for p in ids):
+        raise RuntimeUserError("a prompt encodes to no tokens; give a longer --prompt")
+    key = precision(manifest.dtype, manifest.quantization)
+    say(f"validating {out_dir} ({key}) against {model_dir} (HF float32): "
+        f"{len(ids)} prompts, {tokens} greedy tokens each, rungs: {', '.join(rungs)}")
+    t0 = time.perf_counter()
+
+    def progress(i: int) -> None:
+        say(f"  [{i + 1}/{len(ids)}] {shown[i]} ({len(ids[i])} tokens) "
+            f"done at {time.perf_counter() - t0:.1f}s")
+        sys.stdout.flush()
+
+    report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
+                        ppl_tokens, ppl_context, on_prompt=progress)
+    verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key) for r in report.rungs[1:]}
+    if any(report.rungs[0].nonfinite):
+        for v in verdicts.values():
+            v.status, v.reason = "FAIL", "the HF checkpoint itself gives NaN/Inf logits"
+    if as_json:
+        out = report.to_dict()
+        out["verdicts"] = {k: v.__dict__ for k, v in verdicts.items()}
+        out["thresholds"] = {key: THRESHOLDS[key]}
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"{'rung':<14}{'rel vs above':>14}{'rel vs HF':>12}{'greedy = HF':>14}"
+                   f"  verdict")
+        for r in report.rungs[1:]:
+            v = verdicts[r.name]
+            click.echo(f"{r.name:<14}{max(r.logits_rel):>14.2e}{max(r.logits_rel_hf):>12.2e}"
+                       f"{min(r.greedy_agree):>9}/{tokens}     {v.status}: {v.reason}")
+        for r in report.rungs:
+            if r.perplexity:
+                p = r.perplexity
+                click.echo(f"PPL {r.name:<14}{p['ppl']:.4f} ± {p['ppl_stderr']:.4f} "
+                           f"(context {p['context']}, {p['scored_tokens']} tokens scored)")
+    worst = "FAIL" if any(v.status == "FAIL" for v in verdicts.values()) else (
+        "WARN" if any(v.status == "WARN" for v in verdicts.values()) else "PASS")
+    say(f"verdict: {worst}")
+    if worst == "FAIL":
+        sys.exit(1)

@@ -1,0 +1,1 @@
+"""Where models come from besides a user's folder: the hub, the built-in test models, the demo's SmolLM2."""

@@ -1,0 +1,1 @@
+"""The HTML report of `fuselm report`: the page and its SVG drawings."""

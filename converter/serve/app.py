@@ -1,0 +1,301 @@
+"""The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions
+and /v1/models, plus /health. Handlers parse and check requests, tokenize off the event loop,
+hand a Job to the scheduler and turn its events into a response or a server-sent-event stream.
+Every failure is a JSON error in OpenAI's schema with its status; none reaches the client as a
+traceback, and none stops the server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fuselm.converter.serve.scheduler import Job, QueueFull, Scheduler
+from fuselm.converter.serve.schema import (
+    ChatRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    error_body,
+    new_id,
+    usage,
+    usage_chunk,
+)
+from fuselm.runtime_metal.sampling import SamplingOptions
+
+log = logging.getLogger("fuselm.serve")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.kind, self.param, self.code),
+                            status_code=self.status)
+
+
+@dataclass
+class ServeState:
+    scheduler: Scheduler
+    tokenizer: Any  # the handlers' own tokenizer (the engine thread decodes with another)
+    model_id: str
+    max_context: int
+    vocab_size: int
+    default_max_tokens: int
+    max_body: int
+    engine: dict[str, object]
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share
+
+    def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
+        with self._tok_lock:
+            return fn(self.tokenizer)
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise ApiError(413, f"the request body is {int(size)} bytes; the limit is {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is over the {limit}-byte limit")
+    try:
+        data = json.loads(bytes(body).decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte "
+                            f"{e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} "
+                            f"column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+def _parse(model: type[ChatRequest] | type[CompletionRequest], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ApiError(400, f"{param}: {first['msg']}{more}", param=param) from None
+
+
+def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> None:
+    if req.model != state.model_id:
+        raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                            f"{state.model_id!r}", param="model", code="model_not_found")
+
+
+def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str) -> int:
+    """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating."""
+    if n_prompt >= state.max_context:
+        raise ApiError(400, f"the prompt has {n_prompt} tokens; this server's context is "
+                            f"{state.max_context} tokens. Shorten the prompt.",
+                       param=prompt_param, code="context_length_exceeded")
+    room = state.max_context - n_prompt
+    if requested is None:
+        return min(room, state.default_max_tokens)
+    if requested > room:
+        raise ApiError(400, f"this server's context is {state.max_context} tokens, but "
+                            f"{n_prompt + requested} were requested ({n_prompt} in the prompt, "
+                            f"{requested} for the completion); lower max_tokens or shorten the "
+                            "prompt", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def _chat_ids(state: ServeState, req: ChatRequest) -> list[int]:
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    except ValueError as e:
+        raise ApiError(400, f"messages: {e}", param="messages") from None
+
+    def run(tok: Any) -> list[int]:
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    return state.encode(run)
+
+
+def _completion_ids(state: ServeState, req: CompletionRequest) -> list[int]:
+    if isinstance(req.prompt, list):
+        ids = [int(i) for i in req.prompt]
+        if any(i < 0 or i >= state.vocab_size for i in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {state.vocab_size})",
+                           param="prompt")
+        return ids
+    text = req.prompt
+    ids = state.encode(lambda tok: [int(i) for i in tok.encode(text, add_special_tokens=True)])
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+async def _submit(request: Request, kind: str) -> Response:
+    state: ServeState = request.app.state.serve
+    data = await _read_json(request, state.max_body)
+    chat = kind == "chat"
+    req = _parse(ChatRequest if chat else CompletionRequest, data)
+    _check_model(state, req)
+    ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req)
+    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
+    sampling = SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
+              req.stop_list(), asyncio.get_running_loop())
+    try:
+        state.scheduler.submit(job)
+    except QueueFull as e:
+        raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
+    if req.stream:
+        return StreamingResponse(_stream(state, job, chat, req.include_usage()),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _collect(request, state, job, chat)
+
+
+async def _collect(request: Request, state: ServeState, job: Job, chat: bool) -> Response:
+    parts: list[str] = []
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    return Response(status_code=499)
+                continue
+            if event[0] == "delta":
+                parts.append(event[1])
+            elif event[0] == "error":
+                raise ApiError(event[1], event[2], kind="server_error")
+            else:
+                _, finish, u = event
+                use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+                make = chat_response if chat else completion_response
+                return JSONResponse(make(job.rid, state.model_id, "".join(parts), finish, use))
+    finally:
+        job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    created, model = int(time.time()), state.model_id
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
+        if chat:
+            return chat_chunk(job.rid, model, created, {} if text is None else
+                              {"content": text}, finish)
+        return completion_chunk(job.rid, model, created, text or "", finish)
+
+    try:
+        if chat:
+            yield _sse(chat_chunk(job.rid, model, created, {"role": "assistant", "content": ""}))
+        while True:
+            event = await job.events.get()
+            if event[0] == "delta":
+                yield _sse(chunk(event[1]))
+            elif event[0] == "error":
+                yield _sse(error_body(event[2], "server_error"))
+                break
+            else:
+                _, finish, u = event
+                yield _sse(chunk(None, finish))
+                if include_usage:
+                    use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+                    yield _sse(usage_chunk(job.rid, model, created, obj, use))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # the client left (or we are done): free the slot at once
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _submit(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _submit(request, "completion")
+
+
+async def models(request: Request) -> Response:
+    state: ServeState = request.app.state.serve
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_id, "object": "model", "created": state.created,
+         "owned_by": "fuselm"}]})
+
+
+async def health(request: Request) -> Response:
+    state: ServeState = request.app.state.serve
+    ok = state.scheduler.alive()
+    return JSONResponse({"status": "ok" if ok else "error", "model": state.model_id,
+                         "engine": state.engine, **state.scheduler.stats()},
+                        status_code=200 if ok else 503)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}", kind),
+                        status_code=exc.status_code)
+
+
+async def _disconnect(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # the client left while sending its body; nobody reads
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body("internal server error (see the server log)",
+                                   "server_error"), status_code=500)
+
+
+def create_app(state: ServeState) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={
+        ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _disconnect,
+        Exception: _internal})
+    app.state.serve = state
+    return app

@@ -1,0 +1,1 @@
+"""GGUF input: the file's header and tensors, its config and tokenizer, read as a checkpoint."""

@@ -1,0 +1,1 @@
+"""Weight quantization: 4-bit blocks, their search, calibration and error feedback."""

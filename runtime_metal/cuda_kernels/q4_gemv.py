@@ -1,0 +1,554 @@
+"""A Q4 matrix-vector kernel for decode steps (mx.fast.cuda_kernel), for R rows at once (one
+token per sequence of a batch: R = the batch), with an optional gated epilogue.
+
+Why not MLX's own quantized matmul: MLX-CUDA picks its vector kernel only for one row
+(M = 1 and no batch); an input of R > 1 rows goes to its tiled GEMM, which costs about what a
+512-token prefill costs (a batched decode step of 16 rows measured ~14 ms for Qwen3-0.6B on
+an H200 against ~3 ms for one row). Here each warp computes one output column for all R rows:
+the weight row is read once and dequantized once, each row's input only multiplies it.
+
+* `q4_gemv(x, w)`: x [..., K] with R = x.size / K rows, w a QWeight stored as M [N, K]
+  (W = M.T, groups along K): x @ W -> [..., N].
+* `q4_gemv(x, w, act)`: the FusedGateUp form: M's first N/2 rows are the gate, the rest the
+  up projection; one warp computes both for its column and writes act(gate) * up -> [..., N/2]
+  (the separate SwiGLU/GeGLU launch is gone). act: "silu" | "gelu_tanh".
+
+Arithmetic: float32 accumulation (MLX's vector kernel accumulates half-precision inputs in
+half precision); each row's sum is formed in the same order whatever R is, so a row's result
+does not depend on the batch it runs in (batch-invariance of the server). The results round
+to the activation dtype like a matmul output; the gated epilogue rounds gate and up first, as
+the plain path's matmul output would be, then act(gate), then the product.
+
+* `q4_gemv_add_norm(x, w, residual, scale, eps)`: the plain form whose epilogue adds the
+  residual (h = x @ W + r, the next residual) and whose last block normalizes h:
+  y = RMSNorm(h) * scale. The layer's o_proj and down projection run so: the separate
+  add+RMSNorm launch after them is gone (program_ops.fold_into_producers). eps is a Python
+  float, compiled into the kernel as a template constant rather than passed as an array.
+  h and y are ONE output array hy [2, ...] (h, then y: one output's MLX host cost, not two);
+  the GEMVs reading them take hy and their element offset in it (template constants XO for
+  x, RO for the residual), so the views h and y (`halves`) need never be evaluated
+  (qweight.QWeight.matmul_add_norm registers them, the consumers look them up).
+* `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
+  its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
+  GEMV's blocks waiting for the first's last block (FUSELM_FOLD_NORM=chain: two launches a
+  layer fewer, but slower on the H200 so far; see the chain's comment below).
+
+Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
+ops/fused.fused_gate_up); the on/off switches are kernels.py's; tests/runtime/test_kernels.py
+checks it against the dequantized weights in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+
+MAX_ROWS = 16  # a server batch; more rows (a prefill chunk) go to MLX's tiled GEMM
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
+_WARPS = 8  # outputs per block
+
+_HEADER = """
+__device__ __forceinline__ float fl_warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+// p + O (elements): an input read at a template-constant offset into its array (the add+norm's
+// one output hy holds h, then y). A nonzero offset goes through an opaque register move: with
+// the constant folded into every load's address, ptxas held the 16-row gated GEMV in ~2x the
+// registers (127 -> 243, float32 spilling; what a separate pointer argument compiled to).
+template <int O, typename T>
+__device__ __forceinline__ const T* fl_at(const T* p) {
+  p += O;
+  if (O != 0) asm("mov.b64 %0, %0;" : "+l"(p));
+  return p;
+}
+// 16 bytes; CG: through L2 only (ld.global.cg), for data another block of the same launch
+// wrote (a chained GEMV's input): L1 is not coherent across SMs
+template <bool CG>
+__device__ __forceinline__ uint4 fl_ld16(const void* p) {
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+  if (CG) return __ldcg(q);
+  return *q;
+}
+// 8 consecutive activations as float32 (16-byte loads; rows are 16-byte aligned: K is a
+// multiple of the group size, >= 32)
+template <bool CG>
+__device__ __forceinline__ void fl_load8(const float* p, float* o) {
+  const uint4 a = fl_ld16<CG>(p), b = fl_ld16<CG>(p + 4);
+  o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y);
+  o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
+  o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y);
+  o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
+}
+template <bool CG>
+__device__ __forceinline__ void fl_load8(const __half* p, float* o) {
+  const uint4 u = fl_ld16<CG>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+template <bool CG>
+__device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
+  const uint4 u = fl_ld16<CG>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    o[2 * i] = f.x;
+    o[2 * i + 1] = f.y;
+  }
+}
+
+// The GEMV's main loop, one warp: v[j][r] = sum_k x[r, k] W[k, n + j NO] over the NR weight
+// rows of output column n (NR = 2: the gated form's gate and up halves), for R rows of x,
+// summed across the warp (every lane holds the sums).
+// wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
+// Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
+// multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
+// the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
+template <typename T, int K, int G, int NO, int R, int NR, bool CG>
+__device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const T* sc,
+                                           const T* bi, int n, int lane, float (&v)[NR][R]) {
+  constexpr int KQ = K / 32, QPG = G / 32, KG = K / G;
+  const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows are K / 2 bytes: 16-aligned
+  float acc[NR][R];
+  #pragma unroll
+  for (int j = 0; j < NR; ++j)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
+  // A lane's weight words, scales and biases for B of its 16-byte steps are loaded before any
+  // is used, so B loads a lane are in flight at once: every step of the row when it takes at
+  // most FL_UNROLL_MAX (kernels.q4_unroll), else two at a time. The sums run in step order
+  // whatever B is, so the result does not depend on it.
+  constexpr int STEPS = (KQ + 31) / 32, B = STEPS <= FL_UNROLL_MAX ? STEPS : 2;
+  for (int s0 = 0; s0 < STEPS; s0 += B) {
+    uint4 q4[B][NR];
+    float s[B][NR], bb[B][NR];
+    #pragma unroll
+    for (int u = 0; u < B; ++u) {
+      const int w4 = lane + 32 * (s0 + u), g = w4 / QPG;
+      #pragma unroll
+      for (int j = 0; j < NR; ++j) {
+        if (w4 < KQ) {
+          const size_t row = (size_t)(n + j * NO);
+          q4[u][j] = wq4[row * KQ + w4];
+          s[u][j] = static_cast<float>(sc[row * KG + g]);
+          bb[u][j] = static_cast<float>(bi[row * KG + g]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < B; ++u) {
+      const int w4 = lane + 32 * (s0 + u);
+      if (w4 >= KQ) continue;
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) {  // the four words, codes 8c .. 8c+7 of the 32
+        float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
+        #pragma unroll
+        for (int j = 0; j < NR; ++j) {
+          const uint4 w = q4[u][j];
+          const uint32_t q = c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
+          #pragma unroll
+          for (int e = 0; e < 8; ++e)
+            f[j][e] = __uint_as_float(0x4B000000u | ((q >> (4 * e)) & 15u)) - 8388608.f;
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+          float xv[8];
+          fl_load8<CG>(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+          float xs = 0.f;
+          #pragma unroll
+          for (int e = 0; e < 8; ++e) xs += xv[e];
+          #pragma unroll
+          for (int j = 0; j < NR; ++j) {
+            float d = 0.f;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) d = fmaf(xv[e], f[j][e], d);
+            acc[j][r] += s[u][j] * d + bb[u][j] * xs;  // sum_e x_e (s q_e + b)
+          }
+        }
+      }
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    #pragma unroll
+    for (int j = 0; j < NR; ++j) v[j][r] = fl_warp_sum(acc[j][r]);
+}
+
+// Column n's outputs for the R rows (lane 0): x @ W rounded to T (EPI 0), or the gated form
+// act(gate) * up (EPI 1: silu, 2: gelu_tanh), gate and up rounded first as the plain path's
+// matmul output would be, then act(gate), then the product. Written as O: T, or float for the
+// LM head's logits (rounded to T first, then widened: the values of T's result cast to float32,
+// without the cast's launch).
+template <typename T, typename O>
+__device__ __forceinline__ O fl_out(float v) {
+  return static_cast<O>(static_cast<float>(T(v)));
+}
+
+template <typename T, typename O, int NO, int R, int NR, int EPI>
+__device__ __forceinline__ void fl_q4_store(O* out, int n, const float (&v)[NR][R]) {
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (EPI == 0) {
+      out[(size_t)r * NO + n] = fl_out<T, O>(v[0][r]);
+    } else {
+      const float gt = static_cast<float>(T(v[0][r])), up = static_cast<float>(T(v[NR - 1][r]));
+      float a;
+      if (EPI == 1) {
+        const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
+        a = static_cast<float>(T(gt * sg));
+      } else {
+        const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
+        a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
+      }
+      out[(size_t)r * NO + n] = fl_out<T, O>(a * up);
+    }
+  }
+}
+"""
+
+_GEMV = """
+  // warp `warp` of block b computes output column n = b * NW + warp for all R rows
+  constexpr int NR = EPI ? 2 : 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * NW + warp;
+  if (n >= NO) return;
+  float v[NR][R];
+  fl_q4_dots<T, K, G, NO, R, NR, false>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
+  if (lane == 0) fl_q4_store<T, O, NO, R, NR, EPI>(out, n, v);
+"""
+
+
+# The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue" and "chain"): the GEMV
+# producing x (a layer's o_proj or down projection) writes h = x + r, the next residual,
+# rounded as the separate Add rounds it, and its block's share of each row's sum of squares
+# (its NW columns, in warp order); the LAST block to finish (a ticket) sums the blocks' shares
+# and normalizes the rows: y = RMSNorm(h) * nw. One launch instead of two, no block repeats
+# the norm, and the tail is one L2 round trip (h and the shares read at once, every warp
+# summing the shares itself, no barrier): the first form, which re-read h for the sum of
+# squares and reduced it across the block like the separate kernel, measured ~5 µs of tail on
+# the H200, as long as the separate launch. The order of sums differs from add_rms_norm's (a
+# few units in the last place of y); it is fixed per row, so a row's result does not depend on
+# its batch or on which block came last. NO % NW == 0: every warp has a column, so every
+# thread of the last block reaches the tail's barriers. Returns true in the last block, after
+# its y writes; it has set the ticket back to zero (for the next launch).
+_ADD_NORM_BLOCK = """
+template <typename T, int K, int G, int NO, int R, int NW>
+__device__ __forceinline__ bool fl_q4_add_norm_block(
+    int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
+    const T* rr, const T* nw, float e0, T* h, T* y, float* part) {
+  constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
+  __shared__ float hsq[R][NW];
+  __shared__ unsigned int ticket;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blk * NW + warp;
+  float rrv[R];  // the residual, loaded with the weights rather than after the sums
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
+  float v[1][R];
+  fl_q4_dots<T, K, G, NO, R, 1, false>(x, wq, sc, bi, n, lane, v);
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const T hv = T(static_cast<float>(T(v[0][r])) + rrv[r]);
+      h[(size_t)r * NO + n] = hv;
+      hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);
+    }
+  }
+  __syncthreads();  // hsq is whole
+  if (threadIdx.x < R) {  // this block's share of row r's sum of squares, in warp order
+    float p = 0.f;
+    for (int w = 0; w < NW; ++w) p += hsq[threadIdx.x][w];
+    part[(size_t)threadIdx.x * NB + blk] = p;
+  }
+  __threadfence();  // this block's h and share visible device-wide before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) ticket = atomicAdd(tickets, 1u);
+  __syncthreads();
+  if (ticket != NB - 1) return false;
+  __threadfence();
+  float wv[PT];  // the norm's scale, loaded with h and the shares
+  #pragma unroll
+  for (int t = 0; t < PT; ++t) {
+    const int i = threadIdx.x + t * NT;
+    wv[t] = i < NO ? static_cast<float>(nw[i]) : 0.f;
+  }
+  #pragma unroll 1
+  for (int r = 0; r < R; ++r) {  // read through L2: other blocks wrote h and the shares
+    const size_t base = (size_t)r * NO;
+    float hv[PT];
+    #pragma unroll
+    for (int t = 0; t < PT; ++t) {
+      const int i = threadIdx.x + t * NT;
+      hv[t] = i < NO ? static_cast<float>(__ldcg(h + base + i)) : 0.f;
+    }
+    float ss = 0.f;  // every warp sums all the shares in the same order: no barrier needed
+    for (int i = lane; i < NB; i += 32) ss += __ldcg(part + (size_t)r * NB + i);
+    ss = fl_warp_sum(ss);
+    const float rs = rsqrtf(ss / NO + e0);
+    #pragma unroll
+    for (int t = 0; t < PT; ++t) {
+      const int i = threadIdx.x + t * NT;
+      if (i < NO) y[base + i] = T(hv[t] * rs * wv[t]);
+    }
+  }
+  if (threadIdx.x == 0) *tickets = 0u;
+  return true;
+}
+"""
+# The ticket: zero when the module loads; the last block of every call sets it back to zero
+# (launches on one stream never overlap; two streams decoding at once in one process are not
+# supported). The blocks' shares of the sums of squares: scratch of the module, not an output
+# of the launch: MLX-CUDA's host cost grows ~2 µs with each output array (allocation, graph
+# bookkeeping, release), measured by benchmarks/host_launch_bench.py on the H200 host, and a
+# decode step is host-bound there (BENCHMARKS.md issue 14).
+ADD_NORM_PARTS = 65536  # rows x blocks: MAX_ROWS rows of outputs up to 32,768 wide
+_ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
+                     f"__device__ float fuselm_addnorm_part[{ADD_NORM_PARTS}];\n")
+# One output hy: h at element 0, y after the R rows of h (MLX-CUDA's host cost is per output
+# array, as above). x and the residual are read at element offsets XO and RO of their arrays:
+# a previous add+norm's hy (its h as this one's residual), the view's Slice never evaluated.
+_ADD_NORM = """
+  fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, fl_at<XO>(x),
+                                           wq, sc, bi, fl_at<RO>(rr), nw, __int_as_float(EPSB),
+                                           hy, hy + R * NO, fuselm_addnorm_part);
+"""
+
+# ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
+# the GEMV reading its y (the layer's gate/up, the next layer's q/k/v) in ONE launch. Blocks
+# [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last block
+# sets each ready slot to the count of B blocks it serves after its y writes; each B block
+# first asks L2 for its weight rows (they do not depend on y), then waits for its slot, takes
+# one off it (the last leaves it zero for the next launch) and reads y through L2. The wait
+# cannot deadlock while blocks are dispatched in index order (every A block is then resident
+# or done before any B block waits): the forward-progress property single-pass scans with
+# decoupled look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order:
+# bit-equal to the two launches apart.
+# Measured on the H200 (two hosts, Qwen3-0.6B g32 decode step): 92 launches a step against
+# 147, but the chained launches took 20.5 us (o_proj + gate/up) and 27.9 us (down + q/k/v)
+# against 5.8 + 4.0 and 7.0 + 3.3 apart, so GPU busy time rose 1.13 -> 1.92 ms and the step
+# 1.70 -> 2.48 ms: not the default. One shared ready count or one slot per B block made no
+# difference (19.1 / 26.6 us with the shared count), so L2 contention on the polls is not the
+# cause; per-instruction stall samples (ncu source page) of the A half are the next step.
+_CHAIN_GLOBALS = f"__device__ float fuselm_chain_part[{ADD_NORM_PARTS}];\n" + """
+__device__ unsigned int fuselm_chain_ticket = 0u;
+// B block b waits on slot b % SLOTS, its own 128-byte line, so the polls spread over L2
+// slices instead of all queueing on one (measured: no change against one shared count)
+constexpr unsigned int FL_CHAIN_SLOTS = 1024, FL_CHAIN_STRIDE = 32;
+__device__ unsigned int fuselm_chain_ready[FL_CHAIN_SLOTS * FL_CHAIN_STRIDE];
+// L2 prefetches of a weight row's codes, scales and biases (one line per lane and step)
+template <typename T, int K, int G, int NO, int NR>
+__device__ __forceinline__ void fl_q4_prefetch(const uint32_t* wq, const T* sc, const T* bi,
+                                               int n, int lane) {
+  constexpr int QB = K / 2, SB = (K / G) * (int)sizeof(T);  // bytes a row: codes, scales
+  #pragma unroll
+  for (int j = 0; j < NR; ++j) {
+    const size_t row = (size_t)(n + j * NO);
+    const char* q = reinterpret_cast<const char*>(wq) + row * QB;
+    for (int o = lane * 128; o < QB; o += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" :: "l"(q + o));
+    if (lane * 128 < SB) {
+      asm volatile("prefetch.global.L2 [%0];"
+                   :: "l"(reinterpret_cast<const char*>(sc) + row * SB + lane * 128));
+      asm volatile("prefetch.global.L2 [%0];"
+                   :: "l"(reinterpret_cast<const char*>(bi) + row * SB + lane * 128));
+    }
+  }
+}
+"""
+_CHAIN = """
+  constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
+  if (blockIdx.x < NA) {
+    if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket,
+                                                 fl_at<XO>(x), wq, sc, bi, fl_at<RO>(rr), nw,
+                                                 __int_as_float(EPSB), hy, hy + R * NO,
+                                                 fuselm_chain_part)) {
+      __threadfence();  // every thread's y writes device-wide before any slot is set
+      __syncthreads();
+      const unsigned int nb = gridDim.x - NA;  // B blocks: slot s serves those with b % SLOTS = s
+      for (unsigned int s = threadIdx.x; s < FL_CHAIN_SLOTS && s < nb; s += blockDim.x)
+        atomicExch(&fuselm_chain_ready[s * FL_CHAIN_STRIDE],
+                   nb / FL_CHAIN_SLOTS + (s < nb % FL_CHAIN_SLOTS ? 1u : 0u));
+    }
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = (blockIdx.x - NA) * NW + warp;
+  if (n < NO2) fl_q4_prefetch<T, NO, G2, NO2, NR2>(wq2, sc2, bi2, n, lane);
+  if (threadIdx.x == 0) {
+    unsigned int* slot = &fuselm_chain_ready[((blockIdx.x - NA) % FL_CHAIN_SLOTS) *
+                                             FL_CHAIN_STRIDE];
+    while (*reinterpret_cast<volatile unsigned int*>(slot) == 0u) __nanosleep(64);
+    __threadfence();
+    atomicSub(slot, 1u);  // the slot's last B block leaves it zero for the next launch
+  }
+  __syncthreads();
+  if (n >= NO2) return;
+  float v[NR2][R];
+  fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(fl_at<R * NO>(static_cast<const T*>(hy)), wq2, sc2,
+                                           bi2, n, lane, v);
+  if (lane == 0) fl_q4_store<T, T, NO2, R, NR2, EPI2>(out, n, v);
+"""
+
+
+def _header(unroll: int) -> str:
+    """The shared device code with FL_UNROLL_MAX = unroll (kernels.q4_unroll): every kernel's
+    header comes from here, so _HEADER needs no default of its own."""
+    return f"#define FL_UNROLL_MAX {unroll}\n" + _HEADER
+
+
+@kernels.kernel_factory
+def _kernel(unroll: int) -> Any:
+    return kernels.cuda_kernel(name="fuselm_q4_gemv", input_names=["x", "wq", "sc", "bi"],
+                               output_names=["out"], header=_header(unroll), source=_GEMV)
+
+
+@kernels.kernel_factory
+def _add_norm_kernel(unroll: int) -> Any:
+    return kernels.cuda_kernel(
+        name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
+        output_names=["hy"], header=_header(unroll) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
+        source=_ADD_NORM)
+
+
+@kernels.kernel_factory
+def _chain_kernel(unroll: int) -> Any:
+    return kernels.cuda_kernel(
+        name="fuselm_q4_gemv_chain",
+        input_names=["x", "wq", "sc", "bi", "rr", "nw", "wq2", "sc2", "bi2"],
+        output_names=["hy", "out"],
+        header=_header(unroll) + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
+
+
+def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
+         transposed: bool, act: str | None = None) -> bool:
+    """x [..., K] of at most MAX_ROWS rows against a 4-bit M [N, K] grouped along K (W = M.T),
+    scales/biases of x's dtype; for a gated epilogue, an even N."""
+    if not (transposed and bits == 4 and x.dtype in kernels.DTYPES and x.ndim >= 1):
+        return False
+    k = x.shape[-1]
+    rows = x.size // k if k else 0
+    n = packed.shape[0]
+    return (0 < rows <= MAX_ROWS and packed.ndim == 2 and packed.dtype == mx.uint32
+            and packed.shape[1] * 8 == k and group_size in (32, 64, 128) and k % group_size == 0
+            and scales.shape == (n, k // group_size) and scales.dtype == x.dtype
+            and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
+
+
+Source = tuple[mx.array, int]  # (an array the kernel reads, an element offset in it)
+
+
+def _source(x: mx.array, at: Source | None) -> Source:
+    """Where a launch reads x: `at` = (a row-major array holding x's elements from an element
+    offset on: the add+norm GEMV's output hy holding its h and y), else x itself at 0. Read out
+    of hy so, the lazy view of h or y that x is stays unevaluated: no graph node (MLX's compile
+    drops what nothing reads), ~1.7 µs of MLX host time a step less than a Slice each."""
+    return (x, 0) if at is None else at
+
+
+def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+            group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None,
+            unroll: int | None = None, x_at: Source | None = None) -> mx.array:
+    """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
+    to x's dtype, then written widened (the LM head's logits: no separate cast launch).
+    unroll: loads in flight a lane (kernels.q4_unroll, the default); the result is the same.
+    x_at: where the kernel reads x (`_source`; x then gives only its shape and dtype): the
+    template constant XO is its element offset."""
+    k = x.shape[-1]
+    n_out = packed.shape[0] // (2 if act else 1)
+    blocks = -(-n_out // _WARPS)
+    out_dtype = out_dtype or x.dtype
+    xs, xo = _source(x, x_at)
+    (out,) = _kernel(unroll or kernels.q4_unroll())(
+        inputs=[xs, packed, scales, biases],
+        template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
+                  ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
+                  ("NW", _WARPS), ("XO", xo)],
+        grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[out_dtype])
+    return out
+
+
+def add_norm_fits(x: mx.array, packed: mx.array, residual: object, scale: object) -> bool:
+    """The epilogue form's own conditions, beyond `fits` (the caller's): whole blocks of
+    outputs whose shares fit the module's scratch, a residual of the output's shape and
+    dtype, a 1-D scale of its width."""
+    n = packed.shape[0]
+    rows = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (n % _WARPS == 0 and rows * (n // _WARPS) <= ADD_NORM_PARTS
+            and isinstance(residual, mx.array) and isinstance(scale, mx.array)
+            and residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
+            and scale.shape == (n,))
+
+
+def halves(hy: mx.array) -> tuple[mx.array, mx.array]:
+    """The add+norm GEMV's h and y as lazy views of its one output hy [2, *shape] (h, then y):
+    a Slice and a Reshape each, no copy, and no graph node at all where nothing evaluates them
+    (a consumer that reads them out of hy itself, at y_offset)."""
+    return hy[0:1].reshape(hy.shape[1:]), hy[1:2].reshape(hy.shape[1:])
+
+
+def y_offset(hy: mx.array) -> int:
+    """y's element offset in hy (rows x N: h comes first)."""
+    return hy.size // 2
+
+
+def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+                     group_size: int, residual: mx.array, scale: mx.array, eps: float,
+                     unroll: int | None = None, x_at: Source | None = None,
+                     residual_at: Source | None = None) -> mx.array:
+    """hy [2, *shape]: hy[0] = h = x @ W + residual, hy[1] = y = RMSNorm(h) * scale, in one
+    launch with ONE output array (MLX-CUDA's host cost is ~2.1 µs an output array at every
+    launch, and this one runs twice a layer); `halves` gives h and y. The caller checked
+    `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the
+    template constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host
+    time an input, every launch). x_at / residual_at: where the kernel reads x / the residual
+    (`_source`; e.g. the previous add+norm's hy for its h), template constants XO / RO."""
+    k = x.shape[-1]
+    n_out = packed.shape[0]
+    shape, rows = (*x.shape[:-1], n_out), x.size // k
+    (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
+    (hy,) = _add_norm_kernel(unroll or kernels.q4_unroll())(
+        inputs=[xs, packed, scales, biases, rs, scale],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
+                  ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps)),
+                  ("XO", xo), ("RO", ro)],
+        grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(2, *shape)], output_dtypes=[x.dtype])
+    return hy
+
+
+def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
+                          group_size: int, residual: mx.array, scale: mx.array, eps: float,
+                          then: tuple[mx.array, mx.array, mx.array, int, str | None],
+                          unroll: int | None = None, x_at: Source | None = None,
+                          residual_at: Source | None = None) -> tuple[mx.array, mx.array]:
+    """(hy, z): q4_gemv_add_norm's hy (h and y), and z = q4_gemv(y, *then) (then: the next
+    weight's packed codes, scales and biases in y's dtype, group size, gated activation or
+    None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
+    x and `fits` for y (residual's shape and dtype) against the next weight; eps, x_at and
+    residual_at as in q4_gemv_add_norm (template constants)."""
+    packed2, scales2, biases2, group2, act = then
+    k = x.shape[-1]
+    n_out = packed.shape[0]
+    n_out2 = packed2.shape[0] // (2 if act else 1)
+    shape, rows = (*x.shape[:-1], n_out), x.size // k
+    blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
+    (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
+    hy, z = _chain_kernel(unroll or kernels.q4_unroll())(
+        inputs=[xs, packed, scales, biases, rs, scale, packed2, scales2, biases2],
+        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
+                  ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
+                  ("EPI2", ACTIVATIONS[act] if act else 0), ("EPSB", kernels.float_bits(eps)),
+                  ("XO", xo), ("RO", ro)],
+        grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
+        output_shapes=[(2, *shape), (*x.shape[:-1], n_out2)],
+        output_dtypes=[x.dtype, x.dtype])
+    return hy, z

@@ -1,0 +1,640 @@
+"""CUDA sources for the decode step's fused kernels (mx.fast.cuda_kernel, JIT-compiled by MLX
+on first use). Each replaces a run of MLX launches that its built-ins leave separate:
+
+* `add_rms_norm`: the residual Add and the RMSNorm that reads it -> one launch, two outputs
+  (the sum, kept as the next residual, and the normalized row).
+* `rope_attend`: one decoded token's (per batch row, each at its own position) q/k RMSNorm
+  (Qwen3), RoPE at the device-side position,
+  and attention over the fixed-capacity cache rows 0..pos (the new key/value taken from
+  registers, not the cache) -> one launch instead of norm x2, rope x2 and MLX-CUDA's SDPA,
+  which has no vector kernel for an array mask and falls back to matmul/softmax/matmul.
+  It writes the new key/value rows into the cache itself (no scatter launches).
+  Two forms, one launch each: a block per query head, and a split (flash-decoding) form
+  with a block per KV head's query heads and key split whose last block merges the splits
+  (kernels.attend_splits picks: FUSELM_ATTN_SPLIT).
+
+The plain-MLX paths they replace are in runtime_metal/mlx_engine/program_ops.py, eligibility and the
+on/off switch in runtime_metal/cuda_kernels/selection.py, the equivalence tests in
+tests/runtime/test_kernels.py. Arithmetic is float32 with the same
+roundings to the activation dtype as the plain path (after the Add, after the norm, after
+RoPE), so the two agree to a few units in the last place of that dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+
+_HEADER = """
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  return v;
+}
+// RoPE's pairing of element e < rd of a head, for both attention kernels: the frequency index
+// m, the partner element and the sign of the partner's term; pairs (2i, 2i+1) when
+// interleaved (GPT-J), else the halves [0, rd/2) and [rd/2, rd) (rotate_half)
+template <bool INTERLEAVED_, int RD_>
+__device__ __forceinline__ void rope_pair(int e, int& m, int& partner, float& sign) {
+  if (INTERLEAVED_) {
+    m = e >> 1; partner = e ^ 1; sign = (e & 1) ? 1.f : -1.f;
+  } else {
+    constexpr int HALF = RD_ / 2;
+    m = e < HALF ? e : e - HALF;
+    partner = e < HALF ? e + HALF : e - HALF;
+    sign = e < HALF ? -1.f : 1.f;
+  }
+}
+"""
+
+_ADD_RMS_NORM = """
+  // one block per row: h = x + r (rounded to T like the separate Add), y = rms_norm(h) * w
+  const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const size_t base = (size_t)row * H;
+  float ss = 0.f;
+  for (int i = tid; i < H; i += BLOCK) {
+    T v = T(static_cast<float>(x[base + i]) + static_cast<float>(r[base + i]));
+    h[base + i] = v;
+    float f = static_cast<float>(v);
+    ss += f * f;
+  }
+  __shared__ float part[32];
+  ss = warp_sum(ss);
+  if (lane == 0) part[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < BLOCK / 32 ? part[lane] : 0.f;
+    t = warp_sum(t);
+    if (lane == 0) part[0] = t;
+  }
+  __syncthreads();
+  const float rs = rsqrtf(part[0] / H + __int_as_float(EPSB));
+  for (int i = tid; i < H; i += BLOCK) {
+    y[base + i] = T(static_cast<float>(h[base + i]) * rs * static_cast<float>(w[i]));
+  }
+"""
+
+_ROPE_ATTEND_BODY = """
+  // block (h, b) = query head h of batch row b; NW warps; lane l owns elements
+  // [l*VPT, (l+1)*VPT) of a row. Row b decodes at its own position offset[b].
+  constexpr int VPT = D / 32, G = HQ / HK;
+  const int h = blockIdx.x, g = h / G, b = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pos = offset[b];
+  const int cap = kc_shape[2];
+  const size_t qh = (size_t)b * HQ + h, kh = (size_t)b * HK + g;
+  __shared__ float sq[D], sk[D], sv[D], tq[D], tk[D], rs[2];
+  __shared__ float wm[NW], wl[NW], wacc[NW][D];
+  if (tid < D) {  // q/k/v rows: QRW / KRW elements wide, k and v from element KO / VO
+    sq[tid] = static_cast<float>(q[(size_t)b * QRW + h * D + tid]);
+    sk[tid] = static_cast<float>(k[(size_t)b * KRW + KO + g * D + tid]);
+    sv[tid] = static_cast<float>(v[(size_t)b * KRW + VO + g * D + tid]);
+  }
+  __syncthreads();
+  if (warp < 2) {  // warp 0: q's sum of squares, warp 1: k's
+    const float* src = warp == 0 ? sq : sk;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+    ss = warp_sum(ss);
+    if (lane == 0) rs[warp] = rsqrtf(ss / D + __int_as_float(PE));
+  }
+  __syncthreads();
+  if (tid < D) {
+    float a = sq[tid], b = sk[tid];
+    if (HAS_QN) a = static_cast<float>(T(a * rs[0] * static_cast<float>(qn[tid])));
+    if (HAS_KN) b = static_cast<float>(T(b * rs[1] * static_cast<float>(kn[tid])));
+    tq[tid] = a;
+    tk[tid] = b;
+  }
+  __syncthreads();
+  if (tid < D) {
+    float a = tq[tid], b = tk[tid];
+    if (tid < RD) {
+      int m, partner;
+      float sign;
+      rope_pair<INTERLEAVED, RD>(tid, m, partner, sign);
+      const float th = static_cast<float>(pos) * inv_freq[m];
+      const float c = cosf(th), s = sinf(th);
+      a = (a * c + sign * tq[partner] * s) * __int_as_float(PA);
+      b = (b * c + sign * tk[partner] * s) * __int_as_float(PA);
+    }
+    const T qa = T(a), kb = T(b), vb = T(sv[tid]);
+    sq[tid] = static_cast<float>(qa) * __int_as_float(PQ);  // the softmax scale, in q
+    sk[tid] = static_cast<float>(kb);
+    sv[tid] = static_cast<float>(vb);
+    if (h % G == 0) {  // the new row goes into the cache in place (see rope_attend)
+      const_cast<T*>(kc)[(kh * cap + pos) * D + tid] = kb;
+      const_cast<T*>(vc)[(kh * cap + pos) * D + tid] = vb;
+    }
+  }
+  __syncthreads();
+  float qr[VPT], acc[VPT];
+  for (int e = 0; e < VPT; ++e) { qr[e] = sq[lane * VPT + e]; acc[e] = 0.f; }
+/*KEYS*/  if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+  for (int e = 0; e < VPT; ++e) wacc[warp][lane * VPT + e] = acc[e];
+  __syncthreads();
+  if (tid < D) {  // merge the warps' partial softmaxes
+    float mx_ = __int_as_float(0xff800000);
+    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w]);
+    float den = 0.f, num = 0.f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = wl[w] > 0.f ? __expf(wm[w] - mx_) : 0.f;
+      den += wl[w] * c;
+      num += wacc[w][tid] * c;
+    }
+    out[qh * D + tid] = T(num / den);
+  }
+"""
+
+
+_KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
+  const T* kb = kc + kh * cap * D;
+  const T* vb = vc + kh * cap * D;
+  for (int j = warp; j <= pos; j += NW) {  // online softmax over this warp's keys
+    float kr[VPT], vr[VPT];
+    if (j < pos) {
+      for (int e = 0; e < VPT; ++e) {
+        kr[e] = static_cast<float>(kb[(size_t)j * D + lane * VPT + e]);
+        vr[e] = static_cast<float>(vb[(size_t)j * D + lane * VPT + e]);
+      }
+    } else {  // the token being decoded: not in the cache yet
+      for (int e = 0; e < VPT; ++e) { kr[e] = sk[lane * VPT + e]; vr[e] = sv[lane * VPT + e]; }
+    }
+    float s = 0.f;
+    for (int e = 0; e < VPT; ++e) s += qr[e] * kr[e];
+    s = warp_sum(s);
+    const float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
+    l = l * corr + p;
+    for (int e = 0; e < VPT; ++e) acc[e] = acc[e] * corr + p * vr[e];
+    m = mn;
+  }
+"""
+
+_ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
+
+# ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT (kernels.attend_splits) -----------
+# Measured on the H200: the kernel above runs one block per query head (16 blocks on 132 SMs at
+# Qwen3-0.6B), each warp walking keys one at a time with scalar loads: 26 µs a layer in the
+# decode step. Here a block serves GB query heads of one KV head (K/V rows read once for them)
+# over one of S splits of the keys 0..pos, with vector loads and KB keys per warp in flight;
+# each split leaves its partial softmax (max, sum, weighted values) and the LAST of the S
+# blocks of a head group to finish (a ticket counter) merges them, so there is no merge launch
+# (S = 1: the block writes the output itself). Same arithmetic and roundings as the kernel
+# above; only the order of the float32 softmax sums differs; the merge always runs over the
+# splits in order 0..S-1, so the result does not depend on which block came last.
+
+_VEC_HEADER = """
+// N consecutive elements of a cache row as float32, in the widest loads their bytes allow
+// (rows start 64-byte aligned: D is a multiple of 32)
+template <typename V, typename TT, int N>
+__device__ __forceinline__ void fl_load_as(const TT* p, float* o) {
+  constexpr int PER = sizeof(V) / sizeof(TT);
+  #pragma unroll
+  for (int i = 0; i < N / PER; ++i) {
+    const V u = reinterpret_cast<const V*>(p)[i];
+    const TT* t = reinterpret_cast<const TT*>(&u);
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) o[i * PER + e] = static_cast<float>(t[e]);
+  }
+}
+template <typename TT, int N>
+__device__ __forceinline__ void fl_load_row(const TT* p, float* o) {
+  constexpr int B = N * (int)sizeof(TT);
+  if (B % 16 == 0) {  // B is a constant: the other branches compile away
+    fl_load_as<uint4, TT, N>(p, o);
+  } else if (B % 8 == 0) {
+    fl_load_as<uint2, TT, N>(p, o);
+  } else if (B % 4 == 0) {
+    fl_load_as<unsigned int, TT, N>(p, o);
+  } else {
+    #pragma unroll
+    for (int e = 0; e < N; ++e) o[e] = static_cast<float>(p[e]);
+  }
+}
+"""
+
+_ATTEND_SPLIT = """
+  // block (x, b): x = (g * NGB + gb) * S + s serves KV head g's query heads h0 .. h0+GB-1
+  // (h0 = g * G + gb * GB) of batch row b over split s of the keys 0..pos. Every block ropes
+  // and norms its q heads and the new k (a few hundred flops); block (gb 0, split 0) writes
+  // the new K/V row into the cache in place (no other block reads that row: the key being
+  // decoded comes from shared memory).
+  constexpr int VPT = D / 32, G = HQ / HK, NGB = G / GB, NT = NW * 32;
+  const int s = blockIdx.x % S, gb = (blockIdx.x / S) % NGB, g = blockIdx.x / (S * NGB);
+  const int h0 = g * G + gb * GB, b = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Every global load the prologue needs is issued here, at once, and the first keys' loads
+  // are in flight through it (ncu had the kernel ~77 % stalled on dependent loads). Measured
+  // in the H200 step: 17.3 -> 17.0 us, so those stalls are not where its time goes.
+  const int pos = offset[b];
+  const int cap = kc_shape[2];
+  const size_t kh = (size_t)b * HK + g;
+  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
+  const float ascale = __int_as_float(PA);
+  __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
+  __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
+  __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
+  // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
+  const int n = pos + 1, chunk = (n + S - 1) / S;
+  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
+  const int j_first = j_begin + warp * KB;
+  const T* kb = kc + kh * cap * D + lane * VPT;
+  const T* vb = vc + kh * cap * D + lane * VPT;
+  float kr[KB][VPT], vr[KB][VPT];
+  #pragma unroll
+  for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
+    const int j = j_first + u;
+    if (j < j_end && j < pos) {
+      fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
+      fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+    }
+  }
+  for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
+    sq[i / D][i % D] = static_cast<float>(q[(size_t)b * QRW + h0 * D + i]);
+  for (int i = tid; i < D; i += NT) {
+    sk[i] = static_cast<float>(k[(size_t)b * KRW + KO + g * D + i]);
+    sv[i] = static_cast<float>(v[(size_t)b * KRW + VO + g * D + i]);
+    if (HAS_QN) sqn[i] = static_cast<float>(qn[i]);
+    if (HAS_KN) skn[i] = static_cast<float>(kn[i]);
+    if (i < RD / 2) sif[i] = inv_freq[i];
+  }
+  __syncthreads();
+  for (int r = warp; r <= GB; r += NW) {  // r < GB: query head r's sum of squares; GB: k's
+    const float* src = r < GB ? sq[r] : sk;
+    float ss = 0.f;
+    for (int i = lane; i < D; i += 32) ss += src[i] * src[i];
+    ss = warp_sum(ss);
+    if (lane == 0) rs[r] = rsqrtf(ss / D + eps);
+  }
+  __syncthreads();
+  for (int i = tid; i < (GB + 1) * D; i += NT) {
+    const int r = i / D, e = i % D;
+    if (r < GB) {
+      float a = sq[r][e];
+      if (HAS_QN) a = static_cast<float>(T(a * rs[r] * sqn[e]));
+      tq[r][e] = a;
+    } else {
+      float a = sk[e];
+      if (HAS_KN) a = static_cast<float>(T(a * rs[GB] * skn[e]));
+      tk[e] = a;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < (GB + 1) * D; i += NT) {
+    const int r = i / D, e = i % D;
+    const float* src = r < GB ? tq[r] : tk;
+    float a = src[e];
+    if (e < RD) {
+      int m, partner;
+      float sign;
+      rope_pair<INTERLEAVED, RD>(e, m, partner, sign);
+      const float th = static_cast<float>(pos) * sif[m];
+      a = (a * cosf(th) + sign * src[partner] * sinf(th)) * ascale;
+    }
+    const T ta = T(a);
+    if (r < GB) {
+      sq[r][e] = static_cast<float>(ta) * qscale;  // the softmax scale, folded into q
+    } else {
+      const T tv = T(sv[e]);
+      sk[e] = static_cast<float>(ta);
+      sv[e] = static_cast<float>(tv);
+      if (s == 0 && gb == 0) {
+        const_cast<T*>(kc)[(kh * cap + pos) * D + e] = ta;
+        const_cast<T*>(vc)[(kh * cap + pos) * D + e] = tv;
+      }
+    }
+  }
+  __syncthreads();
+  float qr[GB][VPT], acc[GB][VPT], m[GB], l[GB];
+  #pragma unroll
+  for (int hh = 0; hh < GB; ++hh) {
+    m[hh] = __int_as_float(0xff800000);  // -infinity
+    l[hh] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) { qr[hh][e] = sq[hh][lane * VPT + e]; acc[hh][e] = 0.f; }
+  }
+  for (int j0 = j_first; j0 < j_end; j0 += NW * KB) {
+    float sc[KB][GB];
+    #pragma unroll
+    for (int u = 0; u < KB; ++u) {  // all KB rows' loads in flight before the first score
+      const int j = j0 + u;
+      if (j < j_end && j < pos) {
+        if (j0 != j_first) {  // the first step's rows were loaded before the prologue
+          fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
+          fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+        }
+      } else {
+        const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
+        #pragma unroll
+        for (int e = 0; e < VPT; ++e) {
+          kr[u][e] = now ? sk[lane * VPT + e] : 0.f;
+          vr[u][e] = now ? sv[lane * VPT + e] : 0.f;
+        }
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < KB; ++u)
+      #pragma unroll
+      for (int hh = 0; hh < GB; ++hh) {
+        float d = 0.f;
+        #pragma unroll
+        for (int e = 0; e < VPT; ++e) d += qr[hh][e] * kr[u][e];
+        sc[u][hh] = d;
+      }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      #pragma unroll
+      for (int u = 0; u < KB; ++u)
+        #pragma unroll
+        for (int hh = 0; hh < GB; ++hh) sc[u][hh] += __shfl_xor_sync(0xffffffff, sc[u][hh], o);
+    #pragma unroll
+    for (int hh = 0; hh < GB; ++hh) {
+      float mn = m[hh];  // j0 < j_end: the first key counts, so mn is finite
+      #pragma unroll
+      for (int u = 0; u < KB; ++u)
+        if (j0 + u < j_end) mn = fmaxf(mn, sc[u][hh]);
+      const float corr = __expf(m[hh] - mn);
+      l[hh] *= corr;
+      #pragma unroll
+      for (int e = 0; e < VPT; ++e) acc[hh][e] *= corr;
+      #pragma unroll
+      for (int u = 0; u < KB; ++u) {
+        if (j0 + u < j_end) {
+          const float p = __expf(sc[u][hh] - mn);
+          l[hh] += p;
+          #pragma unroll
+          for (int e = 0; e < VPT; ++e) acc[hh][e] += p * vr[u][e];
+        }
+      }
+      m[hh] = mn;
+    }
+  }
+  #pragma unroll
+  for (int hh = 0; hh < GB; ++hh) {
+    if (lane == 0) { wm[warp][hh] = m[hh]; wl[warp][hh] = l[hh]; }
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) wacc[warp][hh][lane * VPT + e] = acc[hh][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < GB * D; i += NT) {  // merge the warps' partial softmaxes
+    const int hh = i / D, e = i % D;
+    float mx_ = __int_as_float(0xff800000);
+    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w][hh]);
+    float den = 0.f, num = 0.f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = wl[w][hh] > 0.f ? __expf(wm[w][hh] - mx_) : 0.f;
+      den += wl[w][hh] * c;
+      num += wacc[w][hh][e] * c;
+    }
+    const size_t qh = (size_t)b * HQ + h0 + hh;
+/*WRITE*/
+  }
+/*TAIL*/"""
+# S = 1: every key in this block; S > 1: the split's partial (an empty split: l = 0, max -inf)
+_WRITE_OUT = "    out[qh * D + e] = T(num / den);"
+_WRITE_PART = """    pacc[(qh * S + s) * D + e] = num;
+    if (e == 0) { pm[qh * S + s] = mx_; pl[qh * S + s] = den; }"""
+
+# S > 1: the last block of the head group to finish merges the S partials (read through L2:
+# other blocks wrote them) as the split kernel merges its warps'; then resets the ticket.
+_MERGE_LAST = """
+  __threadfence();  // this block's partials visible device-wide before its ticket
+  __shared__ unsigned int ticket;
+  __syncthreads();
+  const size_t slot = ((size_t)b * HK + g) * NGB + gb;
+  if (tid == 0) ticket = atomicAdd(&fuselm_split_tickets[slot], 1u);
+  __syncthreads();
+  if (ticket != S - 1) return;
+  __threadfence();
+  for (int i = tid; i < GB * D; i += NT) {
+    const int hh = i / D, e = i % D;
+    const size_t qh = (size_t)b * HQ + h0 + hh;
+    float mx_ = __int_as_float(0xff800000);
+    for (int t = 0; t < S; ++t)
+      if (__ldcg(pl + qh * S + t) > 0.f) mx_ = fmaxf(mx_, __ldcg(pm + qh * S + t));
+    float den = 0.f, num = 0.f;
+    for (int t = 0; t < S; ++t) {
+      const float lt = __ldcg(pl + qh * S + t);
+      const float c = lt > 0.f ? __expf(__ldcg(pm + qh * S + t) - mx_) : 0.f;
+      den += lt * c;
+      num += __ldcg(pacc + (qh * S + t) * D + e) * c;
+    }
+    out[qh * D + e] = T(num / den);
+  }
+  if (tid == 0) fuselm_split_tickets[slot] = 0u;  // ready for the next call
+"""
+# One ticket per (batch row, KV head, head group): zero when the module loads, and back to zero
+# after every call (the last block resets it). Launches on one stream never overlap, so calls
+# (layers, steps) share the tickets safely; two engines decoding at the same moment on two
+# streams of one process would share them too, which is why that is not supported on CUDA
+# (README). A ticket buffer owned by each program would lift that.
+TICKET_SLOTS = 65536
+_TICKETS = f"__device__ unsigned int fuselm_split_tickets[{TICKET_SLOTS}] = {{}};\n"
+_SPLIT_WARPS = 8  # 256 threads a block; the splits give the parallelism
+_SPLIT_KEYS = 4  # keys per warp step in flight: 32 a block, 16 KB of K/V loads outstanding
+_SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per kept head
+
+
+# The splits' partials (max, sum, accumulator: rows x HQ x S x (D + 2) floats) in scratch of
+# the module rather than as outputs of the launch: MLX-CUDA's host cost grows ~2 µs with each
+# output array, and the decode step is host-bound on the H200 (benchmarks/host_launch_bench.py,
+# BENCHMARKS.md issue 14). A launch whose partials do not fit (a batch of many rows at many
+# splits) takes them as outputs instead: the same arithmetic, only where the partials live.
+SPLIT_SCRATCH = 1 << 21  # floats (8 MB a module)
+_SCRATCH = f"__device__ float fuselm_split_scratch[{SPLIT_SCRATCH}];\n"
+_SCRATCH_PARTS = """
+  float* pm = fuselm_split_scratch;
+  float* pl = pm + (size_t)gridDim.y * HQ * S;
+  float* pacc = pl + (size_t)gridDim.y * HQ * S;
+"""
+
+
+# Inputs a launch does not need are left out: MLX-CUDA's host cost is ~0.4 µs an input array
+# at every launch, and the decode step is host-bound on the H200. So the float constants (eps,
+# softmax scale, attention scale) are template arguments PE, PQ, PA (kernels.float_bits), the
+# fused projection (joined: q, k and v are slices of it) is one input `q` that k and v alias,
+# and absent q/k-norm scales are no inputs (null pointers, never read: HAS_QN / HAS_KN).
+def _attend_inputs(joined: bool, norms: tuple[bool, bool]) -> list[str]:
+    """The attention kernels' input names: q (k, v unless joined), qn / kn where present."""
+    return (["q"] + ([] if joined else ["k", "v"]) + (["qn"] if norms[0] else [])
+            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", "kc", "vc"])
+
+
+def _attend_prelude(joined: bool, norms: tuple[bool, bool]) -> str:
+    """The kernel body's first lines: the names of the inputs _attend_inputs leaves out
+    (MLX puts the body after the kernel's parameters, so these come before any use)."""
+    return (("  const T* k = q;\n  const T* v = q;\n" if joined else "")
+            + ("" if norms[0] else "  const T* qn = nullptr;\n")
+            + ("" if norms[1] else "  const T* kn = nullptr;\n"))
+
+
+def _attend_suffix(joined: bool, norms: tuple[bool, bool]) -> str:
+    """A kernel name per input set, so profiles (ncu, kernel_bench, step_profile) tell the
+    variants apart (MLX-CUDA keeps one module per text in any case: custom_kernel.cpp names it
+    by the kernel's name and a hash of its source)."""
+    return ("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
+
+
+def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
+                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: mx.array,
+                 vc: mx.array, joined: bool) -> list[mx.array]:
+    """The input arrays, in _attend_inputs' order (its names pick them)."""
+    arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
+                              "inv_freq": inv_freq, "offset": offset, "kc": kc, "vc": vc}
+    return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None))]
+
+
+def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
+    """prm = (eps, softmax scale, RoPE attention scale) as the template constants PE, PQ, PA."""
+    eps, qscale, ascale = prm
+    return [("PE", kernels.float_bits(eps)), ("PQ", kernels.float_bits(qscale)),
+            ("PA", kernels.float_bits(ascale))]
+
+
+@kernels.kernel_factory
+def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool]) -> Any:
+    """form "merged": S = 1, the block writes the output; else it writes the split's partial
+    and the last block of its head group merges them, the partials in the module's scratch
+    ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
+    (_attend_inputs)."""
+    if form == "merged":
+        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
+    else:
+        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART).replace("/*TAIL*/", _MERGE_LAST)
+    scratch = form == "scratch"
+    return kernels.cuda_kernel(
+        name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
+              "outputs": "fuselm_rope_attend_split_out"}[form] + _attend_suffix(joined, norms),
+        input_names=_attend_inputs(joined, norms),
+        output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
+        source=_attend_prelude(joined, norms) + (_SCRATCH_PARTS if scratch else "") + source,
+        header=_HEADER + _VEC_HEADER + ("" if form == "merged" else _TICKETS)
+        + (_SCRATCH if scratch else ""))
+
+
+def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
+    """GB: the most query heads of one KV head a split block serves (K/V read once for them)
+    whose q and accumulator fit a lane's register budget (GB * D / 32 <= 16 floats each)."""
+    group = hq // hk
+    return max(gb for gb in range(1, group + 1)
+               if group % gb == 0 and gb * (head_dim // 32) <= _SPLIT_LANE_FLOATS)
+
+
+def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
+                       kn: mx.array | None, inv_freq: mx.array,
+                       prm: tuple[float, float, float], offset: mx.array, kc: mx.array,
+                       vc: mx.array, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
+                       splits: int, rows_at: list[Any], joined: bool,
+                       warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS) -> mx.array:
+    d, rows = kc.shape[-1], kc.shape[0]
+    gb = split_heads_per_block(hq, hk, d)
+    blocks = hk * (hq // hk // gb) * splits
+    form = ("merged" if splits == 1 else
+            "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
+    partials = form == "outputs"
+    outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None))(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
+        template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
+                  ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
+                  ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
+                  ("KB", keys), *rows_at, *_attend_consts(prm)],
+        grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(rows, 1, hq * d)] + (
+            [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
+        output_dtypes=[kc.dtype] + ([mx.float32] * 3 if partials else []))
+    return outs[0]
+
+
+@kernels.kernel_factory
+def _add_rms_norm_kernel() -> Any:
+    return kernels.cuda_kernel(
+        name="fuselm_add_rms_norm", input_names=["x", "r", "w"],
+        output_names=["h", "y"], source=_ADD_RMS_NORM, header=_HEADER)
+
+
+@kernels.kernel_factory
+def _rope_attend_kernel(joined: bool, norms: tuple[bool, bool]) -> Any:
+    """joined / norms: the inputs (_attend_inputs)."""
+    return kernels.cuda_kernel(
+        name="fuselm_rope_attend" + _attend_suffix(joined, norms),
+        input_names=_attend_inputs(joined, norms), output_names=["out"],
+        source=_attend_prelude(joined, norms) + _ROPE_ATTEND, header=_HEADER)
+
+
+def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
+                 ) -> tuple[mx.array, mx.array]:
+    """x, r: [..., H] of one dtype (row-contiguous); w: [H]; eps: >= 0, passed as the template
+    constant EPSB (kernels.float_bits: no input array, ~0.4 µs of MLX-CUDA host time less)."""
+    hidden = x.shape[-1]
+    rows = x.size // hidden
+    block = 1024 if hidden >= 4096 else 256
+    h, y = _add_rms_norm_kernel()(
+        inputs=[x, r, w], template=[("T", x.dtype), ("H", hidden), ("BLOCK", block),
+                                    ("EPSB", kernels.float_bits(eps))],
+        grid=(rows * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
+    return h, y
+
+
+def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
+                kn: mx.array | None, inv_freq: mx.array, prm: tuple[float, float, float],
+                offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
+                rotary_dim: int, interleaved: bool, splits: int | None = None,
+                split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
+                qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
+    [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
+    prm = (eps, softmax scale, RoPE attention scale): Python floats, each finite with the sign
+    bit clear (kernels.takes_float_bits), passed as template constants (kernels.float_bits),
+    not an input array. qn / kn: the q/k-norm scales [D], or None (no norm: no input either).
+    Returns the attention output [b, 1, hq*D] and the caches kc, vc themselves: the kernel
+    wrote each row's new key/value (RoPE'd, normed) at position offset[i] IN PLACE, so no
+    scatter launch follows.
+
+    In place means outside MLX's value semantics: the caller must own kc/vc (the compiled
+    program's cache buffers: row-contiguous, so MLX passes them uncopied) and give up the
+    old value, as a donated buffer would be; later readers of the cache depend on this step
+    through the decoded token, so they run after the write. Rows past offset[i] are never
+    read by this call, so the write races with no reader.
+
+    splits: 0 = one block per query head (_ROPE_ATTEND); N >= 1 = the split kernel over N key
+    splits (_ATTEND_SPLIT), one launch either way; None: kernels.attend_splits() (the
+    environment's, by default from the capacity). split_warps / split_keys: the split
+    kernel's warps per block and keys per warp step in flight (benchmarks/kernel_bench.py
+    compares them; the defaults are what the program runs).
+
+    qkv: the fused projection [b, 1, (hq + 2 hk) * D] that q, k and v are slices of: the
+    kernel reads them from it (q, k, v then only give the shapes), so the three slices are
+    not in the step's graph (a Qwen3-0.6B step: 274 nodes -> 151 with the other reshapes gone;
+    the H200 host's dispatch time did not change: it follows kernel launches, not nodes). It
+    is the launch's one input for all three (k and v alias it in the kernel)."""
+    d, rows = kc.shape[-1], kc.shape[0]
+    joined = qkv is not None
+    if qkv is not None:
+        q = k = v = qkv
+        rows_at = [("QRW", qkv.shape[-1]), ("KRW", qkv.shape[-1]), ("KO", hq * d),
+                   ("VO", (hq + hk) * d)]
+    else:
+        rows_at = [("QRW", hq * d), ("KRW", hk * d), ("KO", 0), ("VO", 0)]
+    gb = split_heads_per_block(hq, hk, d)
+    n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // gb)
+               if splits is None else splits)
+    if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
+        n_split = 0  # more head groups than tickets (a batch of thousands): no split
+    if n_split > 0:
+        out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
+                                 rotary_dim=rotary_dim, interleaved=interleaved,
+                                 splits=n_split, rows_at=rows_at, joined=joined,
+                                 warps=split_warps, keys=split_keys)
+        return out, kc, vc
+    warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
+    (out,) = _rope_attend_kernel(joined, (qn is not None, kn is not None))(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
+        template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
+                  ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
+                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at, *_attend_consts(prm)],
+        grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
+        output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
+    return out, kc, vc

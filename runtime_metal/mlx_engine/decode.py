@@ -1,0 +1,416 @@
+"""The compiled program: a chunk of s tokens through the planned graph as ONE compiled MLX
+function, for decode (s = 1) and prefill (s = the chunk length) alike.
+
+Everything resolvable is resolved once, at load (`DecodeProgram.build`): the plan's constants
+(weights packed, host shapes folded), which nodes are the mask subgraph (dropped: the program
+applies its own mask, program_masks.py checks that the graph's means the same), which FusedRoPE
+reads the positions, which Attention writes which cache layer. What is left is a pure function
+
+    run(tokens[s], offset, k_0, v_0, ..., k_L, v_L) -> (logits, offset + s, k_0', v_0', ...)
+
+over a KV cache of fixed capacity (the preallocated buffers of kv_cache.KVCache): new K/V are
+written at `offset` with `mx.slice_update` (in place: the buffers are donated), attention runs
+over the whole buffer with the device-built mask `key j <= offset + i` ([s, capacity]; for one
+token, every cached position; a sliding-window layer also `j > offset + i - W`, its window read
+off the graph's mask at load by program_masks.check_decode), RoPE takes `offset` as a device
+scalar, and the LM head runs on the last position only. Shapes therefore depend only on (s,
+capacity), so `mx.compile` traces once per pair (capacity moves every `KVCache.step` positions;
+prefill chunk lengths are few: the chunk size and one tail), fuses the elementwise chains, and
+each later call costs one call into the compiled graph: no Python walk over the nodes, no host
+mask, no host sync.
+
+Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with the RMSNorm
+that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
+decoded token (cuda_kernels/sources.py; the attention kernel reads cache rows 0..offset
+and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
+With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
+o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
+adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=
+`epilogue`, the default; `chain` also runs the GEMV reading those rows, the layer's gate/up or
+the next layer's q/k/v, in the same launch, its blocks waiting for that last block:
+program_ops.chain_consumers; `0` keeps the separate add+RMSNorm kernel).
+
+A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
+rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
+path mlx-lm's prefill takes, with no [s, capacity] mask read. A later chunk of a long prompt
+attends the cached rows 0..offset+s the same way (`prefix`, FastDecoder.prefix_prefill, on by
+default): no mask over the whole capacity, no work on rows not yet written. Its shapes depend
+on the host offset, so each offset gets its own compiled function (a prompt's chunk starts are
+few and recur: multiples of the chunk size), kept in a small table.
+
+The program refuses (and the engine keeps the node-by-node executor) when a graph needs host
+values per step that it cannot move to load time: dynamic-NTK RoPE, Attention softcap,
+unbound KV, or a node other than the mask subgraph that reads attention_mask/position_ids.
+Prefill alone is refused when the graph's mask is not plain causal or the K/V shapes are not
+static (decode then still runs compiled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+from fuselm.runtime_metal.dtypes import to_device
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.mlx_engine import program_ops, qweight
+from fuselm.runtime_metal.mlx_engine.attention import Mask
+from fuselm.runtime_metal.mlx_engine.program_masks import (
+    MaskUnsupported,
+    check_decode,
+    check_prefill,
+    mask_subgraph,
+    tainted,
+)
+from fuselm.runtime_metal.mlx_engine.program_ops import ProgramOp
+from fuselm.runtime_metal.mlx_engine.step import KVLayout, Plan, Step, call_step, lm_head_rows
+
+
+class DecodeUnsupported(Exception):
+    """The graph needs per-step host work; the reason says which node and why."""
+
+
+@dataclass
+class DecodeProgram:
+    ops: list[ProgramOp]
+    logits: str
+    num_layers: int
+    dropped: int  # mask-subgraph steps removed
+    kv_layout: KVLayout | None = None  # to allocate the cache for a fresh prompt
+    prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
+    windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
+    kernels: bool = False  # fuselm's fused CUDA kernels where they fit (cuda_kernels/selection.py)
+    gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
+    # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
+    # the added row), "chain" (the same, launched with the GEMV reading the result) or "0" (its
+    # own kernel)
+    fold: str = "0"
+
+    # ---- load time -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, plan: Plan, kernel_mode: str | None = None) -> DecodeProgram:
+        if not plan.cache_bound:
+            raise DecodeUnsupported("the KV cache is not bound to Attention nodes")
+        if "logits" not in plan.outputs:
+            raise DecodeUnsupported("the graph has no 'logits' output")
+        if "input_ids" not in plan.inputs:
+            raise DecodeUnsupported("the graph has no 'input_ids' input")
+        mask_only = mask_subgraph(plan)
+        dyn = tainted(plan)
+        ops: list[ProgramOp] = []
+        for s in plan.steps:
+            if s.name in mask_only:
+                continue
+            kind = _kind(s, dyn)
+            args: list[tuple[str, object]] = []
+            for i, n in enumerate(s.inputs):
+                if not n or (kind == "attention" and i >= 3) or (kind == "rope" and i == 2):
+                    args.append(("none", None))
+                elif n in plan.constants:
+                    args.append(("const", plan.constants[n]))
+                else:
+                    args.append(("env", n))
+            ops.append(ProgramOp(kind, s, args))
+        try:
+            windows = check_decode(plan)
+        except MaskUnsupported as e:
+            raise DecodeUnsupported(str(e)) from e
+        live = _live(ops, "logits")
+        on = kernels.enabled(kernel_mode)
+        gemv = kernels.gemv_enabled(on)
+        program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
+                      len(plan.steps) - len(live), kernels=on, windows=windows,
+                      gemv=gemv, fold=kernels.fold_norm_mode(gemv))
+        if program.fold != "0":
+            program_ops.fold_into_producers(program.ops)
+        if program.fold == "chain":
+            program_ops.chain_consumers(program.ops)
+        try:
+            check_prefill(plan, windows)
+            program.kv_layout = plan.kv_layout()
+        except (MaskUnsupported, RuntimeUserError) as e:
+            program.prefill_refused = str(e)
+        return program
+
+    # ---- trace time (runs once per compiled shape, or every call when not compiled) ---------
+
+    def __call__(self, tokens: mx.array, offset: mx.array, *kv: mx.array
+                 ) -> tuple[mx.array, ...]:
+        """s tokens (a device array of s ids, or one scalar) after `offset` cached positions;
+        or a batch: tokens [b, s] (one row per sequence, cache buffers [b, ...]) after
+        `offset` [b] positions per row, logits [b, vocab]."""
+        return self.run(tokens, offset, kv, fresh=False)
+
+    def fresh(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
+        return self.run(tokens, offset, kv, fresh=True)
+
+    def spanned(self, tokens: mx.array, offset: mx.array, span: mx.array, *kv: mx.array
+                ) -> tuple[mx.array, ...]:
+        """A batch step whose attention (the plain path) reads only the first len(span) cache
+        rows (span = arange(L), L covering every fed row's position; batch.py buckets L so
+        that a compiled trace serves many steps). The writes still go to the whole buffers."""
+        return self.run(tokens, offset, kv, fresh=False, span=span)
+
+    def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
+            prefix: int | None = None, span: mx.array | None = None) -> tuple[mx.array, ...]:
+        """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
+        attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
+        whole capacity, or over the rows of `span` (positions 0..L-1) when given."""
+        batched = tokens.ndim == 2
+        ids = tokens if batched else tokens.reshape(1, -1)
+        if not (ids.dtype == mx.uint32 and self.gemv and ids.shape[1] == 1):
+            # a decode step with the kernels takes the argmax's uint32 token as it is (the
+            # embedding kernel reads it; a cast would be one more launch a step)
+            ids = ids.astype(mx.int32)
+        s, capacity = ids.shape[1], kv[0].shape[2]
+        rows = s if fresh else None if prefix is None else prefix + s
+        masks: dict[int | None, Mask] = {}
+
+        def mask_for(attn: Step) -> Mask:
+            """The layer's mask: query i (position offset + i) sees key j iff j <= offset + i
+            (s = 1: all cached) and, with a sliding window w, j > offset + i - w. A full layer
+            whose cached row count is known (`rows`) uses MLX's fused "causal" over those rows;
+            else an array mask [b or 1, 1, s, capacity], one offset per batch row or one for all.
+            """
+            w = _window(self.windows, attn)
+            if w not in masks:
+                if w is None and rows is not None:
+                    masks[w] = "causal"
+                else:  # the mask's width is the key span attention reads (over_cache)
+                    keys = mx.arange(capacity) if span is None else span
+                    q = offset.reshape(-1, 1, 1, 1) + mx.arange(s).reshape(s, 1)
+                    seen = keys <= q
+                    if w is not None:
+                        seen = mx.logical_and(seen, keys > q - w)
+                    masks[w] = seen
+            return masks[w]
+
+        env: dict[str, object] = {"input_ids": ids}
+        out_kv: list[mx.array] = list(kv)
+        # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
+        # the pairs so computed (they launch nothing)
+        producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
+                     if self.fold != "0" and s == 1 else {})
+        done: set[int] = set()
+        # decode with the kernels: a FusedQKV's projection by its (q, k, v) output names, so the
+        # attention kernel reads them out of it (no slices)
+        joined: dict[tuple[object, ...], mx.array] = {}
+        # the attention kernel's positions, offset as [b]: made once a step for every layer
+        offset_rows = mx.broadcast_to(offset.reshape(-1), kv[0].shape[:1] if kv else (1,))
+        # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
+        with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
+            for o in self.ops:
+                if id(o) in done:
+                    continue
+                args = _resolve(o.args, env)
+                if id(o) in producing:
+                    pair = producing[id(o)]
+                    assert pair.partner is not None
+                    residual = _resolve([pair.args[1 - pair.producer_arg]], env)[0]
+                    # h and y: views of the launch's one output, which the GEMVs reading
+                    # them take in their place (QWeight.matmul_add_norm): unread, no graph node
+                    h_y = program_ops.matmul_add_norm(
+                        o, pair, args[0], residual, _resolve(pair.partner.args[1:2], env)[0])
+                    if h_y is not None:
+                        _bind(env, pair.step.outputs[:1] + pair.partner.step.outputs[:1], h_y)
+                        done.add(id(pair))
+                        continue
+                if o.kind == "add_norm":
+                    assert o.partner is not None
+                    values = program_ops.add_norm(o.step, o.partner.step, args[0], args[1],
+                                                  _resolve(o.partner.args[1:2], env)[0],
+                                                  self.kernels)
+                    _bind(env, o.step.outputs[:1] + o.partner.step.outputs[:1], values)
+                    continue
+                if o.kind in ("attention", "rope_attention"):
+                    attn = o.partner if o.partner is not None else o
+                    layer = attn.step.layer
+                    assert layer is not None
+                    k_old, v_old = out_kv[2 * layer], out_kv[2 * layer + 1]
+                    mask = mask_for(attn.step)
+                    # the fused kernel reads every cached row: full-attention layers only
+                    use_kernel = self.kernels and _window(self.windows, attn.step) is None
+                    if o.partner is not None:
+                        v = _resolve(attn.args[2:3], env)[0]
+                        parent = joined.get((o.args[0][1], o.args[1][1], attn.args[2][1]))
+                        y, k_new, v_new = program_ops.rope_attention(
+                            o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
+                            use_kernel, offset_rows, rows, qkv=parent)
+                    else:
+                        y, k_new, v_new = program_ops.attend(
+                            o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
+                            rows)
+                    out_kv[2 * layer], out_kv[2 * layer + 1] = k_new, v_new
+                    _bind(env, attn.step.outputs[:1], (y,))
+                    continue
+                if o.kind == "rope":
+                    values = call_step(o.step, args, {"device_offset": offset})
+                elif o.step.op_type == "FusedQKV" and self.kernels and s == 1:
+                    # the slices stay bound for any other reader; unread, they are no graph node
+                    *parts, qkv = call_step(o.step, args, {"joined": True})
+                    assert isinstance(qkv, mx.array)
+                    values = tuple(parts)
+                    joined[tuple(o.step.outputs[:3])] = qkv
+                elif o.step.is_lm_head:
+                    # the logits leave float32 (the decode GEMV writes them so: no cast launch)
+                    with qweight.float32_result():
+                        values = call_step(o.step, lm_head_rows(o.step, args))
+                else:
+                    values = call_step(o.step, args)
+                _bind(env, o.step.outputs, values)
+        logits = to_device(env[self.logits])
+        assert isinstance(logits, mx.array)
+        # the last position's row; reshapes and a slice, not integer indexing: MLX gathers for
+        # `a[0]` / `a[:, -1]`, a kernel launch (26 µs for Qwen3's vocabulary on the H200)
+        vocab = logits.shape[-1]
+        rows_ = logits.reshape(ids.shape[0], -1, vocab)
+        if rows_.shape[1] > 1:
+            rows_ = rows_[:, -1:]
+        last = rows_.reshape(ids.shape[0], vocab).astype(mx.float32)
+        return (last if batched else last.reshape(vocab), offset + s, *out_kv)
+
+
+def _window(windows: dict[str, int | None], attn: Step) -> int | None:
+    return windows.get(attn.inputs[3]) if len(attn.inputs) > 3 else None
+
+
+def _resolve(args: list[tuple[str, object]], env: dict[str, object]) -> list[object]:
+    return [v if k == "const" else env[v] if k == "env" else None  # type: ignore[index]
+            for k, v in args]
+
+
+def _bind(env: dict[str, object], names: list[str], values: tuple[object, ...]) -> None:
+    for name, v in zip(names, values, strict=False):
+        if name:
+            env[name] = v
+
+
+def _kind(s: Step, tainted: set[str]) -> str:
+    dyn = {i for i, n in enumerate(s.inputs) if n and n in tainted}
+    if s.op_type == "Attention" and s.layer is not None:
+        if int(s.attrs.get("n_outputs", 1)) > 3 or (len(s.inputs) > 6 and s.inputs[6]):
+            raise DecodeUnsupported(f"{s.name}: Attention with qk output / nonpad_kv_seqlen")
+        if any(i < 3 for i in dyn):
+            raise DecodeUnsupported(f"{s.name}: q/k/v depend on attention_mask/position_ids")
+        return "attention"
+    if s.op_type == "FusedRoPE":
+        if float(s.attrs.get("dynamic_factor", 0.0) or 0.0) > 0:
+            raise DecodeUnsupported(f"{s.name}: dynamic-NTK RoPE needs host positions per step")
+        if dyn - {2} or (2 in dyn and s.inputs[2] != "position_ids"):
+            raise DecodeUnsupported(f"{s.name}: positions computed in the graph")
+        return "rope"
+    if dyn:
+        raise DecodeUnsupported(
+            f"{s.name} ({s.op_type}) reads attention_mask/position_ids outside the mask")
+    return "step"
+
+
+def _live(ops: list[ProgramOp], output: str) -> list[ProgramOp]:
+    """Drop what only fed the dropped mask subgraph (e.g. Shape(input_ids))."""
+    needed, live = {output}, []
+    for o in reversed(ops):
+        if any(n and n in needed for n in o.step.outputs):
+            live.append(o)
+            needed.update(v for k, v in o.args if k == "env")  # type: ignore[misc]
+    return live[::-1]
+
+
+class FastDecoder:
+    """Drives a DecodeProgram over the engine's KVCache objects (the same buffers the executor
+    writes when it runs instead), compiled with mx.compile unless `compiled=False`: `step` for
+    one decoded token, `prefill` for a prompt chunk."""
+
+    def __init__(self, program: DecodeProgram, caches: list[KVCache], compiled: bool = True
+                 ) -> None:
+        self.program = program
+        self.caches = caches
+        self.compiled = compiled
+        # Two compiled functions (each keeps one trace per input shape): any offset, and a
+        # fresh prompt's first chunk, whose attention differs in structure ("causal").
+        self._fn: Callable[..., tuple[mx.array, ...]] = (
+            mx.compile(program) if compiled else program)
+        self._fresh: Callable[..., tuple[mx.array, ...]] = (
+            mx.compile(program.fresh) if compiled else program.fresh)
+        # True: a later prompt chunk attends rows 0..offset+s with MLX's causal mask, one
+        # compiled function per host offset (`_prefixed`); False: the compiled call with the
+        # device mask over the whole capacity (the work and the mask read grow with capacity,
+        # not with what is cached: measured 2-3x slower than mlx-lm at 2,048-8,192 tokens).
+        self.prefix_prefill = True
+        self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
+        self._offset: mx.array | None = None
+        self._offset_at = -1  # the host offset `_offset` holds
+
+    @property
+    def can_prefill(self) -> bool:
+        return not self.program.prefill_refused and self.program.kv_layout is not None
+
+    def step(self, token: mx.array) -> mx.array:
+        """Feed one token (a device scalar, possibly still lazy); return its logits [vocab] as a
+        lazy float32 array. The caches advance by one position."""
+        if self.caches[0].keys is None:
+            raise RuntimeUserError("decode needs a prefilled cache (feed the prompt first)")
+        return self._call(self._fn, token, 1)
+
+    def prefill(self, ids: np.ndarray) -> mx.array:
+        """Feed a chunk of prompt ids; return the last position's logits [vocab], lazy float32
+        (the cache writes are in the same graph: evaluating the logits performs them)."""
+        assert self.can_prefill
+        ids = np.asarray(ids).reshape(-1)
+        pos = self.caches[0].offset
+        fn = self._fresh if pos == 0 else self._fn
+        if pos and ids.size > 1 and self.prefix_prefill:
+            fn = self._prefix_fn(pos)
+        return self._call(fn, mx.array(ids.astype(np.int32)), ids.size)
+
+    @property
+    def compiled_prefixes(self) -> int:
+        """How many chunk starts have their own compiled prefix function now."""
+        return len(self._prefixed)
+
+    _PREFIXED_KEPT = 64  # compiled prefix functions kept (oldest dropped first)
+
+    def _prefix_fn(self, pos: int) -> Callable[..., tuple[mx.array, ...]]:
+        """The program for a chunk after `pos` cached rows, attending rows 0..pos+s."""
+        fn = self._prefixed.pop(pos, None)
+        if fn is None:
+            program = self.program
+
+            def run(tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+                return program.run(tokens, offset, kv, fresh=False, prefix=pos)
+            fn = mx.compile(run) if self.compiled else run
+            if len(self._prefixed) >= self._PREFIXED_KEPT:
+                self._prefixed.pop(next(iter(self._prefixed)))
+        self._prefixed[pos] = fn  # re-inserted: most recently used last
+        return fn
+
+    def _call(self, fn: Callable[..., tuple[mx.array, ...]], tokens: mx.array, s: int
+              ) -> mx.array:
+        caches = self.caches
+        pos = caches[0].offset
+        self.reserve(pos + s)
+        if self._offset is None or self._offset_at != pos:
+            self._offset = mx.array(pos, mx.int32)
+        kv = [a for c in caches for a in c.buffers()]
+        logits, self._offset, *new_kv = fn(tokens, self._offset, *kv)
+        for i, c in enumerate(caches):
+            c.adopt(new_kv[2 * i], new_kv[2 * i + 1], pos + s)
+        self._offset_at = pos + s
+        return logits
+
+    def reserve(self, n: int) -> None:
+        """Capacity for n positions (KVCache.reserve: whole blocks, each capacity one compiled
+        shape). A generation reserves prompt + new tokens up front, so its prefill and decode
+        see one capacity and a repeated generation traces nothing."""
+        layout = self.program.kv_layout
+        for i, c in enumerate(self.caches):
+            if c.keys is None:
+                assert layout is not None
+                hk, dk, dv, dtype = layout[i]
+                c.allocate(1, hk, dk, dv, dtype)
+            c.reserve(n)

@@ -1,0 +1,186 @@
+"""The MLX engine: the planned graph run by the executor, KV cache preallocated and in place.
+
+Two ways through the graph:
+- the compiled program (decode.py): `decode_step` (one token, device in and device out) and
+  `forward`/`forward_device` for a prompt chunk (last-position logits), traced once per
+  (token count, cache capacity) and replayed;
+- the executor, which walks the plan's steps: all-position logits, profiling, `fast=False`
+  (or FUSELM_FAST_DECODE=0; `fast_prefill=False` / FUSELM_FAST_PREFILL=0 for prefill alone),
+  and graphs the program refuses. `describe()` says which path decode and prefill take and why.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from fuselm.runtime_metal.artifact import Manifest, model_path
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.loader import load_graph
+from fuselm.runtime_metal.manifest_schema import (
+    check_graph_io,
+    onnx_inputs,
+    onnx_past_dtype,
+)
+from fuselm.runtime_metal.mlx_engine.decode import DecodeProgram, DecodeUnsupported, FastDecoder
+from fuselm.runtime_metal.mlx_engine.executor import Executor
+from fuselm.runtime_metal.mlx_engine.plan import build_plan
+from fuselm.runtime_metal.mlx_engine.profile import Profiler
+from fuselm.runtime_metal.mlx_engine.qweight import (
+    QWeight,
+    probe_kernels,
+    settle_affine,
+    warm_dense,
+)
+
+
+class MLXEngine:
+    name = "mlx"
+    device_loop = True
+
+    def __init__(self, out_dir: str | Path, manifest: Manifest,
+                 profiler: Profiler | None = None, fast: bool | None = None,
+                 compiled: bool = True, fast_prefill: bool | None = None) -> None:
+        if fast is None:  # FUSELM_FAST_DECODE=0 turns the compiled program off everywhere
+            fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
+        if fast_prefill is None:
+            fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
+        kernels.configure_cuda_graphs()  # before the first GPU evaluation of the process
+        self.manifest = manifest
+        graph = load_graph(model_path(out_dir))
+        check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
+                       onnx_past_dtype(graph.model))
+        self.plan = build_plan(graph)
+        self.executor = Executor(self.plan)
+        self.executor.profiler = profiler
+        self.caches = [KVCache() for _ in range(self.plan.num_layers)]
+        self.dense_prefill_weights = 0
+        act = mx.float16 if manifest.dtype == "float16" else mx.float32
+        packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
+        settle_affine(packed, act)
+        if mx.default_device() == mx.gpu:
+            weights = [c for c in packed if not c.rows_only]
+            self.dense_prefill_weights = probe_kernels(weights, act)
+            warm_dense(weights, act)  # made once here, not inside every compiled call
+        self.fast: FastDecoder | None = None
+        self.fast_reason = "off (fast=False)" if not fast else (
+            "off (profiling times the executor's nodes)" if profiler is not None else "")
+        if fast and profiler is None:
+            try:
+                program = DecodeProgram.build(self.plan)
+                self.fast = FastDecoder(program, self.caches, compiled=compiled)
+                self.fast_reason = "compiled" if compiled else "program (not compiled)"
+            except DecodeUnsupported as e:
+                self.fast_reason = f"off ({e})"
+        self.fast_prefill = self.fast is not None and fast_prefill and self.fast.can_prefill
+        if self.fast_prefill:
+            self.prefill_reason = self.fast_reason
+        elif self.fast is None:
+            self.prefill_reason = f"executor (the program is {self.fast_reason})"
+        else:
+            self.prefill_reason = "executor ({})".format(
+                self.fast.program.prefill_refused or "fast_prefill=False")
+
+    @property
+    def offset(self) -> int:
+        return self.caches[0].offset if self.caches else 0
+
+    def reset(self) -> None:
+        for c in self.caches:
+            c.reset()
+
+    def reserve(self, n: int) -> None:
+        """Room for n cached positions before a generation starts (the compiled program's
+        buffers; the executor grows its own as it goes)."""
+        if self.fast is not None:
+            self.fast.reserve(n)
+
+    def swap_cache(self, state: list[KVCache] | None = None) -> list[KVCache]:
+        """Install per-layer caches (None: fresh ones); return those in use. The list object is
+        kept (the compiled program's driver holds it): its entries are replaced."""
+        old = list(self.caches)
+        new = state if state is not None else [KVCache() for _ in old]
+        if len(new) != len(old):
+            raise ValueError("a cache state has one KVCache per layer")
+        self.caches[:] = new
+        return old
+
+    def batch_program(self) -> tuple[object, list, int] | None:
+        """The compiled program for [b, 1] tokens at [b] offsets (its own traces: compiled
+        anew, not the single-sequence driver's), with the cache layout and the span step
+        (Engine.batch_program); None when the program is refused or cannot allocate its
+        cache. With the CUDA attention kernel on every layer (no sliding window), attention
+        already stops at each row's length: one span, one trace."""
+        if self.fast is None or self.fast.program.kv_layout is None:
+            return None
+        program = self.fast.program
+        fn = mx.compile(program.spanned) if self.fast.compiled else program.spanned
+        whole = program.kernels and not any(w is not None for w in program.windows.values())
+        return fn, program.kv_layout, 0 if whole else KVCache.step
+
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        for c in self.caches:
+            c.trim(n)
+
+    def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> mx.array:
+        """Like `forward`, but the logits stay a lazy float32 device array."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if self.fast_prefill and not all_logits:
+            assert self.fast is not None
+            return self.fast.prefill(ids)
+        s, start = ids.shape[1], self.offset
+        feeds = {
+            "input_ids": ids,
+            "attention_mask": np.ones((1, start + s), np.int64),
+            "position_ids": np.arange(start, start + s, dtype=np.int64)[None, :],
+        }
+        prof = self.executor.profiler
+        if prof is not None:
+            prof.begin_pass()
+        out = self.executor.run(feeds, self.caches, last_logits_only=not all_logits)
+        logits = out["logits"]
+        logits = logits[0] if all_logits else logits[0, -1]  # type: ignore[index]
+        return mx.array(logits).astype(mx.float32)
+
+    def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        logits = self.forward_device(ids, all_logits)
+        # Evaluate logits and the cache writes together (they share the graph).
+        mx.eval(logits, *[c.keys for c in self.caches if c.keys is not None],
+                *[c.values for c in self.caches if c.values is not None])
+        return np.array(logits)
+
+    def decode_step(self, token: mx.array | int) -> mx.array:
+        """One token (an int, or a device scalar that may be lazy) -> its logits [vocab], lazy
+        float32."""
+        if not isinstance(token, mx.array):
+            # uint32, the argmax's dtype: host and device tokens share one compiled trace
+            token = mx.array(int(token) % 2**32, mx.uint32)
+        if self.fast is not None and self.offset > 0:
+            return self.fast.step(token)
+        return mx.array(self.forward(np.array(token, np.int64).reshape(1, 1)))
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine": self.name,
+            "device": str(mx.default_device()),
+            "steps": len(self.plan.steps),
+            "graph_nodes": self.plan.stats.get("nodes"),
+            "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
+            "decode": self.fast_reason,
+            "prefill": self.prefill_reason,
+            "dense_prefill_weights": self.dense_prefill_weights,
+            "q4_dense_from_rows": kernels.dense_prefill_rows(),  # 0: MLX's quantized matmul
+            "fused_kernels": (
+                "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
+                    ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
+                + {"chain": ", add+rms_norm in the GEMV epilogue, chained with the next GEMV",
+                   "epilogue": ", add+rms_norm in the GEMV epilogue"}.get(
+                       self.fast.program.fold, "")
+                if self.fast is not None and self.fast.program.kernels
+                else "off (MLX built-ins)"),
+        }

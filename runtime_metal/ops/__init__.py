@@ -1,6 +1,0 @@
-"""Op registry: (domain, op_type) -> MLX function. Importing this package registers every op."""
-
-from fuselm.runtime_metal.ops import attention, elementwise, fused, linear, norm, shape  # noqa: F401
-from fuselm.runtime_metal.ops.registry import OpImpl, lookup, op, registered
-
-__all__ = ["OpImpl", "lookup", "op", "registered"]
