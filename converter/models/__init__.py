@@ -1,1 +1,2 @@
-"""Where models come from besides a user's folder: the hub, the built-in test models, the demo's SmolLM2."""
+"""Where models come from besides a user's folder: the hub, the built-in test models and
+the demo's SmolLM2."""
