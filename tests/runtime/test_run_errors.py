@@ -128,7 +128,7 @@ _SCRIPT = r"""
 import contextlib, io, json, os, sys, traceback
 import mlx.core, onnxruntime, transformers, jinja2, tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
-from fuselm.converter import cli, run_cmd
+from fuselm.converter.cli import main as cli, run_cmd
 import fuselm.runtime_metal.mlx_engine.engine, fuselm.runtime_metal.ort_engine.engine
 import fuselm.runtime_metal.generate, fuselm.runtime_metal.tokenizer
 import fuselm.runtime_metal.integrity, fuselm.runtime_metal.manifest_schema
