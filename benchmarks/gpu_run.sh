@@ -29,8 +29,9 @@
 #   benchmarks/gpu_run.sh pin SHAPE GROUP       # the decode step's wall under CPU placements
 #                                               # (PLACEMENTS="none 2,3 2": unpinned or a taskset
 #                                               # CPU list), one process each, alternating,
-#                                               # ROUNDS; thread_probe.py says where its threads
-#                                               # ran (SYS=mlx-lm for the peer; needs `prep`)
+#                                               # ROUNDS; probes/thread_probe.py says where its
+#                                               # threads ran (SYS=mlx-lm for the peer;
+#                                               # needs `prep`)
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
 #                                               # alone (GEMV with and without the add+norm
 #                                               # epilogue, attention with 0..32/auto key
@@ -40,7 +41,7 @@
 #                                               # fixed cost shows at 16), then one launch under
 #                                               # ncu's full set with per-SASS-line stall
 #                                               # samples -> $OUT/attn_*.{json,txt}
-#   benchmarks/gpu_run.sh crossover             # q4_dense_crossover.py (quantized vs dense matmul)
+#   benchmarks/gpu_run.sh crossover             # probes/q4_dense_crossover.py (quantized vs dense)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
 #                                               # by inputs, outputs, text; graphs on and off
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
@@ -74,7 +75,7 @@ case "$part" in
     par=(); python3 -c "import xdist" 2>/dev/null && par=(-n 6)
     # -P and --import-mode=append: the checkout's own fuselm/ (only __init__.py) must not come
     # before the linked package on sys.path (cwd first, and pytest prepends the rootdir; on
-    # session 11's host either made `fuselm.converter` unimportable)
+    # the H200 host either made `fuselm.converter` unimportable)
     NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
       "${par[@]}" tests/runtime/test_kernels.py ${2:+-k "$2"}
     ;;
@@ -180,7 +181,7 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     for r in $(seq "${ROUNDS:-3}"); do
       for place in ${PLACEMENTS:-none 2,3 2}; do
         pre=(); [ "$place" = none ] || pre=(taskset -c "$place")
-        ${pre[@]+"${pre[@]}"} python3 benchmarks/thread_probe.py benchmarks/step_profile.py \
+        ${pre[@]+"${pre[@]}"} python3 benchmarks/probes/thread_probe.py benchmarks/step_profile.py \
           --system "${SYS:-fuselm}" --wall-only --hf "$WORK/$2/hf" -p 512 -n 128 \
           --artifact "$WORK/fuselm_$2_g$3_float16" --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
           | tail -2 | python3 -c "import json,sys; a=[json.loads(l) for l in sys.stdin]; \
@@ -207,7 +208,7 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
       "$OUT/attn_$2_g$3.json"
     ;;
   crossover)
-    python3 benchmarks/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"
+    python3 benchmarks/probes/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"
     ;;
   hostbench)
     for g in 1 0; do  # one process per setting: MLX reads them once

@@ -2,8 +2,9 @@
 
     python benchmarks/host_launch_bench.py [--launches 87] [--steps 200]
 
-A decode step of fuselm's is host-bound on the H200 (BENCHMARKS.md issue 14: ~12 µs of host
-time per launch against ~11 µs of GPU work for Llama-3.2-1B), so this separates the parts of a
+A decode step of fuselm's is host-bound on the H200 (~12 µs of host time per launch against
+~11 µs of GPU work for Llama-3.2-1B: BENCHMARKS.md 'Runtime settings measured against the
+default'), so this separates the parts of a
 launch's host cost: a compiled chain of `--launches` tiny launches is built and `mx.async_eval`ed
 `--steps` times without waiting (the tiny kernels keep the host the bound), and the host
 seconds per launch are reported for: a custom kernel with one input and a short body; the same

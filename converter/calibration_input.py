@@ -16,12 +16,13 @@ from fuselm.passes.quant.q4_calibration import Calibration, read_calibration
 CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
 # The default's tokens: one forward of CONTEXT. On SmolLM2 (block 64, importance-weighted) 256,
 # 512 and all 1,700 tokens of the text gave +19.1 %, +18.4 % and +19.1 % PPL: the outlier
-# channels that matter show within a few hundred tokens (BENCHMARKS, issue 12).
+# channels that matter show within a few hundred tokens (BENCHMARKS.md 'Quantization quality').
 BUILTIN_TOKENS = 256
 BUILTIN_FILE = "calibration.txt"
 # Above this many linear weights the default stays data-free: the forward and the 32/64 choice
 # scale with the weights (Qwen3-0.6B: +12 s wall, +29 s CPU on 2 cores), and an 8B model's
-# default conversion on a 2-core machine went past 10 minutes with them (BENCHMARKS, issue 14).
+# default conversion on a 2-core machine went past 10 minutes with them (BENCHMARKS.md
+# 'Convert time and memory').
 # Quantization hurts small models most; `--calibration FILE` still calibrates any size.
 BUILTIN_MAX_WEIGHTS = 2_000_000_000
 
@@ -53,7 +54,7 @@ def _tokenize(model_dir: Path, text: str) -> tuple[int, ...]:
     """No special tokens added, as `fuselm perplexity` does. A tokenizer.json is read with the
     `tokenizers` library itself (what transformers' fast tokenizers wrap): importing
     transformers' AutoTokenizer imports torch, +290 MB at the conversion's peak (the GGUF
-    builder's conversion stays torch-free, BENCHMARKS issue 11)."""
+    builder's conversion stays torch-free: BENCHMARKS.md 'Convert time and memory')."""
     if (Path(model_dir) / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 

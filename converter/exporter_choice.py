@@ -56,5 +56,6 @@ def _through_file(exporter: Callable[..., Any], *args: Any, in_memory: bool = Fa
     """`exporter` writing raw.onnx.data, whatever the pipeline asks: a GGUF tensor is
     dequantized to float32 on every read, so weights read from the file in the graph's dtype
     cost less memory than recipes reading the GGUF (SmolLM2's default Q4 convert: 387.6 MB
-    peak through the file, 450.6 MB in memory; its bound is 403.4 MB, BENCHMARKS issue 11)."""
+    peak through the file, 450.6 MB in memory; its bound is 403.4 MB: BENCHMARKS.md 'Convert time
+    and memory')."""
     return exporter(*args, in_memory=False, **kwargs)

@@ -1,6 +1,6 @@
 """The checkpoint's tensor names against the ones config.json implies, before any export work.
 
-A config with fewer layers than the checkpoint used to drop the extra layers silently (a
+A config with fewer layers than the checkpoint would otherwise drop the extra layers silently (a
 different, worse model); a tensor nobody reads means the config and the weights disagree (a
 feature the exporter does not know, or the wrong config). Both are errors naming the tensors,
 as are tensors the config needs that the checkpoint lacks. Tensors HF itself never loads

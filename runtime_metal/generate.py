@@ -45,8 +45,8 @@ class GenerationResult:
 
 DEFAULT_PREFILL_CHUNK = 512
 # MLX on CUDA: 2,048-token chunks prefilled 2,048- and 8,192-token prompts at 2.1-2.3x the
-# tokens/s of 512-token chunks on an H200, at about twice the peak memory (BENCHMARKS.md issue
-# 14, long prompts); mlx-lm's prefill step is 2,048 tokens too.
+# tokens/s of 512-token chunks on an H200, at about twice the peak memory (BENCHMARKS.md
+# 'Long prompts'); mlx-lm's prefill step is 2,048 tokens too.
 CUDA_PREFILL_CHUNK = 2048
 
 

@@ -1,4 +1,5 @@
-"""The verification ladder (DESIGN.md): HF transformers -> onnxruntime -> MLX, on a few prompts.
+"""The verification ladder (docs/DESIGN.md): HF transformers -> onnxruntime -> MLX, on a few
+prompts.
 
 Each rung reports the logits error (rel = max|a - b| / max|b|) against the rung above and
 greedy agreement with HF over n tokens. Users check their own conversions with it.

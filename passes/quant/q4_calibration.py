@@ -53,7 +53,7 @@ def read_calibration(path: str | Path) -> str:
 
 
 def _feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Graph inputs for one prefill of `ids` from an empty cache (DESIGN.md's I/O contract)."""
+    """Graph inputs for one prefill of `ids` from an empty cache (docs/DESIGN.md's I/O contract)."""
     t = ids.shape[1]
     feeds: dict[str, np.ndarray] = {}
     for inp in model.graph.input:

@@ -30,7 +30,8 @@ from fuselm.passes import ops
 # [SEGMENT_BYTES, MAX_SEGMENT_BYTES]. Each session costs ~30 ms to make besides its weights
 # (Qwen3-0.6B: 113 sessions of 8 MB), and a segment's weights are held about twice at once
 # (the values read, the session's float copy): the floor keeps SmolLM2's GGUF default convert
-# under its 385 MiB bound (BENCHMARKS, issue 11), the cap an 8B model's extra memory small.
+# under its 385 MiB bound (BENCHMARKS.md 'Convert time and memory'), the cap an 8B model's
+# extra memory small.
 SEGMENT_BYTES = 8 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 SEGMENTS = 32

@@ -1,6 +1,6 @@
-"""4-bit block quantization of linear weights (issue 4): W4, blocks of 32 along the reduction axis.
+"""4-bit block quantization of linear weights: W4, blocks of 32 along the reduction axis.
 
-The stored form is the standard one fixed by DESIGN.md, so every ONNX runtime runs it and
+The stored form is the standard one fixed by docs/DESIGN.md, so every ONNX runtime runs it and
 onnxruntime fuses it into `MatMulNBits`:
 
     plain projection   MatMul(x, W)            -> MatMul(x, DequantizeLinear(codes, scales, zp,
@@ -96,7 +96,7 @@ DEFAULT_METHOD = "search"
 # With calibration statistics and no explicit --block-size / --bits-budget: blocks of 32 or 64
 # per tensor under this mean (fewer bits than mlx-lm's default 4.5). On SmolLM2 it gives
 # +14 % PPL where every tensor at 64 gives +19 % and the data-free block 32 +27 % at 4.625
-# (BENCHMARKS, issue 12, "default quality"). Data-free, a budget costs more than it saves
+# (BENCHMARKS.md 'Quantization quality'). Data-free, a budget costs more than it saves
 # (+39 % at 4.45), so without statistics the default stays block 32 everywhere.
 DEFAULT_BITS_BUDGET = 4.45
 FUSED_OPS = ("FusedQKV", "FusedGateUp")

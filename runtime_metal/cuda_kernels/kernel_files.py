@@ -4,7 +4,8 @@ hashes at every launch is a few lines rather than the kernel's whole text.
 Why: MLX-CUDA hashes a custom kernel's entire source on every launch (custom_kernel.cpp,
 CustomKernel::eval_gpu names its JIT module `name_<std::hash(source)>`), ~0.18 µs a KB on the
 H200 host (benchmarks/host_launch_bench.py), and fuselm's kernels are 4-8 KB each: ~140 µs of
-a Qwen3-0.6B decode step's ~1.2 ms, which is host-bound there (BENCHMARKS.md issue 14). So the
+a Qwen3-0.6B decode step's ~1.2 ms, which is host-bound there (BENCHMARKS.md 'Kernels per decode
+step'). So the
 kernel's header and body go into `fuselm_<sha>.cuh` in a cache folder, the body as the macro
 `FL_BODY_<sha>`; MLX gets `#include "<that file>"` as the header and the macro's name as the
 body. NVRTC reads the file when it compiles the module (once per process and text; MLX's PTX

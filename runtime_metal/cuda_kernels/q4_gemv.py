@@ -308,7 +308,7 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
 # supported). The blocks' shares of the sums of squares: scratch of the module, not an output
 # of the launch: MLX-CUDA's host cost grows ~2 µs with each output array (allocation, graph
 # bookkeeping, release), measured by benchmarks/host_launch_bench.py on the H200 host, and a
-# decode step is host-bound there (BENCHMARKS.md issue 14).
+# decode step is host-bound there (BENCHMARKS.md 'Host cost of a launch on MLX-CUDA').
 ADD_NORM_PARTS = 65536  # rows x blocks: MAX_ROWS rows of outputs up to 32,768 wide
 _ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
                      f"__device__ float fuselm_addnorm_part[{ADD_NORM_PARTS}];\n")

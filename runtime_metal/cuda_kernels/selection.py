@@ -164,10 +164,10 @@ def fold_norm_mode(gemv_on: bool) -> str:
     together with the GEMV reading the normalized row (gate/up, the next layer's q/k/v:
     kernels_q4.q4_gemv_add_norm_then; 2 launches a layer fewer, but the H200 measured the
     chained launch at ~2.7x the two apart, a Qwen3-0.6B step 2.48 ms against 1.70 ms:
-    BENCHMARKS.md session 10); `0` as the separate add+RMSNorm kernel. Without the GEMV
+    BENCHMARKS.md 'Runtime settings'); `0` as the separate add+RMSNorm kernel. Without the GEMV
     kernel: "0". (Folding it into every block of the GEMV reading the normalized row instead
     measured ~21 µs a GEMV against ~3.5 µs plain on the H200, a Qwen3-0.6B step 2.85 ms
-    against 1.59 ms unfolded: BENCHMARKS.md issue 14.)"""
+    against 1.59 ms unfolded: BENCHMARKS.md 'Runtime settings'.)"""
     raw = os.environ.get(FOLD_ENV, FOLD_MODES[0]).strip().lower()
     if raw not in FOLD_MODES:
         raise RuntimeUserError(f"{FOLD_ENV}={raw!r}: use one of {', '.join(FOLD_MODES)}")
@@ -179,7 +179,7 @@ MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 # MLX-CUDA records launches into a CUDA graph and launches it every MLX_MAX_OPS_PER_BUFFER
 # operations (its default: 20). A decode step of ~150 launches is bound by the host's cost per
 # launch once the kernels are fast: on an H200 host, a Qwen3-0.6B g32 step took 2.09 ms at 20,
-# 1.62 ms at 60 and 2.47 ms at 200 operations per graph (BENCHMARKS.md issue 14).
+# 1.62 ms at 60 and 2.47 ms at 200 operations per graph (BENCHMARKS.md 'Runtime settings').
 CUDA_GRAPH_OPS = 60
 GRAPHS_ENV = "FUSELM_CUDA_GRAPHS"
 MLX_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
@@ -212,7 +212,7 @@ def configure_cuda_graphs() -> None:
 DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
 # MLX-CUDA's quantized matmul for many rows runs well below a dense GEMM: dequantizing each
 # weight inside the call (a transient) and running MLX's dense matmul doubled prefill on the
-# H200 (Qwen3-0.6B Q4 float16, 2,048 tokens: 149k vs 80k tok/s; BENCHMARKS.md issue 14).
+# H200 (Qwen3-0.6B Q4 float16, 2,048 tokens: 149k vs 80k tok/s; BENCHMARKS.md 'Long prompts').
 CUDA_DENSE_ROWS = 256
 
 

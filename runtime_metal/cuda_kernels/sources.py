@@ -440,8 +440,9 @@ _SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per ke
 # The splits' partials (max, sum, accumulator: rows x HQ x S x (D + 2) floats) in scratch of
 # the module rather than as outputs of the launch: MLX-CUDA's host cost grows ~2 µs with each
 # output array, and the decode step is host-bound on the H200 (benchmarks/host_launch_bench.py,
-# BENCHMARKS.md issue 14). A launch whose partials do not fit (a batch of many rows at many
-# splits) takes them as outputs instead: the same arithmetic, only where the partials live.
+# BENCHMARKS.md 'Host cost of a launch on MLX-CUDA'). A launch whose partials do not fit (a
+# batch of many rows at many splits) takes them as outputs instead: the same arithmetic, only
+# where the partials live.
 SPLIT_SCRATCH = 1 << 21  # floats (8 MB a module)
 _SCRATCH = f"__device__ float fuselm_split_scratch[{SPLIT_SCRATCH}];\n"
 _SCRATCH_PARTS = """

@@ -4,7 +4,8 @@ A Q4 tensor whose zero points are all 8 (what `--sym` writes, passes/quant/quant
 w = (q - 8) * s. onnxruntime fuses DequantizeLinear + MatMul into `MatMulNBits`, and keeps a
 zero-point input whenever the DequantizeLinear has one, or has uint4 codes (it then adds zeros):
 its CPU kernel for one row of activations (a decode step) then unpacks a zero point per block,
-~25 % slower on this machine's AVX2 than the same tensor without (BENCHMARKS.md, issue 12).
+~25 % slower on this machine's AVX2 than the same tensor without (BENCHMARKS.md 'CPU:
+onnxruntime engine against onnxruntime-genai').
 Stored as int4 codes q - 8 with no zero point, the same weights fuse into MatMulNBits without
 one (onnxruntime adds the 8 back into its own uint4 layout, MatMulNBits' default zero point).
 

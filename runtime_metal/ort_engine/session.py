@@ -16,8 +16,8 @@ physical core this process may run on (llama.cpp's default too; SMT siblings sha
 matmul units and add nothing to a bandwidth-bound decode), set explicitly and with spinning off.
 onnxruntime's own default (one thread per physical core, each pinned to its core, spinning
 between ops) stalls whenever another process wants one of those cores: a decode step waits at
-every op for the thread whose core is taken (BENCHMARKS.md, issue 12: 159-165 ms per 28-layer
-step that way under load ~3.5). Explicit, the threads are not pinned; not spinning, a thread that
+every op for the thread whose core is taken (BENCHMARKS.md 'CPU: onnxruntime engine': 159-165 ms
+a 28-layer step under load ~3.5). Explicit, the threads are not pinned; not spinning, a thread that
 waits gives its core back. onnxruntime-genai's default is hardware threads / 2, which on a
 machine without SMT leaves half the cores idle: on the 2-core development VM fuselm's decode is
 0.9x genai's at one thread each (the uint4 zero-point kernel) and ~1.5x at its default of two.

@@ -58,7 +58,7 @@ def _index(weight_map: object) -> Callable[[Path], None]:
 
 
 def _outside_shard(model: Path) -> None:
-    # A complete, valid checkpoint outside the folder: it used to convert (exit 0).
+    # A complete, valid checkpoint outside the folder: without the check it converts (exit 0).
     outside = model.parent / "outside"
     outside.mkdir()
     os.replace(model / "model.safetensors", outside / "secret.safetensors")

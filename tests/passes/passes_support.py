@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes.graph import PassResult
 from fuselm.passes.model_io import check, to_graph, to_model
-from fuselm.runtime_metal.validate import rel  # the one error metric (DESIGN.md)
+from fuselm.runtime_metal.validate import rel  # the one error metric (docs/DESIGN.md)
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

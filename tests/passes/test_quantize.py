@@ -1,4 +1,4 @@
-"""4-bit block quantization (issue 4): the formula, MLX's affine form, whole models via onnxruntime.
+"""4-bit block quantization: the formula, MLX's affine form, whole models via onnxruntime.
 
 Models are tiny random HF checkpoints exported with torch.onnx.export (dynamo) until the
 project's exporter lands; the pass is graph-shape agnostic, so any MatMul graph serves.
@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from fuselm.passes import ops
 from fuselm.passes.quant.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
 from fuselm.runtime_metal.ort_engine.session import make_session
-from fuselm.runtime_metal.validate import rel  # the one error metric (DESIGN.md)
+from fuselm.runtime_metal.validate import rel  # the one error metric (docs/DESIGN.md)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Long-prompt prefill paths (issue 14): a later chunk attending the cached prefix with MLX's
+"""Long-prompt prefill paths: a later chunk attending the cached prefix with MLX's
 fused causal attention (compiled once per chunk start), and Q4 matmuls of many rows through the
 dequantized weight (FUSELM_PREFILL_DENSE, the MLX-CUDA default). Both against the paths they
 replace, on any device (they run on CPU here and on the H200)."""

@@ -3,7 +3,7 @@ against transformers' own GGUF loader in float32.
 
 Perplexity bounds, on the bundled English prose at context 512 (4 chunks, 1024 scored tokens):
 - float16 graph: within 1% of HF float32's PPL. A float16 graph's logits stay within rel 2e-2
-  of float32 (DESIGN.md) and those errors are not biased towards either side of the target
+  of float32 (docs/DESIGN.md) and those errors are not biased towards either side of the target
   token, so they barely move the mean NLL (measured: 26.4459 vs 26.4464, 0.002%).
 - Q4 (block 32, asymmetric, float16 scales): within 35% of HF float32's PPL. The GGUF's own
   weights are already Q4_1 (block 32, float16 scale and float16 minimum); fuselm re-quantizes

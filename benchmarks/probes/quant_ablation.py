@@ -1,6 +1,6 @@
 """Where does Q4's loss come from? Fast fake-quant ablation on a real HF checkpoint.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/quant_ablation.py HF_DIR [--exp NAME ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/probes/quant_ablation.py HF_DIR [--exp NAME ...]
 
 Each weight is quantized with fuselm's own quantizer (passes/q4_math.quantize_array: the same
 codes, scales and zero points `fuselm convert --quant q4` stores), dequantized back into the

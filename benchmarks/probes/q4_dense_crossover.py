@@ -1,7 +1,7 @@
 """MLX's quantized matmul against dequantize-then-dense-matmul, by row count: where a Q4 matmul
 of M rows should switch (kernels.CUDA_DENSE_ROWS). JSON out, medians of -r timed runs.
 
-    python benchmarks/q4_dense_crossover.py [-m 16 32 64 128 256 512 2048] [--group-size 32]
+    python benchmarks/probes/q4_dense_crossover.py [-m 16 32 64 128 256 512 2048] [--group-size 32]
 """
 
 from __future__ import annotations

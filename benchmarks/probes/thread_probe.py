@@ -1,7 +1,7 @@
 """Where a benchmark process's threads run (Linux): runs a Python script in this process while a
 sampler thread reads every thread's state, CPU and CPU time from /proc/self/task/*/stat.
 
-    python benchmarks/thread_probe.py [--every MS] SCRIPT [ARGS...]
+    python benchmarks/probes/thread_probe.py [--every MS] SCRIPT [ARGS...]
 
 The script runs as __main__ with ARGS as its argv (e.g. `step_profile.py --wall-only ...`); its
 own output comes first, then one JSON line {"probe": ...}: the process's CPU affinity and, for

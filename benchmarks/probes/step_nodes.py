@@ -1,6 +1,6 @@
 """Graph nodes of one decode step, by primitive: what MLX evaluates for a token.
 
-    python benchmarks/step_nodes.py ARTIFACT [--prompt 512] [--dot FILE]
+    python benchmarks/probes/step_nodes.py ARTIFACT [--prompt 512] [--dot FILE]
 
 The engine prefills --prompt tokens, then the decode program is called once uncompiled and
 its lazy outputs are written with mx.export_to_dot (MLX's own graph dump); the nodes are counted
