@@ -79,7 +79,11 @@ def normalize_origin(value: str) -> str:
     """An --cors-origin value as a browser writes Origin ('scheme://host[:port]'), or '*'."""
     if value == ANY_HOST:
         return value
-    parts = urlsplit(value.strip())
+    try:
+        parts = urlsplit(value.strip())
+        parts.port  # noqa: B018 - parsed for its check of the port
+    except ValueError:  # e.g. "http://[::1" (an unclosed IPv6 bracket)
+        parts = urlsplit("")
     if (parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/")
             or parts.query or parts.fragment or "@" in parts.netloc
             or _split_host(parts.netloc) is None):
@@ -184,7 +188,8 @@ class AccessGuard:
                                  "refused); start it with --allowed-host NAME to add a name",
                             "host_not_allowed"), {}
         origin = headers.get("origin")
-        cross = origin is not None and urlsplit(origin).netloc.lower() != (host or "").lower()
+        # Compared as text: an Origin is untrusted and need not parse as a URL.
+        cross = origin is not None and origin.partition("://")[2].lower() != (host or "").lower()
         preflight = method == "OPTIONS" and "access-control-request-method" in headers
         cors: dict[str, str] = {}
         if cross:

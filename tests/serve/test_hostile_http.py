@@ -99,7 +99,8 @@ def test_only_json_bodies(guarded: Guarded, ctype: str | None, status: int) -> N
 def test_foreign_origin_refused(guarded: Guarded) -> None:
     srv = guarded.open
     before = counters(srv)
-    for origin in (guarded.foreign_page, "http://evil.example.com", "null",
+    for origin in (guarded.foreign_page, "http://evil.example.com", "null", "http://[::1",
+                   "http://[zz]", "",
                    srv.url.replace("127.0.0.1", "localhost")):  # same address, another origin
         pre = httpx.options(srv.url + "/v1/completions", timeout=10, headers={
             "origin": origin, "access-control-request-method": "POST",
@@ -204,6 +205,8 @@ def test_bind_beyond_loopback_needs_a_key(serve_artifact: Path) -> None:
     (["--cors-origin", "evil.example.com"], "--cors-origin"),
     (["--cors-origin", "http://a.example/path"], "--cors-origin"),
     (["--cors-origin", "null"], "--cors-origin"),
+    (["--cors-origin", "http://[::1"], "--cors-origin"),
+    (["--cors-origin", "http://a.example:99999"], "--cors-origin"),
     (["--allowed-host", "a b:x"], "--allowed-host"),
 ])
 def test_bad_access_options(serve_artifact: Path, args: list[str], word: str,
@@ -356,7 +359,8 @@ HOSTS = st.one_of(st.sampled_from(
     ["{self}", "localhost", "[::1]:1", "evil.example.com", "", "[::1", "localhost:x",
      ALLOWED_HOST, "127.0.0.1:99999999999", "a" * 300]), HEADER_TEXT)
 ORIGINS = st.one_of(st.none(), st.sampled_from(
-    ["{self}", "{allowed}", "null", "http://evil.example.com", "file://", "http://[::1"]),
+    ["{self}", "{allowed}", "null", "http://evil.example.com", "file://", "http://[::1",
+     "http://[zz]"]),
     HEADER_TEXT)
 CTYPES = st.one_of(st.none(), st.sampled_from(
     ["application/json", "application/json; charset=utf-8", "text/plain",
