@@ -133,6 +133,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
              name, max_batch, state.max_context, host, port)
     log.info("API key: %s; cross-origin pages allowed: %s", "required" if api_key else "none",
              ", ".join(sorted(access.cors_origins)) or "none")
+    if insecure_no_auth and not api_key:
+        log.warning("--insecure-no-auth: anyone who reaches %s:%d can use the model", host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)
