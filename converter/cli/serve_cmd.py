@@ -11,6 +11,9 @@ from fuselm.converter.cli.options import ort_options, threads_option
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
+# The one place the server reads its key from the environment (a key on the command line shows
+# in every user's process list).
+API_KEY_ENV = "FUSELM_API_KEY"
 
 
 def _need_serve_extra() -> None:
@@ -32,7 +35,9 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 
 @click.command("serve")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to listen on; one beyond this machine (0.0.0.0, a LAN address) "
+              "needs --api-key or --insecure-no-auth")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True,
@@ -55,17 +60,38 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               "OUT_DIR's folder name")
 @click.option("--max-body", type=click.IntRange(1024), default=2 * 1024 * 1024,
               show_default=True, help="largest request body in bytes (HTTP 413 above)")
+@click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
+              help="require `Authorization: Bearer KEY` on every path but /health (HTTP 401 "
+              "otherwise); prefer the environment variable, which other users cannot see")
+@click.option("--insecure-no-auth", is_flag=True,
+              help="allow a --host beyond this machine without an API key")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="HOST",
+              help="a Host header to answer besides localhost, 127.0.0.1, [::1] and --host "
+              "(NAME, NAME:PORT or '*'; repeatable); other names get HTTP 421, so a page "
+              "reaching the server by DNS rebinding is refused")
+@click.option("--cors-origin", "cors_origins", multiple=True, metavar="ORIGIN",
+              help="a web origin (scheme://host[:port], or '*') whose pages may call the API "
+              "(repeatable); requests from other origins get HTTP 403  [default: none]")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, default_max_tokens: int,
           prefill_chunk: int | None,
-          model_name: str | None, max_body: int, log_level: str) -> None:
+          model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
+          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
     """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
-    /health), decoding up to --max-batch requests together."""
+    /health), decoding up to --max-batch requests together.
+
+    Only this machine, and no web page from another origin, can use it by default; /health
+    stays open without the API key."""
     _need_serve_extra()
     import uvicorn
+
+    from fuselm.converter.serve.access import AccessRules, check_bind
+
+    access = AccessRules.build(host, allowed_hosts, cors_origins, api_key)
+    check_bind(host, api_key, insecure_no_auth)
 
     from fuselm.converter.serve.app import ServeState, create_app
     from fuselm.converter.serve.scheduler import Scheduler
@@ -101,10 +127,14 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
                        max_context, manifest.model.vocab_size, default_max_tokens,
                        max_body, described)
-    app = create_app(state)
-    logging.getLogger("fuselm.serve").info(
-        "serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
-        name, max_batch, state.max_context, host, port)
+    app = create_app(state, access)
+    log = logging.getLogger("fuselm.serve")
+    log.info("serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
+             name, max_batch, state.max_context, host, port)
+    log.info("API key: %s; cross-origin pages allowed: %s", "required" if api_key else "none",
+             ", ".join(sorted(access.cors_origins)) or "none")
+    if insecure_no_auth and not api_key:
+        log.warning("--insecure-no-auth: anyone who reaches %s:%d can use the model", host, port)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)

@@ -2,7 +2,8 @@
 and /v1/models, plus /health. Handlers parse and check requests, tokenize off the event loop,
 hand a Job to the scheduler and turn its events into a response or a server-sent-event stream.
 Every failure is a JSON error in OpenAI's schema with its status; none reaches the client as a
-traceback, and none stops the server."""
+traceback, and none stops the server. Before any handler, access.AccessGuard checks who is
+asking (Host, Origin, API key); request_body checks what the body is."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fuselm.converter.serve.access import AccessGuard, AccessRules
+from fuselm.converter.serve.errors import ApiError
+from fuselm.converter.serve.request_body import read_json
 from fuselm.converter.serve.scheduler import Job, QueueFull, Scheduler
 from fuselm.converter.serve.schema import (
     ChatRequest,
@@ -39,17 +44,6 @@ from fuselm.converter.serve.schema import (
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 log = logging.getLogger("fuselm.serve")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(str(self), self.kind, self.param, self.code),
-                            status_code=self.status)
 
 
 @dataclass
@@ -71,28 +65,6 @@ class ServeState:
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
         with self._tok_lock:
             return fn(self.tokenizer)
-
-
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise ApiError(413, f"the request body is {int(size)} bytes; the limit is {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is over the {limit}-byte limit")
-    try:
-        data = json.loads(bytes(body).decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte "
-                            f"{e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} "
-                            f"column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return data
 
 
 def _parse(model: type[ChatRequest] | type[CompletionRequest], data: dict[str, Any]) -> Any:
@@ -161,7 +133,7 @@ def _completion_ids(state: ServeState, req: CompletionRequest) -> list[int]:
 
 async def _submit(request: Request, kind: str) -> Response:
     state: ServeState = request.app.state.serve
-    data = await _read_json(request, state.max_body)
+    data = await read_json(request, state.max_body)
     chat = kind == "chat"
     req = _parse(ChatRequest if chat else CompletionRequest, data)
     _check_model(state, req)
@@ -287,14 +259,17 @@ async def _internal(request: Request, exc: Exception) -> Response:
                                    "server_error"), status_code=500)
 
 
-def create_app(state: ServeState) -> Starlette:
+def create_app(state: ServeState, access: AccessRules | None = None) -> Starlette:
+    """`access` defaults to loopback Host names only, no cross-origin caller and no key."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={
+    guard = Middleware(AccessGuard, rules=access or AccessRules.build("127.0.0.1"),
+                       methods={r.path: r.methods or () for r in routes})
+    app = Starlette(routes=routes, middleware=[guard], exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _disconnect,
         Exception: _internal})
     app.state.serve = state

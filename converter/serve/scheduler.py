@@ -80,6 +80,8 @@ class Scheduler:
         self.max_queue = max_queue
         self._pending: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
+        # Since start, for /health: what reached the engine (a refused request never does).
+        self._admitted = self._generated = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fuselm-engine", daemon=True)
 
@@ -107,7 +109,8 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         return {"active": len(self._active), "queued": self._pending.qsize(),
-                "max_batch": self.max_batch}
+                "max_batch": self.max_batch, "admitted": self._admitted,
+                "generated_tokens": self._generated}
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -157,6 +160,7 @@ class Scheduler:
                 continue
             job.text = TextStream(self.decode, job.stop)
             self._active[slot] = job
+            self._admitted += 1
 
     def _drop_cancelled(self) -> None:
         for slot, job in list(self._active.items()):
@@ -169,6 +173,7 @@ class Scheduler:
             job.t_first = time.perf_counter()
             job.cached = self.decoder.cached_tokens(slot)
         job.generated += 1
+        self._generated += 1
         finish = None
         if token in self.eos:
             finish = "stop"

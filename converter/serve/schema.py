@@ -20,7 +20,7 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None

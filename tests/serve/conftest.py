@@ -9,9 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -60,13 +63,15 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _start(artifact: Path, log: Path, engine: str) -> tuple[subprocess.Popen, Server]:
+def _start(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(artifact),
            "--port", str(port), "--engine", engine, "--max-batch", str(MAX_BATCH),
-           "--max-queue", str(MAX_QUEUE), "--max-context", str(MAX_CONTEXT)]
+           "--max-queue", str(MAX_QUEUE), "--max-context", str(MAX_CONTEXT), *args]
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=None if env is None else {**os.environ, **env})
     return proc, Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
 
 
@@ -121,3 +126,54 @@ def server(servers: dict[str, Server]) -> Server:
 def any_server(request: pytest.FixtureRequest, servers: dict[str, Server]) -> Server:
     """The tests of output equality and slot handling, on both engines."""
     return servers[request.param]
+
+
+API_KEY = "test-key-7f3a9c"
+ALLOWED_HOST = "fuselm.test"
+
+
+@dataclass
+class Guarded:
+    """Servers and pages for the access tests: `open` has no key and allows one web origin
+    (`allowed_page`) and one extra Host name; `keyed` needs API_KEY (from FUSELM_API_KEY).
+    `foreign_page` serves from an origin neither allows."""
+
+    open: Server
+    keyed: Server
+    allowed_page: str
+    foreign_page: str
+
+
+def _page_server(root: Path) -> ThreadingHTTPServer:
+    handler = partial(SimpleHTTPRequestHandler, directory=str(root))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, name="page-server", daemon=True).start()
+    return httpd
+
+
+@pytest.fixture(scope="session")
+def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[Guarded]:
+    """Two `fuselm serve` processes (onnxruntime) and two tiny http.server page origins on
+    127.0.0.1; all stopped at the end (servers by PID)."""
+    root = tmp_path_factory.mktemp("pages")
+    (root / "index.html").write_text("<!doctype html><title>page</title><p>a web page</p>")
+    pages = [_page_server(root) for _ in range(2)]
+    allowed, foreign = (f"http://127.0.0.1:{p.server_address[1]}" for p in pages)
+    logs = tmp_path_factory.mktemp("guarded_log")
+    started = [
+        _start(serve_artifact, logs / "open.log", "onnxruntime",
+               ["--cors-origin", allowed, "--allowed-host", ALLOWED_HOST]),
+        _start(serve_artifact, logs / "keyed.log", "onnxruntime", env={"FUSELM_API_KEY": API_KEY}),
+    ]
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        for proc, srv in started:
+            _wait_up(proc, srv, deadline)
+        yield Guarded(started[0][1], started[1][1], allowed, foreign)
+    finally:
+        for proc, _ in started:
+            _stop(proc)
+        for p in pages:
+            p.shutdown()
+            p.server_close()

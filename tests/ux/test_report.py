@@ -9,12 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import browser
 from tests.ux.conftest import cli, convert
-
-CHROMIUM, DRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run",
-         "--window-size=1280,2000")
 
 
 @pytest.fixture(scope="module")
@@ -27,20 +23,6 @@ def artifact(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(EXPORT_ENV, "torch")
         return convert(hf_dir, tmp_path_factory.mktemp("ux-traced") / "out")
-
-
-def browser(profile_dir: Path):  # noqa: ANN201 - a selenium WebDriver
-    if not (CHROMIUM.is_file() and DRIVER.is_file()):
-        pytest.skip("needs Debian's chromium and chromium-driver (scripts/test installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for flag in (*FLAGS, f"--user-data-dir={profile_dir}"):
-        opts.add_argument(flag)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(str(DRIVER)), options=opts)
 
 
 def render(page: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
