@@ -1,5 +1,6 @@
-"""Which exporter writes a conversion's graph: the graph builder (export/graph_builder.py,
-no trace) where it covers the model, else the torch trace (export/onnx_export.py + passes/).
+"""Which exporter writes a conversion's graph: the graph builder (export/graph_builder.py, no
+torch) by default, or the torch trace (export/onnx_export.py), its oracle. Both write the same
+plain decoder graph for every family; the passes do the fusing either way.
 
 `FUSELM_EXPORT=torch` forces the trace for any input (the ladder's cross-check of the
 builder); `FUSELM_GGUF_EXPORT=torch`, its older spelling, does so for GGUF input only.
@@ -19,27 +20,20 @@ GGUF_EXPORT_ENV = "FUSELM_GGUF_EXPORT"
 BUILDER = "graph builder"  # fuselm.json's source.exporter when the builder wrote the graph
 
 
-def trace_reason(spec: DecoderSpec | None, options: Any, gguf: bool = False,
-                 extra: str | None = None) -> str | None:
-    """Why this conversion goes through the torch trace (None: the graph builder). `spec`
-    None: not known yet (`extra` then says why, or nothing does); `extra`: a reason the
-    caller found in the input itself."""
+def trace_reason(gguf: bool = False, extra: str | None = None) -> str | None:
+    """Why this conversion goes through the torch trace (None: the graph builder, for any
+    options: its graph is the trace's, fused or not). `extra`: a reason the caller found in
+    the input itself."""
     for env in (EXPORT_ENV, GGUF_EXPORT_ENV) if gguf else (EXPORT_ENV,):
         if os.environ.get(env, "") == "torch":
             return f"{env}=torch"
-    if not options.optimize or options.passes is not None:
-        return "an unfused or partly fused graph was asked for"
-    if extra is not None:
-        return extra
-    from fuselm.export.graph_builder import unsupported
-
-    return unsupported(spec) if spec is not None else None
+    return extra
 
 
-def exporter_for(spec: DecoderSpec, options: Any, gguf: bool = False,
+def exporter_for(spec: DecoderSpec, gguf: bool = False,
                  extra: str | None = None) -> tuple[Callable[..., Any], str]:
     """The exporter (export_model's signature, `spec` bound) and fuselm.json's label for it."""
-    reason = trace_reason(spec, options, gguf, extra)
+    reason = trace_reason(gguf, extra)
     if reason is not None:
         from fuselm.export.onnx_export import export_model
 

@@ -23,10 +23,9 @@ from fuselm.export.gguf.source import (
 )
 
 
-def torch_reason(ckpt: GGUFCheckpoint, options: pipeline.ConvertOptions | None) -> str | None:
+def torch_reason(ckpt: GGUFCheckpoint) -> str | None:
     """Why this conversion goes through the torch exporter (None: the graph builder)."""
-    return trace_reason(None, options or pipeline.ConvertOptions(), gguf=True,
-                        extra=builder_unsupported(ckpt))
+    return trace_reason(gguf=True, extra=builder_unsupported(ckpt))
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path,
@@ -39,13 +38,12 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
         stage(ckpt, Path(meta))
         heap.release()  # the tokenizer converter's objects, before the weights are read
         source = {**source_record(ckpt), "path": str(path.resolve())}
-        opts = options or pipeline.ConvertOptions()
-        reason = torch_reason(ckpt, opts)
+        reason = torch_reason(ckpt)
         if reason is not None:
             source["exporter"] = f"torch ({reason})"
             return pipeline.convert(meta, out_dir, options, progress, checkpoint=ckpt,
                                     source=source)
         spec = gguf_spec(Path(meta), ckpt)
-        exporter, source["exporter"] = exporter_for(spec, opts, gguf=True)
+        exporter, source["exporter"] = exporter_for(spec, gguf=True)
         return pipeline.convert(meta, out_dir, options, progress, checkpoint=ckpt, source=source,
                                 exporter=exporter, spec=spec)

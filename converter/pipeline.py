@@ -187,9 +187,8 @@ def convert(
 ) -> ConvertResult:
     """`checkpoint`: the weights, when not model_dir's safetensors (a .gguf model_dir is read
     through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`;
-    `exporter`: what writes raw.onnx, export_model's signature (default: the graph builder
-    where it covers an HF directory's model, else the torch exporter:
-    converter/exporter_choice.py), `spec` the model's, when known."""
+    `exporter`: what writes raw.onnx, export_model's signature (default for an HF directory:
+    converter/exporter_choice.py's choice), `spec` the model's, when known."""
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import convert_gguf
 
@@ -228,10 +227,10 @@ def convert(
         from fuselm.converter.calibration_input import builtin_calibration
 
         calib = builtin_calibration(src, spec)
-    if exporter is None and checkpoint is None:  # an HF directory: the builder if it covers it
+    if exporter is None and checkpoint is None:  # an HF directory
         from fuselm.converter.exporter_choice import exporter_for
 
-        exporter, label = exporter_for(spec, opts)
+        exporter, label = exporter_for(spec)
         source = {"exporter": label, **(source or {})}
     tmp = out_dir_safety.prepare(out)
     seconds: dict[str, float] = {}
@@ -261,10 +260,6 @@ def convert(
                 progress("passes", 0, 1)
             report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib, exported)
             exported.model = exported.sources = None  # type: ignore[assignment]
-            if exported.built is not None:  # the exporter wrote the fused ops itself (GGUF)
-                from fuselm.passes.manager import PassEntry
-
-                report.entries.insert(0, PassEntry(**exported.built))
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
             if opts.quant == "q4":

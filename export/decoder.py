@@ -158,7 +158,10 @@ class Decoder(nn.Module):
         past: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         seq = input_ids.shape[1]
-        masks = {w: attention_mask_4d(attention_mask, seq, w) for w in set(self.spec.windows)}
+        # one mask per distinct window, in first-layer order (a set's order would vary from
+        # one process to the next, and with it the graph's node order)
+        masks = {w: attention_mask_4d(attention_mask, seq, w)
+                 for w in dict.fromkeys(self.spec.windows)}
         x = _scaled(F.embedding(input_ids, self.embed), self.spec.embed_scale)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):

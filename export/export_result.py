@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import onnx
@@ -24,9 +23,6 @@ class ExportResult:
     seconds: dict[str, float] = field(default_factory=dict)
     weight_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)  # let through by allow_nonfinite
-    # An exporter that writes the fused graph itself (export/graph_builder.py) says what it built,
-    # as a pass report entry's fields (passes/manager.py PassEntry), first in the pass report.
-    built: dict[str, Any] | None = None
     # in_memory=True: the model (not saved, its weights data-less) and, per weight, a function
     # reading its values from the checkpoint (the passes wrap them: passes/weights.py
     # ComputedValues; export takes only the op contract from passes/)

@@ -61,6 +61,24 @@ class Family:
     model_type: ClassVar[str] = ""  # transformers' model_type (tests build configs from it)
     layer_names: ClassVar[dict[str, str]] = LLAMA_LAYER_NAMES
     norm_offset: ClassVar[float] = 0.0  # 1.0 where norms are applied as (1 + w)
+    # config fields the built-in test models of this family set unless told otherwise
+    # (converter/models/builtin.py)
+    test_defaults: ClassVar[dict[str, Any]] = {}
+    demo: ClassVar[bool] = False  # the family the built-in demo model is, by default
+    # GGUF input (export/gguf/config.py): the `general.architecture` llama.cpp writes this
+    # family as (None: not read from GGUF), the word in `general.name` that tells this family
+    # apart from others written under the same architecture, and whether llama.cpp permuted
+    # the q/k rows (its Llama convention)
+    gguf_architecture: ClassVar[str | None] = None
+    gguf_name_marker: ClassVar[str] = ""
+    gguf_permuted_qk: ClassVar[bool] = False
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+        """Config fields this family's GGUF file implies (set into `config`): biases from
+        which tensors exist (`tensors`: the file's tensor names), the sliding window the file
+        declares. The base family has no biases and refuses a window."""
+        if window:
+            raise ExportError(f"a sliding window on a {self.model_type} model is not supported")
 
     def activation(self, hf: Any) -> str:
         act = getattr(hf, "hidden_act", "silu")

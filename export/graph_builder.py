@@ -1,24 +1,22 @@
-"""The fused-op ONNX graph, built directly from a checkpoint, without tracing.
+"""The plain decoder graph, written straight from a DecoderSpec and a checkpoint, no tracing.
 
-The torch path (export/onnx_export.py, then passes/) traces export/decoder.py's clean decoder
-and fuses the trace: RMSNormalization, FusedQKV, FusedRoPE, ONNX Attention with the KV concat
-inside, FusedGateUp, MatMul + Add. For the plain decoders (llama / mistral / qwen2 / qwen3)
-that fused graph is known node by node, so this writes it straight away, as onnxruntime-genai's
-model builder does, each weight read from the checkpoint (HF safetensors, safetensors/checkpoint.py,
-or a GGUF file, export/gguf/source.py: both answer `tensors`, `shape`, `array` in HF names),
-laid out [K, N] (q/k/v and gate/up packed along N as the pairing passes pack them) and cast.
-The trace costs ~40 s of dynamo on a 28-layer model (and ~420 MB of torch, onnxscript and
-dynamo machinery before the first weight is read); this costs neither.
+export/onnx_export.py traces export/decoder.py's clean decoder; this writes the very graph that
+trace gives, node for node (tests/export/test_graph_builder_*.py hold the trace as the oracle):
+the mask's shape work, Gather, RMSNormalization, separate q/k/v and gate/up MatMuls (+ Add
+biases), fuselm.FusedRoPE, ONNX Attention with the KV concat inside, the gate's activation as
+torch exports it (x * Sigmoid(x), or Gelu(approximate="tanh")), and every variant a DecoderSpec
+field asks for (sandwich norms, embedding / residual / logit scales, soft-capping, per-layer
+windows and RoPE, layers without RoPE). No family is named: the spec says what the graph holds,
+the family (export/family.py) where each weight lives in the checkpoint. The pass pipeline then
+does all the fusing (QKV and Gate/Up pairing, quantization) exactly as on the trace.
 
-The result is the same graph the passes make of the trace (float weights): either `raw.onnx`
-with `raw.onnx.data` written a tensor at a time, or (`in_memory`) the model with data-less
-initializers and a recipe per weight that reads it from the checkpoint when the passes or the
-writer ask, as export/onnx_export.py's `computed_weights` does. The convert pipeline then runs
-the pass pipeline on it as on any export (every fusion finds nothing left to fuse,
-quantization and cleanup run as usual), so Q4, the writer and the manifest are the torch
-path's own. tests/export/test_graph_builder_*.py check the two graphs node for node.
-Attribute sets come from passes/ops.py (`*_attributes`), the weights' checkpoint names and
-layouts from the family (export/family.py), the spec from export/registry.py.
+Each weight is read from the checkpoint (HF safetensors, export/safetensors/checkpoint.py, or a
+GGUF file, export/gguf/source.py: both answer `tensors`, `shape`, `array` in HF names), laid
+out [K, N], screened and cast, and either appended to `raw.onnx.data` a slab at a time or
+(`in_memory`) left as a data-less initializer with a recipe that reads it when the passes or
+the writer ask, as export/onnx_export.py's `computed_weights` does. The trace costs ~40 s of
+dynamo on a 28-layer model (and ~420 MB of torch, onnxscript and dynamo machinery before the
+first weight is read); this costs neither, so it is the default exporter.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from fuselm.export.config import DecoderSpec
+from fuselm.export.config import DecoderSpec, RopeSpec
 from fuselm.export.errors import ExportError
 from fuselm.export.export_result import ExportResult
 from fuselm.export.family import Source
@@ -47,9 +45,6 @@ DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, Te
 _ALIGN = 64  # bytes, as the exporter aligns raw.onnx.data
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time
 _INLINE = 1024  # values: smaller weights are stored in the model itself (as the exporter does)
-# the families whose whole graph this builder writes (their decoders have no extra scales,
-# norms or per-layer attention kinds: _check_spec)
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class WeightReader(Protocol):
@@ -68,19 +63,6 @@ class WeightReader(Protocol):
     def array(self, name: str) -> np.ndarray: ...
 
 
-def unsupported(spec: DecoderSpec) -> str | None:
-    """Why this model needs the tracing exporter instead (None: the builder makes its graph)."""
-    if spec.family not in FAMILIES:
-        return f"model type {spec.family}"
-    plain = (not spec.sandwich_norms and spec.embed_scale == 1.0 and spec.residual_scale == 1.0
-             and spec.logit_scale == 1.0 and spec.logit_softcap == 0.0)
-    if not plain:
-        return f"{spec.family} with extra scales or norms"
-    if len(set(spec.windows)) > 1:
-        return "sliding windows on some layers only"
-    return None
-
-
 def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> str:
     """The graph dtype name, as export/onnx_export.py's `resolve_dtype` decides it."""
     if requested in (None, "auto"):
@@ -91,30 +73,26 @@ def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> str:
 
 
 def parameter_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
-    """The clean decoder's parameters (export/decoder.py), in its order, with their shapes."""
+    """The clean decoder's parameters (export/decoder.py) with their shapes, in the order the
+    trace's weights come (the family's `sources` order: embed, each layer's norms then its
+    projections, the final norm, the head)."""
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     nq, nkv = spec.num_heads * d, spec.num_kv_heads * d
     out: dict[str, tuple[int, ...]] = {"embed": (spec.vocab_size, h)}
-
-    def linear(name: str, k: int, n: int, bias: bool) -> None:
-        out[f"{name}.weight"] = (k, n)
-        if bias:
-            out[f"{name}.bias"] = (n,)
-
     for layer in range(spec.num_layers):
         p = f"layers.{layer}."
-        out[p + "input_norm"] = (h,)
-        linear(p + "q_proj", h, nq, spec.qkv_bias)
-        linear(p + "k_proj", h, nkv, spec.qkv_bias)
-        linear(p + "v_proj", h, nkv, spec.qkv_bias)
-        linear(p + "o_proj", nq, h, spec.o_bias)
-        if spec.qk_norm:
-            out[p + "q_norm"] = (d,)
-            out[p + "k_norm"] = (d,)
-        out[p + "post_norm"] = (h,)
-        linear(p + "gate_proj", h, i, spec.mlp_bias)
-        linear(p + "up_proj", h, i, spec.mlp_bias)
-        linear(p + "down_proj", i, h, spec.mlp_bias)
+        norms = ["input_norm", *(["q_norm", "k_norm"] if spec.qk_norm else []), "post_norm",
+                 *(["attn_out_norm", "mlp_out_norm"] if spec.sandwich_norms else [])]
+        for norm in norms:
+            out[p + norm] = (d,) if norm in ("q_norm", "k_norm") else (h,)
+        for name, k, n, bias in (
+                ("q_proj", h, nq, spec.qkv_bias), ("k_proj", h, nkv, spec.qkv_bias),
+                ("v_proj", h, nkv, spec.qkv_bias), ("o_proj", nq, h, spec.o_bias),
+                ("gate_proj", h, i, spec.mlp_bias), ("up_proj", h, i, spec.mlp_bias),
+                ("down_proj", i, h, spec.mlp_bias)):
+            out[f"{p}{name}.weight"] = (k, n)
+            if bias:
+                out[f"{p}{name}.bias"] = (n,)
     out["norm"] = (h,)
     if not spec.tie_word_embeddings:
         out["lm_head"] = (h, spec.vocab_size)
@@ -122,15 +100,14 @@ def parameter_shapes(spec: DecoderSpec) -> dict[str, tuple[int, ...]]:
 
 
 class _Weights:
-    """The graph's weights: each read from the checkpoint, laid out, screened and cast, then
-    appended 64-byte aligned to the data file `f` and referenced by an external initializer,
-    or (no `f`) left as a data-less initializer and a recipe in `recipes`."""
+    """The graph's weights, one initializer per decoder parameter: each read from the
+    checkpoint, laid out, screened and cast, then appended 64-byte aligned to the data file
+    `f` and referenced by an external initializer, or (no `f`) left as a data-less
+    initializer and a recipe in `recipes`."""
 
-    def __init__(self, ckpt: WeightReader, shapes: dict[str, tuple[int, ...]],
-                 sources: dict[str, Source], dtype: str, screen: WeightScreen,
-                 f: BinaryIO | None = None, location: str = "") -> None:
+    def __init__(self, ckpt: WeightReader, sources: dict[str, Source], dtype: str,
+                 screen: WeightScreen, f: BinaryIO | None = None, location: str = "") -> None:
         self.f, self.location, self.ckpt, self.screen = f, location, ckpt, screen
-        self.shapes = shapes
         self.np_dtype, self.onnx_dtype = DTYPES[dtype]
         self.sources = sources
         self.offset = 0
@@ -153,74 +130,64 @@ class _Weights:
             w = cast(w, np.float32) + np.float32(src.offset)
         return w
 
-    def _laid_out(self, param: str) -> np.ndarray:
-        return self._read(param).T if self.sources[param].transpose else self._read(param)
+    def values(self, param: str) -> np.ndarray:
+        """The parameter's values, cast: a [K, N] weight as the transpose of its C-order
+        [N, K] array (the consumers re-lay it out tile by tile, as they do the exporter's)."""
+        w = cast(self._read(param), self.np_dtype)
+        return w.T if self.sources[param].transpose else w
 
-    def values(self, params: list[str]) -> np.ndarray:
-        """The parameters' values concatenated along the last axis, cast: a [K, N] weight as
-        the transpose of its C-order [N, K] array (the consumers re-lay it out tile by tile,
-        as they do the exporter's), concatenated in the checkpoint's layout."""
-        if self.sources[params[0]].transpose:
-            parts = [self._read(p) for p in params]
-            base = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-            del parts
-            return cast(base, self.np_dtype).T
-        parts = [self._read(p) for p in params]
-        whole = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-1)
-        return cast(whole, self.np_dtype)
-
-    def add(self, name: str, params: list[str]) -> str:
-        """Initializer `name`: the parameters' values concatenated along the last axis (one
-        parameter: its values)."""
-        first = self.shapes[params[0]]
-        shape = (*first[:-1], sum(self.shapes[p][-1] for p in params))
+    def add(self, name: str, shape: tuple[int, ...]) -> None:
         proto = TensorProto(name=name, data_type=self.onnx_dtype, dims=list(shape))
         numel = int(np.prod(shape))
         self.initializers.append(proto)
         if self.f is None:
             if numel <= _INLINE:  # as the writer inlines a small tensor: the same model bytes
-                proto.raw_data = np.ascontiguousarray(self.values(params)).tobytes()
+                proto.raw_data = np.ascontiguousarray(self.values(name)).tobytes()
                 proto.data_location = TensorProto.DEFAULT  # (set, as the writer sets it)
             else:
-                self.recipes[name] = lambda: self.values(params)
+                self.recipes[name] = lambda: self.values(name)
                 self.nbytes += numel * np.dtype(self.np_dtype).itemsize
-            return name
-        parts = [self._laid_out(p) for p in params]
+            return
+        w = self._read(name)
+        w = w.T if self.sources[name].transpose else w
         pad = (-self.offset) % _ALIGN
         self.f.write(b"\0" * pad)
         self.offset += pad
         start = self.offset
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        step = max(1, SLAB_BYTES // (4 * shape[-1]))
-        flat = [p.reshape(rows, p.shape[-1]) for p in parts]
-        for r in range(0, rows, step):
-            slab = np.concatenate([p[r: r + step] for p in flat], axis=1) if len(flat) > 1 \
-                else flat[0][r: r + step]
-            data = np.ascontiguousarray(cast(np.ascontiguousarray(slab), self.np_dtype))
+        rows = w.reshape(-1, w.shape[-1]) if w.ndim > 1 else w.reshape(1, -1)
+        step = max(1, SLAB_BYTES // (4 * rows.shape[-1]))
+        for r in range(0, len(rows), step):
+            data = np.ascontiguousarray(cast(np.ascontiguousarray(rows[r: r + step]),
+                                             self.np_dtype))
             self.f.write(memoryview(data).cast("B"))
             self.offset += data.nbytes
-        del parts, flat
+        del w, rows
         proto.data_location = TensorProto.EXTERNAL
         for key, value in (("location", self.location), ("offset", str(start)),
                            ("length", str(self.offset - start))):
             entry = proto.external_data.add()
             entry.key, entry.value = key, value
         self.nbytes = self.offset
-        return name
 
 
 class _Nodes:
-    """The graph's nodes and small constants, named as they are added."""
+    """The graph's nodes and small constants; equal constants are one initializer, as the
+    trace's optimizer leaves them."""
 
     def __init__(self) -> None:
         self.nodes: list[onnx.NodeProto] = []
-        self.constants: list[TensorProto] = []
+        self.constants: dict[tuple[str, tuple[int, ...], bytes], TensorProto] = {}
         self.count = 0
 
-    def const(self, hint: str, value: np.ndarray) -> str:
-        name = f"{hint}_{len(self.constants)}"
-        self.constants.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
+    def const(self, value: np.ndarray) -> str:
+        value = np.asarray(value)
+        key = (value.dtype.str, value.shape, value.tobytes())
+        if key not in self.constants:
+            self.constants[key] = numpy_helper.from_array(value, f"const_{len(self.constants)}")
+        return self.constants[key].name
+
+    def ints(self, *values: int) -> str:
+        return self.const(np.array(values, np.int64))
 
     def __call__(self, op: str, inputs: list[str], outputs: int | list[str] = 1,
                  domain: str = "", **attrs: object) -> list[str]:
@@ -232,71 +199,119 @@ class _Nodes:
                                            domain=domain or None, **attrs))
         return outputs
 
-
-def _mask(n: _Nodes, window: int | None) -> str:
-    """attention_mask_4d (export/decoder.py) as its trace exports it: bool [batch, 1, seq,
-    total], causal, padded, sliding window (if any), each query sees itself."""
-    zero, one = n.const("zero", np.array(0, np.int64)), n.const("one", np.array(1, np.int64))
-    (seq,) = n("Squeeze", n("Shape", ["input_ids"], start=1, end=2))
-    (total,) = n("Squeeze", n("Shape", ["attention_mask"], start=1, end=2))
-    (k_pos,) = n("Unsqueeze", [n("Range", [zero, total, one])[0],
-                               n.const("axes", np.array([0], np.int64))])
-    (q_idx,) = n("Range", [zero, seq, one])
-    (past,) = n("Sub", [total, seq])
-    (q_pos,) = n("Unsqueeze", [n("Add", [q_idx, past])[0],
-                               n.const("axes", np.array([1], np.int64))])
-    (allowed,) = n("LessOrEqual", [k_pos, q_pos])
-    if window is not None:
-        (lo,) = n("Sub", [q_pos, n.const("window", np.array(window, np.int64))])
-        (allowed,) = n("And", [allowed, n("Greater", [k_pos, lo])[0]])
-    (padded,) = n("Cast", ["attention_mask"], to=TensorProto.BOOL)
-    (padded,) = n("Unsqueeze", [padded, n.const("axes", np.array([1, 2], np.int64))])
-    heads_axes = n.const("axes", np.array([0, 1], np.int64))
-    (allowed,) = n("And", [n("Unsqueeze", [allowed, heads_axes])[0], padded])
-    (itself,) = n("Unsqueeze", [n("Equal", [k_pos, q_pos])[0], heads_axes])
-    return n("Or", [allowed, itself])[0]
+    def one(self, op: str, inputs: list[str], **attrs: object) -> str:
+        return self(op, inputs, **attrs)[0]
 
 
-def _projection(n: _Nodes, w: _Weights, x: str, name: str, bias: bool) -> str:
-    (y,) = n("MatMul", [x, w.add(f"{name}.weight", [f"{name}.weight"])])
-    if bias:
-        (y,) = n("Add", [y, w.add(f"{name}.bias", [f"{name}.bias"])])
-    return y
+def _masks(n: _Nodes, windows: list[int | None]) -> dict[int | None, str]:
+    """export/decoder.py's `attention_mask_4d` for each distinct window, in the decoder's
+    order, as its trace exports them: bool [batch, 1, seq, total], causal, padded, sliding
+    window (if any), each query sees itself; the parts the masks share computed once."""
+    zero, one = n.const(np.array(0, np.int64)), n.const(np.array(1, np.int64))
+    seq = n.one("Squeeze", n("Shape", ["input_ids"], start=1, end=2))
+    total = n.one("Squeeze", n("Shape", ["attention_mask"], start=1, end=2))
+    k_pos = n.one("Unsqueeze", [n.one("Range", [zero, total, one]), n.ints(0)])
+    q_idx = n.one("Range", [zero, seq, one])
+    past = n.one("Sub", [total, seq])
+    q_pos = n.one("Unsqueeze", [n.one("Add", [q_idx, past]), n.ints(1)])
+    causal = n.one("LessOrEqual", [k_pos, q_pos])
+    shared: dict[str, str] = {}
+    out: dict[int | None, str] = {}
+    for window in dict.fromkeys(windows):
+        allowed = causal
+        if window is not None:
+            lo = n.one("Sub", [q_pos, n.const(np.array(window, np.int64))])
+            allowed = n.one("And", [causal, n.one("Greater", [k_pos, lo])])
+        if "padded" not in shared:
+            cast_mask = n.one("Cast", ["attention_mask"], to=TensorProto.BOOL)
+            shared["padded"] = n.one("Unsqueeze", [cast_mask, n.ints(1, 2)])
+        allowed = n.one("And", [n.one("Unsqueeze", [allowed, n.ints(0, 1)]), shared["padded"]])
+        if "itself" not in shared:
+            shared["itself"] = n.one("Unsqueeze", [n.one("Equal", [k_pos, q_pos]), n.ints(0, 1)])
+        out[window] = n.one("Or", [allowed, shared["itself"]])
+    return out
 
 
-def _layer(n: _Nodes, w: _Weights, spec: DecoderSpec, i: int, x: str, mask: str) -> str:
-    p, d, eps = f"layers.{i}.", spec.head_dim, float(spec.rms_norm_eps)
-    norm = dict(axis=-1, epsilon=eps, stash_type=1)
-    (h,) = n("RMSNormalization", [x, w.add(p + "input_norm", [p + "input_norm"])], **norm)
-    qkv = [w.add(p + "qkv.weight", [p + f"{r}_proj.weight" for r in "qkv"])]
-    if spec.qkv_bias:
-        qkv += ["", "", w.add(p + "qkv.bias", [p + f"{r}_proj.bias" for r in "qkv"])]
-    q, k, v = n("FusedQKV", [h, *qkv], 3, domain=ops.DOMAIN, **ops.qkv_attributes(
-        spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d))
-    r = (spec.ropes or [spec.rope] * spec.num_layers)[i]
-    if r is not None:
-        norms = [w.add(p + "q_norm", [p + "q_norm"]), w.add(p + "k_norm", [p + "k_norm"])] \
-            if spec.qk_norm else []
-        q, k = n("FusedRoPE", [q, k, "position_ids", *norms], 2, domain=ops.DOMAIN,
-                 **ops.rope_attributes(
-                     d, r.rotary_dim, [float(f) for f in r.inv_freq], r.attention_scale, 0, eps,
-                     r.dynamic_factor, r.dynamic_max_positions, r.theta,
-                     [] if r.long_inv_freq is None else [float(f) for f in r.long_inv_freq],
-                     r.long_after))
-    scale = spec.attention_scale if spec.attention_scale is not None else d**-0.5
-    y, _, _ = n("Attention", [q, k, v, mask, f"past_key_values.{i}.key",
-                              f"past_key_values.{i}.value"],
-                [f"attention_{i}", f"present.{i}.key", f"present.{i}.value"],
-                is_causal=0, kv_num_heads=spec.num_kv_heads, q_num_heads=spec.num_heads,
-                qk_matmul_output_mode=0, scale=float(scale), softcap=float(spec.attn_softcap))
-    (x,) = n("Add", [x, _projection(n, w, y, p + "o_proj", spec.o_bias)])
-    (h,) = n("RMSNormalization", [x, w.add(p + "post_norm", [p + "post_norm"])], **norm)
-    gu = [w.add(p + "gate_up.weight", [p + "gate_proj.weight", p + "up_proj.weight"])]
-    if spec.mlp_bias:
-        gu += ["", "", w.add(p + "gate_up.bias", [p + "gate_proj.bias", p + "up_proj.bias"])]
-    (y,) = n("FusedGateUp", [h, *gu], domain=ops.DOMAIN,
-             **ops.gate_up_attributes(spec.activation))
-    return n("Add", [x, _projection(n, w, y, p + "down_proj", spec.mlp_bias)])[0]
+class _Writer:
+    """The decoder's forward (export/decoder.py), op by op as its trace exports it."""
+
+    def __init__(self, n: _Nodes, spec: DecoderSpec, np_dtype: type) -> None:
+        self.n, self.spec, self.np_dtype = n, spec, np_dtype
+        self.norm_attrs = dict(axis=-1, epsilon=float(spec.rms_norm_eps), stash_type=1)
+
+    def scaled(self, x: str, scale: float) -> str:
+        """x * scale, the scale a constant of the graph's dtype (as torch exports x * float)."""
+        if scale == 1.0:
+            return x
+        return self.n.one("Mul", [x, self.n.const(np.array(scale, self.np_dtype))])
+
+    def norm(self, x: str, weight: str) -> str:
+        return self.n.one("RMSNormalization", [x, weight], **self.norm_attrs)
+
+    def linear(self, x: str, name: str, bias: bool) -> str:
+        y = self.n.one("MatMul", [x, f"{name}.weight"])
+        return self.n.one("Add", [y, f"{name}.bias"]) if bias else y
+
+    def rope(self, q: str, k: str, p: str, r: RopeSpec) -> tuple[str, str]:
+        s = self.spec
+        norms = [p + "q_norm", p + "k_norm"] if s.qk_norm else []
+        q, k = self.n("FusedRoPE", [q, k, "position_ids", *norms], 2, domain=ops.DOMAIN,
+                      **ops.rope_attributes(
+                          s.head_dim, r.rotary_dim, [float(f) for f in r.inv_freq],
+                          r.attention_scale, 0, float(s.rms_norm_eps), r.dynamic_factor,
+                          r.dynamic_max_positions, r.theta,
+                          [] if r.long_inv_freq is None else [float(f) for f in r.long_inv_freq],
+                          r.long_after))
+        return q, k
+
+    def layer(self, i: int, x: str, mask: str, rope: RopeSpec | None) -> str:
+        s, n, p = self.spec, self.n, f"layers.{i}."
+        h = self.norm(x, p + "input_norm")
+        q = self.linear(h, p + "q_proj", s.qkv_bias)
+        k = self.linear(h, p + "k_proj", s.qkv_bias)
+        v = self.linear(h, p + "v_proj", s.qkv_bias)
+        if rope is not None:  # a layer without RoPE (NoPE) hands q and k straight to attention
+            q, k = self.rope(q, k, p, rope)
+        scale = s.attention_scale if s.attention_scale is not None else s.head_dim**-0.5
+        y = n("Attention", [q, k, v, mask, f"past_key_values.{i}.key",
+                            f"past_key_values.{i}.value"],
+              [f"attention_{i}", f"present.{i}.key", f"present.{i}.value"],
+              is_causal=0, kv_num_heads=s.num_kv_heads, q_num_heads=s.num_heads,
+              qk_matmul_output_mode=0, scale=float(scale), softcap=float(s.attn_softcap))[0]
+        y = self.linear(y, p + "o_proj", s.o_bias)
+        if s.sandwich_norms:
+            y = self.norm(y, p + "attn_out_norm")
+        x = n.one("Add", [x, self.scaled(y, s.residual_scale)])
+        h = self.norm(x, p + "post_norm")
+        gate = self.linear(h, p + "gate_proj", s.mlp_bias)
+        if s.activation == "silu":
+            act = n.one("Mul", [gate, n.one("Sigmoid", [gate])])
+        else:
+            act = n.one("Gelu", [gate], approximate="tanh")
+        y = self.linear(n.one("Mul", [act, self.linear(h, p + "up_proj", s.mlp_bias)]),
+                        p + "down_proj", s.mlp_bias)
+        if s.sandwich_norms:
+            y = self.norm(y, p + "mlp_out_norm")
+        return n.one("Add", [x, self.scaled(y, s.residual_scale)])
+
+    def decoder(self) -> None:
+        s, n = self.spec, self.n
+        masks = _masks(n, s.windows)
+        x = self.scaled(n.one("Gather", ["embed", "input_ids"], axis=0), s.embed_scale)
+        ropes = s.ropes or [s.rope] * s.num_layers
+        for i in range(s.num_layers):
+            x = self.layer(i, x, masks[s.windows[i]], ropes[i])
+        h = self.norm(x, "norm")
+        head = n.one("Transpose", ["embed"], perm=[1, 0]) if s.tie_word_embeddings \
+            else "lm_head"
+        last = s.logit_scale == 1.0 and s.logit_softcap <= 0
+        logits = n("MatMul", [h, head], ["logits"] if last else 1)[0]
+        if s.logit_scale != 1.0:
+            scale = n.const(np.array(s.logit_scale, self.np_dtype))
+            logits = n("Mul", [logits, scale], ["logits"] if s.logit_softcap <= 0 else 1)[0]
+        if s.logit_softcap > 0:  # softcap * tanh(logits / softcap)
+            cap = n.const(np.array(s.logit_softcap, self.np_dtype))
+            n("Mul", [n.one("Tanh", [n.one("Div", [logits, cap])]), cap], ["logits"])
 
 
 def _check_shapes(w: _Weights, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -327,21 +342,18 @@ def build_model(
     in_memory: bool = False,
     spec: DecoderSpec | None = None,
 ) -> ExportResult:
-    """export/onnx_export.py's `export_model` for the models `unsupported` accepts: the fused
-    graph with float weights, written to `onnx_path` (+ `.data`), or (`in_memory`) nothing
-    written: the result carries the model and a recipe per weight. `checkpoint`: where the
-    weights come from (default: the safetensors in `model_dir`); `spec`: the model's, when
-    the caller has it (a GGUF file's is not read from transformers' config classes)."""
+    """export/onnx_export.py's `export_model` without the trace: the plain decoder graph with
+    float weights, written to `onnx_path` (+ `.data`), or (`in_memory`) nothing written: the
+    result carries the model and a recipe per weight. `checkpoint`: where the weights come
+    from (default: the safetensors in `model_dir`); `spec`: the model's, when the caller has
+    it (a GGUF file's is not read from transformers' config classes)."""
     t0 = time.perf_counter()
     ckpt = checkpoint if checkpoint is not None else Checkpoint(model_dir)
     spec = spec if spec is not None else decoder_spec(model_dir)
-    reason = unsupported(spec)
-    if reason is not None:
-        raise ExportError(f"internal: the graph builder does not build {reason}; set "
-                          "FUSELM_EXPORT=torch")
     if in_memory and allow_nonfinite:
         raise ValueError("in_memory export cannot record non-finite weights")
     graph_dtype = resolve_dtype(dtype, ckpt.dtype_name)
+    np_dtype, elem = DTYPES[graph_dtype]
     result = ExportResult(spec=spec, dtype=graph_dtype, checkpoint_dtype=ckpt.dtype_name)
     shapes = parameter_shapes(spec)
     sources = family_of(spec.architecture).sources(spec, list(shapes))
@@ -350,23 +362,16 @@ def build_model(
     onnx_path = Path(onnx_path)
     data_path = onnx_path.with_name(onnx_path.name + ".data")
     screen = WeightScreen(graph_dtype, allow_nonfinite)
-    elem = DTYPES[graph_dtype][1]
     n = _Nodes()
+    _Writer(n, spec, np_dtype).decoder()
     with contextlib.ExitStack() as stack:
         f = None if in_memory else stack.enter_context(data_path.open("wb"))
-        w = _Weights(ckpt, shapes, sources, graph_dtype, screen, f, data_path.name)
+        w = _Weights(ckpt, sources, graph_dtype, screen, f, data_path.name)
         _check_shapes(w, shapes)
-        mask = _mask(n, spec.windows[0] if spec.windows else None)
-        (x,) = n("Gather", [w.add("embed", ["embed"]), "input_ids"], axis=0)
-        for i in range(spec.num_layers):
-            x = _layer(n, w, spec, i, x, mask)
+        for i, (name, shape) in enumerate(shapes.items()):
+            w.add(name, shape)
             if progress:
-                progress("weights", i + 1, spec.num_layers)
-        (h,) = n("RMSNormalization", [x, w.add("norm", ["norm"])], axis=-1,
-                 epsilon=float(spec.rms_norm_eps), stash_type=1)
-        head = n("Transpose", ["embed"], perm=[1, 0])[0] if spec.tie_word_embeddings \
-            else w.add("lm_head", ["lm_head"])
-        n("MatMul", [h, head], ["logits"])
+                progress("weights", i + 1, len(shapes))
     kv = [spec.num_kv_heads, "past", spec.head_dim]
     inputs = [_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               _value_info("attention_mask", TensorProto.INT64, ["batch", "past + seq"]),
@@ -378,7 +383,7 @@ def build_model(
             outputs.append(_value_info(f"present.{i}.{kind}", elem,
                                        ["batch", kv[0], "past + seq", kv[2]]))
     graph = helper.make_graph(n.nodes, "main_graph", inputs, outputs,
-                              [*n.constants, *w.initializers])
+                              [*n.constants.values(), *w.initializers])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ops.ONNX_OPSET)],
                               ir_version=10, producer_name="fuselm")
     ops.attach_functions(model)
@@ -389,10 +394,4 @@ def build_model(
     result.weight_bytes = w.nbytes
     result.nonfinite = screen.nonfinite
     result.seconds["build"] = time.perf_counter() - t0
-    ops_built: dict[str, int] = {}
-    for node in n.nodes:
-        ops_built[node.op_type] = ops_built.get(node.op_type, 0) + 1
-    result.built = dict(name="graph_builder", matches=spec.num_layers, nodes_before=0,
-                        nodes_after=len(n.nodes), op_delta=dict(sorted(ops_built.items())),
-                        seconds=round(result.seconds["build"], 4))
     return result

@@ -25,6 +25,36 @@ def model_types() -> tuple[str, ...]:
     return tuple(dict.fromkeys(f.model_type for f in ARCHITECTURES.values()))
 
 
+def gguf_architectures() -> tuple[str, ...]:
+    """The GGUF `general.architecture` names some family reads, in registration order."""
+    return tuple(dict.fromkeys(f.gguf_architecture for f in ARCHITECTURES.values()
+                               if f.gguf_architecture))
+
+
+def gguf_family(gguf_architecture: str, name: str) -> tuple[str, Family] | None:
+    """(HF architecture, family) of a GGUF file written as `gguf_architecture` and named
+    `name`: the family whose name marker the name holds, else the one without a marker."""
+    found = [(arch, f) for arch, f in ARCHITECTURES.items()
+             if f.gguf_architecture == gguf_architecture]
+    marked = [(a, f) for a, f in found if f.gguf_name_marker
+              and f.gguf_name_marker in name.lower()]
+    plain = [(a, f) for a, f in found if not f.gguf_name_marker]
+    return (marked or plain or [None])[0]
+
+
+def family_named(model_type: str) -> Family:
+    """The family of a transformers model_type."""
+    for family in ARCHITECTURES.values():
+        if family.model_type == model_type:
+            return family
+    raise ExportError(f"unknown family {model_type!r}; choose from {', '.join(model_types())}")
+
+
+def demo_family() -> str:
+    """The model_type the built-in demo model has unless told otherwise."""
+    return next(f.model_type for f in ARCHITECTURES.values() if f.demo)
+
+
 def family_of(architecture: str) -> Family:
     family = ARCHITECTURES.get(architecture)
     if family is None:

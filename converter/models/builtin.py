@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fuselm.export.registry import model_types
+from fuselm.export.registry import demo_family, family_named, model_types
 
 FAMILIES = model_types()  # every registered family's transformers model_type
 
@@ -74,10 +74,8 @@ def _config(family: str, overrides: dict[str, Any]):  # noqa: ANN202 - a transfo
     import transformers
 
     cls = transformers.CONFIG_MAPPING[family]
-    args = {**TINY, **overrides}
-    args.setdefault("tie_word_embeddings", family == "qwen3")
-    if family == "mistral":
-        args.setdefault("sliding_window", None)
+    args = {**TINY, "tie_word_embeddings": False, **family_named(family).test_defaults,
+            **overrides}
     rope_keys = ("rope_theta", "rope_scaling")
     rope = {k: args.pop(k) for k in rope_keys if k in args}
     config = cls(**args)
@@ -124,7 +122,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
 
 def build_model(
     out_dir: str | Path,
-    family: str = "qwen3",
+    family: str | None = None,
     *,
     seed: int = 0,
     dtype: str = "float32",
@@ -142,6 +140,7 @@ def build_model(
     import torch
     import transformers
 
+    family = family or demo_family()
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     out = Path(out_dir)

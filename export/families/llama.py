@@ -11,6 +11,13 @@ from fuselm.export.family import Family, register
 @register("LlamaForCausalLM")
 class Llama(Family):
     model_type = "llama"
+    gguf_architecture = "llama"
+    gguf_permuted_qk = True
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+        super().gguf_config(config, tensors, window)
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         bias = bool(getattr(hf, "attention_bias", False))

@@ -10,6 +10,13 @@ from fuselm.export.family import Family, register
 @register("Qwen2ForCausalLM")
 class Qwen2(Family):
     model_type = "qwen2"
+    gguf_architecture = "qwen2"
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+        # transformers applies a Qwen window only with use_sliding_window, from its
+        # max_window_layers on
+        config["sliding_window"] = int(window) if window else None
+        config["use_sliding_window"] = bool(window)
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         return replace(spec, qkv_bias=True)

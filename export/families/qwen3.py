@@ -11,6 +11,14 @@ from fuselm.export.family import Family, register
 @register("Qwen3ForCausalLM")
 class Qwen3(Family):
     model_type = "qwen3"
+    test_defaults = {"tie_word_embeddings": True}  # as Qwen3-0.6B
+    demo = True
+    gguf_architecture = "qwen3"
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+        config["attention_bias"] = "blk.0.attn_output.bias" in tensors
+        config["sliding_window"] = int(window) if window else None
+        config["use_sliding_window"] = bool(window)
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         bias = bool(getattr(hf, "attention_bias", False))

@@ -1,9 +1,9 @@
-"""GGUF metadata → an HF config.json and generation_config.json (llama / qwen2 / qwen3).
+"""GGUF metadata → an HF config.json and generation_config.json.
 
 llama.cpp writes an HF config's numbers under `{arch}.*` keys (convert_hf_to_gguf.py); this
 maps them back to the names transformers' config classes read, so the rest of fuselm sees an
-ordinary HF model directory. Llama files whose name says Mistral become MistralForCausalLM, as
-transformers' own GGUF loader does (llama.cpp stores Mistral as `llama`).
+ordinary HF model directory. Which family a file is, and what its tensors and window imply for
+the config, each family says (export/family.py `gguf_*`; export/families/).
 """
 
 from __future__ import annotations
@@ -12,14 +12,8 @@ from typing import Any
 
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf.file import GGUFFile
+from fuselm.export.registry import gguf_architectures, gguf_family
 
-# general.architecture → HF architecture class and model_type
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
-MISTRAL = ("MistralForCausalLM", "mistral")
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
@@ -27,10 +21,10 @@ def architecture(gguf: GGUFFile) -> str:
     arch = gguf.value("general.architecture")
     if arch is None:
         raise ExportError(f"{gguf.path} has no general.architecture; it is not a model GGUF")
-    if arch not in ARCHITECTURES:
+    if arch not in gguf_architectures():
         raise ExportError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)} (and Mistral-style llama files)")
+            f"{', '.join(gguf_architectures())}")
     return str(arch)
 
 
@@ -69,10 +63,12 @@ def _rope(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The config.json of the model in `gguf` (transformers 4.x and 5.x read it)."""
     arch = architecture(gguf)
-    cls, model_type = ARCHITECTURES[arch]
     name = str(gguf.value("general.name", "") or "")
-    if arch == "llama" and "mistral" in name.lower():
-        cls, model_type = MISTRAL
+    found = gguf_family(arch, name)
+    if found is None:
+        raise ExportError(f"{gguf.path}: no family reads GGUF architecture {arch!r} "
+                          f"named {name!r}")
+    cls, family = found
     hidden = int(_required(gguf, f"{arch}.embedding_length"))
     heads = int(_required(gguf, f"{arch}.attention.head_count"))
     kv_heads = int(gguf.value(f"{arch}.attention.head_count_kv", heads))
@@ -89,7 +85,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     rope = _rope(gguf, arch, head_dim)
     config: dict[str, Any] = {
         "architectures": [cls],
-        "model_type": model_type,
+        "model_type": family.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(_required(gguf, f"{arch}.block_count")),
         "num_attention_heads": heads,
@@ -110,20 +106,12 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": gguf.value("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    if model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in t
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in t
-    if model_type == "qwen3":
-        config["attention_bias"] = "blk.0.attn_output.bias" in t
     # llama.cpp applies a sliding window only when the file declares one
     window = gguf.value(f"{arch}.attention.sliding_window")
-    if model_type in ("mistral", "qwen2", "qwen3"):
-        config["sliding_window"] = int(window) if window else None
-        if model_type != "mistral":
-            config["use_sliding_window"] = bool(window)
-    elif window:
-        raise ExportError(f"{gguf.path}: a sliding window on a {model_type} model is not "
-                          "supported")
+    try:
+        family.gguf_config(config, t, int(window) if window else None)
+    except ExportError as e:
+        raise ExportError(f"{gguf.path}: {e}") from None
     return config
 
 

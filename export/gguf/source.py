@@ -23,7 +23,7 @@ from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf.config import generation_config, hf_config
 from fuselm.export.gguf.file import GGUFFile
-from fuselm.export.registry import decoder_spec
+from fuselm.export.registry import decoder_spec, family_of
 
 if TYPE_CHECKING:  # torch is imported only where the torch exporter reads the file
     import torch
@@ -92,8 +92,8 @@ class GGUFCheckpoint:
         self.gguf = gguf or GGUFFile(path)
         self.root = self.gguf.path
         self.config = hf_config(self.gguf)
-        # llama.cpp permutes q/k rows for the llama architecture only (Qwen is NeoX-style)
-        self.permuted = self.gguf.value("general.architecture") == "llama"
+        # llama.cpp permutes q/k rows for Llama-style families only (Qwen is NeoX-style)
+        self.permuted = family_of(self.config["architectures"][0]).gguf_permuted_qk
         self.files = [self.gguf.path]
 
     @property
@@ -220,13 +220,13 @@ def source_record(ckpt: GGUFCheckpoint) -> dict[str, Any]:
 def builder_unsupported(ckpt: GGUFCheckpoint) -> str | None:
     """What in this file's config keeps it from the graph builder (export/graph_builder.py)
     before its spec is made (None: nothing). RoPE scaling needs transformers' own frequency
-    functions (torch); a Qwen sliding window applies from transformers' `max_window_layers`
-    on, a default this config does not restate."""
+    functions (torch); a window the config turns on with `use_sliding_window` applies from
+    transformers' `max_window_layers` on, a default this config does not restate."""
     c = ckpt.config
     if c["rope_parameters"].get("rope_type", "default") != "default":
         return f"RoPE scaling {c['rope_parameters']['rope_type']}"
-    if c["model_type"] in ("qwen2", "qwen3") and c.get("use_sliding_window"):
-        return "a Qwen sliding window"
+    if c.get("use_sliding_window"):
+        return "a sliding window from max_window_layers on"
     return None
 
 

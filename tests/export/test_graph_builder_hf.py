@@ -1,9 +1,10 @@
 """The graph builder (export/graph_builder.py) on HF safetensors checkpoints, against the trace
-it replaces: the same checkpoint converted both ways (FUSELM_EXPORT=torch traces and fuses)
-gives the same graph node for node and the very same model.onnx.data, byte for byte (RoPE
-scaling, a sliding window, a bf16 sharded checkpoint quantized to Q4 with the default
-calibration included); the builder's artifact gives onnxruntime's logits on MLX and
-transformers' greedy tokens; what it does not cover goes through the trace."""
+(export/onnx_export.py), its oracle: for every registered family the builder writes the trace's
+plain decoder graph node for node (float32 and float16); the same checkpoint converted both ways
+(FUSELM_EXPORT=torch traces) gives the same fused graph and the very same model.onnx.data, byte
+for byte (RoPE scaling, a sliding window, a bf16 sharded checkpoint quantized to Q4 with the
+default calibration included), the passes doing the fusing in both; the builder's artifact
+gives onnxruntime's logits on MLX and transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ import pytest
 from onnx import helper, numpy_helper
 
 from fuselm.converter.exporter_choice import BUILDER, EXPORT_ENV, exporter_for, trace_reason
-from fuselm.converter.pipeline import ConvertOptions
+from fuselm.converter.models.builtin import build_model as build_checkpoint
+from fuselm.export.graph_builder import build_model
 from fuselm.export.onnx_export import export_model
-from fuselm.export.registry import decoder_spec
+from fuselm.export.registry import decoder_spec, model_types
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_model, rel
+from tests.export.graph_compare import canonical, params
 from tests.export.helpers import convert_with_env
+from tests.families import TEST_CONFIGS
 
 # conftest CASES: qwen3 (q/k-norm, tied head, head_dim 24 != 64 / 4, GQA 4:2), qwen2 GQA 4:1
 # with q/k/v biases, llama MHA with attention and MLP biases, mistral with a sliding window 8,
@@ -95,9 +99,15 @@ def test_manifest_names_the_exporter(pairs: dict[str, tuple[Path, Path]], case: 
     assert ours.source["exporter"] == BUILDER
     assert theirs.source["exporter"] == f"torch ({EXPORT_ENV}=torch)"
     assert ours.source["checkpoint_dtype"] == theirs.source["checkpoint_dtype"]
-    built, *passes = ours.passes["passes"]
-    assert built["name"] == "graph_builder" and built["matches"] == ours.model.num_layers
-    assert all(e["matches"] == 0 for e in passes if e["name"] not in ("quantize_q4", "cleanup"))
+    # the passes do the fusing for both: the same report, pass by pass
+    layers = ours.model.num_layers
+    for manifest in (ours, theirs):
+        matches = {e["name"]: e["matches"] for e in manifest.passes["passes"]}
+        assert matches["qkv"] == matches["gate_up"] == layers, matches
+    assert [{k: e[k] for k in ("name", "matches", "nodes_before", "nodes_after", "op_delta")}
+            for e in ours.passes["passes"]] == \
+        [{k: e[k] for k in ("name", "matches", "nodes_before", "nodes_after", "op_delta")}
+         for e in theirs.passes["passes"]]
     if case == Q4_CASE:
         q, t = dict(ours.quantization), dict(theirs.quantization)
         assert q["calibration"]["file"] == "calibration.txt (built-in)"
@@ -122,20 +132,54 @@ def test_logits_ort_equal_mlx_and_greedy_equal_transformers(
     assert generate(mlx_engine, PROMPT, max_new_tokens=16).tokens == want
 
 
-def test_what_the_builder_does_not_cover_is_traced(checkpoint: Any) -> None:
-    """Other families, per-layer windows, unfused graphs and FUSELM_EXPORT=torch: the trace,
-    named as fuselm.json names it."""
-    opts = ConvertOptions()
-    assert trace_reason(decoder_spec(checkpoint("qwen3")), opts) is None
-    assert trace_reason(decoder_spec(checkpoint("phi3")), opts) == "model type phi3"
-    assert trace_reason(decoder_spec(checkpoint("qwen3")), ConvertOptions(optimize=False)) == \
-        "an unfused or partly fused graph was asked for"
-    spec = decoder_spec(checkpoint("mistral-window"))
-    spec.windows = [8, None]
-    assert trace_reason(spec, opts) == "sliding windows on some layers only"
-    exporter, label = exporter_for(decoder_spec(checkpoint("phi3")), opts)
-    assert (exporter, label) == (export_model, "torch (model type phi3)")
-    assert exporter_for(decoder_spec(checkpoint("qwen3")), opts)[1] == BUILDER
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny checkpoint of every registered family, with its test quirks (tests/families.py)."""
+    root = tmp_path_factory.mktemp("builder_families")
+    return {f: build_checkpoint(root / f, f, seed=3, tokenizer=False, **TEST_CONFIGS.get(f, {}))
+            for f in model_types()}
+
+
+@pytest.mark.parametrize("family", model_types())
+def test_plain_graph_equals_the_trace(family_checkpoints: dict[str, Path], family: str,
+                                      tmp_path: Path) -> None:
+    """The builder's graph is the trace's, node for node: the same ops, attributes, inputs
+    (graph inputs, the decoder's parameters by name, small constants by value, earlier nodes
+    by position), the same parameters in the same order, the same functions; float16 for the
+    families whose graph holds float constants (scales, caps)."""
+    src = family_checkpoints[family]
+    dtypes = ["float32", "float16"] if family in ("gemma2", "granite") else ["float32"]
+    for dtype in dtypes:
+        traced = export_model(src, tmp_path / "raw.onnx", dtype, in_memory=True)
+        built = build_model(src, tmp_path / "raw.onnx", dtype, in_memory=True)
+        a, b = traced.model, built.model
+        assert canonical(b) == canonical(a), (family, dtype)
+        assert params(b) == params(a)
+        assert [(v.name, v.type) for v in b.graph.input] == \
+            [(v.name, v.type) for v in a.graph.input]
+        assert [(v.name, v.type) for v in b.graph.output] == \
+            [(v.name, v.type) for v in a.graph.output]
+        assert [f.SerializeToString() for f in b.functions] == \
+            [f.SerializeToString() for f in a.functions]
+        assert b.opset_import == a.opset_import
+        assert sorted(built.sources) == sorted(traced.sources)
+        for name in built.sources:  # the recipes give the same values, laid out alike
+            x, y = built.sources[name](), traced.sources[name]()
+            assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+        assert built.weight_bytes == traced.weight_bytes
+    assert not list(tmp_path.iterdir())  # in memory: nothing written
+
+
+def test_the_builder_exports_every_conversion(checkpoint: Any) -> None:
+    """Every family, fused or not: the builder; the trace only when FUSELM_EXPORT=torch asks
+    (or GGUF input needs it), named as fuselm.json names it."""
+    for case in ("qwen3", "phi3"):
+        assert trace_reason() is None
+        assert exporter_for(decoder_spec(checkpoint(case)))[1] == BUILDER
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(EXPORT_ENV, "torch")
+        exporter, label = exporter_for(decoder_spec(checkpoint("phi3")))
+        assert (exporter, label) == (export_model, f"torch ({EXPORT_ENV}=torch)")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

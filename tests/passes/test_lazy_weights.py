@@ -139,8 +139,8 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     ComputedValues): the small norms are read with the graph, before the passes, and a float
     weight is decoded once by the writer (the float head here); still nothing twice.
 
-    The graph builder (export/graph_builder.py) reads q/k/v and gate/up as the packed weights
-    it writes; the trace's pairing passes pack them from their parts, read part by part."""
+    Both exporters write q/k/v and gate/up as separate weights; the pairing passes pack them
+    from their parts, read part by part."""
     from collections import Counter
 
     from fuselm.converter.exporter_choice import EXPORT_ENV
@@ -165,8 +165,7 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
         convert(with_tokenizer, tmp_path / "out4",
                 ConvertOptions(quant="q4", keep_intermediate=keep))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
-    linear = (("qkv", "o_proj", "gate_up", "down_proj") if exporter == "builder" else
-              [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")])
+    linear = [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")]
     want = [f"layers.{i}.{p}.weight" for i in range(layers) for p in linear]
 
     def weights_after_norms(got: list[str], n_norms: int) -> list[str]:

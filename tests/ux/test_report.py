@@ -15,14 +15,9 @@ from tests.ux.conftest import cli, convert
 
 @pytest.fixture(scope="module")
 def artifact(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The ux artifact, traced (FUSELM_EXPORT=torch): the report's before/after drawings then
-    show the passes' fusion. The graph builder's graph is fused from the start (its "before"
-    is its "after"; export/graph_builder.py)."""
-    from fuselm.converter.exporter_choice import EXPORT_ENV
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(EXPORT_ENV, "torch")
-        return convert(hf_dir, tmp_path_factory.mktemp("ux-traced") / "out")
+    """The ux artifact, a default conversion: the exporter writes the plain decoder graph, so
+    the report's before/after drawings show the passes' fusion."""
+    return convert(hf_dir, tmp_path_factory.mktemp("ux-default") / "out")
 
 
 def render(page: Path, tmp_path: Path) -> dict[str, tuple[int, int]]:
