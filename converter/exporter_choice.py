@@ -1,21 +1,19 @@
 """Which exporter writes a conversion's graph: the graph builder (export/graph_builder.py,
 no trace) where it covers the model, else the torch trace (export/onnx_export.py + passes/).
 
-`FUSELM_EXPORT=torch` forces the trace for any input (the ladder's cross-check of the
-builder); `FUSELM_GGUF_EXPORT=torch`, its older spelling, does so for GGUF input only.
+`FUSELM_EXPORT=torch` (RuntimeConfig.export, fuselm/config.py) forces the trace for any input
+(the ladder's cross-check of the builder).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from fuselm.config import EXPORT_ENV, resolve
 from fuselm.export.config import DecoderSpec
 
-EXPORT_ENV = "FUSELM_EXPORT"
-GGUF_EXPORT_ENV = "FUSELM_GGUF_EXPORT"
 BUILDER = "graph builder"  # fuselm.json's source.exporter when the builder wrote the graph
 
 
@@ -24,9 +22,8 @@ def trace_reason(spec: DecoderSpec | None, options: Any, gguf: bool = False,
     """Why this conversion goes through the torch trace (None: the graph builder). `spec`
     None: not known yet (`extra` then says why, or nothing does); `extra`: a reason the
     caller found in the input itself."""
-    for env in (EXPORT_ENV, GGUF_EXPORT_ENV) if gguf else (EXPORT_ENV,):
-        if os.environ.get(env, "") == "torch":
-            return f"{env}=torch"
+    if resolve().export == "torch":
+        return f"{EXPORT_ENV}=torch"
     if not options.optimize or options.passes is not None:
         return "an unfused or partly fused graph was asked for"
     if extra is not None:
