@@ -68,10 +68,12 @@ SETTINGS: tuple[Setting, ...] = (
             "they cannot run"),
     Setting("fold_norm", "FUSELM_FOLD_NORM", ("epilogue", "0"), "epilogue",
             "CUDA: the residual add + RMSNorm in the epilogue of the Q4 GEMV making the added "
-            "row; `0` runs it as a kernel of its own"),
+            "row; `0` runs it as a kernel of its own (with FUSELM_ATTN_SPLIT=0: several "
+            "engines may decode at once in one process)"),
     Setting("attn_split", "FUSELM_ATTN_SPLIT", ("auto", "0"), "auto",
             "CUDA: decode attention over key splits, as many as fill the GPU (`auto`); `0` "
-            "runs one block per query head"),
+            "runs one block per query head (with FUSELM_FOLD_NORM=0: several engines may "
+            "decode at once in one process)"),
     Setting("prefill_dense", "FUSELM_PREFILL_DENSE", (), "auto",
             "from how many rows a Q4 matmul (a prefill chunk) runs over its weight dequantized "
             "inside the call: `auto` = 256 on MLX-CUDA, never elsewhere; `N` rows; `0` never"),
@@ -129,12 +131,13 @@ class RuntimeConfig:
         return dict(self.sources).get(name, "default")
 
     def with_options(self, **options: object) -> RuntimeConfig:
-        """This configuration with the CLI options given (None: not given) in place."""
+        """This configuration with the options given (None: not given) in place: the CLI's
+        (engine, threads) or, from Python, any field; an option wins over the environment."""
         given = {k: v for k, v in options.items() if v is not None}
-        unknown = set(given) - set(OPTIONS)
-        if unknown:
-            raise TypeError(f"no such option: {', '.join(sorted(unknown))}")
-        srcs = dict(self.sources) | {k: f"option ({OPTIONS[k]})" for k in given}
+        unknown = set(given) - {f.name for f in fields(self)} - {"sources"}
+        if unknown or "sources" in given:
+            raise TypeError(f"no such option: {', '.join(sorted(unknown or {'sources'}))}")
+        srcs = dict(self.sources) | {k: f"option ({OPTIONS.get(k, k)})" for k in given}
         return replace(self, **given, sources=tuple(sorted(srcs.items())))  # type: ignore[arg-type]
 
     def kernel_folder(self) -> Path | None:
@@ -171,9 +174,9 @@ assert {f.name for f in fields(RuntimeConfig)} == set(_SETTING) | set(OPTIONS) |
 
 
 def resolve(environ: Mapping[str, str] | None = None, **options: object) -> RuntimeConfig:
-    """The configuration from the environment (default: this process's) and the CLI options
-    given (None: not given); an option wins over the environment, which wins over the
-    default. An empty variable counts as unset. ConfigError on a bad value."""
+    """The configuration from the environment (default: this process's) and the options given
+    (None: not given; RuntimeConfig.with_options); an option wins over the environment, which
+    wins over the default. An empty variable counts as unset. ConfigError on a bad value."""
     env = os.environ if environ is None else environ
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
