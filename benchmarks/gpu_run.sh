@@ -62,7 +62,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 # Not pip-installed there: map the top-level folders to the fuselm.* namespace (pyproject's
 # package-dir) with links.
 if ! python3 -c "import fuselm.converter" 2>/dev/null; then
-  mkdir -p /tmp/fuselm_pkg/fuselm && cp fuselm/__init__.py /tmp/fuselm_pkg/fuselm/
+  mkdir -p /tmp/fuselm_pkg/fuselm && cp fuselm/*.py /tmp/fuselm_pkg/fuselm/
   for d in converter export passes runtime_metal; do ln -sfn "$PWD/$d" "/tmp/fuselm_pkg/fuselm/$d"; done
   export PYTHONPATH=/tmp/fuselm_pkg:$PYTHONPATH
 fi
