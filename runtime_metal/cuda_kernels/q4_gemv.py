@@ -60,6 +60,8 @@ __device__ __forceinline__ const T* fl_at(const T* p) {
   if (O != 0) asm("mov.b64 %0, %0;" : "+l"(p));
   return p;
 }
+// 8 consecutive activations as float32 (16-byte loads; rows are 16-byte aligned: K is a
+// multiple of the group size, >= 32)
 __device__ __forceinline__ void fl_load8(const float* p, float* o) {
   const uint4 a = *reinterpret_cast<const uint4*>(p), b = *reinterpret_cast<const uint4*>(p + 4);
   o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y);
