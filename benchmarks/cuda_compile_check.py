@@ -173,15 +173,9 @@ def main() -> None:
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, y, mx.ones((nout,), dt),
                                             1e-6, residual_at=y_at)
                 for n2, g2, a2 in ((3 * nout, 64, "silu"), (2 * nout, 32, None)):
-                    # the chain: that GEMV, then a gate/up or q/k/v GEMV over its y
+                    # a gate/up or q/k/v GEMV over y, read out of hy
                     p2 = mx.zeros((n2, nout // 8), mx.uint32)
                     s2 = mx.zeros((n2, nout // g2), dt)
-                    kernels_q4.q4_gemv_add_norm_then(
-                        x, packed, sc, sc, 32, res, mx.ones((nout,), dt), 1e-6,
-                        (p2, s2, s2, g2, a2))
-                    kernels_q4.q4_gemv_add_norm_then(
-                        x, packed, sc, sc, 32, y, mx.ones((nout,), dt), 1e-6,
-                        (p2, s2, s2, g2, a2), residual_at=y_at)
                     kernels_q4.q4_gemv(y, p2, s2, s2, g2, a2, x_at=y_at)
         for hidden in (1024, 4096):  # the separate add+RMSNorm: 256 and 1024 threads a block
             h = mx.zeros((1, 1, hidden), dt)

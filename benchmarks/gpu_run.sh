@@ -8,7 +8,7 @@
 #                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
 #                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
 #   benchmarks/gpu_run.sh batch SHAPE GROUP     # batch_bench.py on the Q4 conversion, b = 1 4 8 16,
-#                                               # Q4 GEMV kernel on and off
+#                                               # fuselm's kernels on and off (FUSELM_KERNELS)
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
@@ -63,7 +63,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 # Not pip-installed there: map the top-level folders to the fuselm.* namespace (pyproject's
 # package-dir) with links.
 if ! python3 -c "import fuselm.converter" 2>/dev/null; then
-  mkdir -p /tmp/fuselm_pkg/fuselm && cp fuselm/__init__.py /tmp/fuselm_pkg/fuselm/
+  mkdir -p /tmp/fuselm_pkg/fuselm && cp fuselm/*.py /tmp/fuselm_pkg/fuselm/
   for d in converter export passes runtime_metal; do ln -sfn "$PWD/$d" "/tmp/fuselm_pkg/fuselm/$d"; done
   export PYTHONPATH=/tmp/fuselm_pkg:$PYTHONPATH
 fi
@@ -89,12 +89,12 @@ case "$part" in
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
       -n 4 > /dev/null  # build + convert once
     art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
-    for g in 1 0; do
-      FUSELM_Q4_GEMV=$g python3 benchmarks/batch_bench.py --artifact "$art" -b 1 4 8 16 \
-        -p 32 -n 64 -r 3 --max-context 1024 > "$OUT/batch_$2_g$3_gemv$g.json"
+    for k in auto off; do
+      FUSELM_KERNELS=$k python3 benchmarks/batch_bench.py --artifact "$art" -b 1 4 8 16 \
+        -p 32 -n 64 -r 3 --max-context 1024 > "$OUT/batch_$2_g$3_kernels_$k.json"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
         [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
-        "$OUT/batch_$2_g$3_gemv$g.json"
+        "$OUT/batch_$2_g$3_kernels_$k.json"
     done
     ;;
   ncu)
@@ -143,11 +143,11 @@ case "$part" in
   profile)
     # fuselm as it runs by default (add+RMSNorm in the GEMV epilogue, attention split auto), the
     # separate add+RMSNorm kernel, one attention block per head, then mlx-lm;
-    # RUNS="sys:fold:split[:graph_ops] ..." picks (graph_ops: FUSELM_CUDA_GRAPH_OPS, MLX's
+    # RUNS="sys:fold:split[:graph_ops] ..." picks (graph_ops: MLX_MAX_OPS_PER_BUFFER, MLX's
     # launches per CUDA graph; empty = fuselm's default)
     for run in ${RUNS:-fuselm:epilogue:auto fuselm:0:auto fuselm:epilogue:0 mlx-lm:0:auto}; do
       IFS=: read -r sys fold split ops <<< "$run"
-      FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split FUSELM_CUDA_GRAPH_OPS=${ops:-} \
+      FUSELM_FOLD_NORM=$fold FUSELM_ATTN_SPLIT=$split MLX_MAX_OPS_PER_BUFFER=${ops:-} \
         python3 benchmarks/step_profile.py \
         --system "$sys" --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
         --mlx-dir "$WORK/mlxlm_$2_g$3_float16" \
@@ -162,7 +162,7 @@ case "$part" in
     : > "$OUT/graphs_$2_g$3.jsonl"
     for _ in $(seq "${ROUNDS:-3}"); do
       for ops in ${GRAPH_OPS:-30 45 60 off}; do
-        if [ "$ops" = off ]; then set_env=(FUSELM_CUDA_GRAPHS=0); else set_env=(FUSELM_CUDA_GRAPH_OPS="$ops"); fi
+        if [ "$ops" = off ]; then set_env=(MLX_USE_CUDA_GRAPHS=0); else set_env=(MLX_MAX_OPS_PER_BUFFER="$ops"); fi
         env "${set_env[@]}" python3 benchmarks/step_profile.py --system fuselm --wall-only \
           --hf "$WORK/$2/hf" -p 512 -n 128 --artifact "$WORK/fuselm_$2_g$3_float16" \
           | tail -1 | python3 -c "import json,sys; d=json.load(sys.stdin); d['graph_ops']='$ops'; \

@@ -8,13 +8,12 @@ MLX's kernels too); the median device duration per kernel name is reported, so P
 launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) for the q/k/v, the gated gate/up and the LM head (float32 out)
   shapes, the o_proj and down GEMVs plain and with the add+RMSNorm epilogue
-  (q4_gemv_add_norm: the default), the separate add+RMSNorm kernel the epilogue replaces,
-  and the chained launches of
-  FUSELM_FOLD_NORM=chain (q4_gemv_add_norm_then: o_proj + gate/up, down + q/k/v; compare each
-  with the sum of its two parts);
+  (q4_gemv_add_norm: the default), and the separate add+RMSNorm kernel the epilogue replaces
+  (FUSELM_FOLD_NORM=0); the GEMVs with --unroll weight loads in flight a lane (default:
+  kernels.Q4_UNROLL);
 - rope+attention (kernels_cuda.rope_attend, reading q, k, v out of the fused projection as the
   program does: one input for the three): a block per query head (split 0), and the split
-  kernel with --splits key splits (FUSELM_ATTN_SPLIT; `auto` as kernels.attend_splits picks)
+  kernel with --splits key splits (`auto` as kernels.auto_splits picks: FUSELM_ATTN_SPLIT=auto)
   at each cached length --pos, with the program's warps/keys per block and each of
   --split-configs (WARPSxKEYS) at the auto split count.
 Prints one JSON line.
@@ -57,6 +56,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=50)
     ap.add_argument("--splits", nargs="+", default=["0", "4", "8", "16", "32", "auto"])
     ap.add_argument("--split-configs", nargs="*", default=["4x2", "8x2", "16x4", "8x8"])
+    ap.add_argument("--unroll", type=int, default=None,
+                    help="the Q4 GEMVs' weight loads in flight a lane, 1..16 (default: "
+                         "kernels.Q4_UNROLL)")
     ap.add_argument("--launch-only", action="store_true",
                     help="launch each kernel (3 + n times) without PyTorch's profiler, for an "
                          "outside profiler (ncu: gpu_run.sh attn); prints nothing")
@@ -92,20 +94,16 @@ def main() -> None:
     o_proj, down = q4(hidden, hq * d), q4(hidden, inter)
     lm_head = q4(vocab, hidden)
     xo, xd = rand(1, 1, hq * d), rand(1, 1, inter)
+    u = args.unroll
     calls: dict[str, Any] = {
         "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
-        "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g),
-        "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu"),
-        "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g),
-        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps),
-        "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g),
-        "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32),
-        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps),
-        # FUSELM_FOLD_NORM=chain: the epilogue GEMV and the GEMV over its y in one launch
-        "o_proj addnorm + gate_up chain": lambda: kernels_q4.q4_gemv_add_norm_then(
-            xo, *o_proj, g, r, nw, eps, (*gate_up, g, "silu"))[1],
-        "down addnorm + qkv chain": lambda: kernels_q4.q4_gemv_add_norm_then(
-            xd, *down, g, r, nw, eps, (*qkv, g, None))[1],
+        "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g, unroll=u),
+        "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu", unroll=u),
+        "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g, unroll=u),
+        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps, u),
+        "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g, unroll=u),
+        "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32, u),
+        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps, u),
     }
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)  # eps, softmax scale, attention scale

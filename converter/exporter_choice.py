@@ -2,38 +2,35 @@
 torch) by default, or the torch trace (export/onnx_export.py), its oracle. Both write the same
 plain decoder graph for every family; the passes do the fusing either way.
 
-`FUSELM_EXPORT=torch` forces the trace for any input (the ladder's cross-check of the
-builder); `FUSELM_GGUF_EXPORT=torch`, its older spelling, does so for GGUF input only.
+`FUSELM_EXPORT=torch` (RuntimeConfig.export, fuselm/config.py) forces the trace for any input
+(the ladder's cross-check of the builder).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from fuselm.config import EXPORT_ENV, resolve
 from fuselm.export.config import DecoderSpec
 
-EXPORT_ENV = "FUSELM_EXPORT"
-GGUF_EXPORT_ENV = "FUSELM_GGUF_EXPORT"
 BUILDER = "graph builder"  # fuselm.json's source.exporter when the builder wrote the graph
 
 
-def trace_reason(gguf: bool = False, extra: str | None = None) -> str | None:
+def trace_reason(extra: str | None = None) -> str | None:
     """Why this conversion goes through the torch trace (None: the graph builder, for any
     options: its graph is the trace's, fused or not). `extra`: a reason the caller found in
     the input itself."""
-    for env in (EXPORT_ENV, GGUF_EXPORT_ENV) if gguf else (EXPORT_ENV,):
-        if os.environ.get(env, "") == "torch":
-            return f"{env}=torch"
+    if resolve().export == "torch":
+        return f"{EXPORT_ENV}=torch"
     return extra
 
 
 def exporter_for(spec: DecoderSpec, gguf: bool = False,
                  extra: str | None = None) -> tuple[Callable[..., Any], str]:
     """The exporter (export_model's signature, `spec` bound) and fuselm.json's label for it."""
-    reason = trace_reason(gguf, extra)
+    reason = trace_reason(extra)
     if reason is not None:
         from fuselm.export.onnx_export import export_model
 

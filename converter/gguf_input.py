@@ -25,7 +25,7 @@ from fuselm.export.gguf.source import (
 
 def torch_reason(ckpt: GGUFCheckpoint) -> str | None:
     """Why this conversion goes through the torch exporter (None: the graph builder)."""
-    return trace_reason(gguf=True, extra=builder_unsupported(ckpt))
+    return trace_reason(extra=builder_unsupported(ckpt))
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 if TYPE_CHECKING:
@@ -89,18 +90,24 @@ def resolve_engine(name: str) -> str:
     return name
 
 
-def make_engine(out_dir: str | Path, name: str = "auto", **options: object) -> Engine:
-    """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level)."""
+def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig | None = None,
+                **options: object) -> Engine:
+    """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level).
+    config: the runtime settings (fuselm/config.py), resolved from the environment here when
+    not given: once per engine; its --threads go to onnxruntime unless options name them."""
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.integrity import check_sizes
 
+    config = config if config is not None else resolve()
     manifest = read_manifest(out_dir)
     check_sizes(out_dir, manifest)
     resolved = resolve_engine(name)
     if resolved == "mlx":
         from fuselm.runtime_metal.mlx_engine.engine import MLXEngine
 
-        return MLXEngine(out_dir, manifest, **options)  # type: ignore[arg-type]
+        return MLXEngine(out_dir, manifest, config=config, **options)  # type: ignore[arg-type]
     from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 
+    if config.threads is not None:
+        options.setdefault("threads", config.threads)
     return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

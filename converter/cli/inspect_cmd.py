@@ -77,13 +77,17 @@ def describe(path: Path) -> dict[str, Any]:
 def inspect(model: Path, as_json: bool, full: bool) -> None:
     """Show MODEL's (a .onnx file or an output directory) summary, I/O signature and op
     histogram."""
+    from fuselm.config import resolve
     from fuselm.converter.cli.inspect_summary import collapse_io, summary
 
     info = describe(model)
     nodes = list(onnx.load(info["path"], load_external_data=False).graph.node)
     rows = summary(model, info, nodes)
+    # what an engine loading it here would run with (the options are the run command's)
+    settings = resolve().rows()
     if as_json:
-        click.echo(json.dumps({**info, "summary": dict(rows)}, indent=2))
+        click.echo(json.dumps({**info, "summary": dict(rows), "runtime_config": [
+            {"name": n, "value": v, "source": src} for n, v, src in settings]}, indent=2))
         return
     head = Table(title=info["path"], show_header=False)
     head.add_column(style="bold")
@@ -102,7 +106,13 @@ def inspect(model: Path, as_json: bool, full: bool) -> None:
     ops.add_column("count", justify="right")
     for name, count in info["ops"].items():
         ops.add_row(name, str(count))
+    config = Table(title="runtime configuration (this environment; README: Configuration)")
+    for col in ("setting", "value", "source"):
+        config.add_column(col)
+    for row in settings:
+        config.add_row(*row)
     console = _Stdout()
     console.print(head)
     console.print(io)
     console.print(ops)
+    console.print(config)

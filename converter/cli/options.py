@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 
@@ -45,3 +46,25 @@ def ort_options(engine_name: str, accuracy_level: int, threads: int | None
                                    "none (drop it, or add --engine onnxruntime)")
         return {}
     return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {})}
+
+
+def verbose_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--verbose: the resolved runtime configuration on stderr, each value with its source."""
+    return click.option("--verbose", is_flag=True,
+                        help="print the runtime settings in use and where each came from "
+                        "(default, environment, option)")(f)
+
+
+def runtime_config(verbose: bool = False, **options: object) -> RuntimeConfig:
+    """The runtime configuration for this command: the environment, and the CLI options
+    (engine, threads) the user typed; an option left at its default is not an option's
+    value. Printed to stderr with --verbose."""
+    ctx = click.get_current_context()
+    typed = {k: v for k, v in options.items()
+             if ctx.get_parameter_source(k) != click.core.ParameterSource.DEFAULT}
+    config = resolve(**typed)
+    if verbose:
+        click.echo("runtime configuration:", err=True)
+        for line in config.lines():
+            click.echo(f"  {line}", err=True)
+    return config

@@ -9,7 +9,14 @@ from typing import Any
 
 import click
 
-from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.config import RuntimeConfig
+from fuselm.converter.cli.options import (
+    model_argument,
+    ort_options,
+    runtime_config,
+    threads_option,
+    verbose_option,
+)
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 _ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]),
@@ -32,7 +39,7 @@ def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: 
 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
-          threads: int | None = None):
+          threads: int | None = None, config: RuntimeConfig | None = None):
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.engine import make_engine, resolve_engine
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
@@ -44,9 +51,9 @@ def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,
     if name == "onnxruntime":
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
-        return manifest, make_engine(out_dir, name, **options), None
+        return manifest, make_engine(out_dir, name, config, **options), None
     warn_mlx_on_cpu(manifest, engine)
-    return manifest, make_engine(out_dir, name, profiler=profiler), profiler
+    return manifest, make_engine(out_dir, name, config, profiler=profiler), profiler
 
 
 def warn_mlx_on_cpu(manifest: Any, engine: str) -> None:
@@ -103,11 +110,12 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
 @click.option("--verify", "verify_files", is_flag=True,
               help="hash the artifact's files against fuselm.json before loading")
+@verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, repetition_penalty: float,
         seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
         threads: int | None, prefill_chunk: int | None, as_json: bool, profile: bool,
-        device_sampling: bool, verify_files: bool = False) -> None:
+        device_sampling: bool, verify_files: bool = False, verbose: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.generate import generate
     from fuselm.runtime_metal.tokenizer import (
@@ -121,11 +129,12 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
     sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
+    config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile, threads)
+    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
     gen_cfg = generation_config(out_dir)
     tok = None
     if prompt is not None:

@@ -15,9 +15,10 @@ token: only `#pragma X` lines of the body become `_Pragma("X")` (a macro cannot 
 directive), which is the same pragma (benchmarks/cuda_compile_check.py --compare-ptx checks the
 PTX).
 
-FUSELM_KERNEL_DIR selects the folder (default: $XDG_CACHE_HOME/fuselm/cuda, else
-~/.cache/fuselm/cuda); `inline` passes the whole text to MLX as before (readable NVRTC error
-lines when editing a kernel). Where the folder cannot be written, the text goes inline too.
+The folder is RuntimeConfig.kernel_dir (FUSELM_KERNEL_DIR; default $XDG_CACHE_HOME/fuselm/cuda,
+else ~/.cache/fuselm/cuda), handed over by `use_folder` when an engine loads; `inline` passes
+the whole text to MLX (readable NVRTC error lines when editing a kernel). Where the folder
+cannot be written, the text goes inline too.
 """
 
 from __future__ import annotations
@@ -28,22 +29,26 @@ import re
 import tempfile
 from pathlib import Path
 
-ENV = "FUSELM_KERNEL_DIR"
-INLINE = "inline"
+from fuselm.config import resolve
+
 _PRAGMA = re.compile(r"^#\s*pragma\s+(.*)$")
 _DIRECTIVE = re.compile(r"^\s*#")
 _unwritable: set[Path] = set()  # folders that refused a write: not tried again this process
+# The folder in use (None: inline text); until an engine hands one over (`use_folder`), the
+# default configuration's (a kernel called outside an engine: tests, benchmarks).
+_folder: list[Path | None] = []
+
+
+def use_folder(folder: Path | None) -> None:
+    """The folder for this process's kernel headers from now on (None: inline text)."""
+    _folder[:] = [folder]
 
 
 def kernel_dir() -> Path | None:
-    """The folder for the kernel headers, or None for inline text (FUSELM_KERNEL_DIR=inline)."""
-    raw = os.environ.get(ENV, "").strip()
-    if raw.lower() == INLINE:
-        return None
-    if raw:
-        return Path(raw).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(base) if base else Path.home() / ".cache") / "fuselm" / "cuda"
+    """The folder for the kernel headers, or None for inline text."""
+    if not _folder:
+        use_folder(resolve().kernel_folder())
+    return _folder[0]
 
 
 def body_macro(body: str, macro: str) -> str | None:

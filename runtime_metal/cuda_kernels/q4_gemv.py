@@ -28,13 +28,8 @@ the plain path's matmul output would be, then act(gate), then the product.
   the GEMVs reading them take hy and their element offset in it (template constants XO for
   x, RO for the residual), so the views h and y (`halves`) need never be evaluated
   (qweight.QWeight.matmul_add_norm registers them, the consumers look them up).
-* `q4_gemv_add_norm_then(x, w, residual, scale, eps, then)`: that GEMV and the one reading
-  its y (the layer's gate/up, the next layer's q/k/v, the LM head) in one launch, the second
-  GEMV's blocks waiting for the first's last block (FUSELM_FOLD_NORM=chain: two launches a
-  layer fewer, but slower on the H200 so far; see the chain's comment below).
-
 Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
-ops/fused.fused_gate_up); the on/off switches are kernels.py's; tests/runtime/test_kernels.py
+ops/fused.fused_gate_up); the on/off switches are selection.py's; tests/runtime/test_kernels.py
 checks it against the dequantized weights in float64.
 """
 
@@ -65,27 +60,17 @@ __device__ __forceinline__ const T* fl_at(const T* p) {
   if (O != 0) asm("mov.b64 %0, %0;" : "+l"(p));
   return p;
 }
-// 16 bytes; CG: through L2 only (ld.global.cg), for data another block of the same launch
-// wrote (a chained GEMV's input): L1 is not coherent across SMs
-template <bool CG>
-__device__ __forceinline__ uint4 fl_ld16(const void* p) {
-  const uint4* q = reinterpret_cast<const uint4*>(p);
-  if (CG) return __ldcg(q);
-  return *q;
-}
 // 8 consecutive activations as float32 (16-byte loads; rows are 16-byte aligned: K is a
 // multiple of the group size, >= 32)
-template <bool CG>
 __device__ __forceinline__ void fl_load8(const float* p, float* o) {
-  const uint4 a = fl_ld16<CG>(p), b = fl_ld16<CG>(p + 4);
+  const uint4 a = *reinterpret_cast<const uint4*>(p), b = *reinterpret_cast<const uint4*>(p + 4);
   o[0] = __uint_as_float(a.x); o[1] = __uint_as_float(a.y);
   o[2] = __uint_as_float(a.z); o[3] = __uint_as_float(a.w);
   o[4] = __uint_as_float(b.x); o[5] = __uint_as_float(b.y);
   o[6] = __uint_as_float(b.z); o[7] = __uint_as_float(b.w);
 }
-template <bool CG>
 __device__ __forceinline__ void fl_load8(const __half* p, float* o) {
-  const uint4 u = fl_ld16<CG>(p);
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
   const __half2* h = reinterpret_cast<const __half2*>(&u);
   for (int i = 0; i < 4; ++i) {
     const float2 f = __half22float2(h[i]);
@@ -93,9 +78,8 @@ __device__ __forceinline__ void fl_load8(const __half* p, float* o) {
     o[2 * i + 1] = f.y;
   }
 }
-template <bool CG>
 __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
-  const uint4 u = fl_ld16<CG>(p);
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
   for (int i = 0; i < 4; ++i) {
     const float2 f = __bfloat1622float2(h[i]);
@@ -111,7 +95,7 @@ __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
 // Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
 // multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
 // the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
-template <typename T, int K, int G, int NO, int R, int NR, bool CG>
+template <typename T, int K, int G, int NO, int R, int NR>
 __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const T* sc,
                                            const T* bi, int n, int lane, float (&v)[NR][R]) {
   constexpr int KQ = K / 32, QPG = G / 32, KG = K / G;
@@ -123,7 +107,7 @@ __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const
     for (int r = 0; r < R; ++r) acc[j][r] = 0.f;
   // A lane's weight words, scales and biases for B of its 16-byte steps are loaded before any
   // is used, so B loads a lane are in flight at once: every step of the row when it takes at
-  // most FL_UNROLL_MAX (kernels.q4_unroll), else two at a time. The sums run in step order
+  // most FL_UNROLL_MAX (kernels.Q4_UNROLL), else two at a time. The sums run in step order
   // whatever B is, so the result does not depend on it.
   constexpr int STEPS = (KQ + 31) / 32, B = STEPS <= FL_UNROLL_MAX ? STEPS : 2;
   for (int s0 = 0; s0 < STEPS; s0 += B) {
@@ -160,7 +144,7 @@ __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const
         #pragma unroll
         for (int r = 0; r < R; ++r) {
           float xv[8];
-          fl_load8<CG>(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+          fl_load8(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
           float xs = 0.f;
           #pragma unroll
           for (int e = 0; e < 8; ++e) xs += xv[e];
@@ -220,12 +204,12 @@ _GEMV = """
   const int n = blockIdx.x * NW + warp;
   if (n >= NO) return;
   float v[NR][R];
-  fl_q4_dots<T, K, G, NO, R, NR, false>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
+  fl_q4_dots<T, K, G, NO, R, NR>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
   if (lane == 0) fl_q4_store<T, O, NO, R, NR, EPI>(out, n, v);
 """
 
 
-# The add+RMSNorm in the epilogue (kernels.fold_norm_mode() "epilogue" and "chain"): the GEMV
+# The add+RMSNorm in the epilogue (FUSELM_FOLD_NORM=epilogue, the default): the GEMV
 # producing x (a layer's o_proj or down projection) writes h = x + r, the next residual,
 # rounded as the separate Add rounds it, and its block's share of each row's sum of squares
 # (its NW columns, in warp order); the LAST block to finish (a ticket) sums the blocks' shares
@@ -253,7 +237,7 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
   for (int r = 0; r < R; ++r)
     rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
   float v[1][R];
-  fl_q4_dots<T, K, G, NO, R, 1, false>(x, wq, sc, bi, n, lane, v);
+  fl_q4_dots<T, K, G, NO, R, 1>(x, wq, sc, bi, n, lane, v);
   if (lane == 0) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -321,86 +305,10 @@ _ADD_NORM = """
                                            hy, hy + R * NO, fuselm_addnorm_part);
 """
 
-# ---- the chain (kernels.fold_norm_mode() "chain"): the add+norm GEMV above and
-# the GEMV reading its y (the layer's gate/up, the next layer's q/k/v) in ONE launch. Blocks
-# [0, NA) are the add+norm GEMV (A); blocks [NA, grid) the GEMV over y (B). A's last block
-# sets each ready slot to the count of B blocks it serves after its y writes; each B block
-# first asks L2 for its weight rows (they do not depend on y), then waits for its slot, takes
-# one off it (the last leaves it zero for the next launch) and reads y through L2. The wait
-# cannot deadlock while blocks are dispatched in index order (every A block is then resident
-# or done before any B block waits): the forward-progress property single-pass scans with
-# decoupled look-back (CUB) rely on. B's sums are the plain GEMV's, in the same order:
-# bit-equal to the two launches apart.
-# Measured on the H200 (two hosts, Qwen3-0.6B g32 decode step): 92 launches a step against
-# 147, but the chained launches took 20.5 us (o_proj + gate/up) and 27.9 us (down + q/k/v)
-# against 5.8 + 4.0 and 7.0 + 3.3 apart, so GPU busy time rose 1.13 -> 1.92 ms and the step
-# 1.70 -> 2.48 ms: not the default. One shared ready count or one slot per B block made no
-# difference (19.1 / 26.6 us with the shared count), so L2 contention on the polls is not the
-# cause; per-instruction stall samples (ncu source page) of the A half are the next step.
-_CHAIN_GLOBALS = f"__device__ float fuselm_chain_part[{ADD_NORM_PARTS}];\n" + """
-__device__ unsigned int fuselm_chain_ticket = 0u;
-// B block b waits on slot b % SLOTS, its own 128-byte line, so the polls spread over L2
-// slices instead of all queueing on one (measured: no change against one shared count)
-constexpr unsigned int FL_CHAIN_SLOTS = 1024, FL_CHAIN_STRIDE = 32;
-__device__ unsigned int fuselm_chain_ready[FL_CHAIN_SLOTS * FL_CHAIN_STRIDE];
-// L2 prefetches of a weight row's codes, scales and biases (one line per lane and step)
-template <typename T, int K, int G, int NO, int NR>
-__device__ __forceinline__ void fl_q4_prefetch(const uint32_t* wq, const T* sc, const T* bi,
-                                               int n, int lane) {
-  constexpr int QB = K / 2, SB = (K / G) * (int)sizeof(T);  // bytes a row: codes, scales
-  #pragma unroll
-  for (int j = 0; j < NR; ++j) {
-    const size_t row = (size_t)(n + j * NO);
-    const char* q = reinterpret_cast<const char*>(wq) + row * QB;
-    for (int o = lane * 128; o < QB; o += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];" :: "l"(q + o));
-    if (lane * 128 < SB) {
-      asm volatile("prefetch.global.L2 [%0];"
-                   :: "l"(reinterpret_cast<const char*>(sc) + row * SB + lane * 128));
-      asm volatile("prefetch.global.L2 [%0];"
-                   :: "l"(reinterpret_cast<const char*>(bi) + row * SB + lane * 128));
-    }
-  }
-}
-"""
-_CHAIN = """
-  constexpr int NA = NO / NW, NR2 = EPI2 ? 2 : 1;
-  if (blockIdx.x < NA) {
-    if (fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_chain_ticket,
-                                                 fl_at<XO>(x), wq, sc, bi, fl_at<RO>(rr), nw,
-                                                 __int_as_float(EPSB), hy, hy + R * NO,
-                                                 fuselm_chain_part)) {
-      __threadfence();  // every thread's y writes device-wide before any slot is set
-      __syncthreads();
-      const unsigned int nb = gridDim.x - NA;  // B blocks: slot s serves those with b % SLOTS = s
-      for (unsigned int s = threadIdx.x; s < FL_CHAIN_SLOTS && s < nb; s += blockDim.x)
-        atomicExch(&fuselm_chain_ready[s * FL_CHAIN_STRIDE],
-                   nb / FL_CHAIN_SLOTS + (s < nb % FL_CHAIN_SLOTS ? 1u : 0u));
-    }
-    return;
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = (blockIdx.x - NA) * NW + warp;
-  if (n < NO2) fl_q4_prefetch<T, NO, G2, NO2, NR2>(wq2, sc2, bi2, n, lane);
-  if (threadIdx.x == 0) {
-    unsigned int* slot = &fuselm_chain_ready[((blockIdx.x - NA) % FL_CHAIN_SLOTS) *
-                                             FL_CHAIN_STRIDE];
-    while (*reinterpret_cast<volatile unsigned int*>(slot) == 0u) __nanosleep(64);
-    __threadfence();
-    atomicSub(slot, 1u);  // the slot's last B block leaves it zero for the next launch
-  }
-  __syncthreads();
-  if (n >= NO2) return;
-  float v[NR2][R];
-  fl_q4_dots<T, NO, G2, NO2, R, NR2, true>(fl_at<R * NO>(static_cast<const T*>(hy)), wq2, sc2,
-                                           bi2, n, lane, v);
-  if (lane == 0) fl_q4_store<T, T, NO2, R, NR2, EPI2>(out, n, v);
-"""
-
 
 def _header(unroll: int) -> str:
-    """The shared device code with FL_UNROLL_MAX = unroll (kernels.q4_unroll): every kernel's
-    header comes from here, so _HEADER needs no default of its own."""
+    """The shared device code with FL_UNROLL_MAX = unroll (kernels.Q4_UNROLL by default):
+    every kernel's header comes from here, so _HEADER needs no default of its own."""
     return f"#define FL_UNROLL_MAX {unroll}\n" + _HEADER
 
 
@@ -416,15 +324,6 @@ def _add_norm_kernel(unroll: int) -> Any:
         name="fuselm_q4_gemv_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
         output_names=["hy"], header=_header(unroll) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS,
         source=_ADD_NORM)
-
-
-@kernels.kernel_factory
-def _chain_kernel(unroll: int) -> Any:
-    return kernels.cuda_kernel(
-        name="fuselm_q4_gemv_chain",
-        input_names=["x", "wq", "sc", "bi", "rr", "nw", "wq2", "sc2", "bi2"],
-        output_names=["hy", "out"],
-        header=_header(unroll) + _ADD_NORM_BLOCK + _CHAIN_GLOBALS, source=_CHAIN)
 
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
@@ -458,7 +357,7 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
             unroll: int | None = None, x_at: Source | None = None) -> mx.array:
     """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
     to x's dtype, then written widened (the LM head's logits: no separate cast launch).
-    unroll: loads in flight a lane (kernels.q4_unroll, the default); the result is the same.
+    unroll: loads in flight a lane (kernels.Q4_UNROLL by default); the result is the same.
     x_at: where the kernel reads x (`_source`; x then gives only its shape and dtype): the
     template constant XO is its element offset."""
     k = x.shape[-1]
@@ -466,7 +365,7 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
     blocks = -(-n_out // _WARPS)
     out_dtype = out_dtype or x.dtype
     xs, xo = _source(x, x_at)
-    (out,) = _kernel(unroll or kernels.q4_unroll())(
+    (out,) = _kernel(unroll or kernels.Q4_UNROLL)(
         inputs=[xs, packed, scales, biases],
         template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
                   ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
@@ -515,7 +414,7 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
-    (hy,) = _add_norm_kernel(unroll or kernels.q4_unroll())(
+    (hy,) = _add_norm_kernel(unroll or kernels.Q4_UNROLL)(
         inputs=[xs, packed, scales, biases, rs, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
                   ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps)),
@@ -523,32 +422,3 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(2, *shape)], output_dtypes=[x.dtype])
     return hy
-
-
-def q4_gemv_add_norm_then(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
-                          group_size: int, residual: mx.array, scale: mx.array, eps: float,
-                          then: tuple[mx.array, mx.array, mx.array, int, str | None],
-                          unroll: int | None = None, x_at: Source | None = None,
-                          residual_at: Source | None = None) -> tuple[mx.array, mx.array]:
-    """(hy, z): q4_gemv_add_norm's hy (h and y), and z = q4_gemv(y, *then) (then: the next
-    weight's packed codes, scales and biases in y's dtype, group size, gated activation or
-    None), in ONE launch (the chain above). The caller checked `fits` and `add_norm_fits` for
-    x and `fits` for y (residual's shape and dtype) against the next weight; eps, x_at and
-    residual_at as in q4_gemv_add_norm (template constants)."""
-    packed2, scales2, biases2, group2, act = then
-    k = x.shape[-1]
-    n_out = packed.shape[0]
-    n_out2 = packed2.shape[0] // (2 if act else 1)
-    shape, rows = (*x.shape[:-1], n_out), x.size // k
-    blocks = n_out // _WARPS + -(-n_out2 // _WARPS)
-    (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
-    hy, z = _chain_kernel(unroll or kernels.q4_unroll())(
-        inputs=[xs, packed, scales, biases, rs, scale, packed2, scales2, biases2],
-        template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out), ("R", rows),
-                  ("NW", _WARPS), ("G2", group2), ("NO2", n_out2),
-                  ("EPI2", ACTIVATIONS[act] if act else 0), ("EPSB", kernels.float_bits(eps)),
-                  ("XO", xo), ("RO", ro)],
-        grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
-        output_shapes=[(2, *shape), (*x.shape[:-1], n_out2)],
-        output_dtypes=[x.dtype, x.dtype])
-    return hy, z

@@ -1,17 +1,16 @@
 """Whether the compiled program (mlx_engine/decode.py) calls fuselm's fused CUDA kernels
 (runtime_metal/cuda_kernels/sources.py) and, per call, whether a kernel takes the shapes at hand.
 
-FUSELM_KERNELS selects: `auto` (default) uses them on MLX's CUDA backend and never elsewhere;
-`off` keeps MLX's built-ins everywhere (the plain path the kernels are tested against); `on`
-demands them and fails clearly where MLX has no CUDA device. On Apple GPUs MLX's own SDPA
-already has a vector kernel that takes the decode mask, so there is no Metal twin: the plain
-path runs there.
+RuntimeConfig.kernels (FUSELM_KERNELS) selects: `auto` (default) uses them on MLX's CUDA
+backend and never elsewhere; `off` keeps MLX's built-ins everywhere (the plain path the kernels
+are tested against); `on` demands them and fails clearly where MLX has no CUDA device. On
+Apple GPUs MLX's own SDPA already has a vector kernel that takes the decode mask, so there is
+no Metal twin: the plain path runs there.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -19,11 +18,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from fuselm.config import RuntimeConfig, apply_mlx_settings
 from fuselm.runtime_metal.cuda_kernels import kernel_files
 from fuselm.runtime_metal.errors import RuntimeUserError
 
-ENV = "FUSELM_KERNELS"
-MODES = ("auto", "on", "off")
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the activation dtypes the kernels take
 
 
@@ -109,128 +107,52 @@ def cuda_device() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def enabled(mode: str | None = None) -> bool:
-    """Resolve a mode (default: the environment's) to on/off for this process's device."""
-    mode = (mode if mode is not None else os.environ.get(ENV, "auto")).strip().lower()
-    if mode not in MODES:
-        raise RuntimeUserError(
-            f"{ENV}={mode!r} is not a kernel mode; use one of {', '.join(MODES)}")
+def enabled(mode: str) -> bool:
+    """Resolve a kernel mode (RuntimeConfig.kernels) to on/off for this process's device."""
     if mode == "off":
         return False
     if mode == "on" and not cuda_device():
         raise RuntimeUserError(
-            f"{ENV}=on needs MLX's CUDA backend (device here: {mx.default_device()}); "
-            f"use {ENV}=auto to run MLX's built-in kernels instead")
+            f"FUSELM_KERNELS=on needs MLX's CUDA backend (device here: {mx.default_device()}); "
+            "use FUSELM_KERNELS=auto to run MLX's built-in kernels instead")
     return cuda_device()
 
 
-GEMV_ENV = "FUSELM_Q4_GEMV"
-
-
-def gemv_enabled(kernels_on: bool) -> bool:
-    """The Q4 GEMV kernel (kernels_q4.py) for decode steps: with the other kernels, unless
-    FUSELM_Q4_GEMV=0 keeps MLX's quantized matmul (to measure one against the other)."""
-    return kernels_on and os.environ.get(GEMV_ENV, "1").strip() != "0"
-
-
-UNROLL_ENV = "FUSELM_Q4_UNROLL"
 # How many of a lane's 16-byte weight loads the Q4 GEMV keeps in flight at once: all of them
-# when the row takes at most this many a lane (K <= 1,024 x N), else two at a time.
+# when the row takes at most this many a lane (K <= 1,024 x N), else two at a time. More loads
+# in flight hide more memory latency on the long rows (a down projection: few output columns,
+# so few warps, each reading a long row), at more registers; the result is the same (the sums
+# run in the same order). 16 against 2 measured faster or equal on every decode GEMV of the
+# H200 (BENCHMARKS.md; kernel_bench.py --unroll measures another count).
 Q4_UNROLL = 16
 
 
-def q4_unroll() -> int:
-    """FUSELM_Q4_UNROLL=N (1..16), else Q4_UNROLL: the Q4 GEMV's loads in flight a lane (a weight
-    row of K columns takes K / 1,024 of them). More loads in flight hide more memory latency on
-    the long rows (a down projection: few output columns, so few warps, each reading a long
-    row), at more registers; the result is the same (the sums run in the same order)."""
-    raw = os.environ.get(UNROLL_ENV, "").strip()
-    if not raw:
-        return Q4_UNROLL
-    if not raw.isdigit() or not 1 <= int(raw) <= 16:
-        raise RuntimeUserError(f"{UNROLL_ENV}={raw!r}: use a load count 1..16 (default "
-                               f"{Q4_UNROLL})")
-    return int(raw)
+def configure(config: RuntimeConfig) -> None:
+    """The process-wide settings, before an engine loads its weights: the folder of the kernel
+    headers, and on MLX's CUDA backend MLX's launches per CUDA graph (MLX reads it once, at the
+    first GPU evaluation of the process; Metal, which reads the same variable for its command
+    buffers, and CPU are left alone)."""
+    kernel_files.use_folder(config.kernel_folder())
+    if cuda_device():
+        apply_mlx_settings(config)
 
 
-FOLD_ENV = "FUSELM_FOLD_NORM"
-FOLD_MODES = ("epilogue", "chain", "0")
-
-
-def fold_norm_mode(gemv_on: bool) -> str:
-    """Where each decode step's residual add + RMSNorm runs when the Q4 GEMV kernel is on
-    (FUSELM_FOLD_NORM): `epilogue` (default) in the GEMV that produces the added row (o_proj,
-    down: kernels_q4.q4_gemv_add_norm, whose last block normalizes); `chain` the same, launched
-    together with the GEMV reading the normalized row (gate/up, the next layer's q/k/v:
-    kernels_q4.q4_gemv_add_norm_then; 2 launches a layer fewer, but the H200 measured the
-    chained launch at ~2.7x the two apart, a Qwen3-0.6B step 2.48 ms against 1.70 ms:
-    BENCHMARKS.md 'Runtime settings'); `0` as the separate add+RMSNorm kernel. Without the GEMV
-    kernel: "0". (Folding it into every block of the GEMV reading the normalized row instead
-    measured ~21 µs a GEMV against ~3.5 µs plain on the H200, a Qwen3-0.6B step 2.85 ms
-    against 1.59 ms unfolded: BENCHMARKS.md 'Runtime settings'.)"""
-    raw = os.environ.get(FOLD_ENV, FOLD_MODES[0]).strip().lower()
-    if raw not in FOLD_MODES:
-        raise RuntimeUserError(f"{FOLD_ENV}={raw!r}: use one of {', '.join(FOLD_MODES)}")
-    return raw if gemv_on else "0"
-
-
-GRAPH_OPS_ENV = "FUSELM_CUDA_GRAPH_OPS"
-MLX_GRAPH_OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
-# MLX-CUDA records launches into a CUDA graph and launches it every MLX_MAX_OPS_PER_BUFFER
-# operations (its default: 20). A decode step of ~150 launches is bound by the host's cost per
-# launch once the kernels are fast: on an H200 host, a Qwen3-0.6B g32 step took 2.09 ms at 20,
-# 1.62 ms at 60 and 2.47 ms at 200 operations per graph (BENCHMARKS.md 'Runtime settings').
-CUDA_GRAPH_OPS = 60
-GRAPHS_ENV = "FUSELM_CUDA_GRAPHS"
-MLX_GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
-# Whether MLX-CUDA records launches into CUDA graphs at all (FUSELM_CUDA_GRAPHS=0|1; the user's
-# own MLX_USE_CUDA_GRAPHS wins). Without graphs every kernel is launched at once
-# (cuLaunchKernelEx), no per-graph node adds, update and launch on the host.
-CUDA_GRAPHS = True
-
-
-def configure_cuda_graphs() -> None:
-    """Sets MLX_MAX_OPS_PER_BUFFER (and MLX_USE_CUDA_GRAPHS) for this process on MLX's CUDA
-    backend, unless the user set it: FUSELM_CUDA_GRAPH_OPS=N, else CUDA_GRAPH_OPS
-    (FUSELM_CUDA_GRAPHS=0|1, else CUDA_GRAPHS). MLX reads it once, at the first GPU
-    evaluation of the process, so this runs before an engine loads its weights; Metal (which
-    reads the same variable for its command buffers) and CPU are left alone."""
-    if not cuda_device():
-        return
-    raw = os.environ.get(GRAPH_OPS_ENV, "").strip() or str(CUDA_GRAPH_OPS)
-    if not raw.isdigit() or int(raw) < 1:
-        raise RuntimeUserError(f"{GRAPH_OPS_ENV}={raw!r} is not an operation count; use e.g. "
-                               f"{CUDA_GRAPH_OPS}")
-    os.environ.setdefault(MLX_GRAPH_OPS_ENV, raw)
-    graphs = os.environ.get(GRAPHS_ENV, "").strip() or ("1" if CUDA_GRAPHS else "0")
-    if graphs not in ("0", "1"):
-        raise RuntimeUserError(f"{GRAPHS_ENV}={graphs!r}: use 1 (CUDA graphs) or 0 (launch "
-                               "each kernel directly)")
-    os.environ.setdefault(MLX_GRAPHS_ENV, graphs)
-
-
-DENSE_PREFILL_ENV = "FUSELM_PREFILL_DENSE"
 # MLX-CUDA's quantized matmul for many rows runs well below a dense GEMM: dequantizing each
 # weight inside the call (a transient) and running MLX's dense matmul doubled prefill on the
 # H200 (Qwen3-0.6B Q4 float16, 2,048 tokens: 149k vs 80k tok/s; BENCHMARKS.md 'Long prompts').
 CUDA_DENSE_ROWS = 256
 
 
-def dense_prefill_rows() -> int:
+def dense_prefill_rows(setting: int | None) -> int:
     """From how many rows a Q4 matmul dequantizes its weight (a transient, inside the call)
-    and runs a dense matmul instead of MLX's quantized matmul; 0 = never. Default: from
-    CUDA_DENSE_ROWS rows on MLX-CUDA, never elsewhere (Metal and CPU keep MLX's quantized
-    matmul, not measured slower); FUSELM_PREFILL_DENSE=N sets N (0: off)."""
-    raw = os.environ.get(DENSE_PREFILL_ENV, "").strip()
-    if not raw:
+    and runs a dense matmul instead of MLX's quantized matmul; 0 = never. setting
+    (RuntimeConfig.prefill_dense) None = auto: from CUDA_DENSE_ROWS rows on MLX-CUDA, never
+    elsewhere (Metal and CPU keep MLX's quantized matmul, not measured slower)."""
+    if setting is None:
         return CUDA_DENSE_ROWS if cuda_device() else 0
-    if not raw.isdigit():
-        raise RuntimeUserError(f"{DENSE_PREFILL_ENV}={raw!r} is not a row count; use e.g. 256 "
-                               "or 0 (off)")
-    return int(raw)
+    return setting
 
 
-ATTEND_SPLIT_ENV = "FUSELM_ATTN_SPLIT"
 MAX_SPLITS = 32
 # Blocks the split attention aims at: two per SM of an H200 (132 SMs); MLX does not report the
 # SM count, and the H200 is the only GPU this was written for.
@@ -238,27 +160,14 @@ _TARGET_BLOCKS = 264
 
 
 def auto_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
-    """FUSELM_ATTN_SPLIT=auto's split count: enough blocks (kv_heads x head_groups x splits)
-    to fill an H200 twice, at least 64 cache slots a split, at most MAX_SPLITS."""
+    """Key splits of the decode attention (kernels_cuda.rope_attend; FUSELM_ATTN_SPLIT=auto,
+    the default): enough blocks (kv_heads x head_groups x splits) to fill an H200 twice, at
+    least 64 cache slots a split, at most MAX_SPLITS. Each block serves a KV head's query heads
+    (K/V read once) over 1/N of the cached keys, the last block of a head group merging the N
+    partial softmaxes (flash-decoding in one launch). The count depends on the capacity and
+    heads only, never on the batch, so a row's result does not depend on its batch."""
     by_blocks = _TARGET_BLOCKS // max(1, kv_heads * head_groups)
     return max(1, min(MAX_SPLITS, by_blocks, capacity // 64))
-
-
-def attend_splits(capacity: int, kv_heads: int, head_groups: int) -> int:
-    """Key splits of the decode attention (kernels_cuda.rope_attend): `auto` (default) = N
-    from the cache capacity (at least 64 slots a split) and the blocks an H200 fills; 0 = the
-    one-block-per-query-head kernel; N >= 1 = the split kernel, each block serving a KV head's
-    query heads (K/V read once) over 1/N of the cached keys, the last block of a head group
-    merging the N partial softmaxes (flash-decoding in one launch). FUSELM_ATTN_SPLIT=auto|0|N
-    selects; the split count depends on the capacity and heads only, never on the batch, so a
-    row's result does not depend on its batch."""
-    raw = os.environ.get(ATTEND_SPLIT_ENV, "auto").strip().lower()
-    if raw == "auto":
-        return auto_splits(capacity, kv_heads, head_groups)
-    if not raw.isdigit() or int(raw) > MAX_SPLITS:
-        raise RuntimeUserError(f"{ATTEND_SPLIT_ENV}={raw!r}: use auto (default), 0 (a block per "
-                               f"query head) or a split count 1..{MAX_SPLITS}")
-    return int(raw)
 
 
 def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:

@@ -11,7 +11,7 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   It writes the new key/value rows into the cache itself (no scatter launches).
   Two forms, one launch each: a block per query head, and a split (flash-decoding) form
   with a block per KV head's query heads and key split whose last block merges the splits
-  (kernels.attend_splits picks: FUSELM_ATTN_SPLIT).
+  (kernels.auto_splits picks how many: FUSELM_ATTN_SPLIT=auto).
 
 The plain-MLX paths they replace are in runtime_metal/mlx_engine/program_ops.py, eligibility and the
 on/off switch in runtime_metal/cuda_kernels/selection.py, the equivalence tests in
@@ -174,7 +174,7 @@ _KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
 
 _ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
 
-# ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT (kernels.attend_splits) -----------
+# ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT=auto (kernels.auto_splits) --------
 # Measured on the H200: the kernel above runs one block per query head (16 blocks on 132 SMs at
 # Qwen3-0.6B), each warp walking keys one at a time with scalar loads: 26 µs a layer in the
 # decode step. Here a block serves GB query heads of one KV head (K/V rows read once for them)
@@ -601,8 +601,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     read by this call, so the write races with no reader.
 
     splits: 0 = one block per query head (_ROPE_ATTEND); N >= 1 = the split kernel over N key
-    splits (_ATTEND_SPLIT), one launch either way; None: kernels.attend_splits() (the
-    environment's, by default from the capacity). split_warps / split_keys: the split
+    splits (_ATTEND_SPLIT), one launch either way; None: kernels.auto_splits (from the
+    capacity and heads; the default, FUSELM_ATTN_SPLIT=auto). split_warps / split_keys: the split
     kernel's warps per block and keys per warp step in flight (benchmarks/kernel_bench.py
     compares them; the defaults are what the program runs).
 
@@ -620,7 +620,7 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     else:
         rows_at = [("QRW", hq * d), ("KRW", hk * d), ("KO", 0), ("VO", 0)]
     gb = split_heads_per_block(hq, hk, d)
-    n_split = (kernels.attend_splits(kc.shape[2], hk, hq // hk // gb)
+    n_split = (kernels.auto_splits(kc.shape[2], hk, hq // hk // gb)
                if splits is None else splits)
     if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
         n_split = 0  # more head groups than tickets (a batch of thousands): no split

@@ -23,12 +23,10 @@ Two step pairs run as one op each (program_ops.fuse_pairs): a residual Add with 
 that reads it, and a FusedRoPE with its Attention. On MLX-CUDA each is one fused kernel for a
 decoded token (cuda_kernels/sources.py; the attention kernel reads cache rows 0..offset
 and needs no mask); elsewhere, or when the shapes do not fit, the pair runs as its two steps.
-With the Q4 GEMV kernel on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's
-o_proj and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV
-adds the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=
-`epilogue`, the default; `chain` also runs the GEMV reading those rows, the layer's gate/up or
-the next layer's q/k/v, in the same launch, its blocks waiting for that last block:
-program_ops.chain_consumers; `0` keeps the separate add+RMSNorm kernel).
+With the kernels on, an add+RMSNorm whose added row comes from a Q4 MatMul (a layer's o_proj
+and down projection; program_ops.fold_into_producers) is not launched at all: that GEMV adds
+the residual in its epilogue and its last block normalizes the rows (FUSELM_FOLD_NORM=epilogue,
+the default; `0` keeps the separate add+RMSNorm kernel).
 
 A chunk at offset 0 (a fresh prompt) has its own variant: attention over the first s cache
 rows with MLX's fused "causal" mask (bottom-right aligned: exact when nothing precedes), the
@@ -53,6 +51,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from fuselm.config import RuntimeConfig
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
@@ -83,17 +82,18 @@ class DecodeProgram:
     kv_layout: KVLayout | None = None  # to allocate the cache for a fresh prompt
     prefill_refused: str = ""  # why prefill stays on the executor ("" = it may run here)
     windows: dict[str, int | None] = field(default_factory=dict)  # mask name -> sliding window
-    kernels: bool = False  # fuselm's fused CUDA kernels where they fit (cuda_kernels/selection.py)
-    gemv: bool = False  # decode steps' Q4 matmuls by fuselm's GEMV kernel (kernels_q4.py)
-    # where decode steps' add+RMSNorm runs with the GEMV kernel: "epilogue" (in the GEMV making
-    # the added row), "chain" (the same, launched with the GEMV reading the result) or "0" (its
-    # own kernel)
-    fold: str = "0"
+    # fuselm's fused CUDA kernels where they fit (cuda_kernels/selection.py), the Q4 GEMV
+    # (cuda_kernels/q4_gemv.py) for decode steps' Q4 matmuls among them
+    kernels: bool = False
+    # with the kernels: decode steps' add+RMSNorm in the epilogue of the GEMV making the added
+    # row (FUSELM_FOLD_NORM=epilogue), and attention over key splits (FUSELM_ATTN_SPLIT=auto)
+    fold_norm: bool = False
+    split_attention: bool = False
 
     # ---- load time -------------------------------------------------------------------------
 
     @classmethod
-    def build(cls, plan: Plan, kernel_mode: str | None = None) -> DecodeProgram:
+    def build(cls, plan: Plan, config: RuntimeConfig) -> DecodeProgram:
         if not plan.cache_bound:
             raise DecodeUnsupported("the KV cache is not bound to Attention nodes")
         if "logits" not in plan.outputs:
@@ -121,15 +121,13 @@ class DecodeProgram:
         except MaskUnsupported as e:
             raise DecodeUnsupported(str(e)) from e
         live = _live(ops, "logits")
-        on = kernels.enabled(kernel_mode)
-        gemv = kernels.gemv_enabled(on)
+        on = kernels.enabled(config.kernels)
         program = cls(program_ops.fuse_pairs(live), "logits", plan.num_layers,
                       len(plan.steps) - len(live), kernels=on, windows=windows,
-                      gemv=gemv, fold=kernels.fold_norm_mode(gemv))
-        if program.fold != "0":
+                      fold_norm=on and config.fold_norm == "epilogue",
+                      split_attention=on and config.attn_split == "auto")
+        if program.fold_norm:
             program_ops.fold_into_producers(program.ops)
-        if program.fold == "chain":
-            program_ops.chain_consumers(program.ops)
         try:
             check_prefill(plan, windows)
             program.kv_layout = plan.kv_layout()
@@ -164,7 +162,7 @@ class DecodeProgram:
         whole capacity, or over the rows of `span` (positions 0..L-1) when given."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
-        if not (ids.dtype == mx.uint32 and self.gemv and ids.shape[1] == 1):
+        if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
             # a decode step with the kernels takes the argmax's uint32 token as it is (the
             # embedding kernel reads it; a cast would be one more launch a step)
             ids = ids.astype(mx.int32)
@@ -196,7 +194,7 @@ class DecodeProgram:
         # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
         # the pairs so computed (they launch nothing)
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
-                     if self.fold != "0" and s == 1 else {})
+                     if self.fold_norm and s == 1 else {})
         done: set[int] = set()
         # decode with the kernels: a FusedQKV's projection by its (q, k, v) output names, so the
         # attention kernel reads them out of it (no slices)
@@ -204,7 +202,7 @@ class DecodeProgram:
         # the attention kernel's positions, offset as [b]: made once a step for every layer
         offset_rows = mx.broadcast_to(offset.reshape(-1), kv[0].shape[:1] if kv else (1,))
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
-        with qweight.tracing(), qweight.gemv_kernel(self.gemv and s == 1):
+        with qweight.tracing(), qweight.gemv_kernel(self.kernels and s == 1):
             for o in self.ops:
                 if id(o) in done:
                     continue
@@ -241,7 +239,8 @@ class DecodeProgram:
                         parent = joined.get((o.args[0][1], o.args[1][1], attn.args[2][1]))
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            use_kernel, offset_rows, rows, qkv=parent)
+                            use_kernel, offset_rows, rows, qkv=parent,
+                            splits=None if self.split_attention else 0)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]

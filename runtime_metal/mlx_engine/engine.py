@@ -5,18 +5,21 @@ Two ways through the graph:
   `forward`/`forward_device` for a prompt chunk (last-position logits), traced once per
   (token count, cache capacity) and replayed;
 - the executor, which walks the plan's steps: all-position logits, profiling, `fast=False`
-  (or FUSELM_FAST_DECODE=0; `fast_prefill=False` / FUSELM_FAST_PREFILL=0 for prefill alone),
-  and graphs the program refuses. `describe()` says which path decode and prefill take and why.
+  (`fast_prefill=False` for prefill alone), and graphs the program refuses. `describe()` says
+  which path decode and prefill take and why.
+
+Its settings come from a RuntimeConfig (fuselm/config.py), resolved from the environment
+when the caller gives none.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.kv_cache import KVCache
@@ -33,6 +36,7 @@ from fuselm.runtime_metal.mlx_engine.profile import Profiler
 from fuselm.runtime_metal.mlx_engine.qweight import (
     QWeight,
     probe_kernels,
+    set_dense_rows,
     settle_affine,
     warm_dense,
 )
@@ -43,13 +47,11 @@ class MLXEngine:
     device_loop = True
 
     def __init__(self, out_dir: str | Path, manifest: Manifest,
-                 profiler: Profiler | None = None, fast: bool | None = None,
-                 compiled: bool = True, fast_prefill: bool | None = None) -> None:
-        if fast is None:  # FUSELM_FAST_DECODE=0 turns the compiled program off everywhere
-            fast = os.environ.get("FUSELM_FAST_DECODE", "1") != "0"
-        if fast_prefill is None:
-            fast_prefill = os.environ.get("FUSELM_FAST_PREFILL", "1") != "0"
-        kernels.configure_cuda_graphs()  # before the first GPU evaluation of the process
+                 profiler: Profiler | None = None, fast: bool = True,
+                 compiled: bool = True, fast_prefill: bool = True,
+                 config: RuntimeConfig | None = None) -> None:
+        self.config = config if config is not None else resolve()
+        kernels.configure(self.config)  # before the first GPU evaluation of the process
         self.manifest = manifest
         graph = load_graph(model_path(out_dir))
         check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
@@ -62,6 +64,8 @@ class MLXEngine:
         act = mx.float16 if manifest.dtype == "float16" else mx.float32
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
         settle_affine(packed, act)
+        self.dense_from_rows = kernels.dense_prefill_rows(self.config.prefill_dense)
+        set_dense_rows(packed, self.dense_from_rows)
         if mx.default_device() == mx.gpu:
             weights = [c for c in packed if not c.rows_only]
             self.dense_prefill_weights = probe_kernels(weights, act)
@@ -71,7 +75,7 @@ class MLXEngine:
             "off (profiling times the executor's nodes)" if profiler is not None else "")
         if fast and profiler is None:
             try:
-                program = DecodeProgram.build(self.plan)
+                program = DecodeProgram.build(self.plan, self.config)
                 self.fast = FastDecoder(program, self.caches, compiled=compiled)
                 self.fast_reason = "compiled" if compiled else "program (not compiled)"
             except DecodeUnsupported as e:
@@ -174,13 +178,12 @@ class MLXEngine:
             "decode": self.fast_reason,
             "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
-            "q4_dense_from_rows": kernels.dense_prefill_rows(),  # 0: MLX's quantized matmul
+            "q4_dense_from_rows": self.dense_from_rows,  # 0: MLX's quantized matmul
             "fused_kernels": (
-                "cuda (add+rms_norm, rope+attention writing K/V in place{})".format(
-                    ", Q4 GEMV with gated epilogue" if self.fast.program.gemv else "")
-                + {"chain": ", add+rms_norm in the GEMV epilogue, chained with the next GEMV",
-                   "epilogue": ", add+rms_norm in the GEMV epilogue"}.get(
-                       self.fast.program.fold, "")
+                "cuda (add+rms_norm, rope+attention writing K/V in place, Q4 GEMV with gated "
+                "epilogue{}{})".format(
+                    ", add+rms_norm in the GEMV epilogue" if self.fast.program.fold_norm else "",
+                    ", attention over key splits" if self.fast.program.split_attention else "")
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 from fuselm.runtime_metal.mlx_engine.attention import Attention, Mask
@@ -37,9 +36,6 @@ class ProgramOp:
     # which input (0 or 1); the other is the residual
     norm_producer: ProgramOp | None = None
     producer_arg: int = 0
-    # add_norm with a norm_producer: the Q4 GEMV step reading the normalized row, launched
-    # with the producer (chain_consumers)
-    chain_consumer: ProgramOp | None = None
 
 
 def _const_qweight(c: ProgramOp) -> QWeight | None:
@@ -95,58 +91,20 @@ def fold_into_producers(ops: list[ProgramOp]) -> None:
                 break
 
 
-_CHAINED_OPS = ("FusedQKV", "FusedGateUp", "MatMul")
-
-
-def chain_target(c: ProgramOp) -> tuple[QWeight, str | None] | None:
-    """What a chain consumer runs on its input x: (W, None) for x @ W (FusedQKV, whose bias
-    and slicing follow; a plain MatMul), (W, act) for FusedGateUp's gated form, whose kernel
-    computes act(gate) * up; None for a step whose weight is no constant Q4 weight, the LM
-    head (its bandwidth-bound GEMV keeps its own launch: the chained kernel's registers, set
-    by the add+norm half, would halve its occupancy) or a gate/up the gated kernel does not
-    take (a bias, another activation)."""
-    s, w = c.step, _const_qweight(c)
-    if c.kind != "step" or s.op_type not in _CHAINED_OPS or s.is_lm_head or w is None:
-        return None
-    if s.op_type != "FusedGateUp":
-        return w, None
-    act = str(s.attrs.get("activation", "silu"))
-    has_bias = len(c.args) > 4 and c.args[4][0] != "none"
-    return None if has_bias or act not in kernels_q4.ACTIVATIONS else (w, act)
-
-
-def chain_consumers(ops: list[ProgramOp]) -> None:
-    """Give each add_norm pair with a norm_producer its `chain_consumer`: the one step reading
-    the normalized row, when chain_target takes it (a layer's gate/up after o_proj, the next
-    layer's q/k/v after down); its GEMV then runs in the producer's launch
-    (kernels_q4.q4_gemv_add_norm_then) and its own call takes the result (QWeight.matmul)."""
-    readers = _readers(ops)
-    for o in ops:
-        if o.norm_producer is None or o.partner is None or not o.partner.step.outputs:
-            continue
-        y = o.partner.step.outputs[0]
-        users = [p for _, p in readers.get(y, [])]
-        if (len(users) == 1 and users[0].args[:1] == [("env", y)]
-                and chain_target(users[0]) is not None):
-            o.chain_consumer = users[0]
-
-
 def matmul_add_norm(producer: ProgramOp, pair: ProgramOp, x: object, residual: object,
                     scale: object) -> tuple[mx.array, mx.array] | None:
     """The epilogue form of fold_into_producers: (h, y) from one GEMV launch (lazy views of
     its one output, which the next GEMVs read in their place: QWeight.matmul_add_norm), or
     None where the kernel does not take these shapes or the norm's epsilon as its template
     constant (QWeight.matmul_add_norm refuses a negative one): the MatMul and the pair then
-    run as usual. With a chain consumer, that launch also computes its GEMV over y where it
-    fits."""
+    run as usual."""
     w = _q4_matmul(producer)
     assert w is not None and pair.partner is not None
     axis = int(pair.partner.step.attrs.get("axis", -1))  # type: ignore[call-overload]
     if not (isinstance(x, mx.array) and axis in (-1, x.ndim - 1)):
         return None
     eps = float(pair.partner.step.attrs.get("epsilon", 1e-5))  # type: ignore[arg-type]
-    then = chain_target(pair.chain_consumer) if pair.chain_consumer is not None else None
-    return w.matmul_add_norm(x, residual, scale, eps, then)
+    return w.matmul_add_norm(x, residual, scale, eps)
 
 
 def fuse_pairs(ops: list[ProgramOp]) -> list[ProgramOp]:
@@ -209,11 +167,14 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,
                    keys: mx.array, values: mx.array, offset: mx.array, mask: Mask,
                    use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
-                   qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                   qkv: mx.array | None = None, splits: int | None = None
+                   ) -> tuple[mx.array, mx.array, mx.array]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
-    `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), and
-    `qkv`, the fused projection q, k and v were sliced from (read in place of the slices)."""
+    `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), `qkv`,
+    the fused projection q, k and v were sliced from (read in place of the slices), and
+    `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
+    a block per query head)."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -234,7 +195,8 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
-            interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv)  # type: ignore[call-overload]
+            interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv,  # type: ignore[call-overload]
+            splits=splits)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
     return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows)  # type: ignore[arg-type]
 

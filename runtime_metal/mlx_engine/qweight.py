@@ -25,11 +25,6 @@ from fuselm.runtime_metal.dtypes import FOUR_BIT, to_device
 MLX_GROUP_SIZES = (32, 64, 128)
 _tracing = 0  # > 0 while mx.compile traces the decode step: values are placeholders then
 _gemv = 0  # > 0 while the compiled program traces a decode step with fuselm's CUDA kernels on
-# Results of GEMVs launched with the add+norm GEMV making their input (the chain,
-# QWeight.matmul_add_norm's `then`): (id of the weight's codes, id of the input, activation)
-# -> (the input, kept so that its id stays unique, the result); the weight's matmul /
-# gated_matmul of that input takes it instead of launching. Emptied when gemv_kernel ends.
-_chained: dict[tuple[int, int, str | None], tuple[mx.array, mx.array]] = {}
 # The rows h and y of the add+norm GEMV's one output hy (kernels_q4.q4_gemv_add_norm):
 # id of the lazy view h or y -> (the view, kept so that its id stays unique; hy; the view's
 # element offset in hy). A GEMV kernel reading a view reads it out of hy at that offset
@@ -51,19 +46,7 @@ def gemv_kernel(on: bool = True) -> Iterator[None]:
     finally:
         _gemv -= int(on)
         if not _gemv:
-            _chained.clear()
             _packed.clear()
-
-
-def _chain_key(w: QWeight, x: mx.array, act: str | None) -> tuple[int, int, str | None]:
-    return id(w.packed), id(x), act
-
-
-def _take_chained(w: QWeight, x: mx.array, act: str | None) -> mx.array | None:
-    """W's result over x made by the chain (QWeight.matmul_add_norm's `then`), taken out of
-    `_chained`, or None."""
-    done = _chained.pop(_chain_key(w, x, act), None) if _chained else None
-    return None if done is None else done[1]
 
 
 def _pack(hy: mx.array) -> tuple[mx.array, mx.array]:
@@ -102,11 +85,6 @@ def float32_result() -> Iterator[None]:
         _float32_result -= 1
 
 
-def chained_pending() -> int:
-    """Chained GEMV results not yet taken by their weight's call (0 after a whole step)."""
-    return len(_chained)
-
-
 @contextmanager
 def tracing() -> Iterator[None]:
     """Inside, QWeight casts are not cached (a traced placeholder must not outlive the trace)."""
@@ -119,9 +97,11 @@ def tracing() -> Iterator[None]:
 
 
 # Markers in QWeight._cast (shared by a weight's T()/astype() views): no quantized kernel for
-# multi-row inputs / for any input on this MLX build.
+# multi-row inputs / for any input on this MLX build; from how many rows a matmul runs over
+# the weight dequantized inside the call (set_dense_rows; absent: never).
 _DENSE_ROWS = "_dense_rows"
 _DENSE_ALL = "_dense_all"
+_DENSE_FROM = "_dense_from"
 
 
 @dataclass(eq=False)
@@ -164,17 +144,14 @@ class QWeight:
         return self._cast[dtype]
 
     def matmul(self, x: mx.array) -> mx.array:
-        """x @ W as ONE quantized matmul (or none: made by the chain, see `_chained`)."""
-        done = _take_chained(self, x, None)
-        if done is not None:
-            return done
+        """x @ W as ONE quantized matmul."""
         s, b = self.affine(x.dtype)
         if self._gemv_fits(x):
             return kernels_q4.q4_gemv(x, self.packed, s, b, self.group_size,
                                       out_dtype=mx.float32 if _float32_result else None,
                                       x_at=_packed_source(x))
         rows = x.size // x.shape[-1]
-        if rows >= kernels_q4.MAX_ROWS and 0 < kernels.dense_prefill_rows() <= rows:
+        if rows >= kernels_q4.MAX_ROWS and 0 < self._cast.get(_DENSE_FROM, 0) <= rows:
             # many rows (a prefill chunk) on MLX-CUDA: dequantize for this call only
             m = mx.dequantize(self.packed, s, b, group_size=self.group_size, bits=self.bits)
             return x @ (m.T if self.transposed else m)
@@ -193,31 +170,19 @@ class QWeight:
         return mx.quantized_matmul(x, self.packed, s, b, transpose=self.transposed,
                                    group_size=self.group_size, bits=self.bits)
 
-    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: float,
-                        then: tuple[QWeight, str | None] | None = None
+    def matmul_add_norm(self, x: mx.array, residual: object, scale: object, eps: float
                         ) -> tuple[mx.array, mx.array] | None:
         """(h, y) = (x @ W + residual, RMSNorm of that * scale) from the GEMV kernel with its
         add+norm epilogue, or None where it is off or does not fit, an eps the kernel cannot
         take as a template constant included (a negative one: kernels.takes_float_bits).
-        `then` = (W2, act): where the kernel takes it, the same launch computes y @ W2 (gated
-        by act if given) for the normalized row y, which W2's matmul / gated_matmul of y then
-        returns. h and y are lazy views of the launch's one output (registered in `_packed`):
-        this weight's and the next ones' GEMVs read them out of it, x or residual alike."""
+        h and y are lazy views of the launch's one output (registered in `_packed`): this
+        weight's and the next ones' GEMVs read them out of it, x or residual alike."""
         if not (self._gemv_fits(x) and kernels.takes_float_bits(eps)
                 and kernels_q4.add_norm_fits(x, self.packed, residual, scale)):
             return None
         assert isinstance(residual, mx.array) and isinstance(scale, mx.array)
         s, b = self.affine(x.dtype)
         x_at, r_at = _packed_source(x), _packed_source(residual)
-        if then is not None and then[0]._gemv_fits(residual, then[1]):
-            nxt, act = then
-            s2, b2 = nxt.affine(x.dtype)
-            hy, z = kernels_q4.q4_gemv_add_norm_then(
-                x, self.packed, s, b, self.group_size, residual, scale, eps,
-                (nxt.packed, s2, b2, nxt.group_size, act), x_at=x_at, residual_at=r_at)
-            h, y = _pack(hy)
-            _chained[_chain_key(nxt, y, act)] = (y, z)
-            return h, y
         return _pack(kernels_q4.q4_gemv_add_norm(x, self.packed, s, b, self.group_size,
                                                  residual, scale, eps, x_at=x_at,
                                                  residual_at=r_at))
@@ -230,9 +195,6 @@ class QWeight:
     def gated_matmul(self, x: mx.array, activation: str) -> mx.array | None:
         """act(x @ W[:, :N/2]) * (x @ W[:, N/2:]) as one kernel launch (FusedGateUp's form),
         or None where the kernel is off or does not fit (the caller runs the plain path)."""
-        done = _take_chained(self, x, activation)
-        if done is not None:
-            return done
         if not self._gemv_fits(x, activation):
             return None
         s, b = self.affine(x.dtype)
@@ -379,6 +341,14 @@ def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:
                 marked += 1
                 break
     return marked
+
+
+def set_dense_rows(weights: list[QWeight], rows: int) -> None:
+    """From `rows` rows on (0: never), each weight's matmul dequantizes it inside the call and
+    runs a dense matmul instead of MLX's quantized matmul (kernels.dense_prefill_rows: a
+    prefill chunk on MLX-CUDA, whose many-row quantized matmul is the slower)."""
+    for w in weights:
+        w._cast[_DENSE_FROM] = rows
 
 
 def warm_dense(weights: list[QWeight], dtype: object) -> None:

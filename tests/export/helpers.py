@@ -104,7 +104,7 @@ def hf_incremental_logits(model, ids: np.ndarray, prefill: int) -> np.ndarray:  
 
 def convert_with_env(name: str, value: str, src: Path, out: Path, **options: object) -> Path:
     """`convert` src -> out with environment variable `name` set to `value` for the call only
-    (the exporter switches: FUSELM_EXPORT, FUSELM_GGUF_EXPORT)."""
+    (the exporter switch FUSELM_EXPORT)."""
     import os
 
     from fuselm.converter.pipeline import ConvertOptions, convert

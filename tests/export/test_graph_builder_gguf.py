@@ -1,5 +1,5 @@
 """The torch-free GGUF graph builder (export/graph_builder.py) against the trace, its oracle:
-the same GGUF converted both ways (FUSELM_GGUF_EXPORT=torch traces) must give the same fused
+the same GGUF converted both ways (FUSELM_EXPORT=torch traces) must give the same fused
 graph node for node (the passes fusing both), the same weights bit for bit, the same logits and
 greedy tokens on both engines — and the builder's conversion must not import torch."""
 
@@ -17,8 +17,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from fuselm.config import EXPORT_ENV
 from fuselm.converter.exporter_choice import BUILDER
-from fuselm.converter.exporter_choice import GGUF_EXPORT_ENV as EXPORT_ENV
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate

@@ -102,8 +102,6 @@ def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa
     rounded up to 256 (not the reserved context): with a context of 700 (capacity 768) the
     short sequences here run at L = 256, a row grown past 256 moves the whole batch to 512, and
     every sequence's tokens stay generate's."""
-    from fuselm.runtime_metal.cuda_kernels import selection as kernels
-
     engine = make_engine(qwen3_artifact, "mlx")
     prompts = _prompts() + [[int(t) for t in np.random.default_rng(5).integers(4, 384, 250)]]
     want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
@@ -119,7 +117,7 @@ def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa
 
     dec._span = record  # type: ignore[method-assign]  # noqa: SLF001
     assert _run(dec, prompts, [0, 1, 3, 6]) == want
-    if kernels.enabled():  # the CUDA attention kernel reads each row's own length: one span
+    if engine.fast.program.kernels:  # the CUDA attention kernel reads each row's own length
         assert set(spans) == {768}
     else:
         assert spans[0] == 256 and 512 in spans and max(spans) == 512

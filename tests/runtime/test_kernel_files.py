@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,15 @@ _HEAD = ("__device__ unsigned int fl_ticket = 0u;\n"
          "template <int N> __device__ int fl_n() { return N; }\n")
 
 
+@pytest.fixture
+def use_folder() -> Iterator[Callable[[Path | None], None]]:
+    """kernel_files.use_folder (as an engine calls it with FUSELM_KERNEL_DIR's folder), the
+    process's folder restored after the test."""
+    before = kernel_files.kernel_dir()
+    yield kernel_files.use_folder
+    kernel_files.use_folder(before)
+
+
 def _expanded(header: str, body: str, tmp: Path) -> list[str]:
     """The translation unit MLX would compile (header, then the kernel around the body), run
     through the C preprocessor: its tokens, pragmas as written by the preprocessor."""
@@ -41,9 +51,8 @@ def _expanded(header: str, body: str, tmp: Path) -> list[str]:
     return re.findall(r"#\s*pragma[^\n]*|\w+|[^\s\w]", text)
 
 
-def test_kernel_text_goes_through_a_header_file(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernel_files.ENV, str(tmp_path / "k"))
+def test_kernel_text_goes_through_a_header_file(tmp_path: Path, use_folder: Callable) -> None:
+    use_folder(tmp_path / "k")
     body, head = kernel_files.mlx_text(["x", "kc"], kernels.compact_cuda(_BODY),
                                        kernels.compact_cuda(_HEAD))
     m = re.fullmatch(r'#include "([^"]+)"\n', head)
@@ -67,7 +76,7 @@ def test_kernel_text_goes_through_a_header_file(tmp_path: Path,
 
 
 def test_real_kernels_expand_to_their_inline_text(tmp_path: Path, launches: list,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                  use_folder: Callable) -> None:
     """The decode step's kernel texts as the kernel modules make them (kernels.cuda_kernel
     recorded: no launch), split attention with its merge and the add+norm GEMV: through the
     file, the preprocessed text equals the inline text."""
@@ -85,7 +94,7 @@ def test_real_kernels_expand_to_their_inline_text(tmp_path: Path, launches: list
     kernels_q4.q4_gemv_add_norm(x, mx.zeros((128, 32), mx.uint32), sc, sc, 32, r,
                                 mx.ones((128,), mx.float16), 1e-5)
     assert len(launches) == 2
-    monkeypatch.setenv(kernel_files.ENV, str(tmp_path / "k"))
+    use_folder(tmp_path / "k")
     for rec in launches:
         b, h = kernels.compact_cuda(rec["source"]), kernels.compact_cuda(rec["header"])
         body, head = kernel_files.mlx_text(rec["input_names"], b, h)
@@ -94,23 +103,22 @@ def test_real_kernels_expand_to_their_inline_text(tmp_path: Path, launches: list
     assert launches[0]["input_names"] == ["q", "qn", "kn", "inv_freq", "offset", "kc", "vc"]
 
 
-def test_inline_when_asked_or_unwritable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inline_when_asked_or_unwritable(tmp_path: Path, use_folder: Callable) -> None:
     b, h = kernels.compact_cuda(_BODY), kernels.compact_cuda(_HEAD)
-    monkeypatch.setenv(kernel_files.ENV, "inline")
+    use_folder(None)
     assert kernel_files.mlx_text(["x"], b, h) == (b, h)
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    monkeypatch.setenv(kernel_files.ENV, str(blocker / "k"))
+    use_folder(blocker / "k")
     assert kernel_files.mlx_text(["x"], b, h) == (b, h)
     # a body with a directive no macro can hold stays inline
-    monkeypatch.setenv(kernel_files.ENV, str(tmp_path / "k"))
+    use_folder(tmp_path / "k")
     with_if = "#if 1\n  out[0] = 1;\n#endif\n"
     assert kernel_files.mlx_text(["x"], with_if, h) == (with_if, h)
 
 
-def test_header_file_is_rewritten_when_damaged(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(kernel_files.ENV, str(tmp_path))
+def test_header_file_is_rewritten_when_damaged(tmp_path: Path, use_folder: Callable) -> None:
+    use_folder(tmp_path)
     b, h = kernels.compact_cuda(_BODY), kernels.compact_cuda(_HEAD)
     _, head = kernel_files.mlx_text(["x"], b, h)
     path = Path(head.split('"')[1])

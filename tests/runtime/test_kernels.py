@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from fuselm.config import RuntimeConfig, resolve
 from fuselm.passes.ops import fused_rope_reference, rms_norm_reference
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.errors import RuntimeUserError
@@ -33,36 +34,23 @@ def _rounded(a: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
 
 # ---- everywhere: the switch and the pairing ----------------------------------------------------
 
-def test_mode_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode_switch() -> None:
     assert kernels.enabled("off") is False
     assert kernels.enabled("auto") is kernels.cuda_device()
-    monkeypatch.setenv(kernels.ENV, "sometimes")
-    with pytest.raises(RuntimeUserError, match="not a kernel mode"):
-        kernels.enabled()
     if not kernels.cuda_device():
         with pytest.raises(RuntimeUserError, match="needs MLX's CUDA backend"):
             kernels.enabled("on")
 
 
-def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_ATTN_SPLIT: auto by default: as many splits as fill the H200's blocks, at most
-    one per 64 cache slots and MAX_SPLITS; 0 (a block per query head); a count; else an
-    error."""
+def test_auto_splits() -> None:
+    """FUSELM_ATTN_SPLIT=auto (the default): as many key splits as fill the H200's blocks, at
+    most one per 64 cache slots and MAX_SPLITS."""
     from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
-    monkeypatch.delenv(kernels.ATTEND_SPLIT_ENV, raising=False)
-    assert kernels.attend_splits(4096, 8, 1) == 32  # Qwen3-0.6B: 8 KV heads, 2 q heads a block
-    assert kernels.attend_splits(4096, 32, 1) == 8
-    assert kernels.attend_splits(256, 8, 1) == 4  # a short cache: 64 slots a split at least
-    assert kernels.attend_splits(32, 8, 1) == 1
-    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "0")
-    assert kernels.attend_splits(4096, 8, 1) == 0
-    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, "16")
-    assert kernels.attend_splits(32, 8, 1) == 16
-    for bad in ("33", "many"):
-        monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, bad)
-        with pytest.raises(RuntimeUserError, match="FUSELM_ATTN_SPLIT=.*use auto"):
-            kernels.attend_splits(512, 8, 1)
+    assert kernels.auto_splits(4096, 8, 1) == 32  # Qwen3-0.6B: 8 KV heads, 2 q heads a block
+    assert kernels.auto_splits(4096, 32, 1) == 8
+    assert kernels.auto_splits(256, 8, 1) == 4  # a short cache: 64 slots a split at least
+    assert kernels.auto_splits(32, 8, 1) == 1
     # a block serves as many query heads of a KV head as a lane's 16 floats hold
     assert kernels_cuda.split_heads_per_block(16, 8, 128) == 2
     assert kernels_cuda.split_heads_per_block(32, 8, 64) == 4
@@ -71,60 +59,19 @@ def test_attend_splits_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels_cuda.split_heads_per_block(8, 1, 256) == 2
 
 
-def test_q4_unroll_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(kernels.UNROLL_ENV, raising=False)
-    assert kernels.q4_unroll() == kernels.Q4_UNROLL
-    monkeypatch.setenv(kernels.UNROLL_ENV, "8")
-    assert kernels.q4_unroll() == 8
-    for bad in ("0", "17", "many"):
-        monkeypatch.setenv(kernels.UNROLL_ENV, bad)
-        with pytest.raises(RuntimeUserError, match=kernels.UNROLL_ENV):
-            kernels.q4_unroll()
-
-
-def test_fold_norm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_FOLD_NORM: epilogue by default, chain, 0; without the GEMV kernel: 0."""
-    monkeypatch.delenv(kernels.FOLD_ENV, raising=False)
-    assert kernels.fold_norm_mode(True) == "epilogue"
-    assert kernels.fold_norm_mode(False) == "0"
-    for mode in ("chain", "0"):
-        monkeypatch.setenv(kernels.FOLD_ENV, mode)
-        assert kernels.fold_norm_mode(True) == mode
-    monkeypatch.setenv(kernels.FOLD_ENV, "1")
-    with pytest.raises(RuntimeUserError,
-                       match="FUSELM_FOLD_NORM='1': use one of epilogue, chain, 0"):
-        kernels.fold_norm_mode(True)
-
-
 def test_cuda_graph_ops_set_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MLX_MAX_OPS_PER_BUFFER: set from FUSELM_CUDA_GRAPH_OPS on MLX's CUDA backend only (Metal
-    reads the same variable for another purpose), never over the user's own value."""
+    """MLX_MAX_OPS_PER_BUFFER: set to the configuration's count (60, or the user's own value)
+    on MLX's CUDA backend only (Metal reads the same variable for another purpose)."""
     import os
 
-    monkeypatch.setenv(kernels.MLX_GRAPH_OPS_ENV, "7")
-    kernels.configure_cuda_graphs()
-    assert os.environ[kernels.MLX_GRAPH_OPS_ENV] == "7"
-    monkeypatch.delenv(kernels.MLX_GRAPH_OPS_ENV)
-    monkeypatch.setenv(kernels.GRAPH_OPS_ENV, "64")
-    monkeypatch.setenv(kernels.MLX_GRAPHS_ENV, "")  # recorded: restored after the test
-    monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
-    monkeypatch.setenv(kernels.GRAPHS_ENV, "0")
-    kernels.configure_cuda_graphs()
-    got = os.environ.get(kernels.MLX_GRAPH_OPS_ENV)
-    assert got == ("64" if kernels.cuda_device() else None)
-    assert os.environ.get(kernels.MLX_GRAPHS_ENV) == ("0" if kernels.cuda_device() else None)
-
-
-def test_cuda_graphs_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSELM_CUDA_GRAPHS takes 0 or 1 (on CUDA; elsewhere it is not read)."""
-    monkeypatch.setenv(kernels.GRAPHS_ENV, "yes")
-    monkeypatch.setenv(kernels.MLX_GRAPHS_ENV, "")  # recorded: restored after the test
-    monkeypatch.delenv(kernels.MLX_GRAPHS_ENV)
-    if kernels.cuda_device():
-        with pytest.raises(RuntimeUserError, match="FUSELM_CUDA_GRAPHS='yes'"):
-            kernels.configure_cuda_graphs()
-    else:
-        kernels.configure_cuda_graphs()
+    env = "MLX_MAX_OPS_PER_BUFFER"
+    monkeypatch.setenv(env, "")  # recorded: restored after the test
+    monkeypatch.delenv(env)
+    kernels.configure(resolve({}))
+    assert os.environ.get(env) == ("60" if kernels.cuda_device() else None)
+    monkeypatch.delenv(env, raising=False)
+    kernels.configure(resolve({env: "7"}))
+    assert os.environ.get(env) == ("7" if kernels.cuda_device() else None)
 
 
 def test_compact_cuda_drops_comments_and_indentation_only() -> None:
@@ -242,9 +189,9 @@ def test_attention_launch_takes_no_constant_or_duplicate_input(launches: list, n
 
 
 def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
-    """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7), its chain (9, was 10) and
-    the separate add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it
-    cannot be (negative) leaves QWeight.matmul_add_norm to the plain path (None)."""
+    """Everywhere (no launch): the add+norm GEMV (6 inputs, was 7) and the separate
+    add+RMSNorm (3, was 4) take eps as the template constant EPSB; an eps it cannot be
+    (negative) leaves QWeight.matmul_add_norm to the plain path (None)."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
     from fuselm.runtime_metal.mlx_engine import qweight
@@ -253,14 +200,11 @@ def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
     packed, sc = mx.zeros((128, 32), mx.uint32), mx.zeros((128, 8), mx.float16)
     w = mx.ones((128,), mx.float16)
     hy = kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, r, w, 1e-5)
-    p2, s2 = mx.zeros((384, 16), mx.uint32), mx.zeros((384, 4), mx.float16)
-    hy2, z = kernels_q4.q4_gemv_add_norm_then(x, packed, sc, sc, 32, r, w, 1e-5,
-                                              (p2, s2, s2, 32, None))
     kernels_cuda.add_rms_norm(r, r, w, 1e-5)
-    assert [r_["inputs"] for r_ in launches] == [6, 9, 3]
+    assert [r_["inputs"] for r_ in launches] == [6, 3]
     # h and y: ONE output [2, ...] (MLX-CUDA's host cost is ~2.1 µs an output array)
-    assert [r_["output_names"] for r_ in launches[:2]] == [["hy"], ["hy", "out"]]
-    assert hy.shape == hy2.shape == (2, 1, 1, 128) and z.shape == (1, 1, 384)
+    assert launches[0]["output_names"] == ["hy"]
+    assert hy.shape == (2, 1, 1, 128)
     for r_ in launches:
         assert "eps" not in r_["input_names"]  # type: ignore[operator]
         assert r_["template"]["EPSB"] == kernels.float_bits(1e-5)  # type: ignore[index]
@@ -268,14 +212,14 @@ def test_add_norm_launches_take_eps_as_a_constant(launches: list) -> None:
     with qweight.gemv_kernel():
         assert wq.matmul_add_norm(x, r, w, -1e-5) is None
         assert wq.matmul_add_norm(x, r, w, 1e-5) is not None
-    assert len(launches) == 4
+    assert len(launches) == 3
 
 
 def test_add_norm_rows_are_read_out_of_its_one_output(launches: list) -> None:
     """Everywhere (no launch): QWeight.matmul_add_norm's h and y are views of the launch's one
-    output hy [2, rows, 1, N]; a GEMV reading y (plain, gated, float32-out), an add+norm or a
-    chain taking h as its residual gets hy itself and the view's element offset (XO = rows x N
-    for y, RO = 0 for h), a view of no add+norm (or outside gemv_kernel) its own array at 0.
+    output hy [2, rows, 1, N]; a GEMV reading y (plain, gated, float32-out) or an add+norm
+    taking h as its residual gets hy itself and the view's element offset (XO = rows x N for
+    y, RO = 0 for h), a view of no add+norm (or outside gemv_kernel) its own array at 0.
     The registry empties when gemv_kernel ends."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.mlx_engine import qweight
@@ -301,20 +245,17 @@ def test_add_norm_rows_are_read_out_of_its_one_output(launches: list) -> None:
             w2.matmul(y)
         w2.matmul(r)  # no view: its own array
         w.matmul_add_norm(x, h, scale, 1e-6)
-        w.matmul_add_norm(x, h, scale, 1e-6, (w2, None))
-        assert qweight.chained_pending() == 1
         assert launches[-1]["arrays"][0] is not hy
-    assert qweight.packed_pending() == qweight.chained_pending() == 0
+    assert qweight.packed_pending() == 0
     gemvs = launches[1:4]
     for g in gemvs:
         assert g["name"] == "fuselm_q4_gemv"
         assert g["arrays"][0] is hy and g["template"]["XO"] == rows * n
     assert launches[4]["arrays"][0] is r and launches[4]["template"]["XO"] == 0
-    for a in launches[5:]:  # the add+norm, then the chain: h as the residual
-        assert a["arrays"][4] is hy and a["template"]["RO"] == 0
-        assert a["arrays"][0] is x and a["template"]["XO"] == 0
-    assert [a["name"] for a in launches[5:]] == ["fuselm_q4_gemv_addnorm",
-                                                 "fuselm_q4_gemv_chain"]
+    (a,) = launches[5:]  # the next add+norm: h as the residual
+    assert a["arrays"][4] is hy and a["template"]["RO"] == 0
+    assert a["arrays"][0] is x and a["template"]["XO"] == 0
+    assert a["name"] == "fuselm_q4_gemv_addnorm"
     # outside gemv_kernel nothing is registered: the plain path reads its inputs
     assert qweight._packed_source(y) is None
     assert kernels_q4.y_offset(hy) == rows * n
@@ -327,8 +268,7 @@ def q4_kernel_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _q4_qwen3(tmp_path_factory.mktemp("q4_kernels"), seed=3)
 
 
-@pytest.mark.parametrize("fold", ["epilogue", "chain"])
-def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: Path, fold: str,
+def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: Path,
                                                            linked_launches: list,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
@@ -336,9 +276,8 @@ def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: P
     step built with the kernels on has no Slice or Gather node in its graph (each costs MLX
     host time a step): every add+norm launch has one output hy, and the GEMVs reading its
     rows take hy itself, y at XO = N (one row) and h as the next add+norm's residual at RO =
-    0. Epilogue: each layer's gate/up, the next layer's q/k/v and the LM head read y so, every
-    add+norm but the first (whose residual is the embedding) h; chain: the chained GEMVs read
-    y inside the launch, the LM head out of hy."""
+    0: each layer's gate/up, the next layer's q/k/v and the LM head read y so, every add+norm
+    but the first (whose residual is the embedding) h."""
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.mlx_engine import qweight
     from fuselm.runtime_metal.mlx_engine.decode import DecodeProgram
@@ -346,25 +285,20 @@ def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: P
     engine = make_engine(q4_kernel_artifact, "mlx")  # on CPU: kernels off, the caches to run with
     # the program's kernel path on this machine: MLX's CUDA device claimed, launches recorded
     monkeypatch.setattr(kernels, "cuda_device", lambda: True)
-    monkeypatch.setenv(kernels.FOLD_ENV, fold)
-    program = DecodeProgram.build(engine.plan, "on")
-    assert program.gemv and program.fold == fold
+    program = DecodeProgram.build(engine.plan, RuntimeConfig(kernels="on"))
+    assert program.kernels and program.fold_norm
     engine.reserve(8)
     kv = [a for c in engine.fast.caches for a in c.buffers()]
     outs = program(mx.array(7, mx.int32), mx.array(3, mx.int32), *kv)
     assert qweight.packed_pending() == 0
-    dot = q4_kernel_artifact.parent / f"step_{fold}.dot"
+    dot = q4_kernel_artifact.parent / "step.dot"
     mx.export_to_dot(str(dot), *outs)
     labels = collections.Counter(re.findall(r'label\s*=\s*"([^"]*)"', dot.read_text()))
     assert labels["Sum"] > 0  # the recorder's edges are in the graph
     assert labels["Slice"] == labels["Gather"] == 0
     layers = program.num_layers
-    made = [r for r in linked_launches if r["name"] in ("fuselm_q4_gemv_addnorm",
-                                                         "fuselm_q4_gemv_chain")]
+    made = [r for r in linked_launches if r["name"] == "fuselm_q4_gemv_addnorm"]
     assert len(made) == 2 * layers
-    assert collections.Counter(r["name"] for r in made) == (
-        {"fuselm_q4_gemv_addnorm": 2 * layers} if fold == "epilogue" else
-        {"fuselm_q4_gemv_chain": 2 * layers - 1, "fuselm_q4_gemv_addnorm": 1})
     hys = {id(r["outputs"][0]): r for r in made}
     for r in made:
         assert r["output_names"][0] == "hy" and r["outputs"][0].shape[0] == 2
@@ -374,7 +308,7 @@ def test_q4_decode_step_reads_add_norm_rows_without_slices(q4_kernel_artifact: P
     assert all(r["template"]["RO"] == 0 for r in made)
     y_reads = [r for r in linked_launches
                if r["name"] == "fuselm_q4_gemv" and id(r["arrays"][0]) in hys]
-    assert len(y_reads) == (2 * layers if fold == "epilogue" else 1)
+    assert len(y_reads) == 2 * layers
     assert all(r["template"]["XO"] == n for r in y_reads)
     others = [r for r in linked_launches
               if r["name"] == "fuselm_q4_gemv" and id(r["arrays"][0]) not in hys]
@@ -541,7 +475,7 @@ def test_add_norm_fits_only_what_its_scratch_holds() -> None:
 # ---- MLX-CUDA: the whole program, kernels on against kernels off -------------------------------
 
 @cuda
-@pytest.mark.parametrize("split", ["0", "auto", "3"])
+@pytest.mark.parametrize("split", ["0", "auto"])
 def test_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  split: str) -> None:
@@ -549,7 +483,6 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
     identical with the kernels on and off (and the decode step really without MLX's SDPA
     fallback: no Softmax/Matmul primitives in its graph); the attention a block per query
     head and split (FUSELM_ATTN_SPLIT)."""
-    monkeypatch.setenv(kernels.ATTEND_SPLIT_ENV, split)
     from fuselm.converter.models.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
@@ -561,9 +494,9 @@ def test_program_with_kernels_matches_plain_path(tmp_path: Path,
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 300)]
     tokens, graphs = {}, {}
     for mode in ("off", "on"):
-        monkeypatch.setenv(kernels.ENV, mode)
-        engine = make_engine(out, "mlx")
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode, attn_split=split))
         assert engine.fast.program.kernels is (mode == "on")
+        assert engine.fast.program.split_attention is (mode == "on" and split == "auto")
         tokens[mode] = generate(engine, prompt, max_new_tokens=32, prefill_chunk=128).tokens
         dot = tmp_path / f"{mode}.dot"
         y = mx.array(tokens[mode][-1], mx.int32)
@@ -647,10 +580,9 @@ def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
     from fuselm.runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
-    monkeypatch.setenv(kernels.ENV, "on")
     hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,
                      num_attention_heads=4, num_key_value_heads=2)
-    engine = make_engine(convert(hf, tmp_path / "out"), "mlx")
+    engine = make_engine(convert(hf, tmp_path / "out"), "mlx", RuntimeConfig(kernels="on"))
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
     want = [generate(engine, p, max_new_tokens=16).tokens for p in prompts]
@@ -778,7 +710,7 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
                                           (1, 3072, 1024, None), (2, 14336, 256, None)])
 def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: int, k: int,
                                                        n: int, act: str | None) -> None:
-    """How many of a lane's weight loads the GEMV keeps in flight (kernels.q4_unroll: two at a
+    """How many of a lane's weight loads the GEMV keeps in flight (kernels.Q4_UNROLL: two at a
     time, or the whole row) changes no bit of the plain, gated, float32-out and add+norm
     forms: the sums run in the same order."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
@@ -831,9 +763,8 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 384, 40)]
     logits, tokens = {}, {}
     for mode in ("off", "on"):
-        monkeypatch.setenv(kernels.ENV, mode)
-        engine = make_engine(out, "mlx")
-        assert engine.fast.program.gemv is (mode == "on")
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode))
+        assert engine.fast.program.kernels is (mode == "on")
         tokens[mode] = generate(engine, prompt, max_new_tokens=16).tokens
         engine.reset()
         engine.reserve(len(prompt) + 8)
@@ -847,21 +778,19 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
 
 
 @cuda
-def test_q4_decode_step_launches_no_cast(tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_q4_decode_step_launches_no_cast(tmp_path: Path) -> None:
     """A float16 Q4 decode step with the kernels: no AsType node in its graph (the argmax's
     uint32 token goes into the embedding kernel as it is, the LM head's GEMV writes float32
     logits), and a uint32 token gives exactly the logits of the same token as int32."""
     from fuselm.converter.models.builtin import build_model
     from fuselm.runtime_metal.engine import make_engine
 
-    monkeypatch.setenv(kernels.ENV, "on")
     hf = build_model(tmp_path / "hf", "qwen3", seed=3, hidden_size=128, head_dim=64,
                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     out = convert(hf, tmp_path / "q4", dtype="float16", quant="q4", quant_embeddings=True)
-    engine = make_engine(out, "mlx")
+    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"))
     fast = engine.fast
-    assert fast is not None and fast.program.gemv
+    assert fast is not None and fast.program.kernels
     engine.reserve(24)
     engine.forward(np.asarray([[5, 17, 33, 2, 90]]))
     kv = [a for c in fast.caches for a in c.buffers()]
@@ -900,79 +829,6 @@ def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) ->
         assert o.args[o.producer_arg] == ("env", made)
         assert at[id(o.norm_producer)] < at[id(o)]
         assert sum(("env", made) in p.args for p in program.ops) == 1  # the Add alone reads it
-
-
-def test_chain_consumers_are_each_layers_gate_up_and_next_qkv(q4_artifact: Path) -> None:
-    """Everywhere (plain Python): the GEMV launched with each folded add+RMSNorm is the one
-    step reading its normalized row: the layer's FusedGateUp after o_proj (gated, silu), the
-    next layer's FusedQKV after down; the final norm feeds the LM head, which keeps its own
-    launch: 2 per layer but the last."""
-    from fuselm.runtime_metal.engine import make_engine
-    from fuselm.runtime_metal.mlx_engine import program_ops
-
-    program = make_engine(q4_artifact, "mlx").fast.program
-    program_ops.fold_into_producers(program.ops)
-    program_ops.chain_consumers(program.ops)
-    chained = [o for o in program.ops if o.chain_consumer is not None]
-    layers = program.num_layers
-    assert collections.Counter(o.chain_consumer.step.op_type for o in chained) == {
-        "FusedGateUp": layers, "FusedQKV": layers - 1}
-    for o in chained:
-        y = o.partner.step.outputs[0]
-        assert o.chain_consumer.args[0] == ("env", y)
-        assert sum(("env", y) in p.args for p in program.ops) == 1
-        w, act = program_ops.chain_target(o.chain_consumer)
-        assert act == ("silu" if o.chain_consumer.step.op_type == "FusedGateUp" else None)
-        assert w is o.chain_consumer.args[1][1]
-    final = [o for o in program.ops if o.norm_producer is not None and o.chain_consumer is None]
-    assert len(final) == 1  # the last down projection -> the final norm -> the LM head
-
-
-@cuda
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("rows,k,n,n2,group2,act", [
-    (1, 2048, 1024, 3072, 32, "silu"),  # Qwen3-0.6B: o_proj, then gate/up
-    (1, 3072, 1024, 4096, 32, None),  # down, then the next layer's q/k/v
-    (4, 1024, 2048, 8192, 64, "silu"),  # a 4-row batch, group 64
-    (1, 4096, 4096, 14336, 32, "silu"),  # Llama-3.1-8B: more B blocks than fit at once
-    (3, 96, 64, 96, 32, None)])
-def test_q4_gemv_chain(dtype: mx.Dtype, rows: int, k: int, n: int, n2: int, group2: int,
-                       act: str | None) -> None:
-    """The add+norm GEMV and the GEMV over its y in one launch against the two launched
-    apart (q4_gemv_add_norm, then q4_gemv of its y): h, y and the second GEMV's result all
-    bit-equal (the same sums in the same order); a second call bit-equal to the first (the
-    ticket and the ready count are back to zero)."""
-    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
-    from fuselm.runtime_metal.mlx_engine import qweight
-
-    rng = np.random.default_rng(rows + k + n + n2)
-    w, _ = _q4_weight(rng, k, n, 32)
-    w2, _ = _q4_weight(rng, n, 2 * n2 if act else n2, group2)
-    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
-    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
-    eps = 1e-6
-    with qweight.gemv_kernel():
-        apart = w.matmul_add_norm(x, r, scale, eps)
-        assert apart is not None
-        z_ref = w2.gated_matmul(apart[1], act) if act else w2.matmul(apart[1])
-        runs = []
-        for _ in range(2):
-            hy = w.matmul_add_norm(x, r, scale, eps, (w2, act))
-            assert hy is not None
-            # the chained result is taken by the next weight's own call, no launch of its own
-            assert qweight.chained_pending() == 1
-            z = w2.gated_matmul(hy[1], act) if act else w2.matmul(hy[1])
-            assert qweight.chained_pending() == 0
-            runs.append((*hy, z))
-    s2, b2 = w2.affine(dtype)
-    assert kernels_q4.fits(r, w2.packed, s2, group2, 4, True, act)
-    ref = [np.array(a.astype(mx.float32)) for a in (*apart, z_ref)]
-    for run in runs:
-        got = [np.array(a.astype(mx.float32)) for a in run]
-        for a, b in zip(got, ref, strict=True):
-            assert a.shape == b.shape
-            assert np.array_equal(a, b)
 
 
 @cuda
@@ -1016,9 +872,8 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
                                                        n: int, n2: int) -> None:
     """h and y read by the next GEMVs out of the add+norm's one output hy (at offsets XO /
     RO: qweight._packed) against the same GEMVs over copies of h and y (fresh arrays read
-    at 0): the plain, gated and float32-out GEMV over y, the next add+norm and the chain
-    with h as their residual, all bit-equal; h and y themselves (the views) equal the
-    rows of hy."""
+    at 0): the plain, gated and float32-out GEMV over y and the next add+norm with h as its
+    residual, all bit-equal; h and y themselves (the views) equal the rows of hy."""
     from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows + k + n)
@@ -1036,8 +891,7 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
         out = [w2.matmul(y), w2.gated_matmul(y, "silu")]
         with qweight.float32_result():
             out.append(w2.matmul(y))
-        out += list(w.matmul_add_norm(x, h, scale, eps) or ())
-        h3, y3 = w.matmul_add_norm(x, h, scale, eps, (w2, "silu")) or (None, None)
+        h3, y3 = w.matmul_add_norm(x, h, scale, eps) or (None, None)
         assert h3 is not None and y3 is not None
         return [*out, h3, y3, w2.gated_matmul(y3, "silu")]
 
@@ -1050,7 +904,7 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
         hc, yc = copy(h), copy(y)
         assert qweight._packed_source(hc) is None
         apart = consumers(hc, yc)
-    assert len(packed) == len(apart) == 8
+    assert len(packed) == len(apart) == 6
     for a, b in zip(packed, apart, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert np.array_equal(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32)))
@@ -1064,11 +918,9 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
 def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A Q4 Qwen3 in float32: the decode steps with the add+RMSNorm in the producing GEMVs'
-    epilogue, launched alone ("epilogue") or with the GEMV reading its row ("chain"), against
-    the separate add+RMSNorm kernel ("0"): logits rel <= 1e-4 over 8 steps, the same greedy
-    tokens. And what a step launches: the epilogue removes the 2 add+norm launches a layer;
-    the chain also takes every q/k/v and gate/up GEMV into a chain launch but the first
-    layer's q/k/v (read after the embedding's norm) and leaves the LM head its own launch."""
+    epilogue ("epilogue") against the separate add+RMSNorm kernel ("0"): logits rel <= 1e-4
+    over 8 steps, the same greedy tokens. And what a step launches: the epilogue removes the
+    2 add+norm launches a layer."""
     from fuselm.runtime_metal.cuda_kernels import embedding as kernels_embedding
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.engine import make_engine
@@ -1080,7 +932,6 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
     logits, tokens, per_step = {}, {}, {}
     launches: collections.Counter[str] = collections.Counter()
     for module, name in ((kernels_q4, "q4_gemv"), (kernels_q4, "q4_gemv_add_norm"),
-                         (kernels_q4, "q4_gemv_add_norm_then"),
                          (kernels_embedding, "q4_take_rows")):
         real = getattr(module, name)
 
@@ -1088,11 +939,10 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
             launches[_name] += 1
             return _real(*a, **kw)
         monkeypatch.setattr(module, name, counted)
-    for fold in ("0", "epilogue", "chain"):
-        monkeypatch.setenv(kernels.FOLD_ENV, fold)
-        engine = make_engine(out, "mlx")
+    for fold in ("0", "epilogue"):
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", fold_norm=fold))
         program = engine.fast.program
-        assert program.fold == fold
+        assert program.fold_norm is (fold == "epilogue")
         producers = sum(o.norm_producer is not None for o in program.ops)
         # each layer's two (the last one feeds the final norm)
         assert producers == (2 * program.num_layers if fold != "0" else 0)
@@ -1112,9 +962,5 @@ def test_q4_program_fold_modes_match_fold_off(tmp_path: Path,
     gemvs = per_step["0"]["q4_gemv"]  # q/k/v, o_proj, gate/up, down a layer (+ the LM head)
     assert gemvs >= 4 * layers and set(per_step["0"]) == {"q4_gemv"}
     assert per_step["epilogue"] == {"q4_gemv_add_norm": 2 * layers, "q4_gemv": gemvs - 2 * layers}
-    # the last down projection's add+norm feeds the LM head: an epilogue launch of its own
-    assert per_step["chain"] == {"q4_gemv_add_norm_then": 2 * layers - 1, "q4_gemv_add_norm": 1,
-                                 "q4_gemv": gemvs - 2 * layers - (2 * layers - 1)}
-    for mode in ("epilogue", "chain"):
-        assert rel(logits[mode], logits["0"]) <= 1e-4
-        assert tokens[mode] == tokens["0"]
+    assert rel(logits["epilogue"], logits["0"]) <= 1e-4
+    assert tokens["epilogue"] == tokens["0"]
