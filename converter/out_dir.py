@@ -346,8 +346,8 @@ class Build:
 
 def prepare(out_dir: Path, writes: Iterable[str] = ARTIFACT_NAMES) -> Build:
     """Check OUT_DIR can be (re)written, lock it, repair leftovers, refuse a user's file whose
-    name the new artifact `writes`; return the Build with a fresh temp folder beside OUT_DIR."""
-    check_target(out_dir)
+    name the new artifact `writes`; return the Build with a fresh temp folder beside OUT_DIR.
+    Every check runs under the lock: unlocked, it could see another conversion's swap midway."""
     out = out_dir.resolve()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -357,6 +357,7 @@ def prepare(out_dir: Path, writes: Iterable[str] = ARTIFACT_NAMES) -> Build:
             f"output path {out_dir} is not writable ({e.strerror}); choose another -o"
         ) from None
     try:
+        check_target(out_dir)
         recover(out)
         remove_dead_scratch()
         check_target(out)  # what recovery restored is checked too

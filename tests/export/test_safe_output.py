@@ -137,7 +137,7 @@ def test_recover_merges_foreign_files_and_spares_live_or_unknown_folders(
 # A conversion in its own process that stops right before swap_in, the new artifact complete
 # in its temp folder beside OUT, and says so: the test then kills it there (no race with a
 # build that a small model finishes between two polls of the folder).
-_HELD_CONVERT = """
+HELD_CONVERT = """
 import sys, time
 from pathlib import Path
 from fuselm.converter import out_dir
@@ -162,7 +162,7 @@ def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
     (out / "notes.txt").write_text("mine")
     before = tree_digest(out)
     signal_file = tmp_path.parent / f"{tmp_path.name}.held"
-    p = subprocess.Popen([sys.executable, "-c", _HELD_CONVERT, str(signal_file), str(ckpt),
+    p = subprocess.Popen([sys.executable, "-c", HELD_CONVERT, str(signal_file), str(ckpt),
                           "-o", str(out), "--quiet", "--dtype", "float32"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
