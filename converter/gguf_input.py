@@ -37,7 +37,12 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
     # The staged folder carries this process's id: a conversion killed now leaves it behind,
     # and the next conversion removes it (out_dir.remove_dead_scratch).
     with out_dir_safety.scratch("gguf") as meta:
-        stage(ckpt, meta)
+        try:
+            stage(ckpt, meta)
+        except OSError as e:
+            if e.errno in out_dir_safety.NO_SPACE:
+                raise out_dir_safety.no_space(e, Path(out_dir), meta.parent) from None
+            raise
         heap.release()  # the tokenizer converter's objects, before the weights are read
         source = {**source_record(ckpt), "path": str(path.resolve())}
         opts = options or pipeline.ConvertOptions()

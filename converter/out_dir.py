@@ -111,6 +111,14 @@ def refuse_mount_point(out_dir: Path) -> None:
             f"into a folder inside it instead, e.g. -o {out_dir / 'model'}")
 
 
+def no_space(e: OSError, out: Path, where: Path | None = None) -> UserError:
+    """The one error line for a write that failed for lack of space (`e.errno` in NO_SPACE)."""
+    at = f" writing {e.filename}" if e.filename else ""
+    return UserError(
+        f"the disk is full ({e.strerror}{at}); {out} is unchanged and the partial build was "
+        f"removed. Free space on the file system of {where or out.parent}, or choose another -o")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -87,13 +87,6 @@ def _copy_side_files(model_dir: Path, out: Path) -> list[str]:
     return copied
 
 
-def _no_space(e: OSError, out: Path) -> UserError:
-    where = f" writing {e.filename}" if e.filename else ""
-    return UserError(
-        f"the disk is full ({e.strerror}{where}); {out} is unchanged and the partial build was "
-        f"removed. Free space on the file system of {out.parent}, or choose another -o")
-
-
 def _manifest(
     spec: DecoderSpec, dtype: str, model_dir: Path, ckpt_dtype: str, opts: ConvertOptions
 ) -> artifact.Manifest:
@@ -310,7 +303,7 @@ def convert(
         out_dir_safety.swap_in(build)
     except OSError as e:
         if e.errno in out_dir_safety.NO_SPACE:
-            raise _no_space(e, out) from None
+            raise out_dir_safety.no_space(e, out) from None
         raise
     finally:
         build.close()  # the temp folder (if the swap did not take it) and the lock
