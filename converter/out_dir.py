@@ -169,7 +169,7 @@ def owned_files(folder: Path) -> dict[str, Fingerprint]:
     """The files of an artifact folder that are fuselm's, with their fingerprints: fuselm.json
     itself (a fuselm manifest), and each file it records in `integrity.files` that bears a name a
     conversion writes and still has the recorded size and SHA-256. Everything else is the
-    user's. Costs one read of each recorded file (the data file's size, once)."""
+    user's. Costs one read of every recorded file (a re-convert reads the old artifact once)."""
     raw = _manifest_record(folder)
     if raw is None:
         return {}
@@ -394,8 +394,12 @@ def swap_in(build: Build) -> None:
     artifact writes its name, nothing is swapped (one error line) and OUT_DIR stays as it was."""
     out, tmp = build.out, build.tmp
     if not out.exists():
-        os.replace(tmp, out)
-        return
+        try:
+            os.replace(tmp, out)
+            return
+        except OSError as e:  # OUT appeared meanwhile, with files in it: they are the user's
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
     owned = {n for n, fp in build.owned.items() if _fingerprint(out / n) == fp}
     clash = sorted(p.name for p in out.iterdir()
                    if p.name not in owned and os.path.lexists(tmp / p.name))
@@ -403,7 +407,13 @@ def swap_in(build: Build) -> None:
         raise _clash_error(out, clash, "it changed during the conversion")
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
     old.rmdir()  # only the unique name is wanted: rename needs a free target
-    os.replace(out, old)
+    try:
+        os.replace(out, old)
+    except OSError as e:  # a mount point the mount table did not show (refuse_mount_point)
+        if e.errno != errno.EBUSY:
+            raise
+        raise UserError(f"-o {out} cannot be renamed ({e.strerror}): is it a mount point? "
+                        f"Convert into a folder inside it, e.g. -o {out / 'model'}") from None
     try:
         os.replace(tmp, out)
     except BaseException:

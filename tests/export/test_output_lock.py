@@ -18,7 +18,7 @@ import pytest
 
 from fuselm.converter.errors import UserError
 from fuselm.converter.models.builtin import build_model
-from fuselm.converter.out_dir import prepare
+from fuselm.converter.out_dir import prepare, swap_in
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.integrity import verify
@@ -263,3 +263,20 @@ def test_output_a_mount_point_is_refused_before_the_conversion(ckpt: Path, base:
     assert result["inside"]["code"] == 0, result["inside"]["err"]  # the fix works
     assert "model.onnx" in result["inside"]["files"]
     assert sorted(result["left"]) == ["bound", "out", "src"]  # no temp build was started
+
+
+def test_output_created_during_the_conversion_keeps_its_files(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    build = prepare(out)  # OUT does not exist yet...
+    try:
+        (build.tmp / "model.onnx.data").write_bytes(b"weights")
+        (build.tmp / "fuselm.json").write_text('{"format": "fuselm"}')
+        out.mkdir()  # ...and the user makes it, with a file, before the swap
+        (out / "notes.txt").write_text("mine")
+        swap_in(build)
+    finally:
+        build.close()
+    assert sorted(p.name for p in out.iterdir()) == ["fuselm.json", "model.onnx.data",
+                                                     "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
