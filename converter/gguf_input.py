@@ -7,7 +7,6 @@ GGUF itself, dequantized one tensor at a time (export/gguf/source.py).
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from fuselm.converter import out_dir as out_dir_safety
@@ -34,8 +33,15 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
     path = Path(path)
     out_dir_safety.check_paths(path, Path(out_dir))
     ckpt = GGUFCheckpoint(path)  # validates architecture, tensor types and size first
-    with tempfile.TemporaryDirectory(prefix="fuselm-gguf-") as meta:
-        stage(ckpt, Path(meta))
+    # The staged folder carries this process's id: a conversion killed now leaves it behind,
+    # and the next conversion removes it (out_dir.remove_dead_scratch).
+    with out_dir_safety.scratch("gguf") as meta:
+        try:
+            stage(ckpt, meta)
+        except OSError as e:
+            if e.errno in out_dir_safety.NO_SPACE:
+                raise out_dir_safety.no_space(e, Path(out_dir), meta.parent) from None
+            raise
         heap.release()  # the tokenizer converter's objects, before the weights are read
         source = {**source_record(ckpt), "path": str(path.resolve())}
         reason = torch_reason(ckpt)

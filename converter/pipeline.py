@@ -68,13 +68,22 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _side_files(model_dir: Path) -> list[str]:
+    """The tokenizer and generation files of the checkpoint, copied into the artifact."""
+    return [name for name in (*artifact.TOKENIZER_FILES, artifact.GENERATION_CONFIG)
+            if (model_dir / name).is_file()]
+
+
+def _artifact_files(model_dir: Path, opts: ConvertOptions) -> list[str]:
+    """Every file the conversion writes into OUT_DIR (fuselm.json records all but itself)."""
+    kept = list(artifact.INTERMEDIATE_FILES) if opts.keep_intermediate and opts.optimize else []
+    return [artifact.MODEL_FILE, artifact.DATA_FILE, *_side_files(model_dir), *kept]
+
+
 def _copy_side_files(model_dir: Path, out: Path) -> list[str]:
-    copied = []
-    for name in (*artifact.TOKENIZER_FILES, artifact.GENERATION_CONFIG):
-        src = model_dir / name
-        if src.is_file():
-            shutil.copy2(src, out / name)
-            copied.append(name)
+    copied = _side_files(model_dir)
+    for name in copied:
+        shutil.copy2(model_dir / name, out / name)
     return copied
 
 
@@ -232,7 +241,9 @@ def convert(
 
         exporter, label = exporter_for(spec)
         source = {"exporter": label, **(source or {})}
-    tmp = out_dir_safety.prepare(out)
+    files = _artifact_files(src, opts)
+    build = out_dir_safety.prepare(out, [*files, artifact.MANIFEST])
+    tmp = build.tmp
     seconds: dict[str, float] = {}
     try:
         raw = tmp / ("raw.onnx" if opts.optimize else artifact.MODEL_FILE)
@@ -279,15 +290,17 @@ def convert(
         manifest.files["tokenizer"] = _copy_side_files(src, tmp)
         manifest.source.update(source or {})
         t2 = time.perf_counter()
-        manifest.integrity = integrity.record(
-            tmp, [artifact.MODEL_FILE, artifact.DATA_FILE, *manifest.files["tokenizer"]])
+        manifest.integrity = integrity.record(tmp, files)
         seconds["hash"] = time.perf_counter() - t2
         manifest.source["converted"] = datetime.now(UTC).isoformat(timespec="seconds")
         manifest.source["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
         artifact.write_manifest(tmp, manifest)
-        out_dir_safety.swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        out_dir_safety.swap_in(build)
+    except OSError as e:
+        if e.errno in out_dir_safety.NO_SPACE:
+            raise out_dir_safety.no_space(e, out) from None
         raise
+    finally:
+        build.close()  # the temp folder (if the swap did not take it) and the lock
     seconds["total"] = time.perf_counter() - t0
     return ConvertResult(out_dir=out, manifest=manifest, seconds=seconds, report=report)

@@ -40,6 +40,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 GENERATION_CONFIG = "generation_config.json"
+INTERMEDIATE_FILES = ("raw.onnx", "raw.onnx.data")  # `convert --keep-intermediate`
 
 
 def atomic_write_text(path: Path, text: str) -> None:

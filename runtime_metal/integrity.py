@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuselm.runtime_metal.artifact import DATA_FILE, MODEL_FILE, ArtifactError, Manifest
+from fuselm.runtime_metal.artifact import DATA_FILE, MANIFEST, MODEL_FILE, ArtifactError, Manifest
+from fuselm.runtime_metal.artifact_paths import confined
 
 ALGORITHM = "sha256"
 CHUNK = 8 << 20
@@ -120,7 +121,7 @@ def check_sizes(out_dir: str | Path, manifest: Manifest) -> None:
     root = Path(out_dir)
     recorded = (manifest.integrity or {}).get("files", {})
     for name in _data_files(manifest):
-        path = root / name
+        path = confined(root, name, f"{root / MANIFEST} (a weight file)")
         if not path.is_file():
             if name in recorded:
                 raise ArtifactError(
@@ -176,8 +177,11 @@ def verify(out_dir: str | Path, manifest: Manifest) -> VerifyReport:
         raise ArtifactError(f"unknown hash algorithm {integrity.get('algorithm')!r} in "
                             f"{root}/fuselm.json; this fuselm checks {ALGORITHM}")
     report = VerifyReport()
+    # Every name first: one outside the folder refuses the whole check before any file is read.
+    paths = {name: confined(root, name, f"{root / MANIFEST}'s integrity.files")
+             for name in integrity["files"]}
     for name, want in integrity["files"].items():
-        path = root / name
+        path = paths[name]
         if not path.is_file():
             report.files[name] = "missing"
             continue

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from fuselm.runtime_metal.artifact_paths import confined
 from fuselm.runtime_metal.dtypes import onnx_dtype
 from fuselm.runtime_metal.errors import RuntimeUserError
 
@@ -33,12 +34,7 @@ def _external_info(t: TensorProto) -> dict[str, str]:
 
 def _confined(root: Path, location: str, tensor: str) -> Path:
     """The data file of `tensor`, refusing anything that resolves outside the model folder."""
-    candidate = (root / location).resolve()
-    if Path(location).is_absolute() or not candidate.is_relative_to(root.resolve()):
-        raise RuntimeUserError(
-            f"tensor {tensor!r} points at external data {location!r} outside the model folder "
-            f"{root}; refusing to read it (an artifact keeps its weights beside model.onnx)"
-        )
+    candidate = confined(root, location, f"tensor {tensor!r}'s external data location")
     if not candidate.is_file():
         raise RuntimeUserError(
             f"external data file {candidate} (for tensor {tensor!r}) is missing; copy the whole "

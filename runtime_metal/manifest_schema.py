@@ -26,6 +26,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+from fuselm.runtime_metal.artifact_paths import name_problem
 from fuselm.runtime_metal.graph_io import PAST
 from fuselm.runtime_metal.manifest_types import (
     FORMAT,
@@ -155,7 +156,19 @@ def check(raw: Any, path: Path) -> None:
     for key in ("bos", "pad"):
         _token_id(path, f"special_tokens.{key}", special.get(key), m["vocab_size"], many=False)
     _token_id(path, "special_tokens.eos", special.get("eos"), m["vocab_size"], many=True)
+    _check_file_names(raw.get("files") or {}, path)
     _check_integrity(raw.get("integrity"), path)
+
+
+_INSIDE = "a relative path inside the artifact folder (no absolute path, no '..')"
+
+
+def _check_file_names(files: dict[str, Any], path: Path) -> None:
+    """`files`' names are paths fuselm may open: none may point outside the artifact."""
+    for key, value in files.items():
+        for name in value if isinstance(value, list) else [value]:
+            if isinstance(name, str) and name_problem(name):
+                _fail(path, f"files.{key}", name, _INSIDE)
 
 
 def _check_integrity(section: dict[str, Any] | None, path: Path) -> None:
@@ -166,6 +179,8 @@ def _check_integrity(section: dict[str, Any] | None, path: Path) -> None:
         _fail(path, "integrity.files", files, "an object of file records")
     for name, rec in files.items():
         where = f"integrity.files.{name}"
+        if name_problem(name):
+            _fail(path, "integrity.files", name, _INSIDE)
         if not isinstance(rec, dict):
             _fail(path, where, rec, 'an object {"size": ..., "sha256": ...}')
         size, digest = rec.get("size"), rec.get("sha256")
@@ -176,6 +191,9 @@ def _check_integrity(section: dict[str, Any] | None, path: Path) -> None:
     tensors = section.get("tensors", {})
     if not isinstance(tensors, dict) or not all(isinstance(v, dict) for v in tensors.values()):
         _fail(path, "integrity.tensors", tensors, "an object of per-file tensor digests")
+    for name in tensors:
+        if name_problem(name):
+            _fail(path, "integrity.tensors", name, _INSIDE)
 
 
 Shape = Sequence[int | str | None]

@@ -35,9 +35,11 @@ class Row:
 
 
 def model_columns(out_dir: str | Path, manifest: Manifest) -> dict[str, str]:
+    from fuselm.runtime_metal.artifact_paths import confined
     from fuselm.runtime_metal.model_size import human, parameter_count
 
-    data = Path(out_dir) / manifest.files.get("data", "model.onnx.data")
+    data = confined(Path(out_dir), manifest.files.get("data", "model.onnx.data"),
+                    f"{Path(out_dir) / 'fuselm.json'}'s files.data")
     size = data.stat().st_size if data.is_file() else 0
     q = manifest.quantization
     quant = (f"q{q.get('bits', 4)} g{q.get('block_size', '?')}" if q else manifest.dtype)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fuselm.converter.models.builtin import build_model
-from fuselm.converter.out_dir import recover
+from fuselm.converter.out_dir import prepare, recover
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.integrity import verify
@@ -137,15 +137,15 @@ def test_recover_merges_foreign_files_and_spares_live_or_unknown_folders(
 # A conversion in its own process that stops right before swap_in, the new artifact complete
 # in its temp folder beside OUT, and says so: the test then kills it there (no race with a
 # build that a small model finishes between two polls of the folder).
-_HELD_CONVERT = """
+HELD_CONVERT = """
 import sys, time
 from pathlib import Path
 from fuselm.converter import out_dir
 
 signal_file = Path(sys.argv[1])
 
-def held(tmp, out):
-    signal_file.write_text(str(tmp))
+def held(build):
+    signal_file.write_text(str(build.tmp))
     time.sleep(600)
 
 out_dir.swap_in = held
@@ -162,7 +162,7 @@ def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
     (out / "notes.txt").write_text("mine")
     before = tree_digest(out)
     signal_file = tmp_path.parent / f"{tmp_path.name}.held"
-    p = subprocess.Popen([sys.executable, "-c", _HELD_CONVERT, str(signal_file), str(ckpt),
+    p = subprocess.Popen([sys.executable, "-c", HELD_CONVERT, str(signal_file), str(ckpt),
                           "-o", str(out), "--quiet", "--dtype", "float32"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -181,9 +181,9 @@ def test_kill_during_reconvert_keeps_the_old_artifact(ckpt: Path, base: Path,
     from fuselm.runtime_metal.engine import make_engine
 
     assert make_engine(out, "onnxruntime").forward([[1, 2]]).shape == (384,)
-    assert list(tmp_path.glob(".out.tmp-*"))  # the killed build's folder...
-    recover(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # ...is cleaned next time
+    assert list(tmp_path.glob(".out.tmp-*"))  # the killed build's folder and lock file...
+    prepare(out).close()  # (what the next conversion does first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # ...are cleaned next time
 
 
 def test_demo_never_overwrites(capsys, tmp_path: Path) -> None:  # noqa: ANN001
@@ -223,3 +223,68 @@ def test_in_place_optimize_commits_with_one_rename(capsys, base: Path, tmp_path:
     # fuselm.json still records the converted files: verify reports the rewritten model
     line = one_error(*cli(capsys, "verify", str(art)))
     assert "model.onnx" in line and "failed verification" in line
+
+
+def _edit_manifest(art: Path, edit) -> None:  # noqa: ANN001
+    raw = json.loads((art / "fuselm.json").read_text())
+    edit(raw)
+    (art / "fuselm.json").write_text(json.dumps(raw))
+
+
+# Names a conversion may write, that this artifact (a builtin checkpoint's) never wrote: the
+# user's, whatever an edited fuselm.json says.
+USERS_NAMED_LIKE_OURS = ("merges.txt", "vocab.json", "added_tokens.json",
+                         "special_tokens_map.json", "chat_template.json", "raw.onnx",
+                         "raw.onnx.data", "notes.txt")
+
+
+def test_reconvert_never_deletes_a_file_fuselm_did_not_record(ckpt: Path, base: Path,
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    for i, name in enumerate(USERS_NAMED_LIKE_OURS):
+        (out / name).write_bytes(f"the user's {name} #{i}".encode())
+    notes = hashlib.sha256((out / "notes.txt").read_bytes()).hexdigest()
+
+    def claim(raw: dict) -> None:  # an edited manifest claiming the user's files as its own
+        raw["files"]["tokenizer"] += list(USERS_NAMED_LIKE_OURS)
+        raw["integrity"]["files"]["notes.txt"] = {"size": (out / "notes.txt").stat().st_size,
+                                                  "sha256": notes}
+        raw["integrity"]["files"]["vocab.json"] = {"size": 1, "sha256": "0" * 64}
+
+    _edit_manifest(out, claim)
+    users = {n: (out / n).read_bytes() for n in USERS_NAMED_LIKE_OURS}
+    convert(ckpt, out, ConvertOptions(dtype="float32", optimize=False))
+    assert {n: (out / n).read_bytes() for n in USERS_NAMED_LIKE_OURS} == users
+    assert verify(out, read_manifest(out)).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("case", ["edited artifact file", "no integrity record"])
+def test_reconvert_refuses_to_replace_a_users_file(capsys, ckpt: Path, base: Path,  # noqa: ANN001
+                                                  tmp_path: Path, case: str) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    if case == "edited artifact file":  # recorded once, but no longer what fuselm wrote
+        (out / "tokenizer_config.json").write_text('{"the user": "edited this"}')
+        name = "tokenizer_config.json"
+    else:  # nothing proves any file is fuselm's (an older or foreign manifest)
+        _edit_manifest(out, lambda raw: raw.pop("integrity"))
+        name = "chat_template.jinja"
+    before = tree_digest(tmp_path)
+    line = one_error(*cli(capsys, "convert", str(ckpt), "-o", str(out), "--quiet",
+                          "--dtype", "float32"))
+    assert f"{out / name}" in line and "would replace your file" in line
+    assert tree_digest(tmp_path) == before  # nothing written, no temp folder, no lock left
+
+
+def test_a_folder_whose_fuselm_json_is_not_a_manifest_is_refused(capsys, ckpt: Path,  # noqa: ANN001
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fuselm.json").write_text('{"files": {"data": "notes.txt"}}')
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(tmp_path)
+    line = one_error(*cli(capsys, "convert", str(ckpt), "-o", str(out), "--quiet"))
+    assert "not a fuselm manifest" in line
+    assert tree_digest(tmp_path) == before

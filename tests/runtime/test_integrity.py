@@ -163,3 +163,55 @@ def test_one_pass_digests_match_direct_ones(art: Path, monkeypatch: pytest.Monke
     sha, crcs = integrity.digests(art / "model.onnx.data", spans)
     assert sha == hashlib.sha256(data).hexdigest()
     assert crcs == {n: f"{zlib.crc32(data[o:o + n_]):08x}" for o, n_, n in spans}
+
+
+@pytest.fixture()
+def outside(tmp_path: Path) -> Path:
+    secret = tmp_path / "secret.data"
+    secret.write_bytes(b"s" * 12345)  # a size that must never appear in an error
+    return secret
+
+
+def _record(name: str):  # noqa: ANN202
+    return lambda raw: raw["integrity"]["files"].__setitem__(name, {"size": 1,
+                                                                    "sha256": "0" * 64})
+
+
+PATH_CASES = {
+    "absolute in integrity.files": (lambda art, out: _record(str(out)), "integrity.files"),
+    "dot-dot in integrity.files": (lambda art, out: _record("../secret.data"), "integrity.files"),
+    "dot-dot in integrity.tensors": (
+        lambda art, out: lambda raw: raw["integrity"]["tensors"].__setitem__("../secret.data",
+                                                                           {}),
+        "integrity.tensors"),
+    "dot-dot in files.data": (lambda art, out: _set("files.data", "../secret.data"),
+                              "files.data"),
+    "absolute in files.tokenizer": (
+        lambda art, out: _set("files.tokenizer", [str(out)]), "files.tokenizer"),
+}
+
+
+@pytest.mark.parametrize("command", ["verify", "run"])
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_manifest_paths_outside_the_artifact_refused(capsys, art: Path, outside: Path,  # noqa: ANN001
+                                                     case: str, command: str) -> None:
+    make, field = PATH_CASES[case]
+    _edit_manifest(art, make(art, outside))
+    args = ["--prompt-ids", "1,2", "-n", "2", "--engine", "onnxruntime"] if command == "run" \
+        else []
+    line = one_error(*cli(capsys, command, str(art), *args))
+    assert field in line and "relative path inside the artifact folder" in line
+    assert "12345" not in line
+
+
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_symlink_leading_out_of_the_artifact_refused(capsys, art: Path, outside: Path,  # noqa: ANN001
+                                                     command: str) -> None:
+    """A name that passes as text but is a symlink out: refused before it is stat-ed."""
+    shutil.copy(art / "model.onnx.data", outside)  # the right bytes, but outside the folder
+    (art / "model.onnx.data").unlink()
+    (art / "model.onnx.data").symlink_to(outside)
+    args = ["--prompt-ids", "1,2", "-n", "2", "--engine", "onnxruntime"] if command == "run" \
+        else []
+    line = one_error(*cli(capsys, command, str(art), *args))
+    assert "'model.onnx.data'" in line and "symlink" in line and "refuses it" in line
