@@ -7,6 +7,10 @@ recipe (concatenate these parts) rather than an array. Neither holds data: value
 (`load`) only where a pass truly needs them (quantization) or when the writer
 (passes/writer.py) streams the final data file, and then one tensor at a time.
 
+In the graph each of them is a `Weight`: an onnx-graphsurgeon constant that shows the library
+only a data-less stand-in and keeps its lazy values in its own `source`, so every pass, the
+exporter (model_io.to_model) and the writer reach them through public names.
+
 Every decode of stored bytes into an array goes through `read_array` and is logged while a
 `recording()` is open, so tests can check which weights a run read.
 """
