@@ -194,7 +194,11 @@ class QuantizeQ4:
 
             def spill(t: TensorProto) -> LazyValues:
                 out.put(t, t.raw_data)  # its bytes go to disk now: memory stays at one tensor
-                return weights.ExternalValues(t, base)
+                # A fresh message: clearing `t`'s bytes leaves them in its protobuf arena,
+                # which lives as long as `t` does.
+                ref = TensorProto()
+                ref.CopyFrom(t)
+                return weights.ExternalValues(ref, base)
 
             yield spill
 
