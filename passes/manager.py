@@ -5,7 +5,7 @@
     model_out, report = run_pipeline(model, quantize=QuantizeQ4(QuantOptions()))  # and --quant q4
 
 Weights are never read except where a pass must (quantization); large initializers pass
-through untouched (onnx-graphsurgeon keeps them lazy) and pairing packs them as recipes
+through untouched (lazy Weight constants) and pairing packs them as recipes
 (passes/weights.py). For a model loaded without its external data, pass `base_dir` (the
 model file's folder) and a `deferred` dict, and write the result with passes/writer.py:
 
