@@ -67,7 +67,7 @@ def main() -> None:
     def progress(stage: str, i: int, n: int) -> None:
         phase[0] = stage
 
-    opts = pipeline.ConvertOptions(quant=args.quant, dtype=args.dtype)
+    opts = pipeline.ConvertOptions.from_flags(quant=args.quant, dtype=args.dtype)
     pipeline.convert(Path(args.model), Path(args.out), opts, progress)
     phase[0] = "done"
     seconds = time.perf_counter() - t0

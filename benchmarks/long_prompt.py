@@ -78,7 +78,7 @@ def artifact(work: Path, shape: str, dtype: str, context: int, quant: str | None
         hf = work / f"{shape}_hf"
         if not (hf / "config.json").exists():
             build_model(hf, "qwen3", seed=0, **config)
-        opts = ConvertOptions(dtype=dtype, quant=quant, block_size=group) if quant \
+        opts = ConvertOptions.from_flags(dtype=dtype, quant=quant, block_size=group) if quant \
             else ConvertOptions(dtype=dtype)
         convert(hf, out, opts)
     return out

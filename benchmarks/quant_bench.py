@@ -81,8 +81,8 @@ def build_checkpoint(work: Path, shape: str, layers: int | None = None) -> Path:
 def convert_fuselm(ckpt: Path, out: Path, block: int | None) -> dict[str, Any]:
     res = _child(
         "from fuselm.converter.pipeline import convert, ConvertOptions\n"
-        f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(dtype='float16', quant='q4', "
-        f"block_size={block}))\n"
+        f"r = convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions.from_flags(dtype='float16', "
+        f"quant='q4', block_size={block}))\n"
         "q = [e for e in r.report.entries if e.name == 'quantize_q4'][0]\n"
         "EXTRA = {'quantize_seconds': q.seconds, 'quantization': q.extra['quantization'],\n"
         "         'stage_seconds': r.seconds}\n"

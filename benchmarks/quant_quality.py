@@ -77,7 +77,7 @@ def fuselm_ppl(hf_dir: Path, out: Path, text: str, context: int, **opts: Any) ->
     from fuselm.converter.pipeline import ConvertOptions, convert
     from fuselm.runtime_metal.perplexity import perplexity
 
-    res = convert(hf_dir, out, ConvertOptions(dtype="float32", **opts))
+    res = convert(hf_dir, out, ConvertOptions.from_flags(dtype="float32", **opts))
     r = perplexity(out, text, context=context, engine="onnxruntime", accuracy_level=0)
     q = res.manifest.quantization or {}
     return {

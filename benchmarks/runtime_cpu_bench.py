@@ -75,8 +75,8 @@ def main() -> None:
         from fuselm.converter.pipeline import ConvertOptions, convert
 
         q = args.quant == "q4"
-        convert(hf, out, ConvertOptions(dtype="float32", quant="q4" if q else None,
-                                        quant_lm_head=q, quant_embeddings=q))
+        convert(hf, out, ConvertOptions.from_flags(dtype="float32", quant="q4" if q else None,
+                                                   quant_lm_head=q, quant_embeddings=q))
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     prompt = [int(i) for i in np.random.default_rng(0).integers(4, vocab, args.p)]
     report: dict = {"shape": args.shape, "quant": args.quant, "p": args.p, "n": args.n,

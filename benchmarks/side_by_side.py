@@ -107,9 +107,9 @@ def ensure_fuselm(hf: Path, out: Path, group: int, dtype: str, method: str = "se
 
         t = time.perf_counter()
         # no calibration: speed does not depend on the scales, and it costs device-machine time
-        convert(hf, out, ConvertOptions(dtype=dtype, quant="q4", block_size=group,
-                                        quant_lm_head=True, quant_embeddings=True,
-                                        quant_method=method, default_calibration=False))
+        convert(hf, out, ConvertOptions.from_flags(dtype=dtype, quant="q4", block_size=group,
+                                                   quant_lm_head=True, quant_embeddings=True,
+                                                   quant_method=method, default_calibration=False))
         log(f"fuselm convert (q4, block {group}, {dtype}) in {time.perf_counter() - t:.0f} s")
     return out
 

@@ -7,7 +7,7 @@ A thin layer over converter.pipeline and the runtime (engine, generation loop, t
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +19,16 @@ Messages = Sequence[dict[str, str]]
 def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     """Convert an HF checkpoint folder (or hub id ORG/NAME) into a fused ONNX artifact at `out`.
 
-    Options are ConvertOptions' fields: dtype ("auto" | "float32" | "float16"), quant (None |
-    "q4"), block_size, symmetric, quant_lm_head, quant_embeddings, passes, optimize,
-    keep_intermediate. Returns the artifact folder."""
+    Options as ConvertOptions.from_flags takes them: dtype ("auto" | "float32" | "float16"),
+    passes, optimize, keep_intermediate, allow_nonfinite, and quant (None | "q4", or a
+    QuantOptions) with its flags beside it (block_size=64, symmetric=True, ...: the keywords
+    of passes/quant/options.py's `quant_options`). Returns the artifact folder."""
     from fuselm.converter.models.hub import resolve_source
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.pipeline import convert as run_convert
 
-    known = {f.name for f in fields(ConvertOptions)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise UserError(f"unknown convert option(s) {', '.join(unknown)}; "
-                        f"choose from {', '.join(sorted(known))}")
-    return run_convert(resolve_source(src), out, ConvertOptions(**options)).out_dir
+    opts = ConvertOptions.from_flags(**options)
+    return run_convert(resolve_source(src), out, opts).out_dir
 
 
 @dataclass

@@ -27,7 +27,9 @@ from fuselm.export.gguf.file import is_gguf
 from fuselm.export.tokenizer_check import check_tokenizer
 from fuselm.passes import ops
 from fuselm.passes.manager import select
-from fuselm.passes.quant.quantize import SPILL_FILE, validate_options
+from fuselm.passes.quant.options import FLAGS as QUANT_FLAGS
+from fuselm.passes.quant.options import QuantOptions, quant_options
+from fuselm.passes.quant.quantize import SPILL_FILE
 from fuselm.runtime_metal import artifact, integrity
 
 Progress = Callable[[str, int, int], None]
@@ -38,18 +40,35 @@ class ConvertOptions:
     dtype: str | None = None  # None/"auto": the checkpoint's (bf16 → float16)
     optimize: bool = True
     passes: list[str] | None = None  # None = the whole pipeline
-    quant: str | None = None  # None | "q4"
-    block_size: int | None = None  # None: 32, or per tensor (32/64) when bits_budget is given
-    symmetric: bool = False
-    quant_lm_head: bool | None = None  # None: quantized with q4 (the peers' default)
-    quant_embeddings: bool = False
-    quant_method: str = "search"
-    calibration: str | None = None  # a text file: activation-aware Q4 (converter/calibration_input)
-    bits_budget: float | None = None  # Q4 bits/weight budget: a block size per tensor under it
-    norm_importance: bool = True  # Q4 without calibration: RMSNorm weights as importance
-    default_calibration: bool = True  # Q4 without --calibration: the built-in text (importance)
+    quant: QuantOptions | None = None  # None: float weights (passes/quant/options.py)
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
+
+    def __post_init__(self) -> None:
+        if self.quant is not None and not isinstance(self.quant, QuantOptions):
+            raise TypeError(f"ConvertOptions.quant is a QuantOptions or None, not "
+                            f"{self.quant!r}; ConvertOptions.from_flags(quant='q4', ...) "
+                            "builds one from the flags")
+
+    @classmethod
+    def from_flags(cls, **options: Any) -> ConvertOptions:
+        """The options as the Python API spells them: this class's fields, with `quant` ("q4"
+        | "none" | None, or a QuantOptions) and the quantization flags of
+        passes/quant/options.py's `quant_options` (block_size, symmetric, quant_lm_head, ...)
+        beside them. Unknown names and bad values are refused, naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known - set(QUANT_FLAGS))
+        if unknown:
+            raise UserError(f"unknown convert option(s) {', '.join(unknown)}; "
+                            f"choose from {', '.join(sorted(known | set(QUANT_FLAGS)))}")
+        flags = {k: options.pop(k) for k in QUANT_FLAGS if k in options and k != "quant"}
+        quant = options.pop("quant", None)
+        if not isinstance(quant, QuantOptions):
+            quant = quant_options(quant, **flags)
+        elif flags:
+            raise UserError(f"give {', '.join(sorted(flags))} inside quant=QuantOptions(...), "
+                            "or quant='q4' with them beside it")
+        return cls(quant=quant, **options)
 
 
 @dataclass
@@ -130,27 +149,14 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
         model, sources = exported.model, exported.sources
     else:
         model = onnx.load(str(raw), load_external_data=False)
-    extra = []
-    if opts.quant == "q4":
-        from fuselm.passes.quant.quantize import DEFAULT_BLOCK_SIZE, quantize_pass, resolve_budget
+    quantize = None
+    if opts.quant is not None:
+        from fuselm.passes.quant.quantize import QuantizeQ4
 
-        budget = resolve_budget(opts.bits_budget, opts.block_size, calibration is not None)
-        extra.append(
-            quantize_pass(
-                block_size=opts.block_size or DEFAULT_BLOCK_SIZE,
-                symmetric=opts.symmetric,
-                lm_head=opts.quant_lm_head is not False,
-                embeddings=opts.quant_embeddings,
-                method=opts.quant_method,
-                bits_budget=budget,
-                calibration=calibration,
-                norm_importance=opts.norm_importance,
-                spill_dir=raw.parent,
-            )
-        )
+        quantize = QuantizeQ4(opts.quant, calibration, spill_dir=raw.parent)
     deferred: dict[str, Any] = {}
     model, report = run_pipeline(
-        model, passes=opts.passes, extra=extra, base_dir=raw.parent, deferred=deferred,
+        model, passes=opts.passes, quantize=quantize, base_dir=raw.parent, deferred=deferred,
         sources=sources,
     )
     save_model(model, final, base_dir=raw.parent, deferred=deferred)
@@ -205,16 +211,7 @@ def convert(
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     t0 = time.perf_counter()
-    # Validate options, config and architecture before touching OUT_DIR.
-    validate_options(
-        opts.quant,
-        block_size=opts.block_size,
-        symmetric=opts.symmetric,
-        lm_head=opts.quant_lm_head,
-        embeddings=opts.quant_embeddings,
-        method=opts.quant_method,
-        bits_budget=opts.bits_budget,
-    )
+    # Options are validated when made; config and architecture before touching OUT_DIR.
     out_dir_safety.check_paths(src, out)
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
@@ -224,15 +221,11 @@ def convert(
         spec = decoder_spec(src)
     check_tokenizer(src, spec.vocab_size)
     calib = None
-    if opts.calibration and opts.quant != "q4":
-        raise UserError("--calibration needs --quant q4")
-    if opts.calibration and not opts.default_calibration:
-        raise UserError("--calibration and --no-calibration contradict; drop one")
-    if opts.quant == "q4" and opts.calibration:
+    if opts.quant is not None and opts.quant.calibration:
         from fuselm.converter.calibration_input import load_calibration
 
-        calib = load_calibration(src, opts.calibration)
-    elif opts.quant == "q4" and opts.default_calibration:
+        calib = load_calibration(src, opts.quant.calibration)
+    elif opts.quant is not None and opts.quant.default_calibration:
         from fuselm.converter.calibration_input import builtin_calibration
 
         calib = builtin_calibration(src, spec)
@@ -273,7 +266,7 @@ def convert(
             exported.model = exported.sources = None  # type: ignore[assignment]
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")
-            if opts.quant == "q4":
+            if opts.quant is not None:
                 steps.append("quantize")
             if not opts.keep_intermediate:
                 raw.unlink(missing_ok=True)

@@ -2,10 +2,10 @@
 
     model_out, report = run_pipeline(model)                # the full PIPELINE
     model_out, report = run_pipeline(model, ["rmsnorm"])    # a subset (cleanup always runs)
-    model_out, report = run_pipeline(model, extra=[quantize_pass])   # after pairing
+    model_out, report = run_pipeline(model, quantize=QuantizeQ4(QuantOptions()))  # and --quant q4
 
 Weights are never read except where a pass must (quantization); large initializers pass
-through untouched (onnx-graphsurgeon keeps them lazy) and pairing packs them as recipes
+through untouched (lazy Weight constants) and pairing packs them as recipes
 (passes/weights.py). For a model loaded without its external data, pass `base_dir` (the
 model file's folder) and a `deferred` dict, and write the result with passes/writer.py:
 
@@ -35,6 +35,7 @@ from fuselm.passes.graph import PassResult, histogram
 from fuselm.passes.model_io import to_graph, to_model
 from fuselm.passes.pair_gate_up import GateUpPairing
 from fuselm.passes.pair_qkv import QKVPairing
+from fuselm.passes.quant.quantize import QuantizeQ4
 from fuselm.passes.reorder import ReorderQKVProjections
 from fuselm.passes.rmsnorm import RMSNormFusion
 from fuselm.passes.rope import RoPEFusion
@@ -47,21 +48,26 @@ class Pass(Protocol):
     def run(self, graph: gs.Graph) -> PassResult: ...
 
 
-# The order is the contract; each line says what it must come after.
-PIPELINE: list[Pass] = [
-    RemoveDeadShapeOp(),  # first: later patterns see static shapes as constants
-    UnpackProjections(),  # before RoPE: q and k must be projections of one activation
-    RMSNormFusion(),  # before RoPE: q/k-norm must be RMSNormalization to fold into FusedRoPE
-    RoPEFusion(),  # before attention: attention peels the head views FusedRoPE leaves
-    AttentionFusion(),  # makes q/k/v 3-D and drops repeat_kv, so projections become pairable
-    RemoveDeadShapeOp(),  # the shape chains the old attention needed are dead now
-    ReorderQKVProjections(),  # before QKV pairing: the paired op takes the place of the first
-    QKVPairing(),  # needs FusedRoPE/Attention downstream to tell q, k and v apart
-    GateUpPairing(),
-    # <- `extra` passes go here: fuselm's 4-bit quantization runs after pairing, on packed
-    #    weights (passes/quant/quantize.py).
-    Cleanup(),  # last: toposort, unused initializers/functions/opsets dropped
-]
+def pipeline(quantize: QuantizeQ4 | None = None) -> list[Pass]:
+    """Every pass in order; `quantize` is the conversion's quantization (with its options), or
+    None for none. The order is the contract; each line says what it must come after."""
+    return [
+        RemoveDeadShapeOp(),  # first: later patterns see static shapes as constants
+        UnpackProjections(),  # before RoPE: q and k must be projections of one activation
+        RMSNormFusion(),  # before RoPE: q/k-norm must be RMSNormalization to fold into FusedRoPE
+        RoPEFusion(),  # before attention: attention peels the head views FusedRoPE leaves
+        AttentionFusion(),  # makes q/k/v 3-D and drops repeat_kv, so projections become pairable
+        RemoveDeadShapeOp(),  # the shape chains the old attention needed are dead now
+        ReorderQKVProjections(),  # before QKV pairing: the paired op takes the place of the first
+        QKVPairing(),  # needs FusedRoPE/Attention downstream to tell q, k and v apart
+        GateUpPairing(),
+        *([quantize] if quantize is not None else []),  # after pairing: packed weights, one
+        # tensor per fused op; its calibration forward runs the fused float graph
+        Cleanup(),  # last: toposort, unused initializers/functions/opsets dropped
+    ]
+
+
+PIPELINE: list[Pass] = pipeline()  # the graph passes alone (what --passes chooses from)
 PASS_NAMES = tuple(dict.fromkeys(p.name for p in PIPELINE))
 
 
@@ -116,21 +122,21 @@ class Report:
         return table
 
 
-def select(passes: Sequence[str] | None, extra: Sequence[Pass] = ()) -> list[Pass]:
-    """The passes to run, in pipeline order; cleanup always last, `extra` right before it."""
+def select(passes: Sequence[str] | None, quantize: QuantizeQ4 | None = None) -> list[Pass]:
+    """The passes to run, in pipeline order: the named ones (all when None), `quantize` when
+    given, and cleanup always."""
     if passes is None:
-        chosen = [p for p in PIPELINE if p.name != "cleanup"]
-    else:
-        unknown = [n for n in passes if n not in PASS_NAMES]
-        if unknown:
-            raise PipelineError(f"unknown pass {unknown[0]!r}; passes: {', '.join(PASS_NAMES)}")
-        wanted = set(passes)
-        chosen, seen = [], set()
-        for p in PIPELINE:
-            if p.name in wanted and p.name != "cleanup" and p.name not in seen:
-                chosen.append(p)
-                seen.add(p.name)
-    return [*chosen, *extra, PIPELINE[-1]]
+        return pipeline(quantize)
+    unknown = [n for n in passes if n not in PASS_NAMES]
+    if unknown:
+        raise PipelineError(f"unknown pass {unknown[0]!r}; passes: {', '.join(PASS_NAMES)}")
+    wanted = {*passes, "cleanup"}
+    chosen, seen = [], set()
+    for p in pipeline(quantize):
+        if p is quantize or (p.name in wanted and p.name not in seen):
+            chosen.append(p)
+            seen.add(p.name)
+    return chosen
 
 
 def layer_nodes(nodes: list[onnx.NodeProto]) -> list[dict[str, object]]:
@@ -144,15 +150,15 @@ def layer_nodes(nodes: list[onnx.NodeProto]) -> list[dict[str, object]]:
 def run_pipeline(
     model: onnx.ModelProto,
     passes: Sequence[str] | None = None,
-    extra: Sequence[Pass] = (),
+    quantize: QuantizeQ4 | None = None,
     *,
     base_dir: str | Path | None = None,
     deferred: dict[str, LazyValues] | None = None,
     sources: dict[str, Callable[[], np.ndarray]] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
-    """Run the chosen passes; `base_dir`, `sources` and `deferred` as in model_io.to_graph /
-    to_model."""
-    chosen = select(passes, extra)
+    """Run the chosen passes (and `quantize`); `base_dir`, `sources` and `deferred` as in
+    model_io.to_graph / to_model."""
+    chosen = select(passes, quantize)
     graph = to_graph(model, base_dir=base_dir, sources=sources)  # upgrades to opset 23 first
     report = Report(opset_upgraded_from=graph.upgraded_from,
                     layer_before=layer_nodes(list(model.graph.node)))

@@ -22,7 +22,14 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from fuselm.passes import ops
-from fuselm.passes.weights import ComputedValues, ExternalValues, PackedValues, is_external
+from fuselm.passes.weights import (
+    ComputedValues,
+    ExternalValues,
+    PackedValues,
+    Weight,
+    array,
+    is_external,
+)
 
 # Initializers up to this many elements stay in the light copy: shape constants must, so that
 # inference can propagate their values (data_prop); weights need not.
@@ -116,7 +123,7 @@ def to_graph(
         lazy = (ComputedValues(real, sources[t.name]) if sources and t.name in sources
                 else ExternalValues(real, base_dir) if base_dir is not None and is_external(real)
                 else LazyValues(real))
-        c = gs.Constant(t.name, values=lazy)
+        c = Weight(t.name, lazy)
         for node in list(t.outputs):
             for k, u in enumerate(node.inputs):
                 if u is t:
@@ -138,33 +145,25 @@ def to_model(
     whose bytes are in memory or still to be computed is exported as a data-less stand-in and
     recorded in `deferred` by name, for passes/writer.py: nothing large is copied.
     """
-    # gs's export copies every initializer twice (make_graph, then make_model): export with
-    # data-less stand-ins for the large ones and copy each real tensor in exactly once.
+    # gs exports each Weight as its data-less stand-in; the real tensors are copied in once
+    # below (gs's export would copy every initializer twice: make_graph, then make_model).
     stash: dict[str, onnx.TensorProto] = {}
-    swapped: list[tuple[gs.Constant, LazyValues]] = []
     for t in graph.tensors().values():
-        lazy = t._values if isinstance(t, gs.Constant) else None
-        if not isinstance(lazy, LazyValues) or _numel(lazy.tensor) <= _SMALL:
-            if isinstance(lazy, PackedValues):  # small: computed now, stored inline
-                t._values = LazyValues(numpy_helper.from_array(lazy.load(), t.name))
+        if not isinstance(t, Weight):
             continue
-        stub = onnx.TensorProto(name=t.name, data_type=lazy.tensor.data_type)
-        stub.dims.extend(lazy.tensor.dims)
-        if deferred is not None and not is_external(lazy.tensor) and (
-            isinstance(lazy, PackedValues) or lazy.tensor.HasField("raw_data")
+        lazy = t.source
+        packed = isinstance(lazy, PackedValues)
+        if _numel(lazy.tensor) <= _SMALL:  # small: stored inline (a recipe computed now)
+            stash[t.name] = numpy_helper.from_array(lazy.load(), t.name) if packed else lazy.tensor
+        elif deferred is not None and not is_external(lazy.tensor) and (
+            packed or lazy.tensor.HasField("raw_data")
         ):
-            deferred[t.name] = lazy
-        elif isinstance(lazy, PackedValues):
+            deferred[t.name] = lazy  # left a stand-in: the writer streams its values
+        elif packed:
             stash[t.name] = numpy_helper.from_array(lazy.load(), t.name)
         else:
             stash[t.name] = lazy.tensor
-        swapped.append((t, lazy))
-        t._values = LazyValues(stub)
-    try:
-        model = gs.export_onnx(graph, do_type_check=False)
-    finally:
-        for t, lazy in swapped:
-            t._values = lazy
+    model = gs.export_onnx(graph, do_type_check=False)
     for init in model.graph.initializer:
         real = stash.get(init.name)
         if real is not None:
@@ -186,6 +185,22 @@ def to_model(
     _drop_unused_opsets(model)
     _type_outputs(model)
     return model
+
+
+def runnable(graph: gs.Graph) -> tuple[onnx.ModelProto, Callable[[onnx.TensorProto], np.ndarray]]:
+    """The graph as a model to run as it stands (quantization's calibration forward), without
+    its weights: every Weight is its data-less stand-in, and `load(t)` gives any initializer's
+    values, read only when asked."""
+    model = gs.export_onnx(graph, do_type_check=False)
+    if not any(o.domain in ("", "ai.onnx") for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("", ops.ONNX_OPSET))
+    held = {t.name: t for t in graph.tensors().values() if isinstance(t, Weight)}
+
+    def load(t: onnx.TensorProto) -> np.ndarray:
+        found = held.get(t.name)
+        return array(found.source) if found is not None else numpy_helper.to_array(t)
+
+    return model, load
 
 
 def _drop_unused_opsets(model: onnx.ModelProto) -> None:

@@ -13,7 +13,7 @@ import onnx_graphsurgeon as gs
 
 from fuselm.passes import weights
 from fuselm.passes.graph import is_graph_output, maybe_producer
-from fuselm.passes.weights import PackedValues
+from fuselm.passes.weights import PackedValues, Weight
 
 
 @dataclass
@@ -99,8 +99,7 @@ def _packed(name: str, parts: list[gs.Constant], axis: int) -> gs.Constant:
     needed (quantization) or written (passes/writer.py), so pairing reads no weights."""
     sources = [weights.source(p) for p in parts]
     whole = weights.whole_of(sources, axis)  # a split checkpoint tensor packs back as itself
-    return gs.Constant(name, values=PackedValues(name, sources if whole is None else [whole],
-                                                 axis))
+    return Weight(name, PackedValues(name, sources if whole is None else [whole], axis))
 
 
 def _zeros(n: int, like: gs.Constant) -> gs.Constant:

@@ -148,5 +148,5 @@ class UnpackProjections:
     @staticmethod
     def _slice(namer: Namer, c: gs.Constant, axis: int, start: int, stop: int) -> gs.Constant:
         name = namer("weight" if axis == 1 else "bias")
-        return gs.Constant(name, values=weights.SlicedValues(name, weights.source(c), axis,
-                                                             start, stop))
+        return weights.Weight(name, weights.SlicedValues(name, weights.source(c), axis, start,
+                                                         stop))

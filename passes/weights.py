@@ -7,6 +7,10 @@ recipe (concatenate these parts) rather than an array. Neither holds data: value
 (`load`) only where a pass truly needs them (quantization) or when the writer
 (passes/writer.py) streams the final data file, and then one tensor at a time.
 
+In the graph each of them is a `Weight`: an onnx-graphsurgeon constant that shows the library
+only a data-less stand-in and keeps its lazy values in its own `source`, so every pass, the
+exporter (model_io.to_model) and the writer reach them through public names.
+
 Every decode of stored bytes into an array goes through `read_array` and is logged while a
 `recording()` is open, so tests can check which weights a run read.
 """
@@ -233,12 +237,53 @@ def _shape(v: LazyValues | np.ndarray) -> tuple[int, ...]:
     return tuple(int(d) for d in (v.tensor.dims if isinstance(v, LazyValues) else v.shape))
 
 
+class Weight(gs.Constant):
+    """An initializer whose values stay where they are until read: a data file
+    (ExternalValues), the checkpoint (ComputedValues), a recipe over other weights
+    (PackedValues, SlicedValues) or a TensorProto in memory (LazyValues).
+
+    onnx-graphsurgeon holds a data-less stand-in (name, type, dims: all that matching, shapes
+    and export need), so an exported graph carries no weight bytes; `source` holds the values,
+    for the passes that read them (quantization) and for model_io.to_model and the writer.
+    `values` reads them on each access and keeps no copy in the graph.
+    """
+
+    def __init__(self, name: str, source: LazyValues) -> None:
+        super().__init__(name, values=_stand_in(name, source.tensor))
+        self.source = source
+
+    @property
+    def values(self) -> np.ndarray:
+        return array(self.source)
+
+    @values.setter
+    def values(self, values: np.ndarray | LazyValues) -> None:
+        if not isinstance(values, LazyValues):
+            values = LazyValues(numpy_helper.from_array(np.asarray(values), self.name))
+        self.source = values
+        gs.Constant.values.fset(self, _stand_in(self.name, values.tensor))
+
+    def copy(self) -> Weight:
+        return Weight(self.name, self.source)
+
+
+def _stand_in(name: str, t: TensorProto) -> LazyValues:
+    stub = TensorProto(name=name, data_type=t.data_type)
+    stub.dims.extend(t.dims)
+    return LazyValues(stub)
+
+
+def data_type(c: gs.Constant) -> int:
+    """The ONNX element type of a constant's values, without reading them."""
+    if isinstance(c, Weight):
+        return int(c.source.tensor.data_type)
+    dtype = c.dtype  # gs gives a NumPy type, or the ONNX type where NumPy has none (bfloat16)
+    return dtype if isinstance(dtype, int) else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
 def np_dtype(c: gs.Constant) -> np.dtype:
     """The numpy dtype of a constant's ONNX values (ml_dtypes for bfloat16), without reading."""
-    v = source(c)
-    if isinstance(v, LazyValues):
-        return np.dtype(helper.tensor_dtype_to_np_dtype(v.tensor.data_type))
-    return np.asarray(v).dtype
+    return np.dtype(helper.tensor_dtype_to_np_dtype(data_type(c)))
 
 
 def array(v: LazyValues | np.ndarray) -> np.ndarray:
@@ -252,24 +297,17 @@ def array(v: LazyValues | np.ndarray) -> np.ndarray:
 
 
 def source(c: gs.Constant) -> LazyValues | np.ndarray:
-    """What a constant's values come from: its lazy values, or the array once loaded."""
-    return c._values  # noqa: SLF001 - gs keeps the lazy form here until first read
+    """What a constant's values come from: a Weight's source; else (a small constant in
+    memory) its array, read from a copy so the graph's own constant keeps its form."""
+    return c.source if isinstance(c, Weight) else np.asarray(c.copy().values)
+
+
+def read(c: gs.Constant) -> np.ndarray:
+    """A constant's values, read now and kept nowhere (the caller drops them)."""
+    return array(source(c))
 
 
 def stored(t: gs.Tensor) -> bool:
     """A constant whose values are not in memory (on disk, or a packing recipe): reading it
     costs a real read, so structural matching must look only at its shape."""
-    return isinstance(t, gs.Constant) and isinstance(source(t), ExternalValues | PackedValues)
-
-
-def bind(graph: gs.Graph, base_dir: str | Path | None) -> None:
-    """Turn each constant over an external TensorProto into an ExternalValues under base_dir."""
-    if base_dir is None:
-        return
-    for t in graph.tensors().values():
-        v = source(t) if isinstance(t, gs.Constant) else None
-        if type(v) is LazyValues and isinstance(v.tensor, onnx.TensorProto) and is_external(
-            v.tensor
-        ):
-            t._values = ExternalValues(v.tensor, base_dir)  # noqa: SLF001
-
+    return isinstance(t, Weight) and isinstance(t.source, ExternalValues | PackedValues)

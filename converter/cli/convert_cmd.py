@@ -12,6 +12,7 @@ from fuselm.converter import out_dir as out_dir_safety
 from fuselm.converter import pipeline
 from fuselm.converter.pipeline import ConvertOptions
 from fuselm.converter.progress import stage_progress, stderr
+from fuselm.passes.quant.options import QuantOptions, quant_options
 
 
 def _passes(value: str | None) -> list[str] | None:
@@ -114,19 +115,15 @@ def convert_command(
     if q_bits is not None:
         quant = "q4"
     model_dir = resolve_source(model_dir)
+    quant_opts = quant_options(quant, block_size=block_size, bits_budget=bits_budget,
+                               symmetric=sym, quant_lm_head=quant_lm_head,
+                               quant_embeddings=quant_embeddings, quant_method=quant_method,
+                               calibration=calibration, default_calibration=not no_calibration)
     opts = ConvertOptions(
         dtype=dtype,
         optimize=not no_optimize,
         passes=_passes(passes),
-        quant=None if quant == "none" else quant,
-        block_size=block_size,
-        bits_budget=bits_budget,
-        symmetric=sym,
-        quant_lm_head=quant_lm_head,
-        quant_embeddings=quant_embeddings,
-        quant_method=quant_method,
-        calibration=calibration,
-        default_calibration=not no_calibration,
+        quant=quant_opts,
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
     )
@@ -188,7 +185,8 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
     artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
     stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")
     with stage_progress() as progress:
-        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant="q4"), progress)
+        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant=QuantOptions()),
+                                  progress)
     if result.report is not None:
         stderr.print(result.report.render())
     stderr.print(f"[green]converted[/] in {result.seconds['total']:.1f}s → {artifact_dir}")

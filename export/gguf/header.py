@@ -14,6 +14,7 @@ allocated, so a corrupt header raises `HeaderError` instead of asking for teraby
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
         for d in shape:
             n *= d
         nbytes = 0
-        if kind in GGMLQuantizationType._value2member_map_:  # noqa: SLF001 - enum lookup
+        with contextlib.suppress(ValueError):  # a type gguf does not know: size unknown (0)
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             nbytes = n // block * type_size
         tensors[name] = TensorEntry(name, kind, shape, start + offset, nbytes)

@@ -112,7 +112,7 @@ def convert_with_env(name: str, value: str, src: Path, out: Path, **options: obj
     old = os.environ.get(name)
     os.environ[name] = value
     try:
-        convert(src, out, ConvertOptions(**options))
+        convert(src, out, ConvertOptions.from_flags(**options))
     finally:
         if old is None:
             os.environ.pop(name)

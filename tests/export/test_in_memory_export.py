@@ -30,7 +30,7 @@ def test_same_artifact_without_the_intermediate_file(  # noqa: PLR0913
     outs = []
     for keep in (True, False):
         out = tmp_path / f"out-{keep}"
-        convert(src, out, ConvertOptions(quant=quant, keep_intermediate=keep))
+        convert(src, out, ConvertOptions.from_flags(quant=quant, keep_intermediate=keep))
         outs.append(out)
     with_file, in_memory = outs
     assert not (in_memory / "raw.onnx.data").exists()

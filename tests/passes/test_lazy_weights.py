@@ -21,7 +21,8 @@ from fuselm.converter.cli.optimize_cmd import optimize
 from fuselm.converter.errors import UserError
 from fuselm.passes import weights
 from fuselm.passes.manager import run_pipeline
-from fuselm.passes.quant.quantize import quantize_pass
+from fuselm.passes.quant.options import QuantOptions
+from fuselm.passes.quant.quantize import QuantizeQ4
 from fuselm.passes.writer import ALIGN, write_model
 
 
@@ -51,12 +52,16 @@ def _same(lazy: Path, eager: onnx.ModelProto) -> None:
         assert have[name].dtype == v.dtype and have[name].tobytes() == v.tobytes(), name
 
 
-def _lazy_run(raw: Path, out: Path, extra: list) -> tuple[list[str], list[str]]:
+DATA_FREE = QuantOptions(norm_importance=False)  # the quantized weights are all it reads
+
+
+def _lazy_run(raw: Path, out: Path, quantize: QuantizeQ4 | None) -> tuple[list[str], list[str]]:
     """(weights read by the passes, weights read while writing) for one lazy conversion."""
     model = onnx.load(str(raw), load_external_data=False)
     deferred: dict = {}
     with weights.recording() as in_passes:
-        result, _ = run_pipeline(model, extra=extra, base_dir=raw.parent, deferred=deferred)
+        result, _ = run_pipeline(model, quantize=quantize, base_dir=raw.parent,
+                                 deferred=deferred)
     with weights.recording() as in_writer:
         write_model(result, out, base_dir=raw.parent, deferred=deferred)
     return in_passes, in_writer
@@ -64,9 +69,8 @@ def _lazy_run(raw: Path, out: Path, extra: list) -> tuple[list[str], list[str]]:
 
 @pytest.mark.parametrize("quant", [False, True])
 def test_only_packed_or_quantized_weights_are_read(raw: Path, tmp_path: Path, quant: bool) -> None:
-    extra = [quantize_pass()] if quant else []
     out = tmp_path / "model.onnx"
-    in_passes, in_writer = _lazy_run(raw, out, extra)
+    in_passes, in_writer = _lazy_run(raw, out, QuantizeQ4(DATA_FREE) if quant else None)
 
     raw_names = {t.name for t in onnx.load(str(raw), load_external_data=False).graph.initializer}
     out_names = {t.name for t in onnx.load(str(out), load_external_data=False).graph.initializer}
@@ -84,13 +88,13 @@ def test_only_packed_or_quantized_weights_are_read(raw: Path, tmp_path: Path, qu
         assert all(n.endswith("bias") for n in in_passes) and len(in_writer) > len(in_passes)
 
     eager, _ = run_pipeline(onnx.load(str(raw), load_external_data=True),
-                            extra=[quantize_pass()] if quant else [])
+                            quantize=QuantizeQ4(DATA_FREE) if quant else None)
     _same(out, eager)
 
 
 def test_data_file_is_aligned_and_small_tensors_inline(raw: Path, tmp_path: Path) -> None:
     out = tmp_path / "model.onnx"
-    _lazy_run(raw, out, [])
+    _lazy_run(raw, out, None)
     model = onnx.load(str(out), load_external_data=False)
     for t in model.graph.initializer:
         if weights.is_external(t):
@@ -150,12 +154,14 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
 
     free = {"quant": "q4", "default_calibration": False, "keep_intermediate": keep}
     with weights.recording() as reads:
-        convert(model_dir("qwen3"), tmp_path / "out", ConvertOptions(**free, block_size=32))
+        convert(model_dir("qwen3"), tmp_path / "out",
+                ConvertOptions.from_flags(**free, block_size=32))
     with weights.recording() as float_head_reads:
         convert(model_dir("qwen3"), tmp_path / "out2",
-                ConvertOptions(**free, quant_lm_head=False, block_size=32))
+                ConvertOptions.from_flags(**free, quant_lm_head=False, block_size=32))
     with weights.recording() as budget_reads:
-        convert(model_dir("qwen3"), tmp_path / "out3", ConvertOptions(**free, bits_budget=4.45))
+        convert(model_dir("qwen3"), tmp_path / "out3",
+                ConvertOptions.from_flags(**free, bits_budget=4.45))
     from fuselm.converter.models.builtin import build_model
     from tests.passes.conftest import CASES
 
@@ -163,7 +169,7 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     with_tokenizer = build_model(tmp_path / "hf", family, **kw)  # the calibration needs one
     with weights.recording() as default_reads:
         convert(with_tokenizer, tmp_path / "out4",
-                ConvertOptions(quant="q4", keep_intermediate=keep))
+                ConvertOptions(quant=QuantOptions(), keep_intermediate=keep))
     layers = json.loads((tmp_path / "out" / "fuselm.json").read_text())["model"]["num_layers"]
     linear = [f"{p}_proj" for p in ("q", "k", "v", "o", "gate", "up", "down")]
     want = [f"layers.{i}.{p}.weight" for i in range(layers) for p in linear]
@@ -199,7 +205,7 @@ def test_quantized_tensors_spill_to_disk(raw: Path, tmp_path: Path) -> None:
         shutil.copy(raw.parent / name, tmp_path / name)
     model = onnx.load(str(tmp_path / raw.name), load_external_data=False)
     deferred: dict = {}
-    result, _ = run_pipeline(model, extra=[quantize_pass(spill_dir=tmp_path)],
+    result, _ = run_pipeline(model, quantize=QuantizeQ4(DATA_FREE, spill_dir=tmp_path),
                              base_dir=tmp_path, deferred=deferred)
     q4 = [t for t in result.graph.initializer if t.data_type == TensorProto.UINT4]
     assert q4 and not any(t.name in deferred for t in q4)
@@ -211,5 +217,5 @@ def test_quantized_tensors_spill_to_disk(raw: Path, tmp_path: Path) -> None:
         write_model(result, out, base_dir=tmp_path, deferred=deferred)
     assert in_writer == []
     eager, _ = run_pipeline(onnx.load(str(raw), load_external_data=True),
-                            extra=[quantize_pass()])
+                            quantize=QuantizeQ4(DATA_FREE))
     _same(out, eager)

@@ -1,4 +1,5 @@
-"""4-bit block quantization: the formula, MLX's affine form, whole models via onnxruntime.
+"""4-bit block quantization: the formula, MLX's affine form, its options, whole models via
+onnxruntime.
 
 Models are tiny random HF checkpoints exported with torch.onnx.export (dynamo) until the
 project's exporter lands; the pass is graph-shape agnostic, so any MatMul graph serves.
@@ -14,7 +15,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.passes import ops
-from fuselm.passes.quant.quantize import BLOCK_SIZES, quantize_array, quantize_q4, validate_options
+from fuselm.passes.errors import PassesError
+from fuselm.passes.manager import run_pipeline
+from fuselm.passes.quant.options import BLOCK_SIZES, QuantOptions, quant_options
+from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.quantize import QuantizeQ4
 from fuselm.runtime_metal.ort_engine.session import make_session
 from fuselm.runtime_metal.validate import rel  # the one error metric (docs/DESIGN.md)
 
@@ -22,6 +27,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+def quantize_q4(model: onnx.ModelProto, **options: object) -> tuple[onnx.ModelProto, dict]:
+    """The quantize pass alone on `model` (and cleanup, as always), data-free: no calibration
+    tokens, no norm weighting; (the model, fuselm.json's quantization record)."""
+    quantize = QuantizeQ4(QuantOptions(norm_importance=False, **options))  # type: ignore[arg-type]
+    out, report = run_pipeline(model, [], quantize=quantize)
+    (entry,) = [e for e in report.entries if e.name == quantize.name]
+    info = entry.extra["quantization"]
+    assert entry.matches == len(info["tensors"])
+    return out, info
 
 
 def formula_reference(w: np.ndarray, block: int, symmetric: bool) -> tuple[np.ndarray, ...]:
@@ -184,7 +198,7 @@ def test_matmul_graph_partial_block_and_fp16(k: int, ttype: int) -> None:
     w = (rng.standard_normal((k, 24)) * 0.1).astype(dt)
     x = rng.standard_normal((1, 5, k)).astype(dt)
     model, res = quantize_q4(_matmul_model(w, ttype))
-    (info,) = res.info["tensors"]
+    (info,) = res["tensors"]
     assert info["partial_block"] == (k % 32 != 0)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert inits[info["scales"]].dtype == dt and inits[info["codes"]].shape == (k, 24)
@@ -204,7 +218,7 @@ def test_matmul_graph_partial_block_and_fp16(k: int, ttype: int) -> None:
     if ttype == TensorProto.FLOAT16:
         # 4 bits + a float16 scale and a 4-bit zero point per 32 weights; a partial block costs
         # a whole block's scale.
-        assert res.info["bits_per_weight"] == (4.625 if k % 32 == 0 else 5.0)
+        assert res["bits_per_weight"] == (4.625 if k % 32 == 0 else 5.0)
 
 
 def test_fused_ops_take_codes_scales_zero_points() -> None:
@@ -241,7 +255,7 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
     )
     ops.attach_functions(model)
     model, res = quantize_q4(model, block_size=32)
-    assert res.changed == 2
+    assert len(res["tensors"]) == 2
     qkv, gu = model.graph.node
     assert len(qkv.input) == 5 and qkv.input[4] == "b_qkv" and len(gu.input) == 4
     assert {a.name: a.i for a in qkv.attribute}["block_size"] == 32
@@ -265,29 +279,43 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 
 
 def test_bad_block_size_lists_valid_values() -> None:
-    from fuselm.passes.errors import PassesError
-
     with pytest.raises(PassesError, match="32, 64, 128"):
-        validate_options("q4", block_size=48)
+        quant_options("q4", block_size=48)
     with pytest.raises(PassesError, match="none, q4"):
-        validate_options("q8")
-    with pytest.raises(ValueError, match="32, 64, 128"):
-        quantize_q4(_matmul_model(np.ones((64, 8), np.float32)), block_size=48)
-    assert validate_options("q4", block_size=64, symmetric=True).block_size == 64
-    assert validate_options(None) is None and BLOCK_SIZES == (32, 64, 128)
+        quant_options("q8")
+    with pytest.raises(PassesError, match="32, 64, 128"):
+        QuantOptions(block_size=48)  # made directly, checked the same way
+    with pytest.raises(PassesError, match="4.3125 .. 4.625"):
+        QuantOptions(bits_budget=5.0)
+    assert quant_options("q4", block_size=64, symmetric=True).block_size == 64
+    assert quant_options(None) is None and BLOCK_SIZES == (32, 64, 128)
 
 
 def test_defaults_quantize_the_head_with_the_search() -> None:
-    from fuselm.passes.errors import PassesError
-
-    q = validate_options("q4")
+    q = quant_options("q4")
+    assert q == QuantOptions()  # `--quant q4` alone is the options' defaults
     assert q.lm_head and not q.embeddings and q.method == "search"  # the peers' default
-    assert not validate_options("q4", lm_head=False).lm_head  # --no-quant-lm-head
-    assert validate_options("none", lm_head=False) is None
+    assert not quant_options("q4", quant_lm_head=False).lm_head  # --no-quant-lm-head
+    assert quant_options("none", quant_lm_head=False) is None
     with pytest.raises(PassesError, match="search, minmax"):
-        validate_options("q4", method="gptq")
+        quant_options("q4", quant_method="gptq")
     with pytest.raises(PassesError, match="need --quant q4"):
-        validate_options("none", lm_head=True)
+        quant_options("none", quant_lm_head=True)
+    with pytest.raises(PassesError, match="--calibration needs --quant q4"):
+        quant_options(None, calibration="text.txt")
+    with pytest.raises(PassesError, match="contradict"):
+        quant_options("q4", calibration="text.txt", default_calibration=False)
+
+
+def test_block_size_and_budget_follow_calibration() -> None:
+    """Block 32 everywhere unless asked; with calibration statistics and no block size, the
+    default bits budget; an explicit block size or budget always wins."""
+    from fuselm.passes.quant.options import DEFAULT_BITS_BUDGET
+
+    assert QuantOptions().blocks(calibrated=False) == (32, None)
+    assert QuantOptions().blocks(calibrated=True) == (32, DEFAULT_BITS_BUDGET)
+    assert QuantOptions(block_size=64).blocks(calibrated=True) == (64, None)
+    assert QuantOptions(bits_budget=4.5).blocks(calibrated=False) == (32, 4.5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +409,7 @@ def _dequantize_hf(model: torch.nn.Module, block: int, lm_head: bool, embeddings
 )
 def test_q4_model_equals_hf_with_dequantized_weights(exported, name, lm_head, embeddings) -> None:
     ckpt, path = exported[name]
-    model, res = quantize_q4(onnx.load(str(path)), lm_head=lm_head, embeddings=embeddings)
-    info = res.info
+    model, info = quantize_q4(onnx.load(str(path)), lm_head=lm_head, embeddings=embeddings)
     roles = [t["role"] for t in info["tensors"]]
     if name == "qwen3":
         tied = lm_head or embeddings
@@ -446,9 +473,9 @@ def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
     float_model = onnx.load(str(path))
     before = {t.name: numpy_helper.to_array(t) for t in float_model.graph.initializer}
     model, res = quantize_q4(onnx.load(str(path)), lm_head=True)
-    assert len(res.info["tensors"]) == 15 and res.info["tied"]
+    assert len(res["tensors"]) == 15 and res["tied"]
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    for t in res.info["tensors"]:
+    for t in res["tensors"]:
         deq = ops.dequantize_reference(
             inits[t["codes"]].astype(np.uint8),
             inits[t["scales"]],
@@ -470,7 +497,7 @@ def test_weights_on_the_grid_quantize_exactly(tmp_path) -> None:
 
 @pytest.mark.parametrize("shape", [(4, 6), (3, 5)])  # even and odd element counts
 def test_uint4_packing_matches_onnx(shape) -> None:
-    from fuselm.passes.quant.quantize import to_uint4, uint4_tensor
+    from fuselm.passes.quant.q4_math import to_uint4, uint4_tensor
 
     codes = np.random.default_rng(8).integers(0, 16, shape).astype(np.uint8)
     ours = uint4_tensor(codes, "c")

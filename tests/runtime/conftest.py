@@ -26,11 +26,11 @@ FAMILY_OVERRIDES = {
 
 
 def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
-    """`fuselm convert` with ConvertOptions (float32 unless `dtype` says otherwise)."""
+    """`fuselm convert` with the API's options (float32 unless `dtype` says otherwise)."""
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.pipeline import convert as run_convert
 
-    run_convert(model_dir, out_dir, ConvertOptions(**{"dtype": "float32", **options}))  # type: ignore[arg-type]
+    run_convert(model_dir, out_dir, ConvertOptions.from_flags(**{"dtype": "float32", **options}))
     return out_dir
 
 
@@ -39,11 +39,14 @@ def quantized_copy(artifact: Path, out: Path, **quant: object) -> Path:
     e.g. lm_head=True, embeddings=True."""
     import onnx
 
-    from fuselm.passes.quant.quantize import quantize_q4
+    from fuselm.passes.manager import run_pipeline
+    from fuselm.passes.quant.options import QuantOptions
+    from fuselm.passes.quant.quantize import QuantizeQ4
 
     shutil.copytree(artifact, out)
     model = onnx.load(str(out / "model.onnx"))
-    model, _ = quantize_q4(model, **quant)  # type: ignore[arg-type]
+    options = QuantOptions(norm_importance=False, **quant)  # type: ignore[arg-type]
+    model, _ = run_pipeline(model, [], quantize=QuantizeQ4(options))
     (out / "model.onnx.data").unlink()
     onnx.save(model, str(out / "model.onnx"), save_as_external_data=True,
               location="model.onnx.data", all_tensors_to_one_file=True)

@@ -13,6 +13,7 @@ from onnx import numpy_helper
 
 from fuselm.converter.errors import UserError
 from fuselm.converter.models.builtin import build_model
+from fuselm.errors import FuselmError
 from fuselm.passes.quant.q4_allocate import bits_per_weight
 from fuselm.passes.quant.q4_calibration import Calibration, collect
 from fuselm.passes.quant.q4_math import output_error, quantize_array, quantize_gptq
@@ -102,7 +103,7 @@ def test_calibrated_mixed_blocks_mlx_equals_onnxruntime(models: dict[str, Path])
 
 
 def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="needs --quant q4"):
+    with pytest.raises(FuselmError, match="needs --quant q4"):
         convert(models["hf"], tmp_path / "x", calibration=str(CALIB))
     with pytest.raises(UserError, match="does not exist"):
         convert(models["hf"], tmp_path / "y", quant="q4", calibration=str(tmp_path / "none.txt"))
@@ -112,7 +113,7 @@ def test_calibration_errors(models: dict[str, Path], tmp_path: Path) -> None:
 def test_no_calibration_is_block_32_and_norm_weighted(models: dict[str, Path]) -> None:
     """`--quant q4 --no-calibration`: block 32 for every tensor (no budget), and every weight
     fed by an RMSNorm quantized with gamma^2 as its input channels' importance."""
-    from fuselm.passes.quant.quantize import DEFAULT_BLOCK_SIZE
+    from fuselm.passes.quant.options import DEFAULT_BLOCK_SIZE
     from fuselm.runtime_metal.artifact import read_manifest
 
     q = read_manifest(models["data_free"]).quantization

@@ -13,13 +13,13 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from fuselm.converter.errors import UserError
 from fuselm.converter.models.builtin import build_model
+from fuselm.errors import FuselmError
 from fuselm.passes.quant import q4_segments
+from fuselm.passes.quant.options import DEFAULT_BITS_BUDGET
 from fuselm.passes.quant.q4_allocate import bits_per_weight
 from fuselm.passes.quant.q4_calibration import collect
 from fuselm.passes.quant.q4_math import quantize_array
-from fuselm.passes.quant.quantize import DEFAULT_BITS_BUDGET
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.validate import engine_logits, rel
@@ -125,7 +125,7 @@ def test_without_tokenizer_or_flag_the_default_is_data_free(
     q = read_manifest(models["bare"]).quantization
     assert q["calibration"] is None and q["norm_importance"] and q["bits_budget"] is None
     assert {t["block_size"] for t in q["tensors"]} == {32}
-    with pytest.raises(UserError, match="contradict"):
+    with pytest.raises(FuselmError, match="contradict"):
         convert(models["hf"], tmp_path / "x", quant="q4", calibration="any.txt",
                 default_calibration=False)
     assert not (tmp_path / "x").exists()

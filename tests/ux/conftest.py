@@ -19,7 +19,7 @@ def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.pipeline import convert as run_convert
 
-    run_convert(model_dir, out_dir, ConvertOptions(**{"dtype": "float32", **options}))  # type: ignore[arg-type]
+    run_convert(model_dir, out_dir, ConvertOptions.from_flags(**{"dtype": "float32", **options}))
     return out_dir
 
 

@@ -1,0 +1,121 @@
+"""What a conversion asks of 4-bit quantization: one frozen `QuantOptions`, built once from the
+user's flags (`quant_options`) and handed unchanged from the CLI and the Python API through the
+convert pipeline to the quantize pass (passes/quant/quantize.py).
+
+    --quant q4                    QuantOptions()                 the defaults below
+    --block-size 64               block_size=64                  every tensor in blocks of 64
+    --bits-budget 4.45            bits_budget=4.45               32 or 64 per tensor under a mean
+    --sym                         symmetric=True                 fixed zero point 8
+    --no-quant-lm-head            lm_head=False                  the LM head stays float
+    --quant-embeddings            embeddings=True                an untied table quantized too
+    --quant-method minmax         method="minmax"                no error-minimizing search
+    --calibration FILE            calibration="FILE"             error feedback on its activations
+    --no-calibration              default_calibration=False      no built-in text: data-free
+    (Python API only)             norm_importance=False          data-free without gamma^2 weights
+
+The calibration text itself is read and tokenized by the converter
+(converter/calibration_input.py); the pass receives its tokens beside these options.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from fuselm.passes.errors import PassesError
+from fuselm.passes.quant.q4_math import METHODS
+
+BLOCK_SIZES = (32, 64, 128)
+QUANT_CHOICES = ("none", "q4")
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_METHOD = "search"
+# With calibration statistics and no explicit --block-size / --bits-budget: blocks of 32 or 64
+# per tensor under this mean (fewer bits than mlx-lm's default 4.5). On SmolLM2 it gives
+# +14 % PPL where every tensor at 64 gives +19 % and the data-free block 32 +27 % at 4.625
+# (BENCHMARKS.md 'Quantization quality'). Data-free, a budget costs more than it saves (+39 % at
+# 4.45), so without statistics the default stays block 32 everywhere.
+DEFAULT_BITS_BUDGET = 4.45
+BITS_BUDGET_RANGE = (4.3125, 4.625)  # every tensor in blocks of 64 .. every one in blocks of 32
+
+
+def _check_values(block_size: int | None, bits_budget: float | None, method: str) -> None:
+    lo, hi = BITS_BUDGET_RANGE
+    if bits_budget is not None and not lo <= bits_budget <= hi:
+        raise PassesError(
+            f"--bits-budget {bits_budget} is out of range; give {lo} .. {hi} bits/weight "
+            "(every tensor in blocks of 64 .. of 32)")
+    if block_size is not None and block_size not in BLOCK_SIZES:
+        raise PassesError(
+            f"--block-size {block_size} is not supported; valid values: "
+            f"{', '.join(str(b) for b in BLOCK_SIZES)}"
+        )
+    if method not in METHODS:
+        raise PassesError(
+            f"--quant-method {method!r} is not supported; valid values: {', '.join(METHODS)}"
+        )
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """4-bit block quantization as asked for (see the module's table); validated when made."""
+
+    method: str = DEFAULT_METHOD
+    block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or per tensor under a budget
+    bits_budget: float | None = None  # None: DEFAULT_BITS_BUDGET when calibrated and no block
+    symmetric: bool = False
+    lm_head: bool = True
+    embeddings: bool = False
+    calibration: str | None = None  # a text file
+    default_calibration: bool = True  # without `calibration`: the built-in text
+    norm_importance: bool = True  # without calibration data: RMSNorm's gamma^2 as importance
+
+    def __post_init__(self) -> None:
+        _check_values(self.block_size, self.bits_budget, self.method)
+        if self.calibration and not self.default_calibration:
+            raise PassesError("--calibration and --no-calibration contradict; drop one")
+
+    def blocks(self, calibrated: bool) -> tuple[int, float | None]:
+        """(block size, bits budget) for a conversion with or without calibration statistics:
+        the budget asked for; else DEFAULT_BITS_BUDGET when calibrated and no block size was
+        asked for; else none (every tensor in blocks of `block_size`, 32 by default)."""
+        budget = self.bits_budget
+        if budget is None and calibrated and self.block_size is None:
+            budget = DEFAULT_BITS_BUDGET
+        return self.block_size or DEFAULT_BLOCK_SIZE, budget
+
+
+def quant_options(
+    quant: str | None = None,
+    *,
+    block_size: int | None = None,
+    bits_budget: float | None = None,
+    symmetric: bool = False,
+    quant_lm_head: bool | None = None,
+    quant_embeddings: bool = False,
+    quant_method: str = DEFAULT_METHOD,
+    calibration: str | None = None,
+    default_calibration: bool = True,
+    norm_importance: bool = True,
+) -> QuantOptions | None:
+    """The options the user's flags ask for (the CLI's and the Python API's spellings); None
+    means no quantization. `quant_lm_head=None` is the default: quantized with q4. Raises
+    PassesError naming the flag and its valid values."""
+    q = (quant or "none").lower()
+    if q not in QUANT_CHOICES:
+        raise PassesError(
+            f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
+        )
+    _check_values(block_size, bits_budget, quant_method)
+    if q == "none":
+        if symmetric or quant_lm_head or quant_embeddings:
+            raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
+        if calibration:
+            raise PassesError("--calibration needs --quant q4")
+        return None
+    return QuantOptions(quant_method, block_size, bits_budget, symmetric,
+                        quant_lm_head is not False, quant_embeddings, calibration,
+                        default_calibration, norm_importance)
+
+
+# The flag names `quant_options` takes (the Python API tells them from its other options).
+FLAGS = tuple(inspect.signature(quant_options).parameters)
