@@ -21,6 +21,7 @@ from fuselm.export.gguf.source import (
     source_record,
     stage,
 )
+from fuselm.export.tensor_match import check_layer_count
 
 
 def torch_reason(ckpt: GGUFCheckpoint, options: pipeline.ConvertOptions | None) -> str | None:
@@ -35,6 +36,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
     path = Path(path)
     out_dir_safety.check_paths(path, Path(out_dir))
     ckpt = GGUFCheckpoint(path)  # validates architecture, tensor types and size first
+    check_layer_count(ckpt.tensors, path, ckpt.config["num_hidden_layers"],
+                      f"metadata {ckpt.gguf.value('general.architecture')}.block_count")
     with tempfile.TemporaryDirectory(prefix="fuselm-gguf-") as meta:
         stage(ckpt, Path(meta))
         heap.release()  # the tokenizer converter's objects, before the weights are read

@@ -211,8 +211,16 @@ def convert(
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     if spec is None:
+        from fuselm.export.config import read_raw_config
         from fuselm.export.registry import decoder_spec
+        from fuselm.export.safetensors.checkpoint import Checkpoint
+        from fuselm.export.tensor_match import check_layer_count
 
+        # the config's layer count against the tensor table, before transformers' config class
+        # and the exporter build that many layers (export/tensor_match.py)
+        layers = read_raw_config(src)["num_hidden_layers"]
+        ckpt = checkpoint if checkpoint is not None else Checkpoint(src)
+        check_layer_count(ckpt.tensors, src, layers)
         spec = decoder_spec(src)
     check_tokenizer(src, spec.vocab_size)
     calib = None

@@ -92,10 +92,11 @@ def resolve_engine(name: str) -> str:
 def make_engine(out_dir: str | Path, name: str = "auto", **options: object) -> Engine:
     """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level)."""
     from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.integrity import check_sizes
+    from fuselm.runtime_metal.integrity import check_graph, check_sizes
 
     manifest = read_manifest(out_dir)
     check_sizes(out_dir, manifest)
+    check_graph(out_dir, manifest)
     resolved = resolve_engine(name)
     if resolved == "mlx":
         from fuselm.runtime_metal.mlx_engine.engine import MLXEngine
