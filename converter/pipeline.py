@@ -25,6 +25,7 @@ from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf.file import is_gguf
 from fuselm.export.tokenizer_check import check_tokenizer
+from fuselm.input_files import check_regular
 from fuselm.passes import ops
 from fuselm.passes.manager import select
 from fuselm.passes.quant.quantize import SPILL_FILE, validate_options
@@ -208,6 +209,8 @@ def convert(
         bits_budget=opts.bits_budget,
     )
     out_dir_safety.check_paths(src, out)
+    for name in (*artifact.TOKENIZER_FILES, artifact.GENERATION_CONFIG):
+        check_regular(src / name)  # a FIFO or folder under a side file's name: not skipped
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     if spec is None:

@@ -254,13 +254,16 @@ def test_harmless_tensors_ignored(tmp_path: Path) -> None:
         check_tensor_names(want, have, tmp_path, num_layers=1, tied=False)
 
 
-def test_fifo_weights_refused_not_waited_on(good: Path, tmp_path: Path) -> None:
-    """A FIFO named model.safetensors used to block the first read forever."""
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json",
+                                  "generation_config.json"])
+def test_fifo_refused_not_waited_on(good: Path, tmp_path: Path, name: str) -> None:
+    """A FIFO named model.safetensors used to block the first read forever; one named like a
+    side file was skipped (the model converted without its tokenizer)."""
     model = copy_model(good, tmp_path / "model")
-    (model / "model.safetensors").unlink()
-    os.mkfifo(model / "model.safetensors")
+    (model / name).unlink()
+    os.mkfifo(model / name)
     line = error_line(*run_cli("convert", str(model), "-o", str(tmp_path / "out"), "--quiet"))
-    assert "model.safetensors is a FIFO" in line and "regular file" in line
+    assert f"{name} is a FIFO" in line and "regular file" in line
 
 
 def test_layer_claim_checked_before_building(good: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Fuzzing the convert boundary (hypothesis): config.json fields, safetensors headers, index
-files, tokenizers, and GGUF metadata (every type, arrays nested up to 30,000 deep). Every generated case must end in exit 0 or exactly one `error:` line
-with exit 2, never a traceback (an exception escaping the CLI fails the test).
+files, tokenizers, and GGUF metadata (every type, arrays nested up to 30,000 deep). Every
+generated case must end in exit 0 or exactly one `error:` line with exit 2, never a traceback
+(an exception escaping the CLI fails the test).
 
 Bounded twice: 25 examples per target (FUSELM_FUZZ_EXAMPLES), and a wall-clock budget per
 target (FUSELM_FUZZ_BUDGET_S) after which the remaining examples are checked only up to where
