@@ -114,6 +114,7 @@ def read_manifest(out_dir: str | Path) -> Manifest:
 
 def model_path(out_dir: str | Path) -> Path:
     path = Path(out_dir) / MODEL_FILE
+    check_regular(path)
     if not path.is_file():
         raise ArtifactError(f"{path} not found; re-run `fuselm convert` into {out_dir}")
     return path

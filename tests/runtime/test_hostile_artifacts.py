@@ -122,3 +122,21 @@ def test_infinite_perplexity_is_a_result() -> None:
 
     result = perplexity_of(huge, [1, 2, 3, 4] * 4, context=8)
     assert math.isinf(result.ppl)
+
+
+def test_validate_tokens_bounded_by_the_context(capsys, family_models) -> None:  # noqa: ANN001
+    """validate -n 10**9 used to run HF's greedy loop on forever."""
+    hf_dir, out = family_models["qwen3"]
+    line = one_error(*cli(capsys, "validate", str(hf_dir), str(out), "-n", str(10**9),
+                          "--no-ppl"))
+    assert "the model's context is 512" in line
+
+
+@pytest.mark.parametrize(("command", "option"), [
+    (["serve", "--max-batch", str(10**9)], "--max-batch"),
+    (["quant-report", "--top", "-3"], "--top"),
+])
+def test_count_options_bounded(capsys, qwen3_artifact: Path, command: list[str],  # noqa: ANN001
+                               option: str) -> None:
+    code, err = cli(capsys, command[0], str(qwen3_artifact), *command[1:])
+    assert code == 2 and option in err and "is not in the range" in err, err
