@@ -20,6 +20,7 @@ from fuselm.export.gguf.source import (
     source_record,
     stage,
 )
+from fuselm.export.tensor_match import check_layer_count
 
 
 def torch_reason(ckpt: GGUFCheckpoint) -> str | None:
@@ -33,6 +34,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path,
     path = Path(path)
     out_dir_safety.check_paths(path, Path(out_dir))
     ckpt = GGUFCheckpoint(path)  # validates architecture, tensor types and size first
+    check_layer_count(ckpt.tensors, path, ckpt.config["num_hidden_layers"],
+                      f"metadata {ckpt.gguf.value('general.architecture')}.block_count")
     # The staged folder carries this process's id: a conversion killed now leaves it behind,
     # and the next conversion removes it (out_dir.remove_dead_scratch).
     with out_dir_safety.scratch("gguf") as meta:

@@ -25,6 +25,7 @@ from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.gguf.file import is_gguf
 from fuselm.export.tokenizer_check import check_tokenizer
+from fuselm.input_files import check_regular
 from fuselm.passes import ops
 from fuselm.passes.manager import select
 from fuselm.passes.quant.options import FLAGS as QUANT_FLAGS
@@ -213,11 +214,21 @@ def convert(
     t0 = time.perf_counter()
     # Options are validated when made; config and architecture before touching OUT_DIR.
     out_dir_safety.check_paths(src, out)
+    for name in (*artifact.TOKENIZER_FILES, artifact.GENERATION_CONFIG):
+        check_regular(src / name)  # a FIFO or folder under a side file's name: not skipped
     if opts.optimize:
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     if spec is None:
+        from fuselm.export.config import read_raw_config
         from fuselm.export.registry import decoder_spec
+        from fuselm.export.safetensors.checkpoint import Checkpoint
+        from fuselm.export.tensor_match import check_layer_count
 
+        # the config's layer count against the tensor table, before transformers' config class
+        # and the exporter build that many layers (export/tensor_match.py)
+        layers = read_raw_config(src)["num_hidden_layers"]
+        ckpt = checkpoint if checkpoint is not None else Checkpoint(src)
+        check_layer_count(ckpt.tensors, src, layers)
         spec = decoder_spec(src)
     check_tokenizer(src, spec.vocab_size)
     calib = None

@@ -7,7 +7,6 @@ frequencies, so the exported model uses exactly the frequencies HF does.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 
 from fuselm.export.config_check import check_config
 from fuselm.export.errors import ExportError
+from fuselm.input_files import check_regular, load_file
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -79,12 +79,13 @@ def read_raw_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise ExportError(f"{model_dir} is not a directory; pass an HF model directory")
+    check_regular(path)
     if not path.is_file():
         raise ExportError(f"{path} not found; pass an HF model directory (config.json + weights)")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ExportError(f"{path} is not valid JSON ({e})") from e
+        raw = load_file(path)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
+        raise ExportError(f"{path} is not valid JSON ({e})") from None
     except PermissionError as e:
         raise ExportError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     check_config(raw, path, ROPE_TYPES)  # types, ranges, ids: before transformers sees them

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fuselm.export.errors import ExportError
+from fuselm.input_files import load_file
 
 _MAX_DIM = 2**31 - 1  # ONNX and the runtimes index with int32 in places; no real model is near
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -208,9 +209,9 @@ def check_config(raw: Any, where: Path, rope_types: tuple[str, ...]) -> None:
     gen = where.with_name("generation_config.json")
     if gen.is_file():
         try:
-            gen_raw = json.loads(gen.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ExportError(f"{gen} is not valid JSON ({e})") from e
+            gen_raw = load_file(gen)
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
+            raise ExportError(f"{gen} is not valid JSON ({e})") from None
         gcfg = _validate(GenerationConfig, gen_raw, gen)
         try:
             _check_ids(gcfg, cfg.vocab_size)

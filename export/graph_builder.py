@@ -37,7 +37,7 @@ from fuselm.export.export_result import ExportResult
 from fuselm.export.family import Source
 from fuselm.export.registry import decoder_spec, family_of
 from fuselm.export.safetensors.checkpoint import Checkpoint, cast
-from fuselm.export.tensor_match import check_tensor_names
+from fuselm.export.tensor_match import check_layer_count, check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
 
@@ -355,6 +355,7 @@ def build_model(
     graph_dtype = resolve_dtype(dtype, ckpt.dtype_name)
     np_dtype, elem = DTYPES[graph_dtype]
     result = ExportResult(spec=spec, dtype=graph_dtype, checkpoint_dtype=ckpt.dtype_name)
+    check_layer_count(ckpt.tensors, ckpt.root, spec.num_layers)  # before sizing every layer
     shapes = parameter_shapes(spec)
     sources = family_of(spec.architecture).sources(spec, list(shapes))
     check_tensor_names([s.hf_name for s in sources.values()], ckpt.tensors, ckpt.root,

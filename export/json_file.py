@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from fuselm.export.errors import ExportError
+from fuselm.input_files import load_file
 
 
 def read_json(path: Path, fix: str) -> Any:
     """The parsed JSON of `path`; `fix` says what to do when it is not valid JSON."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return load_file(path)
     except PermissionError as e:
         raise ExportError(f"cannot read {path} ({e.strerror}); check its permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
         raise ExportError(f"{path} is not valid JSON ({e}); {fix}") from None

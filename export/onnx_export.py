@@ -26,7 +26,7 @@ from fuselm.export.errors import ExportError
 from fuselm.export.export_result import ExportResult
 from fuselm.export.registry import decoder_spec
 from fuselm.export.safetensors.checkpoint import Checkpoint
-from fuselm.export.tensor_match import check_tensor_names
+from fuselm.export.tensor_match import check_layer_count, check_tensor_names
 from fuselm.export.torch_ops import TRANSLATIONS
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
@@ -320,6 +320,7 @@ def export_model(
         dtype=str(graph_dtype).removeprefix("torch."),
         checkpoint_dtype=str(ckpt.dtype).removeprefix("torch."),
     )
+    check_layer_count(ckpt.tensors, ckpt.root, spec.num_layers)  # before building every layer
     with torch.device("meta"):
         probe = Decoder(spec, graph_dtype)
     expected = [s.hf_name for s in probe.weight_sources().values()]

@@ -14,6 +14,7 @@ import fuselm.export.families  # noqa: F401 - registers every family module
 from fuselm.export.config import DecoderSpec, load_hf_config, read_raw_config, rope_spec
 from fuselm.export.errors import ExportError
 from fuselm.export.family import ARCHITECTURES, Family
+from fuselm.input_files import load_file
 
 
 def supported_architectures() -> list[str]:
@@ -67,15 +68,13 @@ def family_of(architecture: str) -> Family:
 
 def _eos_ids(model_dir: Path, hf_config: Any) -> list[int]:
     """EOS ids: generation_config.json (may list several) first, then config.json."""
-    import json
-
     ids: list[int] = []
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
-            value = json.loads(gen.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as e:
-            raise ExportError(f"{gen} is not valid JSON ({e})") from e
+            value = load_file(gen).get("eos_token_id")
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
+            raise ExportError(f"{gen} is not valid JSON ({e})") from None
         if value is not None:
             ids = list(value) if isinstance(value, list) else [value]
     if not ids:
@@ -83,6 +82,27 @@ def _eos_ids(model_dir: Path, hf_config: Any) -> list[int]:
         if value is not None:
             ids = list(value) if isinstance(value, list) else [value]
     return [int(i) for i in ids]
+
+
+def _tied(root: Path, hf: Any, has_checkpoint: bool) -> bool:
+    """tie_word_embeddings as transformers (5.x) applies it: a tied config whose checkpoint also
+    stores an lm_head.weight with other values than the embedding is *not* tied — transformers
+    warns and loads the stored head — so the exported graph uses the stored head too (the
+    equal case stays tied: one table in the artifact). `has_checkpoint`: the directory holds
+    the weights (a GGUF's staged config states its tie itself)."""
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    if not (tied and has_checkpoint):
+        return tied
+    from fuselm.export.safetensors.checkpoint import Checkpoint
+    from fuselm.export.safetensors.shard_index import INDEX
+
+    if not (root / INDEX).is_file() and not any(root.glob("*.safetensors")):
+        return tied  # no weights here (a config read on its own): the exporter says so later
+    ckpt = Checkpoint(root)
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if ckpt.has(head) and ckpt.has(embed) and not ckpt.same_values(head, embed):
+        return False
+    return tied
 
 
 def decoder_spec(model_dir: str | Path, hf_config: Any = None) -> DecoderSpec:
@@ -112,7 +132,7 @@ def decoder_spec(model_dir: str | Path, hf_config: Any = None) -> DecoderSpec:
         intermediate_size=int(hf.intermediate_size),
         vocab_size=int(hf.vocab_size),
         rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        tie_word_embeddings=_tied(root, hf, hf_config is None),
         context_length=int(getattr(hf, "max_position_embeddings", 4096)),
         rope=next((r for r in ropes if r is not None), None) or rope_spec(hf, head_dim),
         windows=family.windows(hf, layers),

@@ -25,6 +25,24 @@ def _names(names: list[str]) -> str:
     return shown + (f" (+{len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
 
 
+def check_layer_count(present: Iterable[str], root: Path, num_layers: int,
+                      claim: str = "config.json's num_hidden_layers") -> None:
+    """Raise ExportError when config.json claims more decoder layers than the checkpoint stores.
+
+    Checked from the tensor table alone, before anything is sized by the claim: a config that
+    says 1,000,000 layers over a 2-layer checkpoint otherwise has transformers' config class,
+    the per-layer shapes and the traced module built for a million layers (gigabytes, minutes)
+    before the missing tensors are noticed. (More layers stored than claimed is reported by
+    `check_tensor_names`, with the tensors.)"""
+    layers = {int(m.group(1)) for n in present if (m := _LAYER.match(n))}
+    stored = max(layers) + 1 if layers else 0
+    if num_layers > stored:
+        raise ExportError(
+            f"{claim} is {num_layers} but the checkpoint in {root} stores {stored} decoder "
+            f"layer(s); the two do not match (set it to {stored}, or copy the complete "
+            "checkpoint)")
+
+
 def check_tensor_names(
     expected: Iterable[str], present: Iterable[str], root: Path, num_layers: int, tied: bool
 ) -> None:

@@ -11,11 +11,11 @@ fuselm.json belongs to the runtime (its consumer); converter/ writes through `wr
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
+from fuselm.input_files import check_regular, load_file
 from fuselm.runtime_metal.manifest_schema import check
 from fuselm.runtime_metal.manifest_types import (  # noqa: F401  (re-exported: the format's API)
     FORMAT,
@@ -75,6 +75,7 @@ def read_manifest(out_dir: str | Path) -> Manifest:
                 "`fuselm convert` again to restore it)" if aside else "")
         raise ArtifactError(
             f"{root} is not a directory; pass the folder `fuselm convert` wrote{hint}")
+    check_regular(path)
     if not path.is_file():
         if (root / "config.json").is_file():  # an HF checkpoint: convert it beside itself
             sibling = root.resolve().parent / f"{root.resolve().name}-fuselm"
@@ -87,9 +88,9 @@ def read_manifest(out_dir: str | Path) -> Manifest:
             f"`fuselm convert MODEL_DIR -o {root}`"
         )
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); re-run `fuselm convert`") from e
+        raw = load_file(path)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
+        raise ArtifactError(f"{path} is not valid JSON ({e}); re-run `fuselm convert`") from None
     except PermissionError:
         raise ArtifactError(f"cannot read {path}: permission denied; fix its permissions"
                             ) from None
@@ -114,6 +115,7 @@ def read_manifest(out_dir: str | Path) -> Manifest:
 
 def model_path(out_dir: str | Path) -> Path:
     path = Path(out_dir) / MODEL_FILE
+    check_regular(path)
     if not path.is_file():
         raise ArtifactError(f"{path} not found; re-run `fuselm convert` into {out_dir}")
     return path

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from fuselm.runtime_metal.engine import make_engine, resolve_engine
+from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate_steps
 from fuselm.runtime_metal.sampling import SamplingOptions, make_device_sampler, make_sampler
 
@@ -108,6 +109,16 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None
     return pp, tg
 
 
+def check_fits(p: int, n: int, context_length: int) -> None:
+    """A p-token prompt and n new tokens must fit the model's context: beyond it the positions
+    are ones the model was never built for (and `run` refuses such a prompt), so the figures
+    would time a model that does not exist, at the cost of a quadratic prefill."""
+    if p + n > context_length:
+        raise RuntimeUserError(
+            f"bench -p {p} -n {n} needs {p + n} positions but the model's context is "
+            f"{context_length}; choose -p + -n <= {context_length}")
+
+
 def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               engine: str = "auto", warmup: int = 1, profile: bool = False,
               prefill_chunk: int | None = None, seed: int = 0,
@@ -118,6 +129,7 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
 
     if p < 1 or n < 2 or r < 1:
         raise ValueError("bench needs -p >= 1, -n >= 2, -r >= 1")
+    check_fits(p, n, read_manifest(out_dir).model.context_length)
     name = resolve_engine(engine)
     t0 = time.perf_counter()
     eng = make_engine(out_dir, name, **engine_options)

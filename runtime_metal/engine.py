@@ -96,11 +96,12 @@ def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig |
     config: the runtime settings (fuselm/config.py), resolved from the environment here when
     not given: once per engine; its --threads go to onnxruntime unless options name them."""
     from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.integrity import check_sizes
+    from fuselm.runtime_metal.integrity import check_graph, check_sizes
 
     config = config if config is not None else resolve()
     manifest = read_manifest(out_dir)
     check_sizes(out_dir, manifest)
+    check_graph(out_dir, manifest)
     resolved = resolve_engine(name)
     if resolved == "mlx":
         from fuselm.runtime_metal.mlx_engine.engine import MLXEngine

@@ -8,7 +8,9 @@ fuselm.json's `integrity` section (written by `record`, read back as `Manifest.i
      "tensors": {"model.onnx.data": {"<initializer>": "<CRC-32 of its bytes, 8 hex digits>"}}}
 
 - every load checks the data files' sizes (`check_sizes`: one stat per file, so a truncated
-  copy, an empty file or a data file from another conversion is an error before any work);
+  copy, an empty file or a data file from another conversion is an error before any work),
+  and model.onnx's hash (`check_graph`: the graph alone, weights being external data, so a
+  graph edited after conversion is an error, not a different model run without a word);
 - `fuselm verify` and `run --verify` hash every recorded file (`verify`). When a data file's
   hash differs, the per-tensor digests name the first damaged initializer: each digest covers
   exactly the byte range the initializer's external data points at, so the damaged byte range
@@ -140,6 +142,25 @@ def check_sizes(out_dir: str | Path, manifest: Manifest) -> None:
                 f"{path} has {size} bytes but fuselm.json records {want}: it is truncated or "
                 "from another conversion; copy the folder again or re-run `fuselm convert` "
                 f"(`fuselm verify {root}` checks every file)")
+
+
+def check_graph(out_dir: str | Path, manifest: Manifest) -> None:
+    """Load-time check that model.onnx is the graph the conversion wrote: its SHA-256 against
+    the one fuselm.json records. model.onnx holds the graph only (weights are external data),
+    so this hashes well under a megabyte even for an 8B model. A graph edited after conversion
+    (a node added, an attribute changed) otherwise runs without a word and computes something
+    else. An artifact converted before hashes were recorded has none to compare: it loads as
+    before (`fuselm verify` says it cannot be verified)."""
+    root = Path(out_dir)
+    want = (manifest.integrity or {}).get("files", {}).get(MODEL_FILE, {}).get(ALGORITHM)
+    path = root / MODEL_FILE
+    if want is None or not path.is_file():  # nothing recorded; a missing file: the loader says
+        return
+    if file_digest(path) != want:
+        raise ArtifactError(
+            f"{path} is not the graph this artifact's conversion wrote (its SHA-256 differs from "
+            f"the one {root / 'fuselm.json'} records): it was edited or replaced after "
+            "conversion; re-run `fuselm convert` (`fuselm verify` checks every file)")
 
 
 @dataclass

@@ -200,10 +200,20 @@ Shape = Sequence[int | str | None]
 
 
 def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: Path,
-                   past_dtype: str | None = None) -> None:
+                   past_dtype: str | None = None,
+                   outputs: Mapping[str, Shape] | None = None) -> None:
     """The manifest's layers, KV heads, head_dim and dtype must match model.onnx's
-    past_key_values inputs (`past_dtype`: their element type, float32 | float16, if known)."""
+    past_key_values inputs (`past_dtype`: their element type, float32 | float16, if known),
+    and its vocab_size the graph's logits (`outputs`, when given): every token id the runtime
+    accepts is checked against vocab_size, so a larger one would reach the embedding Gather."""
     m = manifest.model
+    logits = (outputs or {}).get("logits") or []
+    vocab = logits[-1] if logits else None
+    if isinstance(vocab, int) and vocab > 0 and vocab != m.vocab_size:
+        raise ArtifactError(
+            f"fuselm.json says model.vocab_size = {m.vocab_size} but {model_file}'s logits have "
+            f"{vocab} entries; the two files come from different conversions: re-run "
+            "`fuselm convert`")
     if past_dtype in DTYPES and past_dtype != manifest.dtype:
         raise ArtifactError(
             f"fuselm.json says dtype = {manifest.dtype} but {model_file}'s past_key_values "
@@ -243,8 +253,17 @@ def ort_past_dtype(inputs: Sequence[Any]) -> str | None:
 
 def onnx_inputs(model: Any) -> dict[str, list[int | str | None]]:
     """name -> shape (ints, symbolic names, or None) of an onnx.ModelProto's graph inputs."""
+    return _shapes(model.graph.input)
+
+
+def onnx_outputs(model: Any) -> dict[str, list[int | str | None]]:
+    """The same for its graph outputs."""
+    return _shapes(model.graph.output)
+
+
+def _shapes(values: Any) -> dict[str, list[int | str | None]]:
     return {
         vi.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                   for d in vi.type.tensor_type.shape.dim]
-        for vi in model.graph.input
+        for vi in values
     }

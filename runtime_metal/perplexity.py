@@ -17,6 +17,7 @@ transformers, mlx-lm):
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from fuselm.input_files import check_regular
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 # A fixed English prose text shipped with the package, for tests, validate and benchmarks.
@@ -50,8 +52,12 @@ class PerplexityResult:
         return asdict(self)
 
 
+_MAX_LOG = math.log(sys.float_info.max)
+
+
 def read_text(path: str | Path) -> str:
     p = Path(path)
+    check_regular(p)
     if not p.is_file():
         raise RuntimeUserError(f"--text {p} does not exist; pass a UTF-8 text file")
     try:
@@ -103,7 +109,9 @@ def perplexity_of(logits_fn: Logits, tokens: Sequence[int], context: int = 512,
     nll = np.concatenate(nlls)
     mean = float(nll.mean())
     se = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else 0.0
-    ppl = math.exp(mean)
+    # A mean NLL past ~709 (a broken graph's logits) overflows exp: the perplexity is then
+    # infinite, a result the verdict reads, not an OverflowError.
+    ppl = math.exp(mean) if mean < _MAX_LOG else math.inf
     evaluated = len(parts) * context
     return PerplexityResult(
         ppl=ppl, ppl_stderr=ppl * se, nll=mean, context=context, chunks=len(parts),

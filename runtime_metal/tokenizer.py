@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
+from fuselm.input_files import check_regular, load_file
 from fuselm.runtime_metal.artifact import (
     GENERATION_CONFIG,
     TOKENIZER_FILES,
@@ -67,12 +67,13 @@ def check_text(text: str, what: str = "--prompt") -> str:
 
 def generation_config(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / GENERATION_CONFIG
+    check_regular(path)
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RuntimeUserError(f"{path} is not valid JSON ({e})") from e
+        return load_file(path)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError and JSONTooDeep too
+        raise RuntimeUserError(f"{path} is not valid JSON ({e})") from None
     except PermissionError:
         raise RuntimeUserError(f"cannot read {path}: permission denied; fix its permissions"
                                ) from None

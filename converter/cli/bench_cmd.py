@@ -25,8 +25,8 @@ from fuselm.runtime_metal.errors import RuntimeUserError
               callback=int_list, help="prompt length(s) for pp, e.g. 128,512")
 @click.option("-n", "--new-tokens", "--n-gen", "n", default="128", show_default=True,
               callback=int_list, help="new tokens for tg, e.g. 64,128")
-@click.option("-r", "--repetitions", "r", type=click.IntRange(1), default=5, show_default=True,
-              help="timed runs (after one warm-up run)")
+@click.option("-r", "--repetitions", "r", type=click.IntRange(1, 1000), default=5,
+              show_default=True, help="timed runs (after one warm-up run), at most 1000")
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True, help="auto: mlx where MLX has a GPU, onnxruntime otherwise")
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
@@ -44,7 +44,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
     """Benchmark OUT_DIR: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.cli.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.bench import run_bench
+    from fuselm.runtime_metal.bench import check_fits, run_bench
     from fuselm.runtime_metal.engine import resolve_engine
 
     config = runtime_config(verbose, engine=engine, threads=threads)
@@ -59,6 +59,10 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
     grid = len(p) > 1 or len(n) > 1
     if grid and profile:
         raise RuntimeUserError("--profile takes one -p and one -n value")
+    # every row checked against the context before the first one runs (a grid's rows are
+    # ppP with 2 new tokens and tgN after a 1-token prompt: bench_grid.run_grid)
+    for rp, rn in ([(x, 2) for x in p] + [(1, x) for x in n]) if grid else [(p[0], n[0])]:
+        check_fits(rp, rn, manifest.model.context_length)
     show = sys.stderr.isatty() and not as_json
     with progress_bar(show, len(p) + len(n) if grid else 1) as start:
         if grid:

@@ -18,8 +18,8 @@ from fuselm.runtime_metal.artifact import Manifest
 def int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     """Click callback: "128,512" -> [128, 512], each >= the option's minimum."""
     low = 2 if param.name == "n" else 1
-    try:
-        out = [int(v) for v in str(value).split(",") if v.strip()]
+    try:  # an empty entry ("128,,512") is refused like any other non-integer
+        out = [int(v) for v in str(value).split(",")]
     except ValueError:
         raise click.BadParameter(f"want comma-separated integers, got {value!r}") from None
     if not out or any(v < low for v in out):

@@ -166,7 +166,7 @@ convert = convert_command
     help="Where to write the converted model (default: a temp dir).",
 )
 @click.option("--prompt", default="What is the capital of France?", show_default=True)
-@click.option("-n", "max_new_tokens", type=int, default=64, show_default=True)
+@click.option("-n", "max_new_tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option(
     "--engine",
     type=click.Choice(["auto", "mlx", "onnxruntime"]),

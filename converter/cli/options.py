@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,11 +30,16 @@ def model_argument(f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# onnxruntime's intra-op pool spins its threads: more of them than the host has logical CPUs
+# only slows it down, and 100,000 of them never finish starting.
+MAX_THREADS = os.cpu_count() or 1
+
+
 def threads_option(f: Callable[..., Any]) -> Callable[..., Any]:
     """-t/--threads (llama.cpp's spelling): onnxruntime's intra-op threads."""
-    return click.option("-t", "--threads", type=click.IntRange(1), default=None,
-                        help="onnxruntime: intra-op threads  [default: one per physical "
-                        "core]")(f)
+    return click.option("-t", "--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+                        help="onnxruntime: intra-op threads, at most the logical CPUs "
+                        f"({MAX_THREADS} here)  [default: one per physical core]")(f)
 
 
 def ort_options(engine_name: str, accuracy_level: int, threads: int | None

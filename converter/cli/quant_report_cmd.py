@@ -73,7 +73,7 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
 
 @click.command("quant-report")
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--top", type=int, default=None, help="Show only the N worst tensors.")
+@click.option("--top", type=click.IntRange(1), default=None, help="Show only the N worst tensors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def quant_report(out_dir: Path, top: int | None, as_json: bool) -> None:
     """Per-tensor Q4 reconstruction error (relative RMS) and bits/weight, worst first."""

@@ -68,14 +68,20 @@ def warn_mlx_on_cpu(manifest: Any, engine: str) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
+    """Comma-separated integers (spaces allowed around them). An empty entry ("1,,2", a
+    trailing comma) is refused, not skipped: the ids would not be the ones written."""
+    if not text.strip():
+        raise RuntimeUserError("--prompt-ids is empty")
+    pieces = [t.strip() for t in text.split(",")]
+    if "" in pieces:
+        raise RuntimeUserError(
+            f"--prompt-ids {text!r} has an empty entry (entry {pieces.index('') + 1}); give "
+            "comma-separated integers, e.g. 1,2,3")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in pieces]
     except ValueError:
         raise RuntimeUserError(
             f"--prompt-ids wants comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise RuntimeUserError("--prompt-ids is empty")
-    return ids
 
 
 def _sampling_options(f):  # noqa: ANN001, ANN202

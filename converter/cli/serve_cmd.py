@@ -45,7 +45,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
-@click.option("--max-batch", type=click.IntRange(1), default=8, show_default=True,
+@click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
               help="requests allowed to wait for a slot; more get HTTP 503")

@@ -95,6 +95,11 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
         shown = [f"ids {p[:4]}... (no tokenizer)" for p in ids]
     if any(not p for p in ids):
         raise RuntimeUserError("a prompt encodes to no tokens; give a longer --prompt")
+    longest, context = max(len(p) for p in ids), manifest.model.context_length
+    if longest + tokens > context:  # past it HF's greedy loop runs on (10**9 tokens: forever)
+        raise RuntimeUserError(
+            f"-n {tokens} after a {longest}-token prompt needs {longest + tokens} positions but "
+            f"the model's context is {context}; give -n <= {context - longest}")
     key = precision(manifest.dtype, manifest.quantization)
     say(f"validating {out_dir} ({key}) against {model_dir} (HF float32): "
         f"{len(ids)} prompts, {tokens} greedy tokens each, rungs: {', '.join(rungs)}")

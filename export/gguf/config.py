@@ -8,6 +8,7 @@ the config, each family says (export/family.py `gguf_*`; export/families/).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fuselm.export.errors import ExportError
@@ -18,7 +19,7 @@ ROPE_SCALING = ("none", "linear", "yarn")
 
 
 def architecture(gguf: GGUFFile) -> str:
-    arch = gguf.value("general.architecture")
+    arch = _text(gguf, "general.architecture")
     if arch is None:
         raise ExportError(f"{gguf.path} has no general.architecture; it is not a model GGUF")
     if arch not in gguf_architectures():
@@ -35,10 +36,54 @@ def _required(gguf: GGUFFile, key: str) -> Any:
     return value
 
 
+def _wrong(gguf: GGUFFile, key: str, value: Any, allowed: str) -> ExportError:
+    shown = f"an array of {len(value)}" if isinstance(value, list) else repr(value)[:60]
+    return ExportError(f"{gguf.path}: metadata {key} is {shown}; it must be {allowed} — the file "
+                       "is corrupt or was written by a broken tool")
+
+
+def _int(gguf: GGUFFile, key: str, default: int | None = None, low: int = 1,
+         required: bool = False) -> int | None:
+    """An integer value (>= low) of the metadata: a string, float or array where llama.cpp
+    writes an integer is refused, never coerced (int("4") would hide a broken file)."""
+    value = _required(gguf, key) if required else gguf.value(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _wrong(gguf, key, value, f"an integer >= {low}")
+    return value
+
+
+def _number(gguf: GGUFFile, key: str, default: float | None = None,
+            required: bool = False) -> float | None:
+    """A finite number > 0 of the metadata (integers allowed), as float."""
+    value = _required(gguf, key) if required else gguf.value(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value > 0):
+        raise _wrong(gguf, key, value, "a finite number > 0")
+    return float(value)
+
+
+def _text(gguf: GGUFFile, key: str, default: str | None = None) -> str | None:
+    value = gguf.value(key, default)
+    if value is not None and not isinstance(value, str):
+        raise _wrong(gguf, key, value, "a string")
+    return value
+
+
+def _token_id(gguf: GGUFFile, key: str, vocab: int) -> int | None:
+    value = _int(gguf, key, low=0)
+    if value is not None and value >= vocab:
+        raise _wrong(gguf, key, value, f"a token id below the vocabulary size {vocab}")
+    return value
+
+
 def _rope(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
-    theta = float(gguf.value(f"{arch}.rope.freq_base", 10000.0))
-    rot = gguf.value(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    theta = _number(gguf, f"{arch}.rope.freq_base", 10000.0)
+    rot = _int(gguf, f"{arch}.rope.dimension_count", low=0)
+    if rot is not None and rot != head_dim:
         raise ExportError(
             f"{gguf.path}: rope.dimension_count {rot} != head_dim {head_dim} (partial rotary) "
             "is not supported for GGUF input")
@@ -46,40 +91,43 @@ def _rope(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
         raise ExportError(
             f"{gguf.path} stores per-frequency RoPE factors (rope_freqs, Llama 3.1-style "
             "scaling), which fuselm's GGUF input does not read; convert the HF checkpoint instead")
-    kind = str(gguf.value(f"{arch}.rope.scaling.type", "none"))
+    kind = _text(gguf, f"{arch}.rope.scaling.type", "none")
     if kind not in ROPE_SCALING:
         raise ExportError(f"{gguf.path}: RoPE scaling {kind!r} is not supported; supported: "
                           f"{', '.join(ROPE_SCALING)}")
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     if kind != "none":
         params.update(rope_type=kind,
-                      factor=float(_required(gguf, f"{arch}.rope.scaling.factor")))
-        orig = gguf.value(f"{arch}.rope.scaling.original_context_length")
+                      factor=_number(gguf, f"{arch}.rope.scaling.factor", required=True))
+        orig = _int(gguf, f"{arch}.rope.scaling.original_context_length")
         if orig is not None:
-            params["original_max_position_embeddings"] = int(orig)
+            params["original_max_position_embeddings"] = orig
     return params
 
 
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The config.json of the model in `gguf` (transformers 4.x and 5.x read it)."""
     arch = architecture(gguf)
-    name = str(gguf.value("general.name", "") or "")
+    name = _text(gguf, "general.name", "") or ""
     found = gguf_family(arch, name)
     if found is None:
         raise ExportError(f"{gguf.path}: no family reads GGUF architecture {arch!r} "
                           f"named {name!r}")
     cls, family = found
-    hidden = int(_required(gguf, f"{arch}.embedding_length"))
-    heads = int(_required(gguf, f"{arch}.attention.head_count"))
-    kv_heads = int(gguf.value(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(gguf.value(f"{arch}.attention.key_length", 0)
-                   or gguf.value(f"{arch}.rope.dimension_count", 0) or hidden // heads)
-    vocab = gguf.value(f"{arch}.vocab_size")
+    # Every number is type-checked here (_int, _number): config_check.py then checks the
+    # config.json written from them, as it checks any HF config.
+    hidden = _int(gguf, f"{arch}.embedding_length", required=True)
+    heads = _int(gguf, f"{arch}.attention.head_count", required=True)
+    kv_heads = _int(gguf, f"{arch}.attention.head_count_kv", heads)
+    head_dim = (_int(gguf, f"{arch}.attention.key_length", 0, low=0)
+                or _int(gguf, f"{arch}.rope.dimension_count", 0, low=0) or hidden // heads)
+    vocab = _int(gguf, f"{arch}.vocab_size")
     if vocab is None:
         tokens = gguf.value("tokenizer.ggml.tokens")
         embd = gguf.tensors.get("token_embd.weight")
-        vocab = len(tokens) if tokens else embd.shape[0] if embd else None
-        if vocab is None:
+        vocab = len(tokens) if isinstance(tokens, list) and tokens else (
+            embd.shape[0] if embd and embd.shape else None)
+        if not vocab:
             raise ExportError(f"{gguf.path}: no vocab_size, tokens or token_embd.weight")
     t = gguf.tensors
     rope = _rope(gguf, arch, head_dim)
@@ -87,29 +135,29 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "architectures": [cls],
         "model_type": family.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": int(_required(gguf, f"{arch}.block_count")),
+        "num_hidden_layers": _int(gguf, f"{arch}.block_count", required=True),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "intermediate_size": int(_required(gguf, f"{arch}.feed_forward_length")),
-        "vocab_size": int(vocab),
-        "max_position_embeddings": int(gguf.value(f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(gguf.value(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "intermediate_size": _int(gguf, f"{arch}.feed_forward_length", required=True),
+        "vocab_size": vocab,
+        "max_position_embeddings": _int(gguf, f"{arch}.context_length", 4096),
+        "rms_norm_eps": _number(gguf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in t,
         # both spellings: transformers 5.x reads rope_parameters, 4.x rope_theta/rope_scaling
         "rope_parameters": rope,
         "rope_theta": rope["rope_theta"],
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
-        "bos_token_id": gguf.value("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf.value("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": gguf.value("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": _token_id(gguf, "tokenizer.ggml.bos_token_id", vocab),
+        "eos_token_id": _token_id(gguf, "tokenizer.ggml.eos_token_id", vocab),
+        "pad_token_id": _token_id(gguf, "tokenizer.ggml.padding_token_id", vocab),
         "torch_dtype": "float32",
     }
     # llama.cpp applies a sliding window only when the file declares one
-    window = gguf.value(f"{arch}.attention.sliding_window")
+    window = _int(gguf, f"{arch}.attention.sliding_window", low=0)
     try:
-        family.gguf_config(config, t, int(window) if window else None)
+        family.gguf_config(config, t, window or None)
     except ExportError as e:
         raise ExportError(f"{gguf.path}: {e}") from None
     return config
@@ -117,13 +165,15 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
 
 def generation_config(gguf: GGUFFile) -> dict[str, Any]:
     """bos/eos/pad for generation_config.json; llama.cpp also stops on end-of-turn tokens."""
-    eos = [gguf.value(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                   "tokenizer.ggml.eom_token_id")]
-    eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))
-    out: dict[str, Any] = {"bos_token_id": gguf.value("tokenizer.ggml.bos_token_id")}
+    vocab = hf_config(gguf)["vocab_size"]
+    eos = [_token_id(gguf, k, vocab) for k in ("tokenizer.ggml.eos_token_id",
+                                               "tokenizer.ggml.eot_token_id",
+                                               "tokenizer.ggml.eom_token_id")]
+    eos_ids = list(dict.fromkeys(i for i in eos if i is not None))
+    out: dict[str, Any] = {"bos_token_id": _token_id(gguf, "tokenizer.ggml.bos_token_id", vocab)}
     if eos_ids:
         out["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    pad = gguf.value("tokenizer.ggml.padding_token_id")
+    pad = _token_id(gguf, "tokenizer.ggml.padding_token_id", vocab)
     if pad is not None:
         out["pad_token_id"] = pad
     return out

@@ -17,6 +17,7 @@ import numpy as np
 
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf.header import HeaderError, Unreadable, read_header
+from fuselm.input_files import check_regular, open_regular
 
 # Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -31,7 +32,7 @@ def is_gguf(path: str | Path) -> bool:
         return p.suffix.lower() == ".gguf"
     if p.suffix.lower() == ".gguf":
         return True
-    with p.open("rb") as f:
+    with open_regular(p) as f:
         return f.read(4) == MAGIC
 
 
@@ -50,6 +51,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        check_regular(self.path)  # a FIFO would block the first read forever
         if not self.path.is_file():
             raise ExportError(f"{self.path} does not exist; pass a .gguf file or an HF model dir")
         try:
@@ -57,7 +59,7 @@ class GGUFFile:
         except ImportError as e:  # a dependency of fuselm; only a broken install lacks it
             raise ExportError(f"reading GGUF needs the `gguf` package ({e}); pip install gguf") \
                 from e
-        with self.path.open("rb") as f:
+        with open_regular(self.path) as f:
             if f.read(4) != MAGIC:
                 raise ExportError(
                     f"{self.path} is not a GGUF file (no GGUF magic); pass a .gguf model")
@@ -77,6 +79,7 @@ class GGUFFile:
                     f"{self.path} is truncated: tensor {e.name} ends at byte "
                     f"{info.offset + info.nbytes} but the file has {size}; re-download it")
             self.tensors[e.name] = info
+        _check_overlaps(self.path, self.tensors)
         bad = sorted({(t.type_name, n) for n, t in self.tensors.items()
                       if t.type_name not in SUPPORTED_TYPES}, key=lambda x: x[1])
         if bad:
@@ -100,7 +103,7 @@ class GGUFFile:
 
         t = self.tensors[name]
         buf = bytearray(t.nbytes)
-        with self.path.open("rb") as f:
+        with open_regular(self.path) as f:
             f.seek(t.offset)
             if f.readinto(buf) != t.nbytes:
                 raise ExportError(f"{self.path} is truncated while reading {name}")
@@ -117,6 +120,16 @@ class GGUFFile:
         for r in range(0, rows.shape[0], step):
             out[r : r + step] = dequantize(rows[r : r + step], qtype)
         return out.reshape(t.shape)
+
+
+def _check_overlaps(path: Path, tensors: dict[str, GGUFTensor]) -> None:
+    """Two tensors reading the same bytes are a corrupt (or crafted) file: one weight would
+    silently be another's (export/safetensors/header.py refuses the same in safetensors)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values() if t.nbytes)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise ExportError(f"{path} is not a valid GGUF file: the data of tensors {a} and {b} "
+                              "overlap; it is corrupt — re-download it")
 
 
 def _rows(shape: tuple[int, ...]) -> int:

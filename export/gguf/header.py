@@ -15,13 +15,19 @@ allocated, so a corrupt header raises `HeaderError` instead of asking for teraby
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from fuselm.input_files import open_regular
+
 VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32  # llama.cpp's, when general.alignment is absent
+# Arrays of arrays: llama.cpp writes none (its own reader refuses nesting); a few levels are
+# allowed so a foreign writer's file still opens, a stack-exhausting depth is an error.
+MAX_NESTING = 8
 
 
 class HeaderError(ValueError):
@@ -76,7 +82,7 @@ def _scalar_formats() -> dict[int, str]:
             T.FLOAT64: "d"}
 
 
-def _value(r: _Reader, kind: int, formats: dict[int, str]) -> Any:
+def _value(r: _Reader, kind: int, formats: dict[int, str], depth: int = 0) -> Any:
     from gguf import GGUFValueType as T
 
     if kind in formats:
@@ -84,6 +90,8 @@ def _value(r: _Reader, kind: int, formats: dict[int, str]) -> Any:
     if kind == T.STRING:
         return r.string()
     if kind == T.ARRAY:
+        if depth >= MAX_NESTING:  # each level is one Python call: refuse before the stack ends
+            raise HeaderError(f"a metadata array nests more than {MAX_NESTING} levels deep")
         item, count = r.unpack("I"), r.unpack("Q")
         if item in formats:  # numbers: one read, one unpack
             fmt = formats[item]
@@ -91,7 +99,7 @@ def _value(r: _Reader, kind: int, formats: dict[int, str]) -> Any:
             return list(struct.unpack(f"<{count}{fmt}", raw))
         if count * 8 > r.size - r.pos:  # each entry takes at least 8 bytes
             raise HeaderError(f"array of {count} entries cannot fit in the file")
-        values = [_value(r, item, formats) for _ in range(count)]
+        values = [_value(r, item, formats, depth + 1) for _ in range(count)]
         bad = next((v for v in values if isinstance(v, Unreadable)), None)
         return bad if bad is not None else values
     raise HeaderError(f"unknown metadata value type {kind}")
@@ -102,9 +110,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     formats = _scalar_formats()
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        r = _Reader(f, size)
+    with open_regular(path) as f:
+        r = _Reader(f, os.fstat(f.fileno()).st_size)
         if r.take(4) != b"GGUF":
             raise HeaderError("no GGUF magic")
         version = r.unpack("I")
@@ -116,8 +123,10 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
             key = r.string()
             if isinstance(key, Unreadable):
                 raise HeaderError(f"a metadata key is not UTF-8 ({key.reason})")
+            if key in metadata:
+                raise HeaderError(f"metadata key {key} is written twice")
             metadata[key] = _value(r, r.unpack("I"), formats)
-        table = []
+        table, seen = [], set()
         for _ in range(n_tensors):
             name = r.string()
             if isinstance(name, Unreadable):
@@ -126,6 +135,9 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, TensorEntry]]:
             if n_dims > 8:
                 raise HeaderError(f"tensor {name} has {n_dims} dimensions")
             dims = [r.unpack("Q") for _ in range(n_dims)]
+            if name in seen:
+                raise HeaderError(f"tensor {name} is listed twice in the tensor table")
+            seen.add(name)
             table.append((name, r.unpack("I"), tuple(reversed(dims)), r.unpack("Q")))
     align = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0:

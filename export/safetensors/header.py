@@ -11,12 +11,14 @@ library: four fields, and the checks that matter (sizes, bounds, overlaps) span 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fuselm.export.errors import ExportError
+from fuselm.input_files import loads, open_regular
 
 # Every dtype of the safetensors format, with its element size in bytes. (Whether fuselm can
 # export a dtype is the reader's question; here only the layout is checked.)
@@ -84,18 +86,18 @@ def _entry(path: Path, name: str, meta: Any, base: int, data_size: int) -> Entry
 def read_header(path: Path) -> dict[str, Entry]:
     """The tensor entries of a safetensors file, every one checked (see the module doc)."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise _fail(path, "the file is shorter than its 8-byte header length")
             (n,) = struct.unpack("<Q", head)
             if n > min(size - 8, _MAX_HEADER):
                 raise _fail(path, f"its header length {n} exceeds the file size {size}")
-            header = json.loads(f.read(n))
+            header = loads(f.read(n))
     except PermissionError as e:
         raise ExportError(f"cannot read {path} ({e.strerror}); check its permissions") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, JSONTooDeep: ValueErrors
         raise _fail(path, f"its header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise _fail(path, f"its header is a JSON {type(header).__name__}, not an object")

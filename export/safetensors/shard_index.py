@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from fuselm.export.errors import ExportError
 from fuselm.export.json_file import read_json
+from fuselm.input_files import check_regular
 
 INDEX = "model.safetensors.index.json"
 
@@ -58,6 +59,8 @@ def shard_files(root: Path) -> list[Path]:
             f"{json.dumps(bad[1])[:60]}; it must be a shard file name (string)"
         )
     files = sorted({_confined(root, shard, index) for shard in weight_map.values()})
+    for f in files:  # a directory or FIFO under a shard's name: refused, not read
+        check_regular(f)
     missing = [str(f.relative_to(root)) for f in files if not f.is_file()]
     if missing:
         raise ExportError(

@@ -24,6 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from fuselm.input_files import check_regular
 from fuselm.passes.quant import q4_segments
 
 MIN_CHUNK = 16
@@ -41,6 +42,7 @@ class Moments:
 def read_calibration(path: str | Path) -> str:
     """The calibration text (UTF-8); raises ValueError with the fix when unusable."""
     p = Path(path)
+    check_regular(p)  # a FIFO or folder is named as what it is
     if not p.is_file():
         raise ValueError(f"--calibration {p} does not exist; pass a UTF-8 text file")
     try:

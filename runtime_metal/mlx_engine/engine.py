@@ -27,6 +27,7 @@ from fuselm.runtime_metal.loader import load_graph
 from fuselm.runtime_metal.manifest_schema import (
     check_graph_io,
     onnx_inputs,
+    onnx_outputs,
     onnx_past_dtype,
 )
 from fuselm.runtime_metal.mlx_engine.decode import DecodeProgram, DecodeUnsupported, FastDecoder
@@ -55,7 +56,7 @@ class MLXEngine:
         self.manifest = manifest
         graph = load_graph(model_path(out_dir))
         check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
-                       onnx_past_dtype(graph.model))
+                       onnx_past_dtype(graph.model), onnx_outputs(graph.model))
         self.plan = build_plan(graph)
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler

@@ -58,11 +58,13 @@ class OrtEngine:
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = {o.name: o.shape for o in self.session.get_outputs()}
         if isinstance(lowered, Lowered):
-            check_graph_io(manifest, lowered.artifact_inputs, path, lowered.artifact_past_dtype)
+            check_graph_io(manifest, lowered.artifact_inputs, path, lowered.artifact_past_dtype,
+                           outputs)
         else:
             check_graph_io(manifest, {n: i.shape for n, i in self._inputs.items()}, path,
-                           ort_past_dtype(self.session.get_inputs()))
+                           ort_past_dtype(self.session.get_inputs()), outputs)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._past_names = sorted((n for n in self._inputs if PAST.match(n)),
                                   key=lambda n: (int(PAST.match(n).group(1)), n))

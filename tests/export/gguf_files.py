@@ -10,6 +10,7 @@ here is that fuselm and transformers dequantize the same bytes the same way).
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,99 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
     w.write_tensors_to_file()
     w.close()
     return path, weights
+
+
+# ---- byte-level surgery on a GGUF file: metadata of any type or nesting, tensor table edits
+# (GGUFWriter validates what it writes and recurses on nested arrays, so hostile files are
+# written here from the format itself: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+STRING, ARRAY = 8, 9
+
+
+def _string(s: str | bytes) -> bytes:
+    raw = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_value(kind: int, value: Any, item: int | None = None) -> bytes:
+    """Type code + payload of one metadata value (`item`: the element type of an array)."""
+    return struct.pack("<I", kind) + _payload(kind, value, item)
+
+
+def _payload(kind: int, value: Any, item: int | None) -> bytes:
+    if kind in _SCALARS:
+        return struct.pack("<" + _SCALARS[kind], value)
+    if kind == STRING:
+        return _string(value)
+    assert kind == ARRAY and item is not None
+    return struct.pack("<IQ", item, len(value)) + b"".join(_payload(item, v, None)
+                                                         for v in value)
+
+
+def nested_array(depth: int) -> bytes:
+    """An array of one array of one array ... `depth` deep, the innermost an empty uint8 array
+    (built flat: the writer itself must not recurse)."""
+    return (struct.pack("<I", ARRAY) + struct.pack("<IQ", ARRAY, 1) * (depth - 1)
+            + struct.pack("<IQ", 0, 0))
+
+
+def _skip(buf: bytes, pos: int, kind: int) -> int:
+    if kind in _SCALARS:
+        return pos + struct.calcsize("<" + _SCALARS[kind])
+    if kind == STRING:
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    item, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    for _ in range(count):
+        pos = _skip(buf, pos, item)
+    return pos
+
+
+def rewrite_gguf(src: Path, dst: Path, metadata: dict[str, bytes | None] | None = None,
+                 tensors: Any = None) -> Path:
+    """Copy the GGUF `src` to `dst`, replacing metadata values (key -> `gguf_value(...)` bytes,
+    None to drop the key; new keys are appended) and the tensor table (`tensors(list)` edits a
+    list of [name, dims (ne order), type, offset] in place); tensor data is copied as is."""
+    buf = src.read_bytes()
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    pos, kvs = 24, {}
+    for _ in range(n_kv):
+        n = struct.unpack_from("<Q", buf, pos)[0]
+        key = buf[pos + 8:pos + 8 + n].decode()
+        pos += 8 + n
+        end = _skip(buf, pos + 4, struct.unpack_from("<I", buf, pos)[0])
+        kvs[key] = buf[pos:end]
+        pos = end
+    table = []
+    for _ in range(n_tensors):
+        n = struct.unpack_from("<Q", buf, pos)[0]
+        name = buf[pos + 8:pos + 8 + n].decode()
+        pos += 8 + n
+        (dims_n,) = struct.unpack_from("<I", buf, pos)
+        dims = list(struct.unpack_from(f"<{dims_n}Q", buf, pos + 4))
+        pos += 4 + 8 * dims_n
+        kind, offset = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        table.append([name, dims, kind, offset])
+    align = 32
+    if "general.alignment" in kvs:
+        align = struct.unpack_from("<I", kvs["general.alignment"], 4)[0]
+    data = buf[-(-pos // align) * align:]
+    for key, value in (metadata or {}).items():
+        if value is None:
+            kvs.pop(key, None)
+        else:
+            kvs[key] = value
+    if tensors is not None:
+        tensors(table)
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", version, len(table), len(kvs)))
+    for key, value in kvs.items():
+        out += _string(key) + value
+    for name, dims, kind, offset in table:
+        out += _string(name) + struct.pack(f"<I{len(dims)}Q", len(dims), *dims)
+        out += struct.pack("<IQ", kind, offset)
+    out += bytes(-len(out) % align) + data
+    dst.write_bytes(bytes(out))
+    return dst

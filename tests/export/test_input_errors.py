@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,6 +75,32 @@ def _extra_tensor(model: Path) -> None:
     edit_tensors(model, lambda t: t.__setitem__("model.extra_gate.weight", torch.ones(4)))
 
 
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def _deep_field(name: str, n: int) -> Callable[[Path], None]:
+    """A valid file with one extra field nested `n` deep (written as text: json.dumps recurses)."""
+    def edit(model: Path) -> None:
+        path = model / name
+        path.write_text(path.read_text().rstrip()[:-1] + f', "x": {_deep(n)}}}')
+
+    return edit
+
+
+def _deep_header(model: Path) -> None:
+    path = model / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + n].decode().rstrip()[:-1] + f', "__metadata__": {{"x": {_deep(100000)}}}}}'
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + data[8 + n:])
+
+
+def _weights_dir(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors").mkdir()
+
+
 # case -> (edit of a copy of the good model, extra convert args, words the error must hold)
 CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
     # config.json values
@@ -120,6 +148,21 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
                       [EMBED, "unknown dtype", "F99"]),
     "string shape": (lambda m: edit_header(m, lambda h: h[EMBED].update(shape="64")), [],
                      [EMBED, "shape", "integers"]),
+    # JSON nested past any use (json's parser recurses once per level)
+    "config.json nested 100,000 deep": (
+        lambda m: (m / "config.json").write_text(_deep(100000)), [],
+        ["config.json is not valid JSON", "nested deeper than 64"]),
+    "config.json field nested 900 deep": (_deep_field("config.json", 900), [],
+                                          ["config.json", "nested deeper than 64"]),
+    "generation_config.json nested": (
+        lambda m: (m / "generation_config.json").write_text(_deep(100000)), [],
+        ["generation_config.json is not valid JSON", "nested deeper"]),
+    "safetensors header nested 100,000 deep": (_deep_header, [],
+                                               ["model.safetensors", "nested deeper"]),
+    "index nested": (lambda m: (m / "model.safetensors.index.json").write_text(_deep(100000)),
+                     [], ["index.json is not valid JSON", "nested deeper"]),
+    "model.safetensors a directory": (_weights_dir, [],
+                                      ["model.safetensors is a directory", "regular file"]),
     # index files
     "weight_map a list": (_index([1, 2]), [], ["index.json", "weight_map", "object"]),
     "shard outside the folder": (_outside_shard, [], ["../outside/secret.safetensors", "outside"]),
@@ -209,3 +252,54 @@ def test_harmless_tensors_ignored(tmp_path: Path) -> None:
     check_tensor_names(want, have, tmp_path, num_layers=1, tied=True)
     with pytest.raises(ExportError, match="lm_head.weight"):
         check_tensor_names(want, have, tmp_path, num_layers=1, tied=False)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json",
+                                  "generation_config.json"])
+def test_fifo_refused_not_waited_on(good: Path, tmp_path: Path, name: str) -> None:
+    """A FIFO named model.safetensors used to block the first read forever; one named like a
+    side file was skipped (the model converted without its tokenizer)."""
+    model = copy_model(good, tmp_path / "model")
+    (model / name).unlink()
+    os.mkfifo(model / name)
+    line = error_line(*run_cli("convert", str(model), "-o", str(tmp_path / "out"), "--quiet"))
+    assert f"{name} is a FIFO" in line and "regular file" in line
+
+
+def test_layer_claim_checked_before_building(good: Path, tmp_path: Path) -> None:
+    """num_hidden_layers 1,000,000 over a 2-layer checkpoint: refused from the tensor table in
+    seconds (it used to build a million-layer config and spec first: gigabytes, minutes)."""
+    model = copy_model(good, tmp_path / "model")
+    edit_config(model, num_hidden_layers=1_000_000, layer_types=None)
+    t0 = time.monotonic()
+    line = error_line(*run_cli("convert", str(model), "-o", str(tmp_path / "out"), "--quiet"))
+    assert time.monotonic() - t0 < 30
+    assert "num_hidden_layers is 1000000" in line and "stores 2 decoder layer(s)" in line
+
+
+def test_tied_config_with_its_own_head_follows_transformers(good: Path, tmp_path: Path) -> None:
+    """tie_word_embeddings true, but the checkpoint stores an lm_head.weight of other values:
+    transformers 5.x does not tie then (it warns and loads the stored head), so the artifact
+    uses the stored head too and its logits are transformers' (the head used to be dropped)."""
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from fuselm.runtime_metal.engine import make_engine
+
+    model = copy_model(good, tmp_path / "model")
+    tensors = load_file(str(model / "model.safetensors"))
+    torch.manual_seed(0)
+    tensors["lm_head.weight"] = torch.randn_like(tensors[EMBED])
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code, err = run_cli("convert", str(model), "-o", str(out), "--quiet")
+    assert code == 0, err
+    assert json.loads((out / "fuselm.json").read_text())["model"]["tie_word_embeddings"] is False
+    ids = [5, 17, 99, 200, 3]
+    hf = AutoModelForCausalLM.from_pretrained(str(model))
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    got = make_engine(out, "onnxruntime").forward(np.array([ids]), all_logits=True)
+    assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4

@@ -1,6 +1,7 @@
 """Fuzzing the convert boundary (hypothesis): config.json fields, safetensors headers, index
-files and tokenizers. Every generated case must end in exit 0 or exactly one `error:` line
-with exit 2, never a traceback (an exception escaping the CLI fails the test).
+files, tokenizers, and GGUF metadata (every type, arrays nested up to 30,000 deep). Every
+generated case must end in exit 0 or exactly one `error:` line with exit 2, never a traceback
+(an exception escaping the CLI fails the test).
 
 Bounded twice: 25 examples per target (FUSELM_FUZZ_EXAMPLES), and a wall-clock budget per
 target (FUSELM_FUZZ_BUDGET_S) after which the remaining examples are checked only up to where
@@ -239,3 +240,82 @@ def test_fuzz_tokenizer(
 
     target.convert(edit)
 
+
+
+# GGUF metadata: every key the config mapping reads, given a value of any GGUF type (numbers
+# of each width, strings, arrays) or an array nested up to 30,000 deep.
+GGUF_KEYS = [f"llama.{k}" for k in (
+    "embedding_length", "block_count", "feed_forward_length", "context_length",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.dimension_count",
+    "rope.scaling.type", "rope.scaling.factor", "vocab_size", "attention.sliding_window",
+)] + ["general.architecture", "general.name", "general.alignment", "tokenizer.ggml.model",
+      "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+      "tokenizer.ggml.padding_token_id", "tokenizer.ggml.tokens", "x.unknown"]
+_INT_RANGES = {0: (0, 255), 1: (-128, 127), 2: (0, 2**16 - 1), 3: (-(2**15), 2**15 - 1),
+               4: (0, 2**32 - 1), 5: (-(2**31), 2**31 - 1), 10: (0, 2**64 - 1),
+               11: (-(2**63), 2**63 - 1)}
+
+
+def _scalar(kind: int) -> st.SearchStrategy[Any]:
+    if kind in _INT_RANGES:
+        low, high = _INT_RANGES[kind]
+        return st.one_of(st.integers(low, high), st.integers(max(low, -2), min(high, 8)))
+    if kind in (6, 12):
+        return st.floats(width=32 if kind == 6 else 64)
+    if kind == 7:
+        return st.booleans()
+    return st.text(max_size=8)
+
+
+@st.composite
+def gguf_values(draw: st.DrawFn) -> bytes:
+    from tests.export.gguf_files import gguf_value, nested_array
+
+    shape = draw(st.sampled_from(["scalar", "array", "nested"]))
+    if shape == "nested":
+        return nested_array(draw(st.sampled_from([2, 8, 9, 64, 1000, 30000])))
+    kind = draw(st.sampled_from([*_INT_RANGES, 6, 7, 8, 12]))
+    if shape == "scalar":
+        return gguf_value(kind, draw(_scalar(kind)))
+    return gguf_value(9, draw(st.lists(_scalar(kind), max_size=4)), kind)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.export.gguf_files import write_gguf
+
+    path, _ = write_gguf(tmp_path_factory.mktemp("fuzz-gguf") / "tiny.gguf", "llama", {},
+                         seed=5)
+    return path
+
+
+@settings(SETTINGS, max_examples=min(SETTINGS.max_examples, 20))  # errors mostly: seconds
+@given(changes=st.dictionaries(st.sampled_from(GGUF_KEYS), gguf_values(), min_size=1,
+                               max_size=3))
+def test_fuzz_gguf_metadata(target: Target, tiny_gguf: Path, changes: dict[str, bytes]) -> None:
+    from fuselm.export.gguf.config import generation_config
+    from fuselm.export.gguf.source import GGUFCheckpoint
+    from tests.export.gguf_files import rewrite_gguf
+
+    root = Path(tempfile.mkdtemp(prefix="fuzz-gguf-"))
+    try:
+        bad = rewrite_gguf(tiny_gguf, root / "model.gguf", changes)
+        if time.monotonic() > target.stop:  # past the budget: the header and config mapping
+            try:
+                generation_config(GGUFCheckpoint(bad).gguf)
+            except user_errors() as e:
+                assert "\n" not in str(e), str(e)
+                target.outcomes["error at the boundary (budget spent)"] += 1
+                return
+            target.outcomes["valid at the boundary, not converted (budget spent)"] += 1
+            return
+        code, err = run_cli("convert", str(bad), "-o", str(root / "out"), "--quiet")
+        if code == 0:
+            target.outcomes["exit 0"] += 1
+        else:
+            error_line(code, err)
+            target.outcomes["error (exit 2)"] += 1
+            assert not (root / "out").exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
