@@ -92,6 +92,12 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
     raise _error(reply, limits, context)
 
 
+def start_workers(n: int = 2) -> None:
+    """Start `n` idle workers now (a server at start-up: its first chats then find them warm, and
+    a slow render leaves another one free)."""
+    _POOL.start(n)
+
+
 def tokenizer_template(tokenizer: Any) -> str | None:
     """The template transformers' apply_chat_template would use (None: the tokenizer has none)."""
     if not getattr(tokenizer, "chat_template", None):
@@ -304,6 +310,12 @@ class _WorkerPool:
             else:
                 self._give_back(worker)
             return reply
+
+    def start(self, n: int) -> None:
+        with self._lock:
+            missing = max(0, min(n, IDLE_WORKERS) - len(self._idle))
+        for _ in range(missing):
+            self._give_back(_Worker())
 
     def _take(self) -> tuple[_Worker, bool]:
         with self._lock:

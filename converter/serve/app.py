@@ -36,7 +36,12 @@ from fuselm.converter.serve.schema import (
     usage,
     usage_chunk,
 )
-from fuselm.runtime_metal.chat_template import ChatTemplateError, chat_ids, chat_text
+from fuselm.runtime_metal.chat_template import (
+    ChatTemplateError,
+    chat_ids,
+    chat_text,
+    start_workers,
+)
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 log = logging.getLogger("fuselm.serve")
@@ -68,6 +73,7 @@ class ServeState:
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share
+        start_workers()  # chat templates render in worker processes (chat_template.py)
 
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
         with self._tok_lock:
