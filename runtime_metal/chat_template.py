@@ -81,8 +81,8 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
     try:
         payload = json.dumps({"template": template, "context": context,
                               "max_chars": limits.output_chars(_text_size(context)),
-                              "max_loops": limits.loop_iterations}, ensure_ascii=True,
-                             default=_placeholder)
+                              "max_loops": limits.loop_iterations, "seconds": limits.seconds},
+                             ensure_ascii=True, default=_placeholder)
     except RecursionError:
         raise ChatTemplateError("the chat's messages are nested too deeply to render",
                                 "limit", "recursion") from None
@@ -288,18 +288,20 @@ class _WorkerPool:
         with self._slots:
             worker, fresh = self._take()
             try:
-                reply = worker.call(payload, seconds)
-            except OSError:
-                if fresh:
-                    raise ChatTemplateError("the chat template renderer stopped ("
-                                            f"{worker.why_gone()})", "crash") from None
-                worker.stop()  # an idle worker that died meanwhile: once more with a new one
-                worker, fresh = _Worker(), True
                 try:
                     reply = worker.call(payload, seconds)
                 except OSError:
-                    raise ChatTemplateError("the chat template renderer stopped ("
-                                            f"{worker.why_gone()})", "crash") from None
+                    if fresh:
+                        raise
+                    worker.stop()  # an idle worker that died meanwhile: once more, a new one
+                    worker = _Worker()
+                    reply = worker.call(payload, seconds)
+            except OSError:
+                raise ChatTemplateError(f"the chat template renderer stopped "
+                                        f"({worker.why_gone()})", "crash") from None
+            except BaseException:  # Ctrl-C mid-render: the worker's reply would be stale
+                worker.stop()
+                raise
             if reply is None:
                 worker.stop()
                 raise ChatTemplateError(

@@ -5,7 +5,7 @@ Run as `python -m fuselm.runtime_metal.template_sandbox` by runtime_metal/chat_t
 which owns the time limit (it kills this process). It imports only jinja2, so it starts in a
 fraction of a second. One request per line on stdin, one reply per line on stdout, both JSON:
 
-    {"template": str, "context": {...}, "max_chars": int, "max_loops": int}
+    {"template": str, "context": {...}, "max_chars": int, "max_loops": int, "seconds": float}
     {"text": str}  |  {"error": kind, "limit": name | null, "type": str, "message": str,
                        "retire": bool}
 
@@ -17,13 +17,16 @@ Limits checked here, from inside the template's own execution:
   against MAX_DIGITS), so `'x' * 10**9` is refused without allocating it;
 - recursion: Python's own limit; a RecursionError here is one error reply;
 - memory: the address space is capped where the OS enforces it (Linux), so an allocation that
-  the checks above miss ends in a MemoryError reply instead of the machine's memory.
+  the checks above miss ends in a MemoryError reply instead of the machine's memory;
+- time, as a backstop: an alarm a little after the parent's limit ends this process, should
+  the parent be gone before it could kill it (the render would otherwise run on alone).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -37,6 +40,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 MAX_DIGITS = 10_000  # a number the template computes (Python prints at most 4,300 digits)
 MEMORY_BYTES = 1 << 30  # the address space of this process, where the OS enforces it
+ALARM_GRACE_S = 3  # past the parent's time limit, when SIGALRM ends this process
 COUNT_LOOP = "fuselm loop"  # not a name a template can write, so only the compiler uses it
 _CACHE = 16  # compiled templates kept (a server renders one template all day)
 
@@ -219,6 +223,7 @@ class Renderer:
         if len(self.compiled) >= _CACHE:
             self.compiled.clear()
         self.compiled[source] = template
+        signal.alarm(math.ceil(request["seconds"]) + ALARM_GRACE_S)
         try:
             text = self.env.render_limited(template, request["context"], request["max_chars"],
                                            request["max_loops"])
@@ -234,6 +239,8 @@ class Renderer:
             return _failure("template", e)
         except Exception as e:  # noqa: BLE001 - any other error is this template's crash
             return _failure("crash", e)
+        finally:
+            signal.alarm(0)
         return {"text": text}
 
 
