@@ -165,8 +165,8 @@ def _error(reply: dict[str, Any], limits: TemplateLimits, context: dict[str, Any
                      f"{limits.max_chars:,})")
         elif limit == "loop":
             what += f" of {limits.loop_iterations:,} iterations"
-        return ChatTemplateError(f"the chat template exceeded its {what}: {text or name}",
-                                 kind, limit)
+        return ChatTemplateError(f"the chat template exceeded its {what}"
+                                 + (f": {text}" if text else ""), kind, limit)
     if kind == "syntax":
         return ChatTemplateError(f"the chat template is not a valid Jinja template ({detail})",
                                  kind)

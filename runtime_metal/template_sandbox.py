@@ -166,14 +166,13 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
 
     def _check_size(self, size: int, what: str) -> None:
         if size > self.max_chars:
-            raise LimitExceeded("size", f"{what} would make a value of {size:,} items (the "
-                                        f"limit for this chat is {self.max_chars:,})")
+            raise LimitExceeded("size", f"{what} would make a value of {size:,} items")
 
     def counted(self, iterable: Iterable[Any]) -> Iterator[Any]:
         for item in iterable:
             self.loops += 1
             if self.loops > self.max_loops:
-                raise LimitExceeded("loop", f"its loops ran over {self.max_loops:,} iterations")
+                raise LimitExceeded("loop", "")
             yield item
 
     def render_limited(self, template: jinja2.Template, context: dict[str, Any],
@@ -184,7 +183,7 @@ class LimitedSandbox(ImmutableSandboxedEnvironment):
         for piece in template.generate(**context):
             size += len(piece)
             if size > max_chars:
-                raise LimitExceeded("size", f"its output passed {max_chars:,} characters")
+                raise LimitExceeded("size", "its output grew past it")
             out.append(piece)
         return "".join(out)
 
