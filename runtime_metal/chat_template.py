@@ -252,10 +252,12 @@ class _Worker:
         self.proc.stdin.write(payload)
         self.proc.stdin.flush()
         fd, buf = self.proc.stdout.fileno(), bytearray()
+        ready = select.poll()  # not select(): a busy server's descriptors pass FD_SETSIZE
+        ready.register(fd, select.POLLIN)
         deadline = time.monotonic() + seconds
         while not buf.endswith(b"\n"):
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not ready.poll(left * 1000):
                 return None
             chunk = os.read(fd, 1 << 20)
             if not chunk:
