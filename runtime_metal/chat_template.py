@@ -75,10 +75,10 @@ def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
     """The text `template` renders for `messages`, as transformers' apply_chat_template renders
     it (`variables`: the tokenizer's special tokens); ChatTemplateError if it fails or exceeds
     `limits`."""
-    chat = [_message(m) for m in messages]
-    context = {**_plain(dict(variables or {})), "messages": chat, "tools": None,
-               "documents": None, "add_generation_prompt": add_generation_prompt}
     try:
+        chat = [_message(m) for m in messages]
+        context = {**_plain(dict(variables or {})), "messages": chat, "tools": None,
+                   "documents": None, "add_generation_prompt": add_generation_prompt}
         payload = json.dumps({"template": template, "context": context,
                               "max_chars": limits.output_chars(_text_size(context)),
                               "max_loops": limits.loop_iterations, "seconds": limits.seconds},
