@@ -5,8 +5,10 @@ symlink to any other file) would otherwise end up inside the output and fail, or
 and produce ids the model has no embedding for. So at convert time: tokenizer.json must load
 with the `tokenizers` library and every id it can produce must be below the model's
 vocab_size (a vocabulary padded *larger* than the tokenizer is normal and fine); the JSON side
-files must be JSON objects; a chat template must compile in Jinja's sandbox, configured as
-transformers renders it, and must not break out of the sandbox on a one-message chat.
+files must be JSON objects; a chat template must render a few plain chats (one with a long
+message) within the limits the runtime renders it with (runtime_metal/chat_template.py: time,
+size, loops, recursion), without breaking out of Jinja's sandbox or crashing; a template that
+refuses a chat by its own raise_exception is the chat's business at run time.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from fuselm.export.errors import ExportError
 from fuselm.export.json_file import read_json
+from fuselm.runtime_metal.chat_template import ChatTemplateError, probe_template
 
 TOKENIZER_JSON = "tokenizer.json"
 _JSON_SIDE_FILES = (
@@ -77,43 +80,26 @@ def _templates(root: Path, side: dict[str, dict[str, Any]]) -> list[tuple[str, A
     return found
 
 
-def _check_template(where: str, template: Any) -> None:
-    from jinja2 import TemplateError, nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
+def _check_template(where: str, template: Any, variables: dict[str, str]) -> None:
     if not isinstance(template, str):
         raise ExportError(f"{where} is {json.dumps(template)[:60]}; it must be a Jinja string")
-
-    class Generation(Extension):  # transformers' {% generation %} block: a no-op here
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> list[nodes.Node]:
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
     try:
-        compiled = env.from_string(template)
-    except TemplateError as e:
-        raise ExportError(
-            f"{where} is not a valid Jinja template ({e}); fix the template or remove it"
-        ) from None
-    # Other render failures (a template that insists on tools, say) are the chat's business
-    # at run time; breaking out of the sandbox is refused outright.
-    try:
-        compiled.render(messages=[{"role": "user", "content": "hi"}],
-                        add_generation_prompt=True, raise_exception=_ignore)
-    except SecurityError as e:
-        raise ExportError(f"{where} breaks out of Jinja's sandbox ({e}); refusing it") from None
-    except Exception:  # noqa: BLE001, S110 - see above: not a convert-time error
-        pass
+        probe_template(template, variables)
+    except ChatTemplateError as e:
+        raise ExportError(f"{where}: {e}; fix the template or remove it") from None
 
 
-def _ignore(*_: Any) -> str:
-    return ""
+def _special_tokens(side: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The special tokens a template sees as variables (bos_token, eos_token, ...), as the
+    tokenizer files declare them: a string, or an added-token object with its content."""
+    out: dict[str, str] = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        for key, value in side.get(name, {}).items():
+            if isinstance(value, dict):
+                value = value.get("content")
+            if key.endswith("_token") and isinstance(value, str):
+                out.setdefault(key, value)
+    return out
 
 
 def check_tokenizer(model_dir: Path, vocab_size: int) -> None:
@@ -127,4 +113,4 @@ def check_tokenizer(model_dir: Path, vocab_size: int) -> None:
             raise ExportError(f"{model_dir / name} must map tokens to integer ids >= 0")
         _check_ids(model_dir / name, ids, vocab_size)
     for where, template in _templates(model_dir, side):
-        _check_template(where, template)
+        _check_template(where, template, _special_tokens(side))

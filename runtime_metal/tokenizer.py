@@ -6,8 +6,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from fuselm.input_files import check_regular, load_file
 from fuselm.runtime_metal.artifact import (
     GENERATION_CONFIG,
@@ -16,6 +14,7 @@ from fuselm.runtime_metal.artifact import (
     Manifest,
     read_manifest,
 )
+from fuselm.runtime_metal.chat_template import ChatTemplateError, chat_ids, chat_text
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 
@@ -95,18 +94,14 @@ def eos_ids(manifest: Manifest, gen_config: dict[str, Any], tokenizer: Any = Non
 
 def encode_prompt(tokenizer: Any, text: str, raw: bool = False,
                   history: list[dict[str, str]] | None = None) -> list[int]:
-    """Apply the chat template when the tokenizer has one (unless `raw`)."""
+    """Apply the chat template when the tokenizer has one (unless `raw`), with the limits of
+    runtime_metal/chat_template.py."""
     if not raw and getattr(tokenizer, "chat_template", None):
         messages = [*(history or []), {"role": "user", "content": text}]
         try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                tokenize=True)
-        except jinja2.TemplateError as e:  # a syntax error, or the sandbox refused an action
-            raise RuntimeUserError(
-                f"the model's chat template cannot be applied ({type(e).__name__}: {e}); fix "
-                "chat_template.jinja / tokenizer_config.json in the artifact, or pass --raw"
-            ) from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+            return chat_ids(tokenizer, chat_text(tokenizer, messages))
+        except ChatTemplateError as e:
+            raise ChatTemplateError(
+                f"{e}; fix chat_template.jinja / tokenizer_config.json in the artifact, or pass "
+                "--raw", e.kind, e.limit) from None
     return [int(i) for i in tokenizer.encode(text, add_special_tokens=True)]

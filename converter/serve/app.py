@@ -41,6 +41,12 @@ from fuselm.converter.serve.schema import (
     usage,
     usage_chunk,
 )
+from fuselm.runtime_metal.chat_template import (
+    ChatTemplateError,
+    chat_ids,
+    chat_text,
+    start_workers,
+)
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 log = logging.getLogger("fuselm.serve")
@@ -61,6 +67,7 @@ class ServeState:
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share
+        start_workers()  # chat templates render in worker processes (chat_template.py)
 
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
         with self._tok_lock:
@@ -105,16 +112,16 @@ def _chat_ids(state: ServeState, req: ChatRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
-
-    def run(tok: Any) -> list[int]:
-        if not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-
-    return state.encode(run)
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    # Rendered in a worker process with a time limit, outside the tokenizer lock: a slow
+    # template holds this request only, never the others waiting to encode.
+    try:
+        text = chat_text(state.tokenizer, messages)
+    except ChatTemplateError as e:
+        code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
+        raise ApiError(400, str(e), param="messages", code=code) from None
+    return state.encode(lambda tok: chat_ids(tok, text))
 
 
 def _completion_ids(state: ServeState, req: CompletionRequest) -> list[int]:
