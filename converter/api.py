@@ -1,6 +1,7 @@
 """The public Python API (`import fuselm`): convert a checkpoint, load an artifact, generate.
 
-A thin layer over converter.pipeline and the runtime (engine, generation loop, tokenizer);
+A thin layer over converter.pipeline and the runtime's one loaded model (runtime_metal/
+loaded_model.py: engine, tokenizer, generation loop, text stream);
 `fuselm/__init__.py` re-exports these names lazily so `import fuselm` stays light.
 """
 
@@ -39,6 +40,7 @@ class Generation:
     tokens: list[int]
     stop_reason: str  # eos | stop_string | length
     stats: dict[str, Any] = field(default_factory=dict)
+    stop: str | None = None  # the stop string that ended the text
 
 
 class Model:
@@ -46,18 +48,16 @@ class Model:
     when the tokenizer has one) or a list of chat messages ({"role", "content"})."""
 
     def __init__(self, out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> None:
-        from fuselm.runtime_metal.artifact import read_manifest
-        from fuselm.runtime_metal.engine import make_engine
-        from fuselm.runtime_metal.session import CachedSession
-        from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
+        from fuselm.runtime_metal.loaded_model import open_model
 
-        self.path = Path(out_dir)
-        self.manifest = read_manifest(out_dir)
-        self.engine = make_engine(out_dir, engine, **engine_options)
-        self.tokenizer = load_tokenizer(out_dir)
-        self.eos_ids = eos_ids(self.manifest, generation_config(out_dir), self.tokenizer)
+        self.runtime = open_model(out_dir, engine, **engine_options)
+        self.path = self.runtime.path
+        self.manifest = self.runtime.manifest
+        self.engine = self.runtime.engine
+        self.tokenizer = self.runtime.tokenizer
+        self.eos_ids = self.runtime.eos_ids
         # Successive calls that share a prefix (a growing conversation) reuse the KV cache.
-        self._session = CachedSession(self.engine)
+        self._session = self.runtime.session()
 
     def encode(self, prompt: str | Messages, raw: bool = False) -> list[int]:
         from fuselm.runtime_metal.tokenizer import encode_prompt
@@ -81,17 +81,14 @@ class Model:
         sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
         sampling.validate()
         ids = self.encode(prompt, raw=raw)
-        tok = self.tokenizer
-        done = yield from self._session.stream(
-            ids, max_new_tokens=max_tokens, sampling=sampling, eos_ids=self.eos_ids,
-            stop_strings=tuple(stop), decode=lambda t: tok.decode(t, skip_special_tokens=True),
-            context_length=self.manifest.model.context_length)
+        done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
+                                               stop_strings=tuple(stop))
         if result is not None:
             result.append(Generation(done.text, done.tokens, done.stop_reason, {
                 "prompt_tokens": len(ids), "prefilled_tokens": done.prompt_tokens,
                 "cached_tokens": self._session.reused, "new_tokens": len(done.tokens),
                 "prefill_tokens_per_s": done.pp, "decode_tokens_per_s": done.tg,
-                "engine": done.engine.get("engine")}))
+                "engine": done.engine.get("engine")}, done.stop))
 
     def generate(self, prompt: str | Messages, **options: Any) -> Generation:
         """The whole reply at once; options as `stream`'s."""

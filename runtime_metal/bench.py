@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from fuselm.runtime_metal.engine import make_engine, resolve_engine
+from fuselm.runtime_metal.engine import resolve_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate_steps
+from fuselm.runtime_metal.loaded_model import open_model
 from fuselm.runtime_metal.sampling import SamplingOptions, make_device_sampler, make_sampler
 
 
@@ -125,16 +126,15 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               on_run: Callable[[int, int], None] | None = None,
               **engine_options: Any) -> BenchResult:
     """on_run(done, total) after each run, warm-up included (progress)."""
-    from fuselm.runtime_metal.artifact import read_manifest
-
     if p < 1 or n < 2 or r < 1:
         raise ValueError("bench needs -p >= 1, -n >= 2, -r >= 1")
-    check_fits(p, n, read_manifest(out_dir).model.context_length)
     name = resolve_engine(engine)
     t0 = time.perf_counter()
-    eng = make_engine(out_dir, name, **engine_options)
+    model = open_model(out_dir, name, defer_engine=True, **engine_options)
+    check_fits(p, n, model.manifest.model.context_length)  # before the engine's load
+    eng = model.engine
     load_s = time.perf_counter() - t0
-    vocab = read_manifest(out_dir).model.vocab_size
+    vocab = model.manifest.model.vocab_size
     prompt = [int(i) for i in np.random.default_rng(seed).integers(0, vocab, size=p)]
     for i in range(warmup):
         eng.reset()
@@ -170,7 +170,7 @@ def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chun
     if name != "mlx":
         raise ValueError("--profile times the MLX engine's nodes; use --engine mlx")
     prof = Profiler()
-    eng = make_engine(out_dir, "mlx", profiler=prof)
+    eng = open_model(out_dir, "mlx", profiler=prof).engine
     timed_generation(eng, prompt, n, chunk)
     return prof.by_op()
 

@@ -19,6 +19,7 @@ from fuselm.runtime_metal.sampling import (
     make_device_sampler,
     make_sampler,
 )
+from fuselm.runtime_metal.text_stream import TextStream
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     engine: dict[str, object] = field(default_factory=dict)
+    stop: str | None = None  # the stop string that ended the text (stop_reason stop_string)
 
     @property
     def pp(self) -> float:
@@ -204,8 +206,9 @@ def iter_generate(
     reset: bool = True,
     device_sampling: bool | None = None,
 ) -> Generator[str, None, GenerationResult]:
-    """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`)
-    and returning the GenerationResult. Text is checked against `stop_strings`.
+    """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
+    through the one text stream: runtime_metal/text_stream.py) and returning the
+    GenerationResult. The text ends before the first of `stop_strings` it contains.
 
     reset=False continues after the engine's cached positions (the caller's prompt is only
     what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
@@ -226,7 +229,7 @@ def iter_generate(
     timings: dict[str, float] = {}
     tokens: list[int] = []
     stop_reason = "length"
-    text, emitted = "", 0
+    text = TextStream(decode, stop_strings) if decode is not None else None
     eos = set(int(e) for e in eos_ids)
     steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
                            prefill_chunk=prefill_chunk, timings=timings,
@@ -237,23 +240,22 @@ def iter_generate(
                 stop_reason = "eos"
                 break
             tokens.append(token)
-            if decode is None:
+            if text is None:
                 continue
-            text = decode(tokens)
-            hit = next((s for s in stop_strings if s and s in text), None)
-            if hit is not None:
-                text = text[: text.index(hit)]
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
                 stop_reason = "stop_string"
-            # Hold back a trailing replacement char (a partial UTF-8 sequence) until complete.
-            ready = len(text) if hit or not text.endswith("\ufffd") else len(text) - 1
-            if ready > emitted:
-                yield text[emitted:ready]
-                emitted = ready
-            if hit is not None:
                 break
     finally:
         steps.close()  # the pipelined loop forgets a token fed ahead, before anyone reads offset
-    if decode is not None and len(text) > emitted:
-        yield text[emitted:]
-    return GenerationResult(tokens, text, len(prompt), stop_reason, timings.get("prefill", 0.0),
-                            timings.get("decode", 0.0), engine.describe())
+    if text is not None:
+        rest = text.finish()
+        if rest:
+            yield rest
+        if text.stopped:  # the held tail completed a stop string
+            stop_reason = "stop_string"
+    return GenerationResult(tokens, text.text if text is not None else "", len(prompt),
+                            stop_reason, timings.get("prefill", 0.0), timings.get("decode", 0.0),
+                            engine.describe(), text.stop if text is not None else None)

@@ -132,15 +132,13 @@ def engine_logits_fn(engine: Any) -> Logits:
 def perplexity(out_dir: str | Path, text: str, context: int = 512, engine: str = "auto",
                **engine_options: Any) -> PerplexityResult:
     """PPL of `text` under the artifact in `out_dir`, through engine `engine`."""
-    from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.engine import make_engine
-    from fuselm.runtime_metal.tokenizer import load_tokenizer
+    from fuselm.runtime_metal.loaded_model import open_model
 
-    manifest = read_manifest(out_dir)
-    if context > manifest.model.context_length:
+    model = open_model(out_dir, engine, defer_engine=True, **engine_options)
+    if context > model.manifest.model.context_length:
         raise RuntimeUserError(
             f"--context {context} exceeds the model's context length "
-            f"{manifest.model.context_length}")
-    tokens = text_tokens(load_tokenizer(out_dir), text)
-    eng = make_engine(out_dir, engine, **engine_options)
+            f"{model.manifest.model.context_length}")
+    tokens = text_tokens(model.tokenizer, text)
+    eng = model.engine
     return perplexity_of(engine_logits_fn(eng), tokens, context, engine=eng.name)

@@ -17,10 +17,13 @@ from fuselm.runtime_metal.prefix import common_prefix
 
 
 class CachedSession:
-    """Generations over one engine; `cached` are the token ids whose K/V the engine holds."""
+    """Generations over one engine; `cached` are the token ids whose K/V the engine holds.
+    `defaults` are iter_generate options every call takes (a model's EOS set, decode, context
+    length: LoadedModel.session)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, **defaults: Any) -> None:
         self.engine = engine
+        self.defaults = defaults
         self.cached: list[int] = []
         self.reused = 0  # positions kept from the cache by the last call
 
@@ -43,7 +46,8 @@ class CachedSession:
         self.cached = ids[:keep]
         fed_ok = False
         try:
-            result = yield from iter_generate(self.engine, ids[keep:], reset=False, **options)
+            result = yield from iter_generate(self.engine, ids[keep:], reset=False,
+                                              **{**self.defaults, **options})
             fed_ok = True
         finally:
             # Interrupted mid-step (Ctrl-C), the cache's content is unknown: start over next time.

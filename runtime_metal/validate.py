@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import NonFiniteLogitsError
 from fuselm.runtime_metal.generate import generate, prefill_chunk_for
+from fuselm.runtime_metal.loaded_model import open_model
 from fuselm.runtime_metal.prefix import common_prefix as agreement
 
 
@@ -97,7 +97,7 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
     for name in engines:
         # accuracy_level 0: float compute, so Q4 differences are the weights', not ORT's.
         opts = {"accuracy_level": 0} if name == "onnxruntime" else {}
-        opened[name] = make_engine(out_dir, name, **opts)
+        opened[name] = open_model(out_dir, name, **opts).engine
         rungs.append(Rung(name))
     for i, ids in enumerate(prompts):
         ref = hf_logits(model, ids)

@@ -61,7 +61,7 @@ class Chat:
     """The conversation state: messages, system prompt, and the cached session."""
 
     def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any]) -> None:
-        self.tok, self.session, self.gen = tok, session, gen
+        self.tok, self.session, self.gen = tok, session, gen  # gen: max_new_tokens, sampling
         self.system = system
         self.turns: list[dict[str, str]] = []
 
@@ -138,9 +138,6 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
          repetition_penalty: float, seed: int | None, engine: str, accuracy_level: int,
          threads: int | None, system: str | None) -> None:
     """Interactive chat with OUT_DIR (history kept; /help lists the commands)."""
-    from fuselm.runtime_metal.session import CachedSession
-    from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
-
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
                                "(for one reply without stdin use `fuselm run --prompt TEXT`)")
@@ -150,16 +147,13 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float, top_k: int, top_
             "re-convert from a checkpoint folder that has tokenizer.json "
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(temperature, top_k, top_p, repetition_penalty, seed)
-    manifest, eng, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
-    tok = load_tokenizer(out_dir)
-    gen = {"max_new_tokens": max_new_tokens, "sampling": sampling,
-           "eos_ids": eos_ids(manifest, generation_config(out_dir), tok),
-           "decode": lambda t: tok.decode(t, skip_special_tokens=True),
-           "context_length": manifest.model.context_length}
+    model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
+    tok = model.tokenizer
+    gen = {"max_new_tokens": max_new_tokens, "sampling": sampling}
     with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream
         sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     _enable_line_editing()
-    state = Chat(tok, CachedSession(eng), system, gen)
+    state = Chat(tok, model.session(), system, gen)
     if sys.stdin.isatty():
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -40,20 +39,23 @@ def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
           threads: int | None = None, config: RuntimeConfig | None = None):
-    from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.engine import make_engine, resolve_engine
+    """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
+    from fuselm.runtime_metal.engine import resolve_engine
+    from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
-    manifest = read_manifest(out_dir)
     name = resolve_engine(engine)
-    profiler = Profiler() if profile else None
     options = ort_options(name, accuracy_level, threads)
     if name == "onnxruntime":
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
-        return manifest, make_engine(out_dir, name, config, **options), None
-    warn_mlx_on_cpu(manifest, engine)
-    return manifest, make_engine(out_dir, name, config, profiler=profiler), profiler
+        return open_model(out_dir, name, config=config, **options), None
+    profiler = Profiler() if profile else None
+    model = open_model(out_dir, name, defer_engine=True, config=config,
+                       profiler=profiler)
+    warn_mlx_on_cpu(model.manifest, engine)  # before the slow part: building the engine
+    model.engine  # noqa: B018
+    return model, profiler
 
 
 def warn_mlx_on_cpu(manifest: Any, engine: str) -> None:
@@ -123,14 +125,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         threads: int | None, prefill_chunk: int | None, as_json: bool, profile: bool,
         device_sampling: bool, verify_files: bool = False, verbose: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
-    from fuselm.runtime_metal.generate import generate
-    from fuselm.runtime_metal.tokenizer import (
-        check_text,
-        encode_prompt,
-        eos_ids,
-        generation_config,
-        load_tokenizer,
-    )
+    from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
@@ -140,32 +135,24 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    manifest, eng, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
-    gen_cfg = generation_config(out_dir)
-    tok = None
+    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
     if prompt is not None:
         check_text(prompt)
-        tok = load_tokenizer(out_dir)
-        ids = encode_prompt(tok, prompt, raw=raw)
+        ids = encode_prompt(model.tokenizer, prompt, raw=raw)
     else:
         ids = _parse_ids(prompt_ids or "")
-        vocab = manifest.model.vocab_size
+        vocab = model.manifest.model.vocab_size
         if any(i < 0 or i >= vocab for i in ids):
             raise RuntimeUserError(f"--prompt-ids must be in [0, {vocab})")
-        if (Path(out_dir) / "tokenizer.json").is_file():
-            tok = load_tokenizer(out_dir)
-    decode = (lambda t: tok.decode(t, skip_special_tokens=True)) if tok is not None else None
     stream = sys.stderr if as_json else sys.stdout
 
     def on_text(piece: str) -> None:
         stream.write(piece)
         stream.flush()
 
-    result = generate(eng, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                      eos_ids=eos_ids(manifest, gen_cfg, tok), stop_strings=stop,
-                      decode=decode, on_text=on_text, prefill_chunk=prefill_chunk,
-                      context_length=manifest.model.context_length,
-                      device_sampling=True if device_sampling else None)
+    result = model.generate(ids, on_text=on_text, max_new_tokens=max_new_tokens,
+                            sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
+                            device_sampling=True if device_sampling else None)
     stream.write("\n")
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,

@@ -95,34 +95,34 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
 
     from fuselm.converter.serve.app import ServeState, create_app
     from fuselm.converter.serve.scheduler import Scheduler
-    from fuselm.runtime_metal.artifact import read_manifest
-    from fuselm.runtime_metal.engine import make_engine, resolve_engine
-    from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
+    from fuselm.runtime_metal.engine import resolve_engine
+    from fuselm.runtime_metal.loaded_model import open_model
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    manifest = read_manifest(out_dir)
+    name = resolve_engine(engine)
+    options = ort_options(name, accuracy_level, threads)
+    # The engine is built on the engine thread (build), where it runs: MLX binds its streams
+    # to the thread that makes them.
+    model = open_model(out_dir, name, defer_engine=True, **options)
+    manifest = model.manifest
     context = manifest.model.context_length
     if max_context is not None and max_context > context:
         raise RuntimeUserError(f"--max-context {max_context} is over the model's context "
                                f"({context}); give at most {context}")
     max_context = max_context or min(context, DEFAULT_CONTEXT)
-    name = resolve_engine(engine)
-    options = ort_options(name, accuracy_level, threads)
     described: dict[str, object] = {}
 
-    def build():  # noqa: ANN202 - on the engine thread (MLX streams are per thread)
-        eng = make_engine(out_dir, name, **options)
-        decoder = make_decoder(eng, max_batch, max_context, prefill_chunk)
-        described.update(eng.describe(), batch=decoder.describe())
+    def build():  # noqa: ANN202 - on the engine thread
+        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk)
+        described.update(model.engine.describe(), batch=decoder.describe())
         return decoder
 
-    # Two tokenizers: the handlers encode with one while the engine thread decodes with the
-    # other (a fast tokenizer is not safe to share across threads).
-    tok_handlers, tok_engine = load_tokenizer(out_dir), load_tokenizer(out_dir)
-    eos = eos_ids(manifest, generation_config(out_dir), tok_engine)
-    scheduler = Scheduler(build, lambda t: tok_engine.decode(t, skip_special_tokens=True), eos,
-                          max_batch=max_batch, max_queue=max_queue)
+    # Two tokenizers: the handlers encode with their own while the engine thread's text
+    # streams decode with the model's (a fast tokenizer is not safe to share across threads).
+    tok_handlers = model.new_tokenizer()
+    scheduler = Scheduler(build, model.decoder(), model.eos_ids, max_batch=max_batch,
+                          max_queue=max_queue)
     scheduler.start()
     state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
                        max_context, manifest.model.vocab_size, default_max_tokens,

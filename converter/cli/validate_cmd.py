@@ -65,7 +65,7 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
     runtime_metal/verdict.py). NaN/Inf anywhere fails."""
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.engine import mlx_has_gpu
-    from fuselm.runtime_metal.tokenizer import load_tokenizer
+    from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.validate import validate as run_ladder
     from fuselm.runtime_metal.verdict import THRESHOLDS, judge, precision
 
@@ -81,8 +81,10 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
         rungs.append("mlx")
     texts = list(prompts) or list(DEFAULT_PROMPTS)
     ppl_tokens = None
-    if (Path(out_dir) / "tokenizer.json").is_file() or prompts:
-        tok = load_tokenizer(out_dir)
+    # The artifact's tokenizer (the ladder opens each rung's engine itself).
+    model = open_model(out_dir, rungs[0], defer_engine=True)
+    if model.has_tokenizer or prompts:
+        tok = model.tokenizer
         ids = [tok.encode(t) for t in texts]
         shown = [repr(t) for t in texts]
         if not no_ppl:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from fuselm.converter.serve.text import TextStream
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.text_stream import TextStream
 
 log = logging.getLogger("fuselm.serve")
 
@@ -186,10 +186,10 @@ class Scheduler:
         if finish is None and job.generated >= job.max_tokens:
             finish = "length"
         if finish is not None:
-            rest = job.text.flush()
+            rest = job.text.finish()
             if rest:
                 job.emit("delta", rest)
-            self._finish(slot, job, finish)
+            self._finish(slot, job, "stop" if job.text.stopped else finish)
 
     def _finish(self, slot: int, job: Job, reason: str) -> None:
         assert self.decoder is not None

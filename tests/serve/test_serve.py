@@ -97,6 +97,59 @@ def test_stop_strings(server: Server) -> None:
     assert "".join(pieces) == cut  # nothing of the stop string leaked into the stream
 
 
+def fuselm_run_stdout(srv: Server, prompt: str, n: int, *stop: str) -> str:
+    """The text `fuselm run --raw --temperature 0` streams to stdout (then one newline)."""
+    args = ["run", str(srv.out_dir), "--prompt", prompt, "--raw", "-n", str(n),
+            "--temperature", "0", "--engine", srv.engine] + [
+        a for s in stop for a in ("--stop", s)]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.endswith("\n")
+    return res.stdout[:-1]
+
+
+# The tiny random model's greedy reply to this prompt: a byte that is no UTF-8 text, then a
+# word over and over (a prompt through the chat template gets only newlines back).
+STREAM_PROMPT = "Bonjour 日本 👋"
+
+
+def test_run_api_and_serve_stream_the_same_text(any_server: Server) -> None:
+    """One greedy request through `fuselm run`, the Python API's stream and the server's SSE
+    stream (/v1/completions): the same text, with and without a stop string that spans
+    tokens."""
+    import fuselm
+    from fuselm.runtime_metal.tokenizer import load_tokenizer
+
+    server, prompt, n = any_server, STREAM_PROMPT, 24
+
+    def served(*stop: str) -> str:
+        chunks = server.client().completions.create(
+            model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+            **({"stop": list(stop)} if stop else {}))
+        return "".join(c.choices[0].text for c in chunks)
+
+    model = fuselm.load(server.out_dir, engine=server.engine)
+
+    def api(*stop: str) -> str:
+        return "".join(model.stream(prompt, max_tokens=n, stop=list(stop), raw=True))
+
+    want = fuselm_run(server, prompt, n, raw=True)
+    text = fuselm_run_stdout(server, prompt, n)
+    assert "\ufffd" in text and len(set(text)) > 2  # not a trivial reply
+    assert text == want["text"] == served() == api()
+    # A stop string across a token boundary (two characters each side), first seen there.
+    tok = load_tokenizer(server.out_dir)
+    ids = want["tokens"]
+    bounds = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(1, len(ids))]
+    stop = next(s for b in bounds if 2 <= b <= len(text) - 2 and "\ufffd" not in
+                (s := text[b - 2:b + 2]) and text.index(s) == b - 2)
+    cut = text[:text.index(stop)]
+    assert len(cut) >= 2
+    assert fuselm_run_stdout(server, prompt, n, stop) == cut
+    assert served(stop) == cut
+    assert api(stop) == cut
+
+
 def test_seed_reproducible(server: Server) -> None:
     def sample(seed: int) -> str:
         return chat(server, PROMPTS[4], 16, temperature=1.0, seed=seed).choices[0].message.content
