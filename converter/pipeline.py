@@ -206,9 +206,11 @@ def convert(
     `exporter`: what writes raw.onnx, export_model's signature (default for an HF directory:
     converter/exporter_choice.py's choice), `spec` the model's, when known."""
     if checkpoint is None and is_gguf(model_dir):
-        from fuselm.converter.gguf_input import convert_gguf
+        from fuselm.converter.gguf_input import staged_gguf
 
-        return convert_gguf(model_dir, out_dir, options, progress)
+        with staged_gguf(model_dir, out_dir) as staged:
+            return convert(staged.meta, out_dir, options, progress, checkpoint=staged.checkpoint,
+                           source=staged.source, exporter=staged.exporter, spec=staged.spec)
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     t0 = time.perf_counter()
