@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -133,3 +134,19 @@ def launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 def linked_launches(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """The launches' records (_record), each output reading every input (a graph to export)."""
     yield from _record(monkeypatch, linked=True)
+
+
+@pytest.fixture()
+def art(qwen3_artifact: Path, tmp_path: Path) -> Path:
+    """A copy of the session's Qwen3 artifact that a test may damage."""
+    out = tmp_path / "art"
+    shutil.copytree(qwen3_artifact, out)
+    return out
+
+
+def edit_manifest(art: Path, edit) -> None:  # noqa: ANN001 - a function of the raw JSON
+    """Rewrite art/fuselm.json through `edit(raw)` (no re-hashing: the edit is the test)."""
+    path = art / "fuselm.json"
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))

@@ -6,10 +6,8 @@ error (exit 2) naming the option and the range."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,20 +17,7 @@ import pytest
 from fuselm.converter.cli.options import MAX_THREADS
 from fuselm.runtime_metal.perplexity import perplexity_of
 from tests.cli_run import cli, one_error
-
-
-@pytest.fixture()
-def art(qwen3_artifact: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "art"
-    shutil.copytree(qwen3_artifact, out)
-    return out
-
-
-def _edit_manifest(art: Path, edit) -> None:  # noqa: ANN001
-    path = art / "fuselm.json"
-    raw = json.loads(path.read_text())
-    edit(raw)
-    path.write_text(json.dumps(raw))
+from tests.runtime.conftest import edit_manifest
 
 
 def _run(capsys: pytest.CaptureFixture, art: Path, *args: str) -> tuple[int, str]:
@@ -58,14 +43,14 @@ def test_graph_edited_after_conversion_refused(capsys, art: Path, family_models)
 
 def test_artifact_without_recorded_hashes_still_loads(capsys, art: Path) -> None:  # noqa: ANN001
     """An artifact from before hashes were recorded has nothing to compare: it runs."""
-    _edit_manifest(art, lambda m: m.pop("integrity"))
+    edit_manifest(art, lambda m: m.pop("integrity"))
     code, err = _run(capsys, art)
     assert code == 0, err
 
 
 def test_vocab_size_beyond_the_graph_refused_at_load(capsys, art: Path) -> None:  # noqa: ANN001
     """vocab_size 100000 over a 384-entry graph let id 50000 reach onnxruntime's Gather."""
-    _edit_manifest(art, lambda m: m["model"].update(vocab_size=100000))
+    edit_manifest(art, lambda m: m["model"].update(vocab_size=100000))
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2,50000", "-n", "2",
                           "--engine", "onnxruntime"))
     assert "vocab_size = 100000" in line and "384" in line

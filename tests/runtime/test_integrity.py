@@ -6,7 +6,6 @@ engines where the engine matters.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -15,22 +14,11 @@ import pytest
 
 from fuselm.runtime_metal.integrity import tensor_ranges
 from tests.cli_run import cli, one_error
+from tests.runtime.conftest import edit_manifest
 
 ENGINES = ("mlx", "onnxruntime")
 
 
-@pytest.fixture()
-def art(qwen3_artifact: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "art"
-    shutil.copytree(qwen3_artifact, out)
-    return out
-
-
-def _edit_manifest(art: Path, edit) -> None:  # noqa: ANN001
-    path = art / "fuselm.json"
-    raw = json.loads(path.read_text())
-    edit(raw)
-    path.write_text(json.dumps(raw))
 
 
 def test_verify_ok(capsys, art: Path) -> None:  # noqa: ANN001
@@ -64,7 +52,7 @@ def test_verify_names_the_damaged_tensor(capsys, art: Path) -> None:  # noqa: AN
 
 
 def test_verify_without_hashes(capsys, art: Path) -> None:  # noqa: ANN001
-    _edit_manifest(art, lambda raw: raw.pop("integrity"))
+    edit_manifest(art, lambda raw: raw.pop("integrity"))
     line = one_error(*cli(capsys, "verify", str(art)))
     assert "records no file hashes" in line
 
@@ -74,7 +62,7 @@ def test_zero_byte_data_file(capsys, art: Path, engine: str) -> None:  # noqa: A
     (art / "model.onnx.data").write_bytes(b"")
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
     assert "model.onnx.data" in line and "empty" in line
-    _edit_manifest(art, lambda raw: raw.pop("integrity"))  # an artifact without a record
+    edit_manifest(art, lambda raw: raw.pop("integrity"))  # an artifact without a record
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
     assert "model.onnx.data" in line and "empty" in line
 
@@ -121,10 +109,10 @@ SCHEMA_CASES = {
 def test_manifest_field_errors(capsys, art: Path, case: str) -> None:  # noqa: ANN001
     field, value, needle, allowed = SCHEMA_CASES[case]
     if field.startswith("integrity.files."):
-        _edit_manifest(art, lambda raw: raw["integrity"]["files"].__setitem__(
+        edit_manifest(art, lambda raw: raw["integrity"]["files"].__setitem__(
             "model.onnx.data", value))
     else:
-        _edit_manifest(art, _set(field, value))
+        edit_manifest(art, _set(field, value))
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2",
                           "--engine", "onnxruntime"))
     assert needle in line and allowed in line and "fuselm.json" in line
@@ -135,16 +123,16 @@ def test_manifest_field_errors(capsys, art: Path, case: str) -> None:  # noqa: A
                                               ("num_layers", 3)])
 def test_manifest_disagrees_with_graph(capsys, art: Path, engine: str, field: str,  # noqa: ANN001
                                        value: int) -> None:
-    _edit_manifest(art, _set(f"model.{field}", value))
+    edit_manifest(art, _set(f"model.{field}", value))
     if field == "head_dim":
-        _edit_manifest(art, _set("rope.rotary_dim", value))
+        edit_manifest(art, _set("rope.rotary_dim", value))
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
     assert f"model.{field} = {value}" in line and "model.onnx" in line
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_manifest_dtype_disagrees_with_graph(capsys, art: Path, engine: str) -> None:  # noqa: ANN001
-    _edit_manifest(art, _set("dtype", "float16"))
+    edit_manifest(art, _set("dtype", "float16"))
     line = one_error(*cli(capsys, "run", str(art), "--prompt-ids", "1,2", "--engine", engine))
     assert "dtype = float16" in line and "float32" in line
 
@@ -196,7 +184,7 @@ PATH_CASES = {
 def test_manifest_paths_outside_the_artifact_refused(capsys, art: Path, outside: Path,  # noqa: ANN001
                                                      case: str, command: str) -> None:
     make, field = PATH_CASES[case]
-    _edit_manifest(art, make(art, outside))
+    edit_manifest(art, make(art, outside))
     args = ["--prompt-ids", "1,2", "-n", "2", "--engine", "onnxruntime"] if command == "run" \
         else []
     line = one_error(*cli(capsys, command, str(art), *args))

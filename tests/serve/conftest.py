@@ -89,7 +89,8 @@ def _wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
         time.sleep(0.3)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server started by a test, SIGKILL if it does not exit in 20 s."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGTERM)
     try:
@@ -114,7 +115,7 @@ def servers(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         yield {srv.engine: srv for _, srv in started}
     finally:
         for proc, _ in started:
-            _stop(proc)
+            stop_server(proc)
 
 
 @pytest.fixture(scope="session")
@@ -173,7 +174,7 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         yield Guarded(started[0][1], started[1][1], allowed, foreign)
     finally:
         for proc, _ in started:
-            _stop(proc)
+            stop_server(proc)
         for p in pages:
             p.shutdown()
             p.server_close()

@@ -4,9 +4,7 @@ renders for its whole time limit, another small request is answered."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -19,7 +17,7 @@ import pytest
 
 from fuselm.runtime_metal.chat_template import DEFAULT_LIMITS
 from tests.runtime.template_cases import HOSTILE, LONG, TRIGGERS
-from tests.serve.conftest import MODEL, STARTUP_S, free_port
+from tests.serve.conftest import MODEL, STARTUP_S, free_port, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +49,7 @@ def url(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield base
         assert "Traceback" not in log.read_text()
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_server(proc)
 
 
 def _chat(url: str, content: str, timeout: float = 60) -> httpx.Response:
