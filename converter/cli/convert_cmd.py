@@ -8,11 +8,9 @@ from pathlib import Path
 
 import click
 
-from fuselm.converter import out_dir as out_dir_safety
-from fuselm.converter import pipeline
-from fuselm.converter.pipeline import ConvertOptions
-from fuselm.converter.progress import stage_progress, stderr
-from fuselm.passes.quant.options import QuantOptions, quant_options
+# The pipeline, the quantization options and the progress display import onnx, numpy and the
+# exporters: imported in the command bodies, so that `fuselm --help` and argument errors answer
+# without them.
 
 
 def _passes(value: str | None) -> list[str] | None:
@@ -110,7 +108,11 @@ def convert_command(
 ) -> None:
     """Convert an HF decoder checkpoint (MODEL_DIR, or a hub id ORG/NAME) into a fused ONNX
     artifact."""
+    from fuselm.converter import pipeline
     from fuselm.converter.models.hub import resolve_source
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.progress import stage_progress, stderr
+    from fuselm.passes.quant.options import quant_options
 
     if q_bits is not None:
         quant = "q4"
@@ -176,8 +178,13 @@ convert = convert_command
 )
 def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
     """Convert the bundled SmolLM2-135M-Instruct GGUF to Q4 and answer a question with it."""
+    from fuselm.converter import out_dir as out_dir_safety
+    from fuselm.converter import pipeline
     from fuselm.converter.cli.run_cmd import run
     from fuselm.converter.models.smollm2 import bundled_gguf
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.progress import stage_progress, stderr
+    from fuselm.passes.quant.options import QuantOptions
 
     if out_dir is not None:  # before any output: a refused -o is one error line
         out_dir_safety.check_target(out_dir)

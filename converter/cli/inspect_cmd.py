@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import onnx
 from rich.console import Console
 from rich.table import Table
 
 from fuselm.converter.errors import UserError
+
+if TYPE_CHECKING:  # onnx is imported where a model is read: `fuselm --help` answers without it
+    import onnx
 
 
 class _Stdout(Console):
@@ -21,15 +23,14 @@ class _Stdout(Console):
         # BrokenPipeError handler exits 0
         raise BrokenPipeError
 
-_TYPES = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
-
-
 def _shape(vi: onnx.ValueInfoProto) -> list[int | str]:
     return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
 
 def describe(path: Path) -> dict[str, Any]:
     """I/O signature, op histogram and weight sizes of an ONNX model (file or artifact dir)."""
+    import onnx
+
     if path.is_dir():
         path = path / "model.onnx"
     if not path.is_file():
@@ -47,11 +48,13 @@ def describe(path: Path) -> dict[str, Any]:
         ext = {e.key: e.value for e in t.external_data}
         weight_bytes += int(ext.get("length", 0)) if ext else len(t.raw_data)
 
+    types = {v: k.lower() for k, v in onnx.TensorProto.DataType.items()}
+
     def io(vis: Any) -> list[dict[str, Any]]:
         return [
             {
                 "name": v.name,
-                "type": _TYPES.get(v.type.tensor_type.elem_type, "?"),
+                "type": types.get(v.type.tensor_type.elem_type, "?"),
                 "shape": _shape(v),
             }
             for v in vis
@@ -77,6 +80,8 @@ def describe(path: Path) -> dict[str, Any]:
 def inspect(model: Path, as_json: bool, full: bool) -> None:
     """Show MODEL's (a .onnx file or an output directory) summary, I/O signature and op
     histogram."""
+    import onnx
+
     from fuselm.config import resolve
     from fuselm.converter.cli.inspect_summary import collapse_io, summary
 
