@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,11 @@ class SamplingOptions:
                 f"{self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RuntimeUserError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    def overridden(self, **given: float | int | None) -> SamplingOptions:
+        """These options (a model's defaults) with each value a caller gave (not None) in
+        place: how run, chat, the Python API and the server resolve a request's sampling."""
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def describe(self) -> dict[str, Any]:
         """The options as plain JSON values (the seed left out: it is per request)."""

@@ -32,15 +32,12 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
               repetition_penalty: float | None, seed: int | None):  # noqa: ANN202
     """The flags given over the model's generation_config.json defaults (greedy without one),
     the defaults `fuselm serve` uses for a request that sets nothing."""
-    from dataclasses import replace
-
     from fuselm.runtime_metal.sampling import sampling_defaults
     from fuselm.runtime_metal.tokenizer import generation_config
 
-    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
-             "repetition_penalty": repetition_penalty, "seed": seed}
-    opts = replace(sampling_defaults(generation_config(out_dir)),
-                   **{k: v for k, v in given.items() if v is not None})
+    opts = sampling_defaults(generation_config(out_dir)).overridden(
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed)
     opts.validate()
     return opts
 

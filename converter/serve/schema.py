@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -73,9 +72,9 @@ class _Request(BaseModel):
 
     def sampling(self, defaults: SamplingOptions) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter."""
-        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                 "repetition_penalty": self.repetition_penalty, "seed": self.seed}
-        return replace(defaults, **{k: v for k, v in given.items() if v is not None})
+        return defaults.overridden(temperature=self.temperature, top_p=self.top_p,
+                                   top_k=self.top_k,
+                                   repetition_penalty=self.repetition_penalty, seed=self.seed)
 
     @field_validator("stop")
     @classmethod

@@ -161,3 +161,13 @@ def test_run_flags_override_generation_config(tmp_path: Path) -> None:
         temperature=0.6, top_k=20, top_p=0.5, seed=7)
     assert sampling_from(str(tmp_path / "none"), None, None, None, None, None) == \
         SamplingOptions()
+
+
+def test_python_api_defaults_agree(server: Server) -> None:
+    """fuselm.load(...).generate with no sampling option: the same greedy text as the server
+    and `fuselm run` give this artifact."""
+    import fuselm
+
+    model = fuselm.load(server.out_dir, engine=server.engine)
+    reply = model.generate(PROMPT, max_tokens=N)
+    assert reply.text == run_json(server, "--prompt", PROMPT)["text"]
