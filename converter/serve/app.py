@@ -91,6 +91,10 @@ def _parse(chat: bool, data: dict[str, Any]) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "not_implemented":  # a message field (schema.Message)
+            param = f"{param}.{first['ctx']['name']}"
+            raise ApiError(400, f"{param}: fuselm does not implement this message field; leave "
+                                "it out", param=param, code="unsupported_parameter") from None
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             raise ApiError(400, f"{param}: unknown parameter; fuselm does not implement it",
                            param=param, code="unknown_parameter") from None

@@ -7,7 +7,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from fuselm.runtime_metal.sampling import SamplingOptions
 
@@ -91,11 +92,30 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+# Message fields fuselm does not implement. A client that sends an earlier reply back (the
+# openai client's message.model_dump()) sends them empty (null, [] or ""), which asks for
+# nothing; with a value they are refused, never dropped.
+MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "tool_calls", "tool_call_id", "function_call",
+                           "audio", "annotations")
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ops(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in MESSAGE_NOT_IMPLEMENTED:
+            if data.get(name) not in (None, [], ""):
+                raise PydanticCustomError(
+                    "not_implemented", "{name}: fuselm does not implement this message field",
+                    {"name": name})
+        return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""

@@ -97,7 +97,8 @@ def test_no_op_values_and_bookkeeping_fields_accepted(server: Server) -> None:
     assert text == completion(server, temperature=0)
 
 
-def test_default_sampling_is_the_generation_config(server: Server) -> None:
+def test_default_sampling_is_the_generation_config(any_server: Server) -> None:
+    server = any_server
     """The tiny model's generation_config.json says do_sample false: a request without sampling
     parameters is greedy, token for token what `fuselm run` (no sampling flags) prints, and
     /v1/models says so."""
@@ -113,7 +114,8 @@ def test_default_sampling_is_the_generation_config(server: Server) -> None:
     assert r.choices[0].message.content == run_json(server, "--prompt", PROMPT)["text"]
 
 
-def test_top_k_honoured(server: Server) -> None:
+def test_top_k_honoured(any_server: Server) -> None:
+    server = any_server
     """top_k=1 keeps only the likeliest token: any temperature and seed gives greedy output,
     while the same temperature without top_k does not."""
     greedy = completion(server, temperature=0)
@@ -123,7 +125,8 @@ def test_top_k_honoured(server: Server) -> None:
     assert free != {greedy}
 
 
-def test_repetition_penalty_honoured(server: Server) -> None:
+def test_repetition_penalty_honoured(any_server: Server) -> None:
+    server = any_server
     """The same penalty `fuselm run --repetition-penalty` applies (the one host sampler), and
     it changes this prompt's greedy output."""
     ids = ",".join(map(str, IDS))
@@ -171,3 +174,24 @@ def test_python_api_defaults_agree(server: Server) -> None:
     model = fuselm.load(server.out_dir, engine=server.engine)
     reply = model.generate(PROMPT, max_tokens=N)
     assert reply.text == run_json(server, "--prompt", PROMPT)["text"]
+
+
+def test_message_fields(server: Server) -> None:
+    """An earlier reply sent back as the openai client dumps it (refusal, tool_calls, ...
+    empty) is accepted; a message field with a value fuselm would ignore is refused by name."""
+    client = server.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
+    history = [{"role": "user", "content": PROMPT}, first.choices[0].message.model_dump(),
+               {"role": "user", "content": "more"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert again.choices[0].finish_reason in ("stop", "length")
+    for field, value in (("name", "bob"), ("tool_call_id", "call_1")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+                {"role": "user", "content": "hi", field: value}])
+        assert e.value.param == f"messages.0.{field}"
+        assert e.value.code == "unsupported_parameter"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "x": 1}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.x"
