@@ -70,15 +70,17 @@ class Model:
         return encode_prompt(self.tokenizer, messages[-1]["content"], history=messages[:-1])
 
     def stream(self, prompt: str | Messages, *, max_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               repetition_penalty: float = 1.0, seed: int | None = None,
+               temperature: float | None = None, top_p: float | None = None,
+               top_k: int | None = None, repetition_penalty: float | None = None,
+               seed: int | None = None,
                stop: Sequence[str] = (), raw: bool = False,
                result: list[Generation] | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
-        `result` when given."""
-        from fuselm.runtime_metal.sampling import SamplingOptions
-
-        sampling = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+        `result` when given. A sampling option left None is the model's
+        generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`."""
+        sampling = self.runtime.sampling_defaults.overridden(
+            temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, seed=seed)
         sampling.validate()
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,

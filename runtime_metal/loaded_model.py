@@ -18,6 +18,7 @@ from typing import Any
 from fuselm.runtime_metal.artifact import Manifest, read_manifest
 from fuselm.runtime_metal.engine import Engine, make_engine, resolve_engine
 from fuselm.runtime_metal.generate import GenerationResult, generate, iter_generate
+from fuselm.runtime_metal.sampling import SamplingOptions, sampling_defaults
 from fuselm.runtime_metal.session import CachedSession
 from fuselm.runtime_metal.text_stream import Decode, detokenizer
 from fuselm.runtime_metal.tokenizer import eos_ids, generation_config, load_tokenizer
@@ -60,6 +61,12 @@ class LoadedModel:
     @cached_property
     def generation_config(self) -> dict[str, Any]:
         return generation_config(self.path)
+
+    @cached_property
+    def sampling_defaults(self) -> SamplingOptions:
+        """What generation_config.json asks for (greedy without it): the sampling of a run,
+        chat or server request that sets none."""
+        return sampling_defaults(self.generation_config)
 
     @cached_property
     def eos_ids(self) -> list[int]:

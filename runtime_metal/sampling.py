@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,53 @@ class SamplingOptions:
                 f"{self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RuntimeUserError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    def overridden(self, **given: float | int | None) -> SamplingOptions:
+        """These options (a model's defaults) with each value a caller gave (not None) in
+        place: how run, chat, the Python API and the server resolve a request's sampling."""
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+    def describe(self) -> dict[str, Any]:
+        """The options as plain JSON values (the seed left out: it is per request)."""
+        out = asdict(self)
+        out.pop("seed")
+        return out
+
+
+# transformers' GenerationConfig values for what generation_config.json leaves out when it sets
+# do_sample true (top_k 50 included: HF samples from the 50 likeliest tokens by default).
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def sampling_defaults(gen_config: dict[str, Any]) -> SamplingOptions:
+    """The sampling a model's generation_config.json asks for, read as transformers reads it:
+    greedy unless do_sample is true; the repetition penalty applies either way. Without a
+    config (or without do_sample) this is greedy, the conservative default of `fuselm run`,
+    `fuselm chat` and `fuselm serve` alike."""
+    def number(key: str, default: float) -> float:
+        value = gen_config.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RuntimeUserError(f"generation_config.json's {key} must be a number, got "
+                                   f"{value!r}")
+        return value
+
+    penalty = number("repetition_penalty", 1.0)
+    opts = SamplingOptions(repetition_penalty=penalty)
+    if gen_config.get("do_sample") is True:
+        top_k = number("top_k", HF_SAMPLING["top_k"])
+        if top_k != int(top_k):
+            raise RuntimeUserError(f"generation_config.json's top_k must be an integer, got "
+                                   f"{top_k!r}")
+        opts = SamplingOptions(temperature=number("temperature", HF_SAMPLING["temperature"]),
+                               top_k=int(top_k), top_p=number("top_p", HF_SAMPLING["top_p"]),
+                               repetition_penalty=penalty)
+    try:
+        opts.validate()
+    except RuntimeUserError as e:
+        raise RuntimeUserError(f"generation_config.json: {e}") from None
+    return opts
 
 
 def check_finite(logits: np.ndarray) -> None:

@@ -28,11 +28,16 @@ _CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
                       "else 512]")
 
 
-def _sampling(temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-              seed: int | None):  # noqa: ANN202
-    from fuselm.runtime_metal.sampling import SamplingOptions
+def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p: float | None,
+              repetition_penalty: float | None, seed: int | None):  # noqa: ANN202
+    """The flags given over the model's generation_config.json defaults (greedy without one),
+    the defaults `fuselm serve` uses for a request that sets nothing."""
+    from fuselm.runtime_metal.sampling import sampling_defaults
+    from fuselm.runtime_metal.tokenizer import generation_config
 
-    opts = SamplingOptions(temperature, top_k, top_p, repetition_penalty, seed)
+    opts = sampling_defaults(generation_config(out_dir)).overridden(
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, seed=seed)
     opts.validate()
     return opts
 
@@ -86,13 +91,18 @@ def _parse_ids(text: str) -> list[int]:
             f"--prompt-ids wants comma-separated integers, got {text!r}") from None
 
 
+_FROM_CONFIG = ("[default: the model's generation_config.json (greedy unless it sets "
+                "do_sample), else greedy]")
+
+
 def _sampling_options(f):  # noqa: ANN001, ANN202
     for opt in reversed([
-        click.option("--temperature", "--temp", type=float, default=0.0, show_default=True,
-                     help="0 = greedy"),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 = off"),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off"),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--temperature", "--temp", type=float, default=None,
+                     help=f"0 = greedy  {_FROM_CONFIG}"),
+        click.option("--top-k", type=int, default=None, help=f"0 = off  {_FROM_CONFIG}"),
+        click.option("--top-p", type=float, default=None, help=f"1 = off  {_FROM_CONFIG}"),
+        click.option("--repetition-penalty", type=float, default=None,
+                     help=f"1 = off  {_FROM_CONFIG}"),
         click.option("--seed", type=int, default=None),
     ]):
         f = opt(f)
@@ -120,16 +130,17 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
               help="hash the artifact's files against fuselm.json before loading")
 @verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
-        temperature: float, top_k: int, top_p: float, repetition_penalty: float,
-        seed: int | None, stop: tuple[str, ...], engine: str, accuracy_level: int,
-        threads: int | None, prefill_chunk: int | None, as_json: bool, profile: bool,
-        device_sampling: bool, verify_files: bool = False, verbose: bool = False) -> None:
+        temperature: float | None, top_k: int | None, top_p: float | None,
+        repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...],
+        engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
+        as_json: bool, profile: bool, device_sampling: bool,
+        verify_files: bool = False, verbose: bool = False) -> None:
     """Generate text from a converted model in OUT_DIR."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    sampling = _sampling(temperature, top_k, top_p, repetition_penalty, seed)
+    sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed)
     config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact

@@ -83,6 +83,12 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
+    Sampling a request leaves out (temperature, top_p, and the extensions top_k and
+    repetition_penalty) comes from the model's generation_config.json as transformers reads it
+    (greedy unless it sets do_sample), else greedy, as in `fuselm run`; /v1/models shows it.
+    OpenAI parameters fuselm does not implement (n > 1, logprobs, tools, response_format,
+    logit_bias, penalties, ...) get HTTP 400 naming the parameter.
+
     Only this machine, and no web page from another origin, can use it by default; /health
     stays open without the API key."""
     _need_serve_extra()
@@ -126,11 +132,14 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     scheduler.start()
     state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
                        max_context, manifest.model.vocab_size, default_max_tokens,
-                       max_body, described)
+                       max_body, described, sampling=model.sampling_defaults)
     app = create_app(state, access)
     log = logging.getLogger("fuselm.serve")
     log.info("serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
              name, max_batch, state.max_context, host, port)
+    log.info("sampling a request does not set: %s (%s)", state.sampling.describe(),
+             "from generation_config.json" if model.generation_config else "greedy: the model "
+             "has no generation_config.json")
     log.info("API key: %s; cross-origin pages allowed: %s", "required" if api_key else "none",
              ", ".join(sorted(access.cors_origins)) or "none")
     if insecure_no_auth and not api_key:

@@ -38,8 +38,10 @@ from fuselm.converter.serve.schema import (
     completion_response,
     error_body,
     new_id,
+    not_implemented,
     usage,
     usage_chunk,
+    without_no_ops,
 )
 from fuselm.runtime_metal.chat_template import (
     ChatTemplateError,
@@ -62,6 +64,8 @@ class ServeState:
     default_max_tokens: int
     max_body: int
     engine: dict[str, object]
+    # A request's sampling where it sets none: the model's generation_config.json, else greedy.
+    sampling: SamplingOptions = SamplingOptions()
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -74,12 +78,26 @@ class ServeState:
             return fn(self.tokenizer)
 
 
-def _parse(model: type[ChatRequest] | type[CompletionRequest], data: dict[str, Any]) -> Any:
+def _parse(chat: bool, data: dict[str, Any]) -> Any:
+    name = not_implemented(data, chat)
+    if name is not None:
+        shown = json.dumps(data[name], ensure_ascii=False)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ApiError(400, f"{name}: fuselm does not implement this parameter (got {shown}); "
+                            "leave it out", param=name, code="unsupported_parameter")
     try:
-        return model.model_validate(data)
+        return (ChatRequest if chat else CompletionRequest).model_validate(
+            without_no_ops(data, chat))
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "not_implemented":  # a message field (schema.Message)
+            param = f"{param}.{first['ctx']['name']}"
+            raise ApiError(400, f"{param}: fuselm does not implement this message field; leave "
+                                "it out", param=param, code="unsupported_parameter") from None
+        if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
+            raise ApiError(400, f"{param}: unknown parameter; fuselm does not implement it",
+                           param=param, code="unknown_parameter") from None
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise ApiError(400, f"{param}: {first['msg']}{more}", param=param) from None
 
@@ -142,11 +160,11 @@ async def _submit(request: Request, kind: str) -> Response:
     state: ServeState = request.app.state.serve
     data = await read_json(request, state.max_body)
     chat = kind == "chat"
-    req = _parse(ChatRequest if chat else CompletionRequest, data)
+    req = _parse(chat, data)
     _check_model(state, req)
     ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req)
     max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
-    sampling = SamplingOptions(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    sampling = req.sampling(state.sampling)
     job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
               req.stop_list(), asyncio.get_running_loop())
     try:
@@ -233,7 +251,9 @@ async def models(request: Request) -> Response:
     state: ServeState = request.app.state.serve
     return JSONResponse({"object": "list", "data": [
         {"id": state.model_id, "object": "model", "created": state.created,
-         "owned_by": "fuselm"}]})
+         "owned_by": "fuselm",
+         "fuselm": {"max_context": state.max_context,
+                    "sampling_defaults": state.sampling.describe()}}]})
 
 
 async def health(request: Request) -> Response:

@@ -7,26 +7,75 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from fuselm.runtime_metal.sampling import SamplingOptions
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 
 
+# OpenAI parameters fuselm does not implement, with the values that ask for nothing (clients
+# such as LangChain send n=1 or logprobs=false by default): any other value is refused by name
+# (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
+    "safety_identifier": (),
+}
+NOT_IMPLEMENTED_CHAT = {**NOT_IMPLEMENTED, "logprobs": (False,), "top_logprobs": (0,)}
+NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "logprobs": (), "best_of": (1,),
+                              "echo": (False,), "suffix": ("",)}
+
+
+def not_implemented(data: dict[str, Any], chat: bool) -> str | None:
+    """The first parameter of a request body that asks for something fuselm does not do."""
+    table = NOT_IMPLEMENTED_CHAT if chat else NOT_IMPLEMENTED_COMPLETION
+    for name, value in data.items():
+        if name in table and value is not None and not any(
+                value == ok and isinstance(value, bool) == isinstance(ok, bool)
+                for ok in table[name]):
+            return name
+    return None
+
+
+def without_no_ops(data: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """`data` without the NOT_IMPLEMENTED parameters (call after `not_implemented`)."""
+    table = NOT_IMPLEMENTED_CHAT if chat else NOT_IMPLEMENTED_COMPLETION
+    return {k: v for k, v in data.items() if k not in table}
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored (clients send extras such as `user`); known fields are checked.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are refused (extra="forbid"); the parameters in NOT_IMPLEMENTED are
+    # checked before this model and, holding no-op values there, dropped here.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # None: the model's default (generation_config.json, else greedy; see ServeState).
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    # Not OpenAI's, but vLLM's and llama.cpp's (the openai client sends them in extra_body).
+    top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0, lt=float("inf"))
     seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=1, description="one choice per request")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    # Sent by clients for OpenAI's bookkeeping; nothing here to do with them.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def sampling(self, defaults: SamplingOptions) -> SamplingOptions:
+        """The request's sampling over the server's defaults, parameter by parameter."""
+        return defaults.overridden(temperature=self.temperature, top_p=self.top_p,
+                                   top_k=self.top_k,
+                                   repetition_penalty=self.repetition_penalty, seed=self.seed)
 
     @field_validator("stop")
     @classmethod
@@ -43,11 +92,30 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+# Message fields fuselm does not implement. A client that sends an earlier reply back (the
+# openai client's message.model_dump()) sends them empty (null, [] or ""), which asks for
+# nothing; with a value they are refused, never dropped.
+MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "tool_calls", "tool_call_id", "function_call",
+                           "audio", "annotations")
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ops(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in MESSAGE_NOT_IMPLEMENTED:
+            if data.get(name) not in (None, [], ""):
+                raise PydanticCustomError(
+                    "not_implemented", "{name}: fuselm does not implement this message field",
+                    {"name": name})
+        return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""
@@ -72,7 +140,6 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
         description="text, token ids, or a list of one text")
-    echo: bool = Field(False, le=False)
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
 
     @field_validator("prompt")
