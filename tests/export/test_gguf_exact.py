@@ -102,3 +102,24 @@ def test_cli_keeps_blocks_by_default_and_refuses_bad_eight_bit_flags(
     line = one_error(*cli(capsys, "convert", str(path), "-o", str(tmp_path / "y"),
                           "--quant", "q4", "--q-bits", "8"))
     assert "contradict" in line
+
+
+def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
+        tmp_path: Path) -> None:
+    """Q5_K / Q6_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
+    (quant-report); a packed projection whose parts differ is quantized whole."""
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+             "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
+             "output": "Q4_0"}
+    path, _ = write_gguf(tmp_path / "mixed.gguf", "llama", types, seed=9, **SHAPE,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
+    q = read_manifest(tmp_path / "out").quantization
+    layers = SHAPE["num_hidden_layers"]
+    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1},
+                          "quantized": 3 * layers}
+    again = [t for t in q["tensors"] if "given" not in t]
+    assert {t["bits"] for t in again} == {8} and all(t["rel_rms_error"] > 0 for t in again)
+    eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
+    got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
+    assert rel(got, _hf_logits(path)) <= 2e-2
