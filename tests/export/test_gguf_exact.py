@@ -62,6 +62,11 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
                                             "quantized": 0}
     assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
     assert q["bits"] == (8 if kind == "Q8_0" else 4)
+    from fuselm.converter.cli.quant_report_cmd import render
+
+    text = render(q)
+    assert f"kept from the checkpoint: gguf {kind} x{len(q['tensors'])}, 0 quantized" in text
+    assert text.count(f"(gguf {kind})") == len(q["tensors"])
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
