@@ -128,3 +128,15 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
     got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
     assert rel(got, _hf_logits(path)) <= 2e-2
+
+
+def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Path]],
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = exact["llama-Q4_1"]
+    monkeypatch.setenv("FUSELM_EXPORT", "torch")
+    r = convert(path, tmp_path / "t", ConvertOptions(dtype="float32"))
+    assert r.manifest.source["exporter"].startswith("torch")
+    assert r.manifest.quantization["given"]["quantized"] == 0
+    eng = OrtEngine(tmp_path / "t", r.manifest, accuracy_level=0)
+    assert rel(eng.forward(np.asarray(PROMPT)[None], all_logits=True), _hf_logits(path)) <= 1e-4
