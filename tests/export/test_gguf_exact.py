@@ -140,3 +140,17 @@ def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Pa
     assert r.manifest.quantization["given"]["quantized"] == 0
     eng = OrtEngine(tmp_path / "t", r.manifest, accuracy_level=0)
     assert rel(eng.forward(np.asarray(PROMPT)[None], all_logits=True), _hf_logits(path)) <= 1e-4
+
+
+def test_validate_takes_the_gguf_as_its_reference(exact: dict[str, tuple[Path, Path]],
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """`fuselm validate model.gguf OUT`: transformers' GGUF load in float32 is the top rung;
+    an artifact of another model is refused before any compute."""
+    from tests.cli_run import cli, one_error
+
+    path, out = exact["llama-Q4_0"]
+    code, err = cli(capsys, "validate", str(path), str(out), "-n", "4", "--no-ppl")
+    assert code == 0, err
+    other = exact["qwen3-Q8_0"][1]
+    line = one_error(*cli(capsys, "validate", str(path), str(other), "-n", "4", "--no-ppl"))
+    assert "different models" in line
