@@ -21,7 +21,8 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     """Convert an HF checkpoint folder (or hub id ORG/NAME) into a fused ONNX artifact at `out`.
 
     Options as ConvertOptions.from_flags takes them: dtype ("auto" | "float32" | "float16"),
-    passes, optimize, keep_intermediate, allow_nonfinite, and quant (None | "q4", or a
+    passes, optimize, keep_intermediate, allow_nonfinite, adapter (a PEFT LoRA folder merged
+    into the weights), and quant (None | "q4", or a
     QuantOptions) with its flags beside it (block_size=64, symmetric=True, ...: the keywords
     of passes/quant/options.py's `quant_options`). Returns the artifact folder."""
     from fuselm.converter.models.hub import resolve_source
