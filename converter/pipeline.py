@@ -229,7 +229,7 @@ def convert(
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     if spec is None:
         from fuselm.export.config import read_raw_config
-        from fuselm.export.open_checkpoint import open_checkpoint
+        from fuselm.export.open_checkpoint import open_checkpoint, source_record
         from fuselm.export.registry import decoder_spec
         from fuselm.export.tensor_match import check_layer_count
 
@@ -240,9 +240,7 @@ def convert(
             checkpoint = open_checkpoint(src, opts.adapter)
         check_layer_count(checkpoint.tensors, src, layers)
         spec = decoder_spec(src)
-        if opts.adapter is not None:
-            checkpoint.adapter.check_untied(spec.tie_word_embeddings)
-            source = {"adapter": checkpoint.adapter.record(), **(source or {})}
+        source = {**source_record(checkpoint, spec), **(source or {})}
     check_tokenizer(src, spec.vocab_size)
     calib = None
     if opts.quant is not None and opts.quant.calibration:

@@ -1,0 +1,71 @@
+"""AWQ's and GPTQ's packed 4-bit tensors read into fuselm's given blocks (fuselm/given_blocks.py).
+
+Both store, per linear layer with weight W [N, K] (N outputs, K inputs) in groups of G inputs,
+
+    W[n, k] = (q[k, n] - z[k // G, n]) * s[k // G, n]        s: float16 `scales` [K/G, N]
+
+with 4-bit codes q and 4-bit zero points z packed eight to an int32, lowest nibble first:
+
+    AWQ (AutoAWQ GEMM)  qweight [K, N/8]: packed along N, nibble i of word j holding column
+                        8j + [0, 2, 4, 6, 1, 3, 5, 7][i]; qzeros [K/G, N/8] the same way
+    GPTQ                qweight [K/8, N]: packed along K, nibble i of word r holding row 8r + i;
+                        qzeros [K/G, N/8]: packed along N, nibble i holding column 8j + i; in
+                        the v1 format (AutoGPTQ's `checkpoint_format: gptq`) each stored zero
+                        point is z - 1, kept to 4 bits: z = (stored + 1) & 15
+                        g_idx [K]: the group of each input channel
+
+This is fuselm's own stored form (integer zero points, scales exactly as given), so the
+codes, scales and zero points are only re-laid out — transposed to [N, K] — never rounded.
+GPTQ's act-order (`desc_act`) can store a g_idx other than k // G, grouping input channels
+that are not adjacent; fuselm's blocks are runs of adjacent channels, so such a checkpoint is
+refused by name (its weights would need the activations permuted in the graph).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fuselm.given_blocks import GivenBlocks
+
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column (within 8) of nibble i
+_SHIFTS = np.arange(8, dtype=np.uint32) * 4
+
+
+def nibbles(packed: np.ndarray) -> np.ndarray:
+    """int32 [..., M] → uint8 [..., M, 8]: nibble i of each word at index i."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    return ((words[..., None] >> _SHIFTS) & np.uint32(15)).astype(np.uint8)
+
+
+def along_n(packed: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """int32 [R, N/8] packed along N → uint8 [R, N]; `order`: the column of each nibble."""
+    q = nibbles(packed)  # [R, N/8, 8]
+    if order is not None:
+        q = q[..., np.argsort(order)]  # position c ← nibble whose column is c
+    return q.reshape(packed.shape[0], -1)
+
+
+def trivial_groups(g_idx: np.ndarray, group: int) -> bool:
+    """Whether g_idx puts input channel k in group k // G (no act-order reordering)."""
+    return bool(np.array_equal(g_idx, np.arange(len(g_idx)) // group))
+
+
+def awq_blocks(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray,
+               group: int) -> GivenBlocks:
+    codes = along_n(qweight, AWQ_ORDER)  # [K, N]
+    zeros = along_n(qzeros, AWQ_ORDER)  # [K/G, N]
+    return GivenBlocks(np.ascontiguousarray(codes.T), np.ascontiguousarray(
+        scales.astype(np.float32).T), 4, group, "awq",
+        zero_points=np.ascontiguousarray(zeros.T))
+
+
+def gptq_blocks(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group: int,
+                zeros_minus_one: bool) -> GivenBlocks:
+    q = nibbles(qweight)  # [K/8, N, 8]: row 8r + i in nibble i
+    codes = q.transpose(1, 0, 2).reshape(q.shape[1], -1)  # [N, K]
+    zeros = along_n(qzeros)  # [K/G, N]
+    if zeros_minus_one:
+        zeros = (zeros + np.uint8(1)) & np.uint8(15)
+    return GivenBlocks(np.ascontiguousarray(codes), np.ascontiguousarray(
+        scales.astype(np.float32).T), 4, group, "gptq",
+        zero_points=np.ascontiguousarray(zeros.T))

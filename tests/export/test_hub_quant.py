@@ -1,0 +1,152 @@
+"""AWQ / GPTQ checkpoints (written here by the published packing rules: tests/export/
+hub_quant_files.py) imported exactly: logits and greedy tokens equal HF transformers float32
+on the dequantized weights, on both engines; unpacking checked against hand-made words; layouts
+fuselm does not import refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.models.builtin import build_model
+from fuselm.export.quantized.packing import awq_blocks, gptq_blocks, nibbles
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
+from tests.cli_run import cli, one_error
+from tests.export.hub_quant_files import pack_awq, pack_gptq, quantize, write_pair
+
+PROMPT = [int(i) for i in np.random.default_rng(8).integers(3, 384, 24)]
+STEPS = 32
+
+
+def test_nibble_order_of_each_format() -> None:
+    """One word per format, by hand: column / row c holding the value c."""
+    awq = pack_awq(np.arange(8)[None].repeat(8, 0).T, np.ones((8, 1), np.float16),
+                   np.zeros((8, 1), np.int64))
+    # nibble i: column [0, 2, 4, 6, 1, 3, 5, 7][i]
+    assert awq["qweight"].view(np.uint32)[0, 0] == 0x75316420
+    gptq = pack_gptq(np.arange(8)[None].repeat(8, 0), np.ones((8, 1), np.float16),
+                     np.full((8, 1), 8), 8, v1=True)
+    assert gptq["qweight"].view(np.uint32)[0, 0] == 0x76543210  # nibble i: input row i
+    assert gptq["qzeros"].view(np.uint32)[0, 0] == 0x77777777  # v1: 8 stored as 7
+    assert list(nibbles(np.array([0x76543210], np.uint32).view(np.int32))[0]) == list(range(8))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_blocks_read_back_exactly(group: int) -> None:
+    rng = np.random.default_rng(group)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    for sym in (False, True):
+        q, s, z = quantize(w, group, sym, rng)
+        awq = awq_blocks(**pack_awq(q, s, z), group=group)
+        for v1 in (True, False):
+            parts = pack_gptq(q, s, z, group, v1)
+            gptq = gptq_blocks(parts["qweight"], parts["qzeros"], parts["scales"], group, v1)
+            for got in (awq, gptq):
+                assert np.array_equal(got.codes, q) and np.array_equal(got.zero_points, z)
+                assert np.array_equal(got.scales, s.astype(np.float32))
+                assert got.block_size == group and got.bits == 4
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # every K (128, 256) a whole number of groups of 128; untied, q/k/v biases
+    return build_model(tmp_path_factory.mktemp("hubq"), "llama", seed=21, hidden_size=128,
+                       intermediate_size=256, head_dim=32, attention_bias=True,
+                       tie_word_embeddings=False)
+
+
+CASES = {
+    "awq-g128": dict(method="awq", group=128),
+    "awq-g32": dict(method="awq", group=32),
+    "gptq-v1-sym-g128": dict(method="gptq", group=128, sym=True),
+    "gptq-v1-asym-g64": dict(method="gptq", group=64),
+    "gptq-v1-asym-g32-side-file": dict(method="gptq", group=32, side_file=True),
+    "gptq-v2-asym-g64": dict(method="gptq", group=64, fmt="gptq_v2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_imported_checkpoint_matches_its_dequantized_model(float_model: Path, tmp_path: Path,
+                                                           capsys, case: str) -> None:  # noqa: ANN001
+    qdir, ref_dir = write_pair(float_model, tmp_path, **CASES[case])
+    ref_model = hf_model(ref_dir)
+    ref, ref_tokens = hf_logits(ref_model, PROMPT), hf_greedy(ref_model, PROMPT, STEPS)
+    out = tmp_path / "out"
+    code, err = cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
+                    "--quiet")
+    assert code == 0, err
+    source = json.loads((out / "fuselm.json").read_text())["source"]
+    assert source["quantized"]["method"] == CASES[case]["method"]
+    for name in ("onnxruntime", "mlx"):
+        engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
+                                            else {}))
+        got = engine_logits(engine, PROMPT, 8)
+        assert rel(got, ref) <= 1e-4, (name, rel(got, ref))
+        assert generate(engine, PROMPT, max_new_tokens=STEPS).tokens == ref_tokens, name
+
+
+def _edit_config(qdir: Path, **changes: object) -> None:
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"].update(changes)
+    (qdir / "config.json").write_text(json.dumps(cfg))
+
+
+def _act_order(qdir: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(qdir / "model.safetensors")
+    name = next(k for k in t if k.endswith("g_idx"))
+    t[name] = np.random.default_rng(0).permutation(t[name])
+    save_file(t, qdir / "model.safetensors")
+    _edit_config(qdir, desc_act=True)
+
+
+def _drop(part: str):  # noqa: ANN202
+    def edit(qdir: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        t = load_file(qdir / "model.safetensors")
+        del t[next(k for k in t if k.endswith(part))]
+        save_file(t, qdir / "model.safetensors")
+    return edit
+
+
+BAD = {
+    "act-order": ("gptq", _act_order, "act-order (desc_act"),
+    "3 bits": ("gptq", lambda d: _edit_config(d, bits=3), "has bits 3"),
+    "group 256": ("awq", lambda d: _edit_config(d, group_size=256), "has group_size 256"),
+    "gemv": ("awq", lambda d: _edit_config(d, version="gemv"), "has version 'gemv'"),
+    "no zero point": ("awq", lambda d: _edit_config(d, zero_point=False), "zero_point false"),
+    "bitsandbytes": ("gptq", lambda d: _edit_config(d, quant_method="bitsandbytes"),
+                     "quant_method 'bitsandbytes'"),
+    "format": ("gptq", lambda d: _edit_config(d, checkpoint_format="marlin"),
+               "checkpoint_format 'marlin'"),
+    "group mismatch": ("gptq", lambda d: _edit_config(d, group_size=64), "do not fit"),
+    "no qzeros": ("awq", _drop(".qzeros"), "has no qzeros"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_layouts_fuselm_does_not_import_are_refused(float_model: Path, tmp_path: Path, capsys,  # noqa: ANN001
+                                                    case: str) -> None:
+    method, edit, words = BAD[case]
+    qdir, _ = write_pair(float_model, tmp_path, method, 128)
+    edit(qdir)
+    out = tmp_path / "out"
+    line = one_error(*cli(capsys, "convert", str(qdir), "-o", str(out), "--quiet"))
+    assert words in line, line
+    assert not out.exists()
+
+
+def test_adapter_on_a_quantized_checkpoint_is_refused(float_model: Path, tmp_path: Path,
+                                                      capsys) -> None:  # noqa: ANN001
+    qdir, _ = write_pair(float_model, tmp_path, "gptq", 128)
+    (tmp_path / "adapter").mkdir()
+    line = one_error(*cli(capsys, "convert", str(qdir), "-o", str(tmp_path / "out"),
+                          "--adapter", str(tmp_path / "adapter"), "--quiet"))
+    assert "--adapter merges into float weights" in line and "GPTQ" in line, line
