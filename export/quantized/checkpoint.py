@@ -94,6 +94,12 @@ class QuantizedCheckpoint:
         return LayerInfo(f"{p}.weight", (n, k), np.dtype(np.float16))
 
     @property
+    def quantized(self) -> bool:
+        """Whether the checkpoint gives blocks (always: every AWQ / GPTQ folder has packed
+        layers); its conversion keeps them by default."""
+        return True
+
+    @property
     def tensors(self) -> dict[str, Any]:
         return self._tensors
 
