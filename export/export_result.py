@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from fuselm.export.config import DecoderSpec
+from fuselm.given_blocks import GivenBlocks
 
 
 @dataclass
@@ -28,3 +29,6 @@ class ExportResult:
     # ComputedValues; export takes only the op contract from passes/)
     model: onnx.ModelProto | None = None
     sources: dict[str, Callable[[], np.ndarray]] = field(default_factory=dict)
+    # the blocks the checkpoint gives for an initializer, by its name (None: floats only), in
+    # the checkpoint's [N, K] layout (fuselm/given_blocks.py); None: this export offers none
+    given: Callable[[str], GivenBlocks | None] | None = None

@@ -39,6 +39,7 @@ from fuselm.export.registry import decoder_spec, family_of
 from fuselm.export.safetensors.checkpoint import Checkpoint, cast
 from fuselm.export.tensor_match import check_layer_count, check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
+from fuselm.given_blocks import GivenBlocks
 from fuselm.passes import ops
 
 DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
@@ -129,6 +130,19 @@ class _Weights:
         if src.offset:
             w = cast(w, np.float32) + np.float32(src.offset)
         return w
+
+    def given(self, param: str) -> GivenBlocks | None:
+        """The blocks the checkpoint gives for this parameter (a GGUF's Q4_1, ...), in its
+        [N, K] layout, rows cut as the values are; None where it gives floats, or where the
+        values are changed on the way (an offset)."""
+        src = self.sources.get(param)
+        read = getattr(self.ckpt, "given_blocks", None)
+        if src is None or read is None or src.offset:
+            return None
+        given = read(src.hf_name)
+        if given is not None and src.rows is not None:
+            given = given.take_rows(slice(*src.rows))
+        return given
 
     def values(self, param: str) -> np.ndarray:
         """The parameter's values, cast: a [K, N] weight as the transpose of its C-order
@@ -392,6 +406,8 @@ def build_model(
         result.model, result.sources = model, w.recipes
     else:
         onnx.save(model, str(onnx_path))
+    if hasattr(ckpt, "given_blocks"):
+        result.given = w.given
     result.weight_bytes = w.nbytes
     result.nonfinite = screen.nonfinite
     result.seconds["build"] = time.perf_counter() - t0

@@ -118,6 +118,13 @@ class GGUFCheckpoint:
     def nbytes(self) -> int:
         return self.gguf.path.stat().st_size
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any matrix comes in a block format fuselm holds exactly (its conversion
+        then keeps the blocks by default)."""
+        return any(t.type_name in EXACT_TYPES and len(t.shape) == 2
+                   for t in self.gguf.tensors.values())
+
     def tensor_types(self) -> dict[str, int]:
         """Tensor count per GGUF type, for the manifest."""
         out: dict[str, int] = {}

@@ -1,0 +1,85 @@
+"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0 or Q4_K converted by default keeps its blocks
+(no second quantization), so fuselm's logits are those of the file's own dequantized weights
+run in float32 by transformers' GGUF loader, on both engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.pipeline import ConvertOptions, convert
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.ort_engine.engine import OrtEngine
+from fuselm.runtime_metal.validate import engine_logits, rel
+from tests.export.gguf_files import write_gguf
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384)
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+         "token_embd", "output")
+# llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
+CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
+                                      head_dim=64), t)
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
+CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=128), t) for t in ("Q4_1", "Q8_0")}
+PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Each case's GGUF and its default conversion (float32 graph: only the blocks' own
+    values can differ from transformers')."""
+    root = tmp_path_factory.mktemp("gguf_exact")
+    out = {}
+    for i, (name, (family, shape, kind)) in enumerate(CASES.items()):
+        path, _ = write_gguf(root / f"{name}.gguf", family, dict.fromkeys(ROLES, kind), seed=i,
+                             **SHAPE, **shape)
+        convert(path, root / name, ConvertOptions(dtype="float32"))
+        out[name] = (path, root / name)
+    return out
+
+
+def _hf_logits(path: Path) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([PROMPT])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Path]],
+                                                name: str) -> None:
+    _, out = exact[name]
+    kind = CASES[name][2]
+    q = read_manifest(out).quantization
+    assert q is not None and q["given"] == {"kept": {f"gguf {kind}": len(q["tensors"])},
+                                            "quantized": 0}
+    assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
+    assert q["bits"] == (8 if kind == "Q8_0" else 4)
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_the_files_dequantized_weights(exact: dict[str, tuple[Path, Path]],
+                                                    name: str, engine: str) -> None:
+    path, out = exact[name]
+    want = _hf_logits(path)
+    if engine == "onnxruntime":  # float compute (accuracy level 0): no int8 activations
+        eng = OrtEngine(out, read_manifest(out), accuracy_level=0)
+        got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
+    else:
+        got = engine_logits(make_engine(out, "mlx"), PROMPT, None)
+    assert rel(got, want) <= 1e-4
+
+
+def test_explicit_quant_none_converts_to_float(exact: dict[str, tuple[Path, Path]],
+                                               tmp_path: Path) -> None:
+    path, _ = exact["llama-Q4_1"]
+    convert(path, tmp_path / "f", ConvertOptions.from_flags(quant="none", dtype="float32"))
+    assert read_manifest(tmp_path / "f").quantization is None
