@@ -76,12 +76,34 @@ def test_imported_checkpoint_matches_its_dequantized_model(float_model: Path, tm
     qdir, ref_dir = write_pair(float_model, tmp_path, **CASES[case])
     ref_model = hf_model(ref_dir)
     ref, ref_tokens = hf_logits(ref_model, PROMPT), hf_greedy(ref_model, PROMPT, STEPS)
+    method = CASES[case]["method"]
     out = tmp_path / "out"
     code, err = cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
                     "--quiet")
     assert code == 0, err
-    source = json.loads((out / "fuselm.json").read_text())["source"]
-    assert source["quantized"]["method"] == CASES[case]["method"]
+    manifest = json.loads((out / "fuselm.json").read_text())
+    assert manifest["source"]["quantized"]["method"] == method
+    # every projection kept as the checkpoint gives it (q/k/v and gate/up packed), none
+    # quantized again; the float LM head and embeddings left float
+    given = manifest["quantization"]["given"]
+    assert given == {"kept": {method: 4 * 2}, "quantized": 0}, given
+    assert not manifest["quantization"]["lm_head"] and not manifest["quantization"]["embeddings"]
+    _assert_matches(out, ref, ref_tokens)
+
+
+def test_quant_none_gives_the_dequantized_floats(float_model: Path, tmp_path: Path,
+                                                 capsys) -> None:  # noqa: ANN001
+    qdir, ref_dir = write_pair(float_model, tmp_path, "gptq", 32, seed=4)
+    ref_model = hf_model(ref_dir)
+    out = tmp_path / "out"
+    code, err = cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
+                    "--quant", "none", "--quiet")
+    assert code == 0, err
+    assert json.loads((out / "fuselm.json").read_text())["quantization"] is None
+    _assert_matches(out, hf_logits(ref_model, PROMPT), hf_greedy(ref_model, PROMPT, STEPS))
+
+
+def _assert_matches(out: Path, ref: np.ndarray, ref_tokens: list[int]) -> None:
     for name in ("onnxruntime", "mlx"):
         engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
                                             else {}))
@@ -150,3 +172,20 @@ def test_adapter_on_a_quantized_checkpoint_is_refused(float_model: Path, tmp_pat
     line = one_error(*cli(capsys, "convert", str(qdir), "-o", str(tmp_path / "out"),
                           "--adapter", str(tmp_path / "adapter"), "--quiet"))
     assert "--adapter merges into float weights" in line and "GPTQ" in line, line
+
+
+def test_float16_graph_keeps_the_scales_exactly(float_model: Path, tmp_path: Path,
+                                                capsys) -> None:  # noqa: ANN001
+    """The checkpoint's own dtype (float16): its float16 scales stored as they are; logits
+    within float16 rounding of the dequantized model's."""
+    qdir, ref_dir = write_pair(float_model, tmp_path, "awq", 64, seed=5)
+    out = tmp_path / "out"
+    code, err = cli(capsys, "convert", str(qdir), "-o", str(out), "--quiet")
+    assert code == 0, err
+    manifest = json.loads((out / "fuselm.json").read_text())
+    assert manifest["dtype"] == "float16" and manifest["quantization"]["given"]["quantized"] == 0
+    ref = hf_logits(hf_model(ref_dir), PROMPT)
+    for name in ("onnxruntime", "mlx"):
+        engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
+                                            else {}))
+        assert rel(engine_logits(engine, PROMPT, 8), ref) <= 2e-2, name
