@@ -248,8 +248,9 @@ def convert(
         if checkpoint is None:
             checkpoint = open_checkpoint(src, opts.adapter)
             if opts.quant is None and opts.source_quant and getattr(checkpoint, "quantized", 0):
-                # AWQ / GPTQ: the blocks kept; the float LM head and embeddings stay float
-                opts = replace(opts, quant=replace(SOURCE_DEFAULT, lm_head=False,
+                # AWQ / GPTQ: the blocks kept (a packed LM head's too); float tables stay float
+                head = "lm_head.weight" in checkpoint.layers
+                opts = replace(opts, quant=replace(SOURCE_DEFAULT, lm_head=head,
                                                    embeddings=False))
         check_layer_count(checkpoint.tensors, src, layers)
         spec = decoder_spec(src)

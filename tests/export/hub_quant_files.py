@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column 8j + ORDER[i]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEAD = "lm_head"  # packed too with lm_head=True (GPTQModel's `lm_head: true`)
 
 
 def quantize(w: np.ndarray, group: int, sym: bool, rng: np.random.Generator
@@ -72,7 +73,8 @@ def pack_gptq(q: np.ndarray, s: np.ndarray, z: np.ndarray, group: int,
 
 
 def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = False,
-               fmt: str = "gptq", side_file: bool = False, seed: int = 0) -> tuple[Path, Path]:
+               fmt: str = "gptq", side_file: bool = False, seed: int = 0,
+               lm_head: bool = False) -> tuple[Path, Path]:
     """(quantized HF folder, float HF folder of its dequantized weights) under `out`."""
     rng = np.random.default_rng(seed)
     tensors = load_file(float_dir / "model.safetensors")
@@ -80,7 +82,8 @@ def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = 
     ref: dict[str, np.ndarray] = {}
     for name, w in tensors.items():
         prefix = name.removesuffix(".weight")
-        if name.endswith(".weight") and prefix.split(".")[-1] in PROJECTIONS:
+        packs = PROJECTIONS + ((HEAD,) if lm_head else ())
+        if name.endswith(".weight") and prefix.split(".")[-1] in packs:
             q, s, z = quantize(w.astype(np.float32), group, sym, rng)
             parts = pack_awq(q, s, z) if method == "awq" else pack_gptq(q, s, z, group,
                                                                         fmt == "gptq")
@@ -97,7 +100,7 @@ def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = 
     if method == "awq":
         config.update(zero_point=True, version="gemm")
     else:
-        config.update(sym=sym, desc_act=False, checkpoint_format=fmt)
+        config.update(sym=sym, desc_act=False, checkpoint_format=fmt, lm_head=lm_head)
     cfg = json.loads((qdir / "config.json").read_text())
     if side_file:  # AutoGPTQ's own file beside config.json
         (qdir / "quantize_config.json").write_text(json.dumps(config))

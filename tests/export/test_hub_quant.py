@@ -67,6 +67,7 @@ CASES = {
     "gptq-v1-asym-g64": dict(method="gptq", group=64),
     "gptq-v1-asym-g32-side-file": dict(method="gptq", group=32, side_file=True),
     "gptq-v2-asym-g64": dict(method="gptq", group=64, fmt="gptq_v2"),
+    "gptq-v1-asym-g128-lm-head": dict(method="gptq", group=128, lm_head=True),
 }
 
 
@@ -86,8 +87,10 @@ def test_imported_checkpoint_matches_its_dequantized_model(float_model: Path, tm
     # every projection kept as the checkpoint gives it (q/k/v and gate/up packed), none
     # quantized again; the float LM head and embeddings left float
     given = manifest["quantization"]["given"]
-    assert given == {"kept": {method: 4 * 2}, "quantized": 0}, given
-    assert not manifest["quantization"]["lm_head"] and not manifest["quantization"]["embeddings"]
+    head = CASES[case].get("lm_head", False)
+    assert given == {"kept": {method: 4 * 2 + head}, "quantized": 0}, given
+    assert manifest["quantization"]["lm_head"] == head
+    assert not manifest["quantization"]["embeddings"]
     _assert_matches(out, ref, ref_tokens)
 
 
