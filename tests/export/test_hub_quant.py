@@ -192,3 +192,13 @@ def test_float16_graph_keeps_the_scales_exactly(float_model: Path, tmp_path: Pat
         engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
                                             else {}))
         assert rel(engine_logits(engine, PROMPT, 8), ref) <= 2e-2, name
+
+
+def test_quant_q4_keeps_the_blocks_and_quantizes_the_head(float_model: Path,
+                                                          tmp_path: Path) -> None:
+    from fuselm import convert
+
+    qdir, _ = write_pair(float_model, tmp_path, "awq", 128, seed=6)
+    out = convert(qdir, tmp_path / "out", quant="q4", dtype="float32", default_calibration=False)
+    record = json.loads((out / "fuselm.json").read_text())["quantization"]
+    assert record["given"] == {"kept": {"awq": 8}, "quantized": 1} and record["lm_head"]
