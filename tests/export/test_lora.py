@@ -205,3 +205,12 @@ def test_adapter_on_tied_head_is_refused(tmp_path: Path, capsys) -> None:  # noq
     line = one_error(*cli(capsys, "convert", str(tied), "-o", str(tmp_path / "out"),
                           "--adapter", str(adapter), "--quiet"))
     assert "lm_head.weight" in line and "tied" in line, line
+
+
+def test_adapter_over_a_gguf_is_refused(good_adapter: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from fuselm.converter.models.smollm2 import bundled_gguf
+
+    line = one_error(*cli(capsys, "convert", str(bundled_gguf()), "-o", str(tmp_path / "out"),
+                          "--adapter", str(good_adapter), "--quiet"))
+    assert "GGUF file" in line and "--adapter" in line, line
+    assert not (tmp_path / "out").exists()
