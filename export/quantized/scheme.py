@@ -1,8 +1,9 @@
 """Which quantization an HF folder's weights carry: its `quantization_config`, checked.
 
-transformers writes it into config.json as `quantization_config`; AutoGPTQ writes
-`quantize_config.json` beside it (and some tools `quant_config`). The schemes read exactly
-(export/quantized/packing.py):
+transformers writes it into config.json as `quantization_config` (some tools as
+`quant_config`); AutoGPTQ writes `quantize_config.json` beside it and AutoAWQ `quant_config.json`
+in its own spelling (w_bit, q_group_size), without `quant_method`: the keys tell the method.
+The schemes read exactly (export/quantized/packing.py):
 
     AWQ   quant_method "awq", version "gemm" (AutoAWQ's GEMM packing), zero_point true
     GPTQ  quant_method "gptq", checkpoint_format "gptq" (v1: zero points stored minus one)
@@ -22,7 +23,7 @@ from typing import Any
 from fuselm.export.errors import ExportError
 from fuselm.export.json_file import read_json
 
-SIDE_FILES = ("quantize_config.json", "quant_config.json")  # AutoGPTQ's and others' own files
+SIDE_FILES = ("quantize_config.json", "quant_config.json")  # AutoGPTQ's, AutoAWQ's
 CONFIG_KEYS = ("quantization_config", "quant_config")
 GROUPS = (32, 64, 128)
 
@@ -53,6 +54,17 @@ def _found(root: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], str] | None
     return None
 
 
+def _side_file_method(qc: dict[str, Any]) -> str:
+    """The method of a side file without `quant_method`, by its keys: AutoAWQ's quant_config
+    (w_bit, q_group_size, zero_point, version) or AutoGPTQ's quantize_config (desc_act, sym,
+    ...); "" when neither."""
+    if any(k in qc for k in ("w_bit", "q_group_size", "zero_point", "version")):
+        return "awq"
+    if any(k in qc for k in ("desc_act", "sym", "damp_percent", "checkpoint_format")):
+        return "gptq"
+    return ""
+
+
 def read_scheme(root: Path, raw: dict[str, Any]) -> QuantScheme | None:
     """The scheme of the folder `root` (config.json's contents `raw`); None: float weights."""
     found = _found(root, raw)
@@ -66,7 +78,7 @@ def read_scheme(root: Path, raw: dict[str, Any]) -> QuantScheme | None:
         return ExportError(f"{root}: {where} {what}; fuselm imports 4-bit AWQ (GEMM packing) "
                            "and GPTQ checkpoints in groups of 32, 64 or 128")
 
-    method = str(qc.get("quant_method", "gptq" if where in SIDE_FILES else "")).lower()
+    method = str(qc.get("quant_method") or _side_file_method(qc)).lower()
     if method not in ("awq", "gptq"):
         raise refuse(f"has quant_method {qc.get('quant_method')!r}")
     bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))

@@ -102,7 +102,10 @@ def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = 
     else:
         config.update(sym=sym, desc_act=False, checkpoint_format=fmt, lm_head=lm_head)
     cfg = json.loads((qdir / "config.json").read_text())
-    if side_file:  # AutoGPTQ's own file beside config.json
+    if side_file and method == "awq":  # AutoAWQ's own file and spelling, no quant_method
+        (qdir / "quant_config.json").write_text(json.dumps(
+            {"zero_point": True, "q_group_size": group, "w_bit": 4, "version": "GEMM"}))
+    elif side_file:  # AutoGPTQ's own file beside config.json
         (qdir / "quantize_config.json").write_text(json.dumps(config))
     else:
         cfg["quantization_config"] = config

@@ -62,7 +62,7 @@ def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CASES = {
     "awq-g128": dict(method="awq", group=128),
-    "awq-g32": dict(method="awq", group=32),
+    "awq-g32-side-file": dict(method="awq", group=32, side_file=True),
     "gptq-v1-sym-g128": dict(method="gptq", group=128, sym=True),
     "gptq-v1-asym-g64": dict(method="gptq", group=64),
     "gptq-v1-asym-g32-side-file": dict(method="gptq", group=32, side_file=True),
