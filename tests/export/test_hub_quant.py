@@ -202,3 +202,30 @@ def test_quant_q4_keeps_the_blocks_and_quantizes_the_head(float_model: Path,
     out = convert(qdir, tmp_path / "out", quant="q4", dtype="float32", default_calibration=False)
     record = json.loads((out / "fuselm.json").read_text())["quantization"]
     assert record["given"] == {"kept": {"awq": 8}, "quantized": 1} and record["lm_head"]
+
+
+def test_validate_measures_against_the_dequantized_weights(float_model: Path, tmp_path: Path,
+                                                           capsys) -> None:  # noqa: ANN001
+    """`fuselm validate` on an AWQ / GPTQ folder (which transformers runs only with
+    gptqmodel's kernels): the reference is its dequantized weights in float32."""
+    import sys
+
+    from fuselm.converter.cli.main import main
+
+    qdir, _ = write_pair(float_model, tmp_path, "gptq", 64, seed=7)
+    out = tmp_path / "out"
+    assert cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
+               "--quiet")[0] == 0
+    old, sys.argv = sys.argv, ["fuselm", "validate", str(qdir), str(out), "-n", "16",
+                               "--no-ppl", "--json"]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    finally:
+        sys.argv = old
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    (rung,) = report["rungs"][1:]
+    assert max(rung["logits_rel_hf"]) <= 1e-4 and set(rung["greedy_agree"]) == {16}, rung
