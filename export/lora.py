@@ -168,6 +168,14 @@ class LoraAdapter:
                                             and all(isinstance(t, str) for t in target))):
             raise _fail(self.root, f"{CONFIG}'s target_modules is {target!r}; PEFT writes a "
                         "list of module names or a regex")
+        patterns = [*(c.get("rank_pattern") or {}), *(c.get("alpha_pattern") or {}),
+                    *([target] if isinstance(target, str) else [])]
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise _fail(self.root, f"{CONFIG} holds the pattern {pattern!r}, which is not "
+                            f"a regular expression ({e})") from None
 
     def _read_tensors(self, base: Reader) -> None:
         pairs: dict[str, dict[str, str]] = {}

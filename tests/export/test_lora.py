@@ -158,6 +158,7 @@ BAD = {
     "dora": (lambda a: _edit_config(a, use_dora=True), "DoRA (use_dora)"),
     "not lora": (lambda a: _edit_config(a, peft_type="IA3"), "peft_type is 'IA3'"),
     "unknown key": (lambda a: _edit_config(a, fancy_option=3), "sets fancy_option"),
+    "bad regex": (lambda a: _edit_config(a, target_modules="(q_proj"), "not a regular"),
     "rank": (lambda a: _edit_config(a, r=5), "rank 5"),
     "rank mismatch": (lambda a: _rewrite_tensors(a, _wrong_rank), "rank 4"),
     "missing B": (lambda a: _rewrite_tensors(a, _drop_b), "has no lora_B"),
