@@ -246,7 +246,8 @@ def convert(
         # and the exporter build that many layers (export/tensor_match.py)
         layers = read_raw_config(src)["num_hidden_layers"]
         if checkpoint is None:
-            checkpoint = open_checkpoint(src, opts.adapter)
+            checkpoint = open_checkpoint(src, opts.adapter, requantize=(
+                opts.quant is not None or not opts.source_quant))
             if opts.quant is None and opts.source_quant and getattr(checkpoint, "quantized", 0):
                 # AWQ / GPTQ: the blocks kept (a packed LM head's too); float tables stay float
                 head = "lm_head.weight" in checkpoint.layers

@@ -17,9 +17,11 @@ from fuselm.export.safetensors.checkpoint import Checkpoint
 HFCheckpoint = Checkpoint | QuantizedCheckpoint | AdaptedCheckpoint
 
 
-def open_checkpoint(model_dir: str | Path, adapter: str | Path | None = None) -> HFCheckpoint:
+def open_checkpoint(model_dir: str | Path, adapter: str | Path | None = None,
+                    requantize: bool = False) -> HFCheckpoint:
     """The checkpoint in `model_dir`; with `adapter`, that adapter checked against it and
-    merged into the weights it targets as they are read."""
+    merged into the weights it targets as they are read. `requantize`: the conversion asked
+    for float or re-quantized weights, so a GPTQ act-order layer may be read dequantized."""
     root = Path(model_dir)
     base = Checkpoint(root)
     scheme = read_scheme(root, read_raw_config(root))
@@ -29,7 +31,7 @@ def open_checkpoint(model_dir: str | Path, adapter: str | Path | None = None) ->
                 f"--adapter merges into float weights and {root} holds {scheme.method.upper()} "
                 "4-bit weights; convert the adapter's float base model with --adapter (and "
                 "--quant q4), or merge the adapter before quantizing")
-        return QuantizedCheckpoint(base, scheme)
+        return QuantizedCheckpoint(base, scheme, dequantize_act_order=requantize)
     if adapter is None:
         return base
     return AdaptedCheckpoint(base, LoraAdapter(adapter, base))
@@ -42,5 +44,5 @@ def source_record(ckpt: HFCheckpoint, spec: DecoderSpec) -> dict[str, Any]:
         ckpt.adapter.check_untied(spec.tie_word_embeddings)
         return {"adapter": ckpt.adapter.record()}
     if isinstance(ckpt, QuantizedCheckpoint):
-        return {"quantized": ckpt.scheme.record()}
+        return {"quantized": {**ckpt.scheme.record(), "act_order_layers": len(ckpt.act_order)}}
     return {}

@@ -59,7 +59,7 @@ def _dequantized_reference(model_dir: str) -> object:
 
     if not Path(model_dir, "config.json").is_file():
         return None
-    ckpt = open_checkpoint(model_dir)
+    ckpt = open_checkpoint(model_dir, requantize=True)  # act-order: its float values
     if not isinstance(ckpt, QuantizedCheckpoint):
         return None
     from fuselm.export.quantized.reference import dequantized_model

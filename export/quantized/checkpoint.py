@@ -7,7 +7,10 @@ which the quantize pass stores as they are), or its dequantized float32 values (
 float conversion or where blocks are not kept). Every other tensor (embeddings, norms, biases,
 an unquantized LM head) is read from the safetensors as usual. Every layer's tensors are
 checked (present, dtypes, shapes consistent with the scheme, GPTQ's g_idx) when the checkpoint
-opens, before anything is written.
+opens, before anything is written. A GPTQ act-order layer (a g_idx that groups input channels
+out of order) has no blocks fuselm can keep: it is refused, unless the conversion asked for
+float or re-quantized weights (`dequantize_act_order`), and then read as its dequantized values
+W[n, k] = (q[n, k] - z[n, g_idx[k]]) * s[n, g_idx[k]].
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ class LayerInfo:
 class QuantizedCheckpoint:
     """A safetensors checkpoint whose linear layers are AWQ / GPTQ packed (see the module)."""
 
-    def __init__(self, base: Checkpoint, scheme: QuantScheme) -> None:
+    def __init__(self, base: Checkpoint, scheme: QuantScheme,
+                 dequantize_act_order: bool = False) -> None:
         self.base, self.scheme = base, scheme
+        self.dequantize_act_order = dequantize_act_order
+        self.act_order: set[str] = set()  # layers whose g_idx reorders the input channels
         self.root, self.files = base.root, base.files
         prefixes = sorted(n.removesuffix(".qweight") for n in base.tensors
                           if n.endswith(".qweight"))
@@ -84,13 +90,19 @@ class QuantizedCheckpoint:
             raise self._fail(p, f"has qweight {list(qw)}, qzeros {list(qz)}, scales {list(sc)}, "
                              f"which do not fit {s.bits}-bit groups of {s.group_size}")
         if s.method == "gptq" and b.has(f"{p}.g_idx"):
-            g_idx = b.array(f"{p}.g_idx")
-            if g_idx.shape != (k,) or not trivial_groups(g_idx.astype(np.int64), s.group_size):
-                raise ExportError(
-                    f"{self.root}: GPTQ layer {p} uses act-order (desc_act: its g_idx groups "
-                    "input channels out of order), which fuselm does not import: its blocks "
-                    "are runs of adjacent channels. Re-quantize with desc_act=false, or convert "
-                    "the float model")
+            g_idx = b.array(f"{p}.g_idx").astype(np.int64)
+            if g_idx.shape != (k,) or g_idx.min(initial=0) < 0 or g_idx.max(initial=0) >= groups:
+                raise self._fail(p, f"has a g_idx of shape {list(g_idx.shape)} or values "
+                                 f"outside 0..{groups - 1}")
+            if not trivial_groups(g_idx, s.group_size):
+                if not self.dequantize_act_order:
+                    raise ExportError(
+                        f"{self.root}: GPTQ layer {p} uses act-order (desc_act: its g_idx groups "
+                        "input channels out of order), whose blocks fuselm cannot keep: its "
+                        "blocks are runs of adjacent channels. Convert with --quant none (the "
+                        "dequantized weights in float) or --quant q4 (quantized again), or "
+                        "re-quantize with desc_act=false")
+                self.act_order.add(f"{p}.weight")
         return LayerInfo(f"{p}.weight", (n, k), np.dtype(np.float16))
 
     @property
@@ -125,9 +137,13 @@ class QuantizedCheckpoint:
         return self.info(name).shape
 
     def given_blocks(self, name: str) -> GivenBlocks | None:
-        """The layer's blocks exactly as stored, [N, K]; None for a tensor stored in float."""
-        if name not in self.layers:
+        """The layer's blocks exactly as stored, [N, K]; None for a tensor stored in float and
+        for an act-order layer (its groups are not runs of adjacent channels)."""
+        if name not in self.layers or name in self.act_order:
             return None
+        return self._blocks(name)
+
+    def _blocks(self, name: str) -> GivenBlocks:
         p, b, s = name.removesuffix(".weight"), self.base, self.scheme
         qweight, qzeros, scales = (b.array(f"{p}.{part}")
                                    for part in ("qweight", "qzeros", "scales"))
@@ -136,8 +152,16 @@ class QuantizedCheckpoint:
         return gptq_blocks(qweight, qzeros, scales, s.group_size, s.zeros_minus_one)
 
     def array(self, name: str) -> np.ndarray:
-        given = self.given_blocks(name)
-        return self.base.array(name) if given is None else given.dequantize()
+        if name not in self.layers:
+            return self.base.array(name)
+        if name not in self.act_order:
+            return self._blocks(name).dequantize()
+        # act-order: blocks [N, K/G] read in stored group order, channel k in group g_idx[k]
+        blocks = self._blocks(name)
+        g_idx = self.base.array(f"{name.removesuffix('.weight')}.g_idx").astype(np.int64)
+        zeros = blocks.zero_points.astype(np.float32)[:, g_idx]  # type: ignore[union-attr]
+        w = (blocks.codes.astype(np.float32) - zeros) * blocks.scales[:, g_idx]
+        return np.ascontiguousarray(w)  # a[:, idx] may come back in Fortran order
 
     def get(self, name: str) -> torch.Tensor:
         import torch

@@ -17,8 +17,9 @@ with 4-bit codes q and 4-bit zero points z packed eight to an int32, lowest nibb
 This is fuselm's own stored form (integer zero points, scales exactly as given), so the
 codes, scales and zero points are only re-laid out — transposed to [N, K] — never rounded.
 GPTQ's act-order (`desc_act`) can store a g_idx other than k // G, grouping input channels
-that are not adjacent; fuselm's blocks are runs of adjacent channels, so such a checkpoint is
-refused by name (its weights would need the activations permuted in the graph).
+that are not adjacent; fuselm's blocks are runs of adjacent channels, so such a layer has no
+blocks here (keeping its groups would need the activations permuted in the graph): the
+checkpoint (export/quantized/checkpoint.py) refuses it or reads it dequantized.
 """
 
 from __future__ import annotations

@@ -40,11 +40,6 @@ def quantize(w: np.ndarray, group: int, sym: bool, rng: np.random.Generator
     return np.clip(q, 0, 15).astype(np.int64).reshape(n, k), s, z
 
 
-def dequantize(q: np.ndarray, s: np.ndarray, z: np.ndarray, group: int) -> np.ndarray:
-    return ((q - np.repeat(z, group, 1)) * np.repeat(s.astype(np.float32), group, 1)).astype(
-        np.float32)
-
-
 def _pack(values: np.ndarray, axis: int, order: list[int]) -> np.ndarray:
     """Eight 4-bit ints along `axis` into one int32, nibble i holding index ORDER[i]."""
     v = np.moveaxis(values.astype(np.uint32), axis, -1)
@@ -61,7 +56,7 @@ def pack_awq(q: np.ndarray, s: np.ndarray, z: np.ndarray) -> dict[str, np.ndarra
 
 
 def pack_gptq(q: np.ndarray, s: np.ndarray, z: np.ndarray, group: int,
-              v1: bool) -> dict[str, np.ndarray]:
+              v1: bool, g_idx: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """AutoGPTQ: intweight [K, N] packed along K, zeros [K/G, N] along N, v1 storing z - 1
     (kept to its nibble: AutoGPTQ's own packer would let a -1 spill into the next nibble)."""
     stored = (z - 1) & 15 if v1 else z
@@ -69,13 +64,15 @@ def pack_gptq(q: np.ndarray, s: np.ndarray, z: np.ndarray, group: int,
     return {"qweight": _pack(q.T, 0, list(range(8))), "qzeros": _pack(stored.T, 1,
                                                                        list(range(8))),
             "scales": np.ascontiguousarray(s.T),
-            "g_idx": (np.arange(k) // group).astype(np.int32)}
+            "g_idx": (np.arange(k) // group if g_idx is None else g_idx).astype(np.int32)}
 
 
 def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = False,
                fmt: str = "gptq", side_file: bool = False, seed: int = 0,
-               lm_head: bool = False) -> tuple[Path, Path]:
-    """(quantized HF folder, float HF folder of its dequantized weights) under `out`."""
+               lm_head: bool = False, act_order: bool = False) -> tuple[Path, Path]:
+    """(quantized HF folder, float HF folder of its dequantized weights) under `out`.
+    `act_order` (GPTQ): each layer's input channels grouped in a random order, stored in their
+    own order with the g_idx naming each one's group (as AutoGPTQ's desc_act leaves them)."""
     rng = np.random.default_rng(seed)
     tensors = load_file(float_dir / "model.safetensors")
     packed: dict[str, np.ndarray] = {}
@@ -84,11 +81,16 @@ def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = 
         prefix = name.removesuffix(".weight")
         packs = PROJECTIONS + ((HEAD,) if lm_head else ())
         if name.endswith(".weight") and prefix.split(".")[-1] in packs:
-            q, s, z = quantize(w.astype(np.float32), group, sym, rng)
+            k = w.shape[1]
+            perm = rng.permutation(k) if act_order else np.arange(k)
+            q_perm, s, z = quantize(w[:, perm].astype(np.float32), group, sym, rng)
+            q, g_idx = np.empty_like(q_perm), np.empty(k, np.int64)
+            q[:, perm], g_idx[perm] = q_perm, np.arange(k) // group
             parts = pack_awq(q, s, z) if method == "awq" else pack_gptq(q, s, z, group,
-                                                                        fmt == "gptq")
-            packed.update({f"{prefix}.{k}": v for k, v in parts.items()})
-            ref[name] = dequantize(q, s, z, group)
+                                                                        fmt == "gptq", g_idx)
+            packed.update({f"{prefix}.{part}": v for part, v in parts.items()})
+            ref[name] = np.ascontiguousarray(  # a[:, idx] may come back in Fortran order
+                (q - z[:, g_idx]) * s.astype(np.float32)[:, g_idx], np.float32)
         else:  # stored in float16, as the hub's quantized checkpoints keep them
             packed[name] = w.astype(np.float16)
             ref[name] = packed[name].astype(np.float32)
@@ -100,7 +102,7 @@ def write_pair(float_dir: Path, out: Path, method: str, group: int, sym: bool = 
     if method == "awq":
         config.update(zero_point=True, version="gemm")
     else:
-        config.update(sym=sym, desc_act=False, checkpoint_format=fmt, lm_head=lm_head)
+        config.update(sym=sym, desc_act=act_order, checkpoint_format=fmt, lm_head=lm_head)
     cfg = json.loads((qdir / "config.json").read_text())
     if side_file and method == "awq":  # AutoAWQ's own file and spelling, no quant_method
         (qdir / "quant_config.json").write_text(json.dumps(

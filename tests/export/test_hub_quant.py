@@ -229,3 +229,27 @@ def test_validate_measures_against_the_dequantized_weights(float_model: Path, tm
     report = json.loads(capsys.readouterr().out)
     (rung,) = report["rungs"][1:]
     assert max(rung["logits_rel_hf"]) <= 1e-4 and set(rung["greedy_agree"]) == {16}, rung
+
+
+def test_act_order_is_refused_by_default_and_read_dequantized_on_request(
+        float_model: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """GPTQ act-order: no blocks fuselm can keep, so the default (keep the blocks) is refused by
+    name; --quant none reads each weight as (q - z[g_idx]) * s[g_idx] exactly, --quant q4
+    quantizes those values again."""
+    qdir, ref_dir = write_pair(float_model, tmp_path, "gptq", 32, act_order=True, seed=9)
+    line = one_error(*cli(capsys, "convert", str(qdir), "-o", str(tmp_path / "kept"),
+                          "--quiet"))
+    assert "act-order (desc_act" in line and "--quant none" in line, line
+    ref_model = hf_model(ref_dir)
+    out = tmp_path / "float"
+    code, err = cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
+                    "--quant", "none", "--quiet")
+    assert code == 0, err
+    source = json.loads((out / "fuselm.json").read_text())["source"]
+    assert source["quantized"]["act_order_layers"] == 7 * 2
+    _assert_matches(out, hf_logits(ref_model, PROMPT), hf_greedy(ref_model, PROMPT, STEPS))
+    code, err = cli(capsys, "convert", str(qdir), "-o", str(tmp_path / "q4"), "--quant", "q4",
+                    "--no-calibration", "--quiet")
+    assert code == 0, err
+    record = json.loads((tmp_path / "q4" / "fuselm.json").read_text())["quantization"]
+    assert record["given"] is None and record["bits"] == 4
