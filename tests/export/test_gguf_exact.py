@@ -83,3 +83,22 @@ def test_explicit_quant_none_converts_to_float(exact: dict[str, tuple[Path, Path
     path, _ = exact["llama-Q4_1"]
     convert(path, tmp_path / "f", ConvertOptions.from_flags(quant="none", dtype="float32"))
     assert read_manifest(tmp_path / "f").quantization is None
+
+
+def test_cli_keeps_blocks_by_default_and_refuses_bad_eight_bit_flags(
+        exact: dict[str, tuple[Path, Path]], tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    from tests.cli_run import cli, one_error
+
+    path, _ = exact["llama-Q4_0"]
+    code, _ = cli(capsys, "convert", str(path), "-o", str(tmp_path / "d"), "--quiet")
+    assert code == 0 and read_manifest(tmp_path / "d").quantization["given"]["quantized"] == 0
+    code, _ = cli(capsys, "convert", str(path), "-o", str(tmp_path / "f"), "--quant", "none",
+                  "--quiet")
+    assert code == 0 and read_manifest(tmp_path / "f").quantization is None
+    line = one_error(*cli(capsys, "convert", str(path), "-o", str(tmp_path / "x"),
+                          "--q-bits", "8", "--bits-budget", "4.45"))
+    assert "--bits-budget" in line and not (tmp_path / "x").exists()
+    line = one_error(*cli(capsys, "convert", str(path), "-o", str(tmp_path / "y"),
+                          "--quant", "q4", "--q-bits", "8"))
+    assert "contradict" in line
