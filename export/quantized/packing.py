@@ -29,21 +29,28 @@ import numpy as np
 from fuselm.given_blocks import GivenBlocks
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column (within 8) of nibble i
-_SHIFTS = np.arange(8, dtype=np.uint32) * 4
 
 
 def nibbles(packed: np.ndarray) -> np.ndarray:
-    """int32 [..., M] → uint8 [..., M, 8]: nibble i of each word at index i."""
-    words = np.ascontiguousarray(packed).view(np.uint32)
-    return ((words[..., None] >> _SHIFTS) & np.uint32(15)).astype(np.uint8)
+    """int32 [..., M] → uint8 [..., 8M]: nibble i of word m at 8m + i. Read through the words'
+    little-endian bytes (the safetensors byte order): byte j holds nibbles 2j (low) and
+    2j + 1 (high), so no wider intermediate is made."""
+    by = np.ascontiguousarray(packed).view(np.uint8)  # [..., 4M]
+    out = np.empty((*by.shape, 2), np.uint8)
+    out[..., 0] = by & np.uint8(15)
+    out[..., 1] = by >> np.uint8(4)
+    return out.reshape(*by.shape[:-1], -1)
 
 
-def along_n(packed: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
-    """int32 [R, N/8] packed along N → uint8 [R, N]; `order`: the column of each nibble."""
-    q = nibbles(packed)  # [R, N/8, 8]
-    if order is not None:
-        q = q[..., np.argsort(order)]  # position c ← nibble whose column is c
-    return q.reshape(packed.shape[0], -1)
+def along_n_transposed(packed: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """int32 [R, N/8] packed along N → uint8 [N, R] (the values of column n in row n);
+    `order`: the column (within 8) of each nibble. The words are transposed (4 bytes each),
+    not the codes: a uint8 transpose of a large layer costs several times more."""
+    words = np.ascontiguousarray(np.ascontiguousarray(packed).view(np.uint32).T)  # [N/8, R]
+    out = np.empty((words.shape[0], 8, words.shape[1]), np.uint8)
+    for i, c in enumerate(range(8) if order is None else order):
+        out[:, c, :] = (words >> np.uint32(4 * i)) & np.uint32(15)
+    return out.reshape(-1, words.shape[1])
 
 
 def trivial_groups(g_idx: np.ndarray, group: int) -> bool:
@@ -53,20 +60,16 @@ def trivial_groups(g_idx: np.ndarray, group: int) -> bool:
 
 def awq_blocks(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray,
                group: int) -> GivenBlocks:
-    codes = along_n(qweight, AWQ_ORDER)  # [K, N]
-    zeros = along_n(qzeros, AWQ_ORDER)  # [K/G, N]
-    return GivenBlocks(np.ascontiguousarray(codes.T), np.ascontiguousarray(
+    return GivenBlocks(along_n_transposed(qweight, AWQ_ORDER), np.ascontiguousarray(
         scales.astype(np.float32).T), 4, group, "awq",
-        zero_points=np.ascontiguousarray(zeros.T))
+        zero_points=along_n_transposed(qzeros, AWQ_ORDER))
 
 
 def gptq_blocks(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray, group: int,
                 zeros_minus_one: bool) -> GivenBlocks:
-    q = nibbles(qweight)  # [K/8, N, 8]: row 8r + i in nibble i
-    codes = q.transpose(1, 0, 2).reshape(q.shape[1], -1)  # [N, K]
-    zeros = along_n(qzeros)  # [K/G, N]
+    codes = nibbles(qweight.T)  # [N, K]: row 8r + i in nibble i (4-byte words transposed)
+    zeros = along_n_transposed(qzeros)  # [N, K/G]
     if zeros_minus_one:
         zeros = (zeros + np.uint8(1)) & np.uint8(15)
-    return GivenBlocks(np.ascontiguousarray(codes), np.ascontiguousarray(
-        scales.astype(np.float32).T), 4, group, "gptq",
-        zero_points=np.ascontiguousarray(zeros.T))
+    return GivenBlocks(codes, np.ascontiguousarray(scales.astype(np.float32).T), 4, group,
+                       "gptq", zero_points=zeros)

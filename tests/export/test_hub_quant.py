@@ -33,7 +33,7 @@ def test_nibble_order_of_each_format() -> None:
                      np.full((8, 1), 8), 8, v1=True)
     assert gptq["qweight"].view(np.uint32)[0, 0] == 0x76543210  # nibble i: input row i
     assert gptq["qzeros"].view(np.uint32)[0, 0] == 0x77777777  # v1: 8 stored as 7
-    assert list(nibbles(np.array([0x76543210], np.uint32).view(np.int32))[0]) == list(range(8))
+    assert list(nibbles(np.array([0x76543210], np.uint32).view(np.int32))) == list(range(8))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
