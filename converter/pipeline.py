@@ -44,6 +44,7 @@ class ConvertOptions:
     quant: QuantOptions | None = None  # None: float weights (passes/quant/options.py)
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
+    adapter: Path | None = None  # a PEFT LoRA folder merged into the weights (export/lora.py)
     # quant None and a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K): keep its
     # blocks (passes/quant/options.py SOURCE_DEFAULT); False (`--quant none`): float weights
     source_quant: bool = True
@@ -53,6 +54,8 @@ class ConvertOptions:
             raise TypeError(f"ConvertOptions.quant is a QuantOptions or None, not "
                             f"{self.quant!r}; ConvertOptions.from_flags(quant='q4', ...) "
                             "builds one from the flags")
+        if self.adapter is not None:
+            self.adapter = Path(self.adapter)
 
     @classmethod
     def from_flags(cls, **options: Any) -> ConvertOptions:
@@ -214,6 +217,9 @@ def convert(
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import staged_gguf
 
+        if options is not None and options.adapter is not None:
+            raise UserError(f"--adapter merges into an HF model folder's float weights, and "
+                            f"{model_dir} is a GGUF file; convert the adapter's HF base model")
         with staged_gguf(model_dir, out_dir) as staged:
             opts = options or ConvertOptions()
             if opts.quant is None and opts.source_quant and staged.checkpoint.quantized:
@@ -222,6 +228,7 @@ def convert(
                            source=staged.source, exporter=staged.exporter, spec=staged.spec)
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
+    hf_dir = checkpoint is None
     t0 = time.perf_counter()
     # Options are validated when made; config and architecture before touching OUT_DIR.
     out_dir_safety.check_paths(src, out)
@@ -231,16 +238,24 @@ def convert(
         select(opts.passes)  # unknown --passes names: refused before the export, not after
     if spec is None:
         from fuselm.export.config import read_raw_config
+        from fuselm.export.open_checkpoint import open_checkpoint, source_record
         from fuselm.export.registry import decoder_spec
-        from fuselm.export.safetensors.checkpoint import Checkpoint
         from fuselm.export.tensor_match import check_layer_count
 
         # the config's layer count against the tensor table, before transformers' config class
         # and the exporter build that many layers (export/tensor_match.py)
         layers = read_raw_config(src)["num_hidden_layers"]
-        ckpt = checkpoint if checkpoint is not None else Checkpoint(src)
-        check_layer_count(ckpt.tensors, src, layers)
+        if checkpoint is None:
+            checkpoint = open_checkpoint(src, opts.adapter, requantize=(
+                opts.quant is not None or not opts.source_quant))
+            if opts.quant is None and opts.source_quant and getattr(checkpoint, "quantized", 0):
+                # AWQ / GPTQ: the blocks kept (a packed LM head's too); float tables stay float
+                head = "lm_head.weight" in checkpoint.layers
+                opts = replace(opts, quant=replace(SOURCE_DEFAULT, lm_head=head,
+                                                   embeddings=False))
+        check_layer_count(checkpoint.tensors, src, layers)
         spec = decoder_spec(src)
+        source = {**source_record(checkpoint, spec), **(source or {})}
     check_tokenizer(src, spec.vocab_size)
     calib = None
     if opts.quant is not None and opts.quant.calibration:
@@ -251,7 +266,7 @@ def convert(
         from fuselm.converter.calibration_input import builtin_calibration
 
         calib = builtin_calibration(src, spec)
-    if exporter is None and checkpoint is None:  # an HF directory
+    if exporter is None and hf_dir:
         from fuselm.converter.exporter_choice import exporter_for
 
         exporter, label = exporter_for(spec)

@@ -77,6 +77,9 @@ def _passes(value: str | None) -> list[str] | None:
 @click.option("--no-calibration", is_flag=True,
               help="Q4 without the built-in calibration text: data-free (block 32, norm-weighted).")
 @click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")
+@click.option("--adapter", type=click.Path(path_type=Path), default=None, metavar="PEFT_DIR",
+              help="A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) "
+              "merged into the float weights before quantization.")
 @click.option("--passes", "passes", default=None, help="Comma-separated passes (default: all).")
 @click.option("--no-optimize", is_flag=True, help="Skip the graph passes (raw export).")
 @click.option("--keep-intermediate", is_flag=True, help="Keep raw.onnx beside the output.")
@@ -99,6 +102,7 @@ def convert_command(
     calibration: str | None,
     no_calibration: bool,
     report: bool,
+    adapter: Path | None,
     passes: str | None,
     no_optimize: bool,
     keep_intermediate: bool,
@@ -128,6 +132,7 @@ def convert_command(
         source_quant=quant != "none",
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
+        adapter=adapter,
     )
     with stage_progress(not quiet and not as_json) as progress:
         result = pipeline.convert(model_dir, out_dir, opts, progress)

@@ -51,6 +51,22 @@ def check_same_model(model_dir: str, manifest: object) -> None:
             "pass the folder the artifact was converted from")
 
 
+def _dequantized_reference(model_dir: str) -> object:
+    """An AWQ / GPTQ folder's reference: its dequantized weights in transformers' float32 model
+    (export/quantized/reference.py); None for every other input (transformers loads it)."""
+    from fuselm.export.open_checkpoint import open_checkpoint
+    from fuselm.export.quantized.checkpoint import QuantizedCheckpoint
+
+    if not Path(model_dir, "config.json").is_file():
+        return None
+    ckpt = open_checkpoint(model_dir, requantize=True)  # act-order: its float values
+    if not isinstance(ckpt, QuantizedCheckpoint):
+        return None
+    from fuselm.export.quantized.reference import dequantized_model
+
+    return dequantized_model(ckpt)
+
+
 @click.command("validate")
 @click.argument("model_dir", type=click.Path())
 @click.argument("out_dir", type=click.Path(file_okay=False))
@@ -127,7 +143,8 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
         sys.stdout.flush()
 
     report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
-                        ppl_tokens, ppl_context, on_prompt=progress)
+                        ppl_tokens, ppl_context, on_prompt=progress,
+                        reference=_dequantized_reference(model_dir))
     verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key) for r in report.rungs[1:]}
     if any(report.rungs[0].nonfinite):
         for v in verdicts.values():

@@ -1,0 +1,1 @@
+"""Checkpoints from the hub that arrive quantized (AWQ, GPTQ): their blocks read exactly."""
