@@ -23,6 +23,11 @@ Two ways to run, chosen per engine (`mode`):
   use are fed a dummy token at their length, a position nothing reads and the next write
   overwrites. A prompt is prefilled through the engine's own single-sequence path (chunked,
   MLX's fused causal attention) into a scratch cache, then copied into its row.
+  The step is pipelined like generate's loop: `step()` queues the next step, fed with the
+  device argmax of the one before (the same rows: tokens and offsets never leave the device),
+  and only then reads that one's tokens, so the device never waits for the host between
+  steps. A row sampled on the host needs its logits first: a call whose last step fed one
+  reads before it queues. A sequence that leaves drops the token queued for it.
 - "sequential" (onnxruntime, or MLX when the program is refused): each slot owns a cache state
   (Engine.swap_cache) and a step feeds the slots one after another. onnxruntime is served this
   way: batching it would need left padding and per-row attention masks over re-packed past
@@ -54,8 +59,17 @@ class _Slot:
     sampler: Sampler | None = None
     greedy: bool = True
     state: object = None  # sequential mode: the slot's engine cache state
+    epoch: int = 0  # bumped when the sequence leaves: a queued step's row of it is dropped
 
 
+@dataclass
+class _Step:
+    """A batched step queued on the device (batched mode), not yet read."""
+
+    rows: list[tuple[int, int]]  # (slot, epoch) of each row it fed
+    picks: mx.array | None  # argmax per row (uint32 [max_batch]) when a fed row is greedy
+    logits: mx.array | None  # [max_batch, vocab] when a fed row samples on the host
+    next_offsets: mx.array  # every row's length after it (int32 [max_batch], on the device)
 
 
 class BatchDecoder:
@@ -81,6 +95,8 @@ class BatchDecoder:
         self.caches: list[KVCache] = []
         self._spans: dict[int, mx.array] = {}
         self._span_step = 0
+        self._inflight: _Step | None = None  # batched mode: the step queued by the last step()
+        self._fed_rows: dict[tuple[int, ...], mx.array] = {}
         if self.mode == "batched":
             assert program is not None
             fn, layout, self._span_step = program
@@ -104,6 +120,7 @@ class BatchDecoder:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
+        s.epoch += 1
         self.exhausted.discard(slot)
 
     def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None) -> int:
@@ -170,6 +187,8 @@ class BatchDecoder:
 
     def step(self) -> dict[int, int]:
         """One token for every active slot: a slot's first (from its prompt) or the next."""
+        if self.mode == "batched":
+            return dict(sorted(self._step_batched().items()))
         out: dict[int, int] = {}
         feed: list[int] = []
         for i in self.active:
@@ -181,9 +200,7 @@ class BatchDecoder:
             else:
                 feed.append(i)
         if feed:
-            rows = self._batched(feed) if self.mode == "batched" else self._sequential(feed)
-            for i, token in rows.items():
-                out[i] = token
+            out.update(self._sequential(feed))
         return dict(sorted(out.items()))
 
     def _sample(self, logits: dict[int, object]) -> dict[int, int]:
@@ -221,34 +238,111 @@ class BatchDecoder:
             self._spans[n] = mx.arange(n, dtype=mx.int32)
         return self._spans[n]
 
-    def _batched(self, feed: list[int]) -> dict[int, int]:
+    def _step_batched(self) -> dict[int, int]:
+        """The pipelined step (generate's loop, for b rows): the step queued by the previous
+        call is read here while the next one, fed with its device argmax, is already queued,
+        so the device never waits for the host between steps. A row that samples on the host
+        needs its logits before its next token exists: a step that fed one is read first and
+        the next is queued after (no overlap that call)."""
+        out: dict[int, int] = {}
+        fresh = []  # rows reporting their first token (sampled from the prompt) now
+        for i in self.active:
+            s = self.slots[i]
+            if not s.reported:
+                out[i], s.reported = s.pending, True  # type: ignore[assignment]
+                fresh.append(i)
+        done = self._inflight
+        self._inflight = None
+        rows: list[int] = []  # the rows `done` fed that are still the same sequences
+        if done is not None:
+            for i, epoch in done.rows:
+                s = self.slots[i]
+                if s.active and s.epoch == epoch:
+                    s.cached.append(s.pending)  # type: ignore[arg-type]
+                    rows.append(i)
+        overlap = done is not None and all(self.slots[i].greedy for i in rows)
+        if done is not None and not overlap:
+            out.update(self._read(done, rows))
+        feed = []
+        for i in sorted(fresh + rows):
+            if len(self.slots[i].cached) >= self.max_context:
+                self.exhausted.add(i)
+            else:
+                feed.append(i)
+        if feed:
+            # rows whose token is the device argmax of `done` (read below, after queueing)
+            from_device = [i for i in rows if i in feed] if overlap else []
+            self._inflight = self._queue(feed, done if from_device else None, from_device)
+        if done is not None and overlap:
+            out.update(self._read(done, rows))
+        return out
+
+    def _queue(self, feed: list[int], prev: _Step | None, from_device: list[int]) -> _Step:
+        """Queue one batched step for the `feed` rows (every row runs: a fixed shape, one
+        compiled trace; rows not fed get a dummy token at their length, a position nothing
+        reads and the next write overwrites). The rows in `from_device` are fed prev's argmax
+        without a trip through the host; the others their host `pending` token."""
         b = self.max_batch
-        tokens = np.zeros((b, 1), np.int32)
-        offsets = np.array([len(s.cached) for s in self.slots], np.int32)
-        for i in feed:
-            tokens[i, 0] = self.slots[i].pending  # type: ignore[assignment]
+        if prev is not None and from_device == feed == [i for i, _ in prev.rows]:
+            # the steady state: the same rows as the step before, each one position on, fed
+            # its argmax: nothing goes up from the host (as in generate's loop)
+            assert prev.picks is not None
+            tokens, offsets = prev.picks, prev.next_offsets
+        else:
+            host = np.zeros(b, np.uint32)
+            for i in feed:
+                if i not in from_device:
+                    host[i] = self.slots[i].pending  # type: ignore[assignment]
+            tokens = mx.array(host)
+            if prev is not None:
+                assert prev.picks is not None
+                take = np.zeros(b, np.bool_)
+                take[from_device] = True
+                tokens = mx.where(mx.array(take), prev.picks, tokens)
+            offsets = mx.array(np.array([len(s.cached) for s in self.slots], np.int32))
         # The buffers go to the call straight from the caches, with no list of them kept past
         # it: adopt() drops the caches' references, so the program's row writes (plain path)
-        # update donated buffers in place; a list still alive at mx.eval below made MLX copy
+        # update donated buffers in place; a list still alive at evaluation made MLX copy
         # every layer's whole [max_batch, heads, capacity, dim] buffers each step.
-        logits, _, *new_kv = self._fn(mx.array(tokens), mx.array(offsets), self._span(feed),
+        logits, _, *new_kv = self._fn(tokens.reshape(b, 1), offsets, self._span(feed),
                                       *(a for c in self.caches for a in c.buffers()))
         for j, c in enumerate(self.caches):
             c.adopt(new_kv[2 * j], new_kv[2 * j + 1], 0)
-        greedy = [i for i in feed if self.slots[i].greedy]
+        del new_kv
+        greedy = any(self.slots[i].greedy for i in feed)
         picks = mx.argmax(logits, axis=-1) if greedy else None
-        host = [i for i in feed if not self.slots[i].greedy]
-        mx.eval(*(x for x in (picks, logits if host else None) if x is not None), *new_kv)
+        sampled = not all(self.slots[i].greedy for i in feed)
+        mx.async_eval(*(x for x in (picks, logits if sampled else None) if x is not None))
+        return _Step([(i, self.slots[i].epoch) for i in feed], picks,
+                     logits if sampled else None, offsets + self._fed(feed))
+
+    def _fed(self, feed: list[int]) -> mx.array:
+        """1 for the fed rows, 0 for the others (int32 [max_batch]): made on the device once
+        per row set (a few recur), not uploaded every step."""
+        key = tuple(feed)
+        if key not in self._fed_rows:
+            if len(self._fed_rows) >= 64:
+                self._fed_rows.clear()
+            fed = np.zeros(self.max_batch, np.int32)
+            fed[feed] = 1
+            self._fed_rows[key] = mx.array(fed)
+        return self._fed_rows[key]
+
+    def _read(self, done: _Step, rows: list[int]) -> dict[int, int]:
+        """The tokens of a queued step for its `rows` (waits for it): greedy rows its device
+        argmax, the others sampled on the host from its logits."""
         out: dict[int, int] = {}
-        if picks is not None:
-            chosen = picks.tolist()
-            for i in greedy:
-                s = self.slots[i]
-                s.cached.append(s.pending)  # type: ignore[arg-type]
+        if not rows:
+            return out
+        chosen = done.picks.tolist() if done.picks is not None else []
+        for i in rows:
+            s = self.slots[i]
+            if s.greedy:
                 s.pending = int(chosen[i])  # type: ignore[index]
-                out[i] = s.pending
-        if host:
-            out.update(self._sample({i: np.array(logits[i]) for i in host}))
+            else:
+                assert done.logits is not None and s.sampler is not None
+                s.pending = s.sampler(np.array(done.logits[i], np.float32), s.cached)
+            out[i] = s.pending
         return out
 
     def describe(self) -> dict[str, object]:

@@ -121,3 +121,31 @@ def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa
         assert set(spans) == {768}
     else:
         assert spans[0] == 256 and 512 in spans and max(spans) == 512
+
+
+def test_rows_leave_and_join_between_queued_steps(qwen3_artifact) -> None:  # noqa: ANN001
+    """The batched step is pipelined (the next step is queued before this one's tokens are
+    read): a sequence that leaves drops the token queued for it, and a new one added into its
+    slot before the next step gets its own tokens, among greedy and host-sampled rows alike."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    prompts = _prompts() + [[7, 8, 9, 10]]
+    opts = SamplingOptions(temperature=0.7, seed=4)
+    want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
+    sampled = generate(engine, prompts[3], max_new_tokens=N, sampling=opts,
+                       device_sampling=False).tokens
+    dec = BatchDecoder(engine, max_batch=2, max_context=64)
+    got: dict[int, list[int]] = {}
+    seq_of: dict[int, int] = {}  # slot -> index into the sequences below
+    queue = [(0, None), (1, None), (2, None), (3, opts), (3, None)]
+    while queue or seq_of:
+        while queue and len(seq_of) < 2:  # joins the moment a slot is free
+            k, o = queue.pop(0)
+            slot = dec.add(prompts[k], o)
+            seq_of[slot] = len(got)
+            got[len(got)] = []
+        for slot, token in dec.step().items():
+            got[seq_of[slot]].append(token)
+            if len(got[seq_of[slot]]) == N:
+                dec.remove(slot)
+                del seq_of[slot]
+    assert [got[i] for i in range(5)] == want[:3] + [sampled, want[3]]
