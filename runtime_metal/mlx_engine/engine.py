@@ -115,15 +115,16 @@ class MLXEngine:
         return old
 
     def batch_program(self) -> tuple[object, list, int] | None:
-        """The compiled program for [b, 1] tokens at [b] offsets (its own traces: compiled
-        anew, not the single-sequence driver's), with the cache layout and the span step
-        (Engine.batch_program); None when the program is refused or cannot allocate its
-        cache. With the CUDA attention kernel on every layer (no sliding window), attention
-        already stops at each row's length: one span, one trace."""
+        """The compiled program for [b, 1] tokens at [b] offsets over the block cache
+        (DecodeProgram.paged; its own traces: compiled anew, not the single-sequence driver's),
+        with the cache layout and the span step (Engine.batch_program); None when the program
+        is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
+        (no sliding window), attention already stops at each row's length: one span, one
+        trace per row count."""
         if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
-        fn = mx.compile(program.spanned) if self.fast.compiled else program.spanned
+        fn = mx.compile(program.paged) if self.fast.compiled else program.paged
         whole = program.kernels and not any(w is not None for w in program.windows.values())
         return fn, program.kv_layout, 0 if whole else KVCache.step
 

@@ -13,6 +13,7 @@ from fuselm.runtime_metal.batch import BatchDecoder
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.kv_cache import BLOCK
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 N = 10
@@ -98,27 +99,27 @@ def test_batched_q4_is_batch_invariant(q4_artifact) -> None:  # noqa: ANN001
 
 
 def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa: ANN001
-    """The plain path attends only the first L cache rows, L the longest fed row's position
-    rounded up to 256 (not the reserved context): with a context of 700 (capacity 768) the
-    short sequences here run at L = 256, a row grown past 256 moves the whole batch to 512, and
-    every sequence's tokens stay generate's."""
+    """The plain path reads only the blocks covering the longest fed row's position rounded up
+    to 256 (not the reserved context): with a context of 700 the short sequences here run with
+    tables of 256 positions, a row grown past 256 moves the batch to 512, and every sequence's
+    tokens stay generate's."""
     engine = make_engine(qwen3_artifact, "mlx")
     prompts = _prompts() + [[int(t) for t in np.random.default_rng(5).integers(4, 384, 250)]]
     want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
     dec = BatchDecoder(engine, max_batch=4, max_context=700)
-    assert dec.capacity == 768
+    assert dec.row_blocks * BLOCK == 704
     spans: list[int] = []
-    step = dec._span  # noqa: SLF001 - the span each step is called with
+    table = dec._block_table  # noqa: SLF001 - the table each step is called with
 
     def record(feed: list[int]):  # noqa: ANN202
-        span = step(feed)
-        spans.append(span.shape[0])
-        return span
+        t = table(feed)
+        spans.append(t.shape[1] * BLOCK)
+        return t
 
-    dec._span = record  # type: ignore[method-assign]  # noqa: SLF001
+    dec._block_table = record  # type: ignore[method-assign]  # noqa: SLF001
     assert _run(dec, prompts, [0, 1, 3, 6]) == want
     if engine.fast.program.kernels:  # the CUDA attention kernel reads each row's own length
-        assert set(spans) == {768}
+        assert set(spans) == {704}
     else:
         assert spans[0] == 256 and 512 in spans and max(spans) == 512
 
