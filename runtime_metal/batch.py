@@ -187,10 +187,10 @@ class BatchDecoder:
         src = max(range(self.max_batch), key=lambda i: (_common(slots[i].cached, prompt),
                                                         slots[i].active, -i))
         keep = min(_common(slots[src].cached, prompt), len(prompt) - 1)
-        # the slot: the source itself when free (its blocks stay where they are), else a free
-        # one holding nothing, else the least recently used
-        slot = src if src in free else min(free, key=lambda i: (bool(slots[i].blocks),
-                                                                 slots[i].used, i))
+        # the slot: the source itself when free and shared (its blocks stay where they are),
+        # else a free one holding nothing, else the least recently used
+        slot = src if src in free and keep else min(free, key=lambda i: (bool(slots[i].blocks),
+                                                                          slots[i].used, i))
         s = slots[slot]
         table = [pool.share(b) for b in slots[src].blocks[:-(-keep // BLOCK)]]
         pool.release(s.blocks)
