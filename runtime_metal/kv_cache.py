@@ -1,10 +1,18 @@
-"""The KV cache of one layer: buffers preallocated in blocks of 256 positions (mlx-lm's shape),
-rows written in place, and the one definition of a cache write (`write_rows`), which the
-node-by-node executor and the compiled program (decode.py) both use.
+"""The KV cache, defined once, in its two forms:
 
-Buffers are [batch, kv_heads, capacity, head_dim]. `offset` is how many positions are cached
-(the same for every row of a single-sequence cache; batch.py keeps per-row lengths itself and
-writes with a per-row offset array).
+* `KVCache`, one layer of one sequence (the engine's generation loop): buffers preallocated in
+  blocks of 256 positions (mlx-lm's shape), rows written in place, and the one definition of a
+  cache write (`write_rows`), which the node-by-node executor and the compiled program
+  (decode.py) both use. Buffers are [batch, kv_heads, capacity, head_dim]; `offset` is how
+  many positions are cached.
+* the block cache of the batch decoder (batch.py): `BlockCache`, every layer's pool of
+  fixed-size blocks [blocks, kv_heads, BLOCK, head_dim], and `BlockPool`, their free list and
+  reference counts. A sequence holds a block table (its blocks in position order), so a row
+  holds the blocks of its own length, and a prompt prefix is shared between tables by
+  reference, copied only when a table writes into a shared block (`BlockPool.writable`).
+  `write_blocks` / `read_blocks` are the block forms of the write and of the read attention
+  does (attention.Attention.over_cache); the CUDA attention kernel reads and writes through
+  the table itself (cuda_kernels/sources.py).
 """
 
 from __future__ import annotations

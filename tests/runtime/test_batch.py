@@ -2,7 +2,8 @@
 batch with others of different lengths that join mid-way, and from single-sequence `generate`
 at temperature 0, on both engines (MLX: the batched program; onnxruntime: one at a time); for
 Qwen3 (head_dim != hidden/heads, GQA 2:1, q/k-norm), Qwen2 (GQA 4:1, biases) and Llama. A freed
-slot's cached prefix is reused by a prompt that extends it."""
+slot's cached prefix is reused by a prompt that extends it, and rows sharing a prefix (MLX: its
+blocks, by reference) decode their solo tokens."""
 
 from __future__ import annotations
 
@@ -150,3 +151,28 @@ def test_rows_leave_and_join_between_queued_steps(qwen3_artifact) -> None:  # no
                 dec.remove(slot)
                 del seq_of[slot]
     assert [got[i] for i in range(5)] == want[:3] + [sampled, want[3]]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("engine_name", ["mlx", "onnxruntime"])
+def test_rows_sharing_a_cached_prefix_equal_their_solo_runs(family: str, engine_name: str,
+                                                            family_models) -> None:  # noqa: ANN001
+    """Prompts that share a long prefix (a system prompt; a follow-up turn of a finished
+    sequence), joining while others decode: each row's greedy tokens are its solo run's.
+    MLX shares the prefix's blocks by reference (a running row's included); onnxruntime
+    reuses a freed slot's cache. Sliding-window families (gemma3, phi3) read a window of the
+    shared blocks."""
+    engine = make_engine(family_models[family][1], engine_name)
+    rng = np.random.default_rng(9)
+    system = [int(t) for t in rng.integers(4, 384, 70)]
+    prompts = [system + [int(t) for t in rng.integers(4, 384, n)] for n in (3, 9)]
+    want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
+    follow = prompts[0] + want[0][:4] + [17, 18]
+    want.append(generate(engine, follow, max_new_tokens=N).tokens)
+    dec = BatchDecoder(engine, max_batch=2, max_context=128)
+    got = _run(dec, prompts, [0, 3])
+    # the follow-up turn comes once both finished; it shares the first one's tokens
+    got += _run(dec, [follow], [0])
+    assert got == want
+    # the system prompt from the running first row (MLX only), the follow-up's shared turn
+    assert dec.reused_tokens == (70 if engine_name == "mlx" else 0) + len(prompts[0]) + 4
