@@ -165,16 +165,14 @@ class BlockPool:
 def write_blocks(pool: mx.array, rows: mx.array, table: mx.array, offset: mx.array
                  ) -> mx.array:
     """pool [blocks, h, BLOCK, d] with row r's one new position rows[r] ([n, h, 1, d]) written
-    at offset[r], in the block table[r, offset[r] // BLOCK]: one scatter over the n * h rows."""
+    at offset[r], in the block table[r, offset[r] // BLOCK]: one scatter on the pool itself (no
+    reshape of it in between: the compiled program's donated pool is updated in place)."""
     n, h, _, d = rows.shape
     bs = pool.shape[2]
     off = offset.reshape(-1)
-    blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n, 1)
-    at = (blk * h + mx.arange(h).reshape(1, h)) * bs + (off % bs).reshape(n, 1)  # [n, h]
-    flat = pool.reshape(-1, d)
-    index = mx.broadcast_to(at.reshape(-1, 1), (n * h, d))
-    return mx.put_along_axis(flat, index, rows.astype(pool.dtype).reshape(n * h, d),
-                             axis=0).reshape(pool.shape)
+    blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n)
+    pool[blk, :, off % bs] = rows.astype(pool.dtype).reshape(n, h, d)
+    return pool
 
 
 def read_blocks(pool: mx.array, table: mx.array) -> mx.array:
