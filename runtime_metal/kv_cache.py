@@ -176,10 +176,13 @@ def write_blocks(pool: mx.array, rows: mx.array, table: mx.array, offset: mx.arr
 
 
 def read_blocks(pool: mx.array, table: mx.array) -> mx.array:
-    """The positions a block table [n, W] holds, gathered: [n, h, W * BLOCK, d]."""
+    """The positions a block table [n, W] holds, gathered: [n, h, W * BLOCK, d], in one gather
+    of the pool's rows (no transposed copy after it)."""
     n, w = table.shape
     _, h, bs, d = pool.shape
-    return pool[table].transpose(0, 2, 1, 3, 4).reshape(n, h, w * bs, d)
+    heads = mx.arange(h, dtype=mx.int32).reshape(1, h, 1, 1)
+    rows = (table.reshape(n, 1, w, 1) * h + heads) * bs + mx.arange(bs, dtype=mx.int32)
+    return mx.take(pool.reshape(-1, d), rows.reshape(n, h, w * bs), axis=0)
 
 
 class BlockCache:
