@@ -1,7 +1,8 @@
 """Attention, defined once: what ONNX `Attention` (opset 23) means, for the node-by-node
 executor (ops/attention.py, over a past/present pair or a bound KVCache) and for the compiled
 program (program_ops.py, over fixed-capacity cache buffers written at a device offset), with
-one or many sequences (batch.py: one offset per row).
+one or many sequences (batch.py: one offset per row, the cache read and written through each
+row's block table).
 
 GQA runs without repeating K/V (MLX's SDPA takes fewer KV heads); prefill uses the fused kernel
 with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fused kernel lacks
