@@ -1,8 +1,13 @@
-"""Batched decode throughput (runtime_metal/batch.py): tokens/s over all sequences and per
-sequence, for batch sizes b, JSON out.
+"""Batched decode throughput (runtime_metal/batch.py) against the single-sequence step, one
+JSON: the single sequence's decode (generate's pipelined loop, what `fuselm bench` reports as
+tg) and, for each batch size b, the batched step's time, tokens/s over all sequences and per
+sequence, its time over the single step's and its total throughput over one row's.
 
-    python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8]
+    python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8 16]
 
+Single: one prompt of -p tokens, -n new tokens (greedy), a warm-up run, the median of -r runs.
+Times are wall clock; each b also reports the process's CPU time a step (`step_cpu_ms`), the
+steadier figure on a shared CPU host where MLX's CPU backend is the device.
 Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps, then -n
 timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
 benchmarks/long_prompt.py (same --work).
@@ -26,6 +31,17 @@ from long_prompt import SHAPES, artifact  # noqa: E402
 
 from fuselm.runtime_metal.batch import BatchDecoder  # noqa: E402
 from fuselm.runtime_metal.engine import make_engine  # noqa: E402
+from fuselm.runtime_metal.generate import generate  # noqa: E402
+
+
+def single_step_ms(engine, prompt: list[int], n: int, runs: int) -> float:  # noqa: ANN001
+    """The single sequence's decode time per token (median of `runs`, after a warm-up)."""
+    times = []
+    for r in range(runs + 1):
+        res = generate(engine, prompt, max_new_tokens=n)
+        if r:
+            times.append(1e3 / res.tg)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -47,6 +63,8 @@ def main() -> None:
     engine = make_engine(out_dir, "mlx")
     rng = np.random.default_rng(0)
     vocab = engine.manifest.model.vocab_size
+    single = single_step_ms(engine, [int(t) for t in rng.integers(4, min(1000, vocab), args.p)],
+                            args.n, args.r)
     rows = []
     for b in args.b:
         dec = BatchDecoder(engine, max_batch=b,
@@ -54,20 +72,26 @@ def main() -> None:
         for _ in range(b):
             dec.add([int(t) for t in rng.integers(4, min(1000, vocab), args.p)])
         dec.step()  # the first tokens (from the prompts)
-        times = []
+        times, cpu = [], []
         for r in range(args.r + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.n):
                 dec.step()
             if r:
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
         t = statistics.median(times)
         rows.append({"batch": b, "mode": dec.mode, "step_ms": t / args.n * 1e3,
-                     "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t})
+                     "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t,
+                     "step_over_single": t / args.n * 1e3 / single,
+                     "step_cpu_ms": statistics.median(cpu) / args.n * 1e3})
+    one = next((r["tok_s_total"] for r in rows if r["batch"] == 1), None)
+    for r in rows:
+        r["throughput_over_one_row"] = r["tok_s_total"] / one if one else None
     print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
                       "shape": str(args.artifact or args.shape), "dtype": args.dtype,
                       "engine": engine.describe(), "prompt": args.p,
-                      "steps": args.n, "rows": rows}, indent=1))
+                      "steps": args.n, "single_step_ms": single, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 #
 #   benchmarks/gpu_run.sh tests [EXPR]          # fused-kernel equivalence tests (TF32 off),
 #                                               # test_kernels.py, only `-k EXPR` if given
+#   benchmarks/gpu_run.sh batchtests            # the batch decoder's tests on the GPU: the kernels
+#                                               # through a block table, batch invariance
 #   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py --separate: each system in its own
 #                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
 #                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
@@ -67,7 +69,7 @@ if ! python3 -c "import fuselm.converter" 2>/dev/null; then
   for d in converter export passes runtime_metal; do ln -sfn "$PWD/$d" "/tmp/fuselm_pkg/fuselm/$d"; done
   export PYTHONPATH=/tmp/fuselm_pkg:$PYTHONPATH
 fi
-part=${1:?tests | sbs SHAPE GROUP | batch SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
+part=${1:?tests | batchtests | sbs SHAPE GROUP | batch SHAPE GROUP | ncu SHAPE GROUP | serve SHAPE GROUP}
 case "$part" in
   tests)
     # six workers when pytest-xdist is there (bring its and execnet's wheels with MLX's): the
@@ -78,6 +80,14 @@ case "$part" in
     # the H200 host either made `fuselm.converter` unimportable)
     NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
       "${par[@]}" tests/runtime/test_kernels.py ${2:+-k "$2"}
+    ;;
+  batchtests)
+    # the batch decoder on MLX-CUDA: the attention kernels through a block table, and batch
+    # invariance / the block cache with the kernels on
+    NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
+      tests/runtime/test_kernels.py -k "block_table or batch_decoder"
+    NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
+      tests/runtime/test_batch.py tests/runtime/test_kv_blocks.py
     ;;
   sbs)
     # shellcheck disable=SC2086

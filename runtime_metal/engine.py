@@ -63,10 +63,11 @@ class Engine(Protocol):
 
     def batch_program(self) -> tuple[Any, list[Any], int] | None:
         """(function, KV layout, span step) that decodes one token for each of b sequences at
-        once (decode.DecodeProgram.spanned over [b, ...] caches: fn(tokens, offsets, span,
-        *kv)), or None where the engine has none. Span step: the multiple of positions that
-        attention's key span is rounded up to (0: always the whole capacity, where the
-        attention kernel reads each row's own length anyway)."""
+        once over the block cache (decode.DecodeProgram.paged: fn(tokens [b, 1], offsets [b],
+        block table [b, W], *pools) -> (logits [b, vocab], offsets + 1, *pools)), or None
+        where the engine has none. Span step: the multiple of positions that the table's width
+        is rounded up to (0: every row's most blocks, where the attention kernel reads each
+        row's own length anyway)."""
         ...
 
     def describe(self) -> dict[str, object]: ...

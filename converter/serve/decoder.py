@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuselm.runtime_metal.engine import Engine
-from fuselm.runtime_metal.prefix import common_prefix
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 
@@ -22,12 +21,10 @@ class ServeDecoder:
         self._cached: dict[int, int] = {}
 
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
-        # A free slot keeps the tokens of its last sequence; BatchDecoder reuses the longest
-        # shared prefix (all but the last prompt token at most), which is what is reported.
-        before = [None if s.active else list(s.cached) for s in self.dec.slots]
+        # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
+        # most): what is reported.
         slot = self.dec.add(prompt_ids, sampling)
-        self._cached[slot] = min(common_prefix(before[slot] or [], prompt_ids),
-                                 len(prompt_ids) - 1)
+        self._cached[slot] = self.dec.slots[slot].reused
         return slot
 
     def cached_tokens(self, slot: int) -> int:

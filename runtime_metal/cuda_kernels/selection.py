@@ -182,11 +182,18 @@ def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
 
 def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, object],
                      keys: mx.array, values: mx.array, hq: int, hk: int, head_dim: int,
-                     rotary_dim: int) -> bool:
-    """One token per batch row (3-D [b, 1, H*D] q/k/v, b = the cache's batch), head_dim a
-    multiple of 32 up to 256 for keys and values alike, even rotary width, whole GQA groups,
-    cache of the activation dtype, q/k-norm scales (when present) of one head's width."""
-    if not all(isinstance(a, mx.array) and a.ndim == 3 and a.shape[:2] == (keys.shape[0], 1)
+                     rotary_dim: int, table: mx.array | None = None) -> bool:
+    """One token per batch row (3-D [b, 1, H*D] q/k/v, b = the cache's batch, or the block
+    table's rows: int32 [b, W] over pools of power-of-two blocks), head_dim a multiple of 32
+    up to 256 for keys and values alike, even rotary width, whole GQA groups, cache of the
+    activation dtype, q/k-norm scales (when present) of one head's width."""
+    rows = keys.shape[0]
+    if table is not None:
+        bs = keys.shape[2]
+        if table.ndim != 2 or table.dtype != mx.int32 or bs & (bs - 1):
+            return False
+        rows = table.shape[0]
+    if not all(isinstance(a, mx.array) and a.ndim == 3 and a.shape[:2] == (rows, 1)
                for a in (q, k, v)):
         return False
     assert isinstance(q, mx.array) and isinstance(k, mx.array) and isinstance(v, mx.array)

@@ -85,6 +85,7 @@ _ROPE_ATTEND_BODY = """
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t qh = (size_t)b * HQ + h, kh = (size_t)b * HK + g;
+/*KVROW*/  const size_t prow = kv_row(pos);
   __shared__ float sq[D], sk[D], sv[D], tq[D], tk[D], rs[2];
   __shared__ float wm[NW], wl[NW], wacc[NW][D];
   if (tid < D) {  // q/k/v rows: QRW / KRW elements wide, k and v from element KO / VO
@@ -125,8 +126,8 @@ _ROPE_ATTEND_BODY = """
     sk[tid] = static_cast<float>(kb);
     sv[tid] = static_cast<float>(vb);
     if (h % G == 0) {  // the new row goes into the cache in place (see rope_attend)
-      const_cast<T*>(kc)[(kh * cap + pos) * D + tid] = kb;
-      const_cast<T*>(vc)[(kh * cap + pos) * D + tid] = vb;
+      const_cast<T*>(kc)[prow * D + tid] = kb;
+      const_cast<T*>(vc)[prow * D + tid] = vb;
     }
   }
   __syncthreads();
@@ -150,14 +151,13 @@ _ROPE_ATTEND_BODY = """
 
 
 _KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
-  const T* kb = kc + kh * cap * D;
-  const T* vb = vc + kh * cap * D;
   for (int j = warp; j <= pos; j += NW) {  // online softmax over this warp's keys
     float kr[VPT], vr[VPT];
     if (j < pos) {
+      const size_t at = kv_row(j) * D + lane * VPT;
       for (int e = 0; e < VPT; ++e) {
-        kr[e] = static_cast<float>(kb[(size_t)j * D + lane * VPT + e]);
-        vr[e] = static_cast<float>(vb[(size_t)j * D + lane * VPT + e]);
+        kr[e] = static_cast<float>(kc[at + e]);
+        vr[e] = static_cast<float>(vc[at + e]);
       }
     } else {  // the token being decoded: not in the cache yet
       for (int e = 0; e < VPT; ++e) { kr[e] = sk[lane * VPT + e]; vr[e] = sv[lane * VPT + e]; }
@@ -172,7 +172,16 @@ _KEYS_ONE = """  float m = __int_as_float(0xff800000), l = 0.f;  // -infinity
   }
 """
 
-_ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE)
+# The cache row of position j for KV head g of batch row b (both kernels): row kh * cap + j of
+# [rows, HK, cap, D] buffers, or, with a block table (BT: kv_cache.BlockCache), slot j % BS of
+# block bt[b][j / BS] (MB blocks a row) of [blocks, HK, BS, D] pools. BS is a power of two.
+_KV_ROW = """  auto kv_row = [&](int j) -> size_t {
+    return BT ? ((size_t)bt[(size_t)b * MB + j / BS] * HK + g) * BS + j % BS
+              : kh * cap + j;
+  };
+"""
+
+_ROPE_ATTEND = _ROPE_ATTEND_BODY.replace("/*KEYS*/", _KEYS_ONE).replace("/*KVROW*/", _KV_ROW)
 
 # ---- the split (flash-decoding) variant: FUSELM_ATTN_SPLIT=auto (kernels.auto_splits) --------
 # Measured on the H200: the kernel above runs one block per query head (16 blocks on 132 SMs at
@@ -231,7 +240,7 @@ _ATTEND_SPLIT = """
   const int pos = offset[b];
   const int cap = kc_shape[2];
   const size_t kh = (size_t)b * HK + g;
-  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
+/*KVROW*/  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
   const float ascale = __int_as_float(PA);
   __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
   __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
@@ -240,15 +249,15 @@ _ATTEND_SPLIT = """
   const int n = pos + 1, chunk = (n + S - 1) / S;
   const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
   const int j_first = j_begin + warp * KB;
-  const T* kb = kc + kh * cap * D + lane * VPT;
-  const T* vb = vc + kh * cap * D + lane * VPT;
+  const T* kb = kc + lane * VPT;
+  const T* vb = vc + lane * VPT;
   float kr[KB][VPT], vr[KB][VPT];
   #pragma unroll
   for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
     const int j = j_first + u;
     if (j < j_end && j < pos) {
-      fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
-      fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+      fl_load_row<T, VPT>(kb + kv_row(j) * D, kr[u]);
+      fl_load_row<T, VPT>(vb + kv_row(j) * D, vr[u]);
     }
   }
   for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
@@ -301,8 +310,9 @@ _ATTEND_SPLIT = """
       sk[e] = static_cast<float>(ta);
       sv[e] = static_cast<float>(tv);
       if (s == 0 && gb == 0) {
-        const_cast<T*>(kc)[(kh * cap + pos) * D + e] = ta;
-        const_cast<T*>(vc)[(kh * cap + pos) * D + e] = tv;
+        const size_t prow = kv_row(pos);
+        const_cast<T*>(kc)[prow * D + e] = ta;
+        const_cast<T*>(vc)[prow * D + e] = tv;
       }
     }
   }
@@ -322,8 +332,8 @@ _ATTEND_SPLIT = """
       const int j = j0 + u;
       if (j < j_end && j < pos) {
         if (j0 != j_first) {  // the first step's rows were loaded before the prologue
-          fl_load_row<T, VPT>(kb + (size_t)j * D, kr[u]);
-          fl_load_row<T, VPT>(vb + (size_t)j * D, vr[u]);
+          fl_load_row<T, VPT>(kb + kv_row(j) * D, kr[u]);
+          fl_load_row<T, VPT>(vb + kv_row(j) * D, vr[u]);
         }
       } else {
         const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
@@ -399,6 +409,8 @@ _WRITE_PART = """    pacc[(qh * S + s) * D + e] = num;
 
 # S > 1: the last block of the head group to finish merges the S partials (read through L2:
 # other blocks wrote them) as the split kernel merges its warps'; then resets the ticket.
+_ATTEND_SPLIT = _ATTEND_SPLIT.replace("/*KVROW*/", _KV_ROW)
+
 _MERGE_LAST = """
   __threadfence();  // this block's partials visible device-wide before its ticket
   __shared__ unsigned int ticket;
@@ -457,34 +469,47 @@ _SCRATCH_PARTS = """
 # softmax scale, attention scale) are template arguments PE, PQ, PA (kernels.float_bits), the
 # fused projection (joined: q, k and v are slices of it) is one input `q` that k and v alias,
 # and absent q/k-norm scales are no inputs (null pointers, never read: HAS_QN / HAS_KN).
-def _attend_inputs(joined: bool, norms: tuple[bool, bool]) -> list[str]:
-    """The attention kernels' input names: q (k, v unless joined), qn / kn where present."""
+def _attend_inputs(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> list[str]:
+    """The attention kernels' input names: q (k, v unless joined), qn / kn where present, the
+    block table bt when the caches are block pools (paged)."""
     return (["q"] + ([] if joined else ["k", "v"]) + (["qn"] if norms[0] else [])
-            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", "kc", "vc"])
+            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", "kc", "vc"]
+            + (["bt"] if paged else []))
 
 
-def _attend_prelude(joined: bool, norms: tuple[bool, bool]) -> str:
+def _attend_prelude(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> str:
     """The kernel body's first lines: the names of the inputs _attend_inputs leaves out
     (MLX puts the body after the kernel's parameters, so these come before any use)."""
     return (("  const T* k = q;\n  const T* v = q;\n" if joined else "")
             + ("" if norms[0] else "  const T* qn = nullptr;\n")
-            + ("" if norms[1] else "  const T* kn = nullptr;\n"))
+            + ("" if norms[1] else "  const T* kn = nullptr;\n")
+            + ("" if paged else "  const int* bt = nullptr;\n"))
 
 
-def _attend_suffix(joined: bool, norms: tuple[bool, bool]) -> str:
+def _attend_suffix(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> str:
     """A kernel name per input set, so profiles (ncu, kernel_bench, step_profile) tell the
     variants apart (MLX-CUDA keeps one module per text in any case: custom_kernel.cpp names it
     by the kernel's name and a hash of its source)."""
-    return ("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
+    return (("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
+            + ("_bt" if paged else ""))
 
 
 def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                  kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: mx.array,
-                 vc: mx.array, joined: bool) -> list[mx.array]:
+                 vc: mx.array, joined: bool, table: mx.array | None = None) -> list[mx.array]:
     """The input arrays, in _attend_inputs' order (its names pick them)."""
     arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
-                              "inv_freq": inv_freq, "offset": offset, "kc": kc, "vc": vc}
-    return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None))]
+                              "inv_freq": inv_freq, "offset": offset, "kc": kc, "vc": vc,
+                              "bt": table}
+    return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None),
+                                              table is not None)]
+
+
+def _table_consts(kc: mx.array, table: mx.array | None) -> list[tuple[str, Any]]:
+    """BT (block pools), BS (positions a block) and MB (blocks a row) template constants."""
+    if table is None:
+        return [("BT", False), ("BS", 1), ("MB", 1)]
+    return [("BT", True), ("BS", kc.shape[2]), ("MB", table.shape[1])]
 
 
 def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
@@ -495,7 +520,8 @@ def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
 
 
 @kernels.kernel_factory
-def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool]) -> Any:
+def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool], paged: bool = False
+                         ) -> Any:
     """form "merged": S = 1, the block writes the output; else it writes the split's partial
     and the last block of its head group merges them, the partials in the module's scratch
     ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
@@ -507,10 +533,12 @@ def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool]) -> A
     scratch = form == "scratch"
     return kernels.cuda_kernel(
         name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
-              "outputs": "fuselm_rope_attend_split_out"}[form] + _attend_suffix(joined, norms),
-        input_names=_attend_inputs(joined, norms),
+              "outputs": "fuselm_rope_attend_split_out"}[form]
+        + _attend_suffix(joined, norms, paged),
+        input_names=_attend_inputs(joined, norms, paged),
         output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
-        source=_attend_prelude(joined, norms) + (_SCRATCH_PARTS if scratch else "") + source,
+        source=_attend_prelude(joined, norms, paged) + (_SCRATCH_PARTS if scratch else "")
+        + source,
         header=_HEADER + _VEC_HEADER + ("" if form == "merged" else _TICKETS)
         + (_SCRATCH if scratch else ""))
 
@@ -528,19 +556,21 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
                        prm: tuple[float, float, float], offset: mx.array, kc: mx.array,
                        vc: mx.array, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
                        splits: int, rows_at: list[Any], joined: bool,
-                       warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS) -> mx.array:
-    d, rows = kc.shape[-1], kc.shape[0]
+                       warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS,
+                       table: mx.array | None = None) -> mx.array:
+    d, rows = kc.shape[-1], q.shape[0]
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     form = ("merged" if splits == 1 else
             "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
     partials = form == "outputs"
-    outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None))(
-        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
+    outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None),
+                                table is not None)(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined, table),
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
-                  ("KB", keys), *rows_at, *_attend_consts(prm)],
+                  ("KB", keys), *rows_at, *_attend_consts(prm), *_table_consts(kc, table)],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] + (
             [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
@@ -556,12 +586,12 @@ def _add_rms_norm_kernel() -> Any:
 
 
 @kernels.kernel_factory
-def _rope_attend_kernel(joined: bool, norms: tuple[bool, bool]) -> Any:
-    """joined / norms: the inputs (_attend_inputs)."""
+def _rope_attend_kernel(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> Any:
+    """joined / norms / paged: the inputs (_attend_inputs)."""
     return kernels.cuda_kernel(
-        name="fuselm_rope_attend" + _attend_suffix(joined, norms),
-        input_names=_attend_inputs(joined, norms), output_names=["out"],
-        source=_attend_prelude(joined, norms) + _ROPE_ATTEND, header=_HEADER)
+        name="fuselm_rope_attend" + _attend_suffix(joined, norms, paged),
+        input_names=_attend_inputs(joined, norms, paged), output_names=["out"],
+        source=_attend_prelude(joined, norms, paged) + _ROPE_ATTEND, header=_HEADER)
 
 
 def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
@@ -584,9 +614,13 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
                 rotary_dim: int, interleaved: bool, splits: int | None = None,
                 split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
-                qkv: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                qkv: mx.array | None = None, table: mx.array | None = None
+                ) -> tuple[mx.array, mx.array, mx.array]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
-    [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]).
+    [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]); or,
+    with a block `table` (int32 [b, W]: kv_cache.BlockCache), the caches are block pools
+    [blocks, hk, BLOCK, D] and row i's position j lies in block table[i, j // BLOCK]
+    (capacity W * BLOCK).
     prm = (eps, softmax scale, RoPE attention scale): Python floats, each finite with the sign
     bit clear (kernels.takes_float_bits), passed as template constants (kernels.float_bits),
     not an input array. qn / kn: the q/k-norm scales [D], or None (no norm: no input either).
@@ -611,7 +645,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     not in the step's graph (a Qwen3-0.6B step: 274 nodes -> 151 with the other reshapes gone;
     the H200 host's dispatch time did not change: it follows kernel launches, not nodes). It
     is the launch's one input for all three (k and v alias it in the kernel)."""
-    d, rows = kc.shape[-1], kc.shape[0]
+    d, rows = kc.shape[-1], q.shape[0]
+    capacity = kc.shape[2] * (1 if table is None else table.shape[1])
     joined = qkv is not None
     if qkv is not None:
         q = k = v = qkv
@@ -620,7 +655,7 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     else:
         rows_at = [("QRW", hq * d), ("KRW", hk * d), ("KO", 0), ("VO", 0)]
     gb = split_heads_per_block(hq, hk, d)
-    n_split = (kernels.auto_splits(kc.shape[2], hk, hq // hk // gb)
+    n_split = (kernels.auto_splits(capacity, hk, hq // hk // gb)
                if splits is None else splits)
     if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
         n_split = 0  # more head groups than tickets (a batch of thousands): no split
@@ -628,14 +663,15 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,
                                  splits=n_split, rows_at=rows_at, joined=joined,
-                                 warps=split_warps, keys=split_keys)
+                                 warps=split_warps, keys=split_keys, table=table)
         return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
-    (out,) = _rope_attend_kernel(joined, (qn is not None, kn is not None))(
-        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined),
+    (out,) = _rope_attend_kernel(joined, (qn is not None, kn is not None), table is not None)(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined, table),
         template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
-                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at, *_attend_consts(prm)],
+                  ("HAS_KN", kn is not None), ("NW", warps), *rows_at, *_attend_consts(prm),
+                  *_table_consts(kc, table)],
         grid=(hq * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)], output_dtypes=[kc.dtype])
     return out, kc, vc

@@ -1,7 +1,8 @@
 """Attention, defined once: what ONNX `Attention` (opset 23) means, for the node-by-node
 executor (ops/attention.py, over a past/present pair or a bound KVCache) and for the compiled
 program (program_ops.py, over fixed-capacity cache buffers written at a device offset), with
-one or many sequences (batch.py: one offset per row).
+one or many sequences (batch.py: one offset per row, the cache read and written through each
+row's block table).
 
 GQA runs without repeating K/V (MLX's SDPA takes fewer KV heads); prefill uses the fused kernel
 with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fused kernel lacks
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal.kv_cache import write_rows
+from fuselm.runtime_metal.kv_cache import read_blocks, write_blocks, write_rows
 
 Mask = mx.array | str | None  # bool (True = attend) or additive; "causal"; None = all visible
 
@@ -118,22 +119,27 @@ class Attention:
         return mask + additive(tri, mask.dtype)
 
     def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-                   values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None
-                   ) -> tuple[mx.array, mx.array, mx.array]:
+                   values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None,
+                   table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
-        with `mask` ([.., s, capacity], built by the caller; a mask [.., s, n] narrower than
-        the capacity reads the first n rows only), or, for mask "causal", over the
+        with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
         first `rows` cache rows (default s: a fresh prompt at offset 0; offset + s for a later
         chunk whose offset the caller knows), bottom-right aligned: MLX's fused causal path, no
-        mask read, no work on rows past the chunk. Returns (y, keys', values')."""
+        mask read, no work on rows past the chunk. With a block `table` ([n, W]), keys/values
+        are block pools (kv_cache.BlockCache): one new position per row goes into its block,
+        and attention reads the W blocks of each row, gathered, under `mask` [n, 1, 1,
+        W * BLOCK]. Returns (y, keys', values')."""
         qh, kh, vh = self.heads(q, k, v)
+        if table is not None:
+            keys, values = (write_blocks(keys, kh, table, offset),
+                            write_blocks(values, vh, table, offset))
+            y = self.attend(qh, read_blocks(keys, table), read_blocks(values, table), mask,
+                            may_empty=False)
+            return (from_heads(y) if q.ndim == 3 else y), keys, values
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
-            y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
-        elif mask is not None and mask.shape[-1] < keys.shape[2]:
-            n = mask.shape[-1]  # a mask over the first n rows (batch.py's span): read only those
             y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
         else:
             y = self.attend(qh, keys, values, mask, may_empty=False)

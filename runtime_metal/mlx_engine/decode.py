@@ -148,25 +148,28 @@ class DecodeProgram:
         """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
         return self.run(tokens, offset, kv, fresh=True)
 
-    def spanned(self, tokens: mx.array, offset: mx.array, span: mx.array, *kv: mx.array
-                ) -> tuple[mx.array, ...]:
-        """A batch step whose attention (the plain path) reads only the first len(span) cache
-        rows (span = arange(L), L covering every fed row's position; batch.py buckets L so
-        that a compiled trace serves many steps). The writes still go to the whole buffers."""
-        return self.run(tokens, offset, kv, fresh=False, span=span)
+    def paged(self, tokens: mx.array, offset: mx.array, table: mx.array, *kv: mx.array
+              ) -> tuple[mx.array, ...]:
+        """A batch step over the block cache (kv_cache.BlockCache; batch.py): kv are the
+        layers' pools [blocks, kv_heads, BLOCK, dim], tokens [n, 1] one per row, row r at
+        offset[r] with its positions in the blocks table[r] ([n, W] block ids); attention
+        reads W * BLOCK positions a row (the mask hides those past its offset), the new K/V
+        row goes into its block in place."""
+        return self.run(tokens, offset, kv, fresh=False, table=table)
 
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
-            prefix: int | None = None, span: mx.array | None = None) -> tuple[mx.array, ...]:
+            prefix: int | None = None, table: mx.array | None = None) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
-        whole capacity, or over the rows of `span` (positions 0..L-1) when given."""
+        whole capacity, or, with a block `table`, over the positions its blocks hold."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
         if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
             # a decode step with the kernels takes the argmax's uint32 token as it is (the
             # embedding kernel reads it; a cast would be one more launch a step)
             ids = ids.astype(mx.int32)
-        s, capacity = ids.shape[1], kv[0].shape[2]
+        s = ids.shape[1]
+        capacity = kv[0].shape[2] * (1 if table is None else table.shape[1])
         rows = s if fresh else None if prefix is None else prefix + s
         masks: dict[int | None, Mask] = {}
 
@@ -181,7 +184,7 @@ class DecodeProgram:
                 if w is None and rows is not None:
                     masks[w] = "causal"
                 else:  # the mask's width is the key span attention reads (over_cache)
-                    keys = mx.arange(capacity) if span is None else span
+                    keys = mx.arange(capacity)
                     q = offset.reshape(-1, 1, 1, 1) + mx.arange(s).reshape(s, 1)
                     seen = keys <= q
                     if w is not None:
@@ -200,7 +203,7 @@ class DecodeProgram:
         # attention kernel reads them out of it (no slices)
         joined: dict[tuple[object, ...], mx.array] = {}
         # the attention kernel's positions, offset as [b]: made once a step for every layer
-        offset_rows = mx.broadcast_to(offset.reshape(-1), kv[0].shape[:1] if kv else (1,))
+        offset_rows = mx.broadcast_to(offset.reshape(-1), ids.shape[:1])
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.kernels and s == 1):
             for o in self.ops:
@@ -240,11 +243,11 @@ class DecodeProgram:
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
                             use_kernel, offset_rows, rows, qkv=parent,
-                            splits=None if self.split_attention else 0)
+                            splits=None if self.split_attention else 0, table=table)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            rows)
+                            rows, table)
                     out_kv[2 * layer], out_kv[2 * layer + 1] = k_new, v_new
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue

@@ -167,14 +167,15 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,
                    keys: mx.array, values: mx.array, offset: mx.array, mask: Mask,
                    use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
-                   qkv: mx.array | None = None, splits: int | None = None
-                   ) -> tuple[mx.array, mx.array, mx.array]:
+                   qkv: mx.array | None = None, splits: int | None = None,
+                   table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
     `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), `qkv`,
     the fused projection q, k and v were sliced from (read in place of the slices), and
     `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
-    a block per query head)."""
+    a block per query head). `table`: keys/values are block pools and row r's positions lie
+    in the blocks table[r] (kv_cache.BlockCache)."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -190,20 +191,20 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     # The kernel has plain softmax: other semantics (softcap, ...) take Attention's own path.
     if (use_kernel and attn.softcap == 0 and kernels.takes_float_bits(*prm)
             and kernels.rope_attend_fits(q, k, v, (qn, kn), keys, values, attn.q_heads,
-                                         attn.kv_heads, head_dim, rotary)):
+                                         attn.kv_heads, head_dim, rotary, table)):
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
             interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv,  # type: ignore[call-overload]
-            splits=splits)
+            splits=splits, table=table)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
-    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows)  # type: ignore[arg-type]
+    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, table)  # type: ignore[arg-type]
 
 
 def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-           values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None
-           ) -> tuple[mx.array, mx.array, mx.array]:
+           values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None,
+           table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """An Attention with no RoPE partner: Attention.over_cache."""
     return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask,
-                                                            rows)
+                                                            rows, table)

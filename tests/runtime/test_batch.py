@@ -2,7 +2,8 @@
 batch with others of different lengths that join mid-way, and from single-sequence `generate`
 at temperature 0, on both engines (MLX: the batched program; onnxruntime: one at a time); for
 Qwen3 (head_dim != hidden/heads, GQA 2:1, q/k-norm), Qwen2 (GQA 4:1, biases) and Llama. A freed
-slot's cached prefix is reused by a prompt that extends it."""
+slot's cached prefix is reused by a prompt that extends it, and rows sharing a prefix (MLX: its
+blocks, by reference) decode their solo tokens."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fuselm.runtime_metal.batch import BatchDecoder
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.kv_cache import BLOCK
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 N = 10
@@ -98,26 +100,79 @@ def test_batched_q4_is_batch_invariant(q4_artifact) -> None:  # noqa: ANN001
 
 
 def test_attention_span_follows_the_longest_row(qwen3_artifact) -> None:  # noqa: ANN001
-    """The plain path attends only the first L cache rows, L the longest fed row's position
-    rounded up to 256 (not the reserved context): with a context of 700 (capacity 768) the
-    short sequences here run at L = 256, a row grown past 256 moves the whole batch to 512, and
-    every sequence's tokens stay generate's."""
+    """The plain path reads only the blocks covering the longest fed row's position rounded up
+    to 256 (not the reserved context): with a context of 700 the short sequences here run with
+    tables of 256 positions, a row grown past 256 moves the batch to 512, and every sequence's
+    tokens stay generate's."""
     engine = make_engine(qwen3_artifact, "mlx")
     prompts = _prompts() + [[int(t) for t in np.random.default_rng(5).integers(4, 384, 250)]]
     want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
     dec = BatchDecoder(engine, max_batch=4, max_context=700)
-    assert dec.capacity == 768
+    assert dec.row_blocks * BLOCK == 704
     spans: list[int] = []
-    step = dec._span  # noqa: SLF001 - the span each step is called with
+    table = dec._block_table  # noqa: SLF001 - the table each step is called with
 
     def record(feed: list[int]):  # noqa: ANN202
-        span = step(feed)
-        spans.append(span.shape[0])
-        return span
+        t = table(feed)
+        spans.append(t.shape[1] * BLOCK)
+        return t
 
-    dec._span = record  # type: ignore[method-assign]  # noqa: SLF001
+    dec._block_table = record  # type: ignore[method-assign]  # noqa: SLF001
     assert _run(dec, prompts, [0, 1, 3, 6]) == want
     if engine.fast.program.kernels:  # the CUDA attention kernel reads each row's own length
-        assert set(spans) == {768}
+        assert set(spans) == {704}
     else:
         assert spans[0] == 256 and 512 in spans and max(spans) == 512
+
+
+def test_rows_leave_and_join_between_queued_steps(qwen3_artifact) -> None:  # noqa: ANN001
+    """The batched step is pipelined (the next step is queued before this one's tokens are
+    read): a sequence that leaves drops the token queued for it, and a new one added into its
+    slot before the next step gets its own tokens, among greedy and host-sampled rows alike."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    prompts = _prompts() + [[7, 8, 9, 10]]
+    opts = SamplingOptions(temperature=0.7, seed=4)
+    want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
+    sampled = generate(engine, prompts[3], max_new_tokens=N, sampling=opts,
+                       device_sampling=False).tokens
+    dec = BatchDecoder(engine, max_batch=2, max_context=64)
+    got: dict[int, list[int]] = {}
+    seq_of: dict[int, int] = {}  # slot -> index into the sequences below
+    queue = [(0, None), (1, None), (2, None), (3, opts), (3, None)]
+    while queue or seq_of:
+        while queue and len(seq_of) < 2:  # joins the moment a slot is free
+            k, o = queue.pop(0)
+            slot = dec.add(prompts[k], o)
+            seq_of[slot] = len(got)
+            got[len(got)] = []
+        for slot, token in dec.step().items():
+            got[seq_of[slot]].append(token)
+            if len(got[seq_of[slot]]) == N:
+                dec.remove(slot)
+                del seq_of[slot]
+    assert [got[i] for i in range(5)] == want[:3] + [sampled, want[3]]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("engine_name", ["mlx", "onnxruntime"])
+def test_rows_sharing_a_cached_prefix_equal_their_solo_runs(family: str, engine_name: str,
+                                                            family_models) -> None:  # noqa: ANN001
+    """Prompts that share a long prefix (a system prompt; a follow-up turn of a finished
+    sequence), joining while others decode: each row's greedy tokens are its solo run's.
+    MLX shares the prefix's blocks by reference (a running row's included); onnxruntime
+    reuses a freed slot's cache. Sliding-window families (gemma3, phi3) read a window of the
+    shared blocks."""
+    engine = make_engine(family_models[family][1], engine_name)
+    rng = np.random.default_rng(9)
+    system = [int(t) for t in rng.integers(4, 384, 70)]
+    prompts = [system + [int(t) for t in rng.integers(4, 384, n)] for n in (3, 9)]
+    want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
+    follow = prompts[0] + want[0][:4] + [17, 18]
+    want.append(generate(engine, follow, max_new_tokens=N).tokens)
+    dec = BatchDecoder(engine, max_batch=2, max_context=128)
+    got = _run(dec, prompts, [0, 3])
+    # the follow-up turn comes once both finished; it shares the first one's tokens
+    got += _run(dec, [follow], [0])
+    assert got == want
+    # the system prompt from the running first row (MLX only), the follow-up's shared turn
+    assert dec.reused_tokens == (70 if engine_name == "mlx" else 0) + len(prompts[0]) + 4

@@ -553,6 +553,49 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
 
 
 @cuda
+@pytest.mark.parametrize("splits", ATTEND_SPLITS)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_rope_attend_through_a_block_table_equals_contiguous_rows(dtype: mx.Dtype,
+                                                                  splits: int) -> None:
+    """The caches as block pools (kv_cache.BlockCache) read and written through a block table
+    (blocks of a row scattered over the pool, out of order) give exactly what contiguous
+    [rows, heads, capacity, D] caches give: the output and the new K/V row, each at its
+    position in its block."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.kv_cache import BLOCK, read_blocks
+
+    rng = np.random.default_rng(13)
+    d, hq, hk, cap, positions = 128, 8, 2, 512, [3, 300, 0, 130]
+    b, w = len(positions), cap // BLOCK
+    inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    q = _rounded(rng.normal(size=(b, 1, hq * d)), dtype)[0]
+    k = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    v = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    norm = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
+    caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
+    prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
+    table = rng.permutation(b * w + 3)[:b * w].reshape(b, w).astype(np.int32)
+    pools = []
+    for c in caches:  # row r's block j: positions j*BLOCK.. of row r, at table[r, j]
+        pool = np.zeros((b * w + 3, hk, BLOCK, d), np.float32)
+        blocks = c.reshape(b, hk, w, BLOCK, d).transpose(0, 2, 1, 3, 4)
+        pool[table.reshape(-1)] = blocks.reshape(-1, hk, BLOCK, d)
+        pools.append(mx.array(pool).astype(dtype))
+    bt = mx.array(table)
+    y_p, kp, vp = kernels_cuda.rope_attend(
+        q, k, v, norm, norm, inv_freq, prm, mx.array(positions, mx.int32), pools[0], pools[1],
+        hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=splits, table=bt)
+    kc, vc = (mx.array(c).astype(dtype) for c in caches)
+    y_c, kc, vc = kernels_cuda.rope_attend(
+        q, k, v, norm, norm, inv_freq, prm, mx.array(positions, mx.int32), kc, vc, hq=hq,
+        hk=hk, rotary_dim=d, interleaved=False, splits=splits)
+    assert np.array_equal(np.array(y_p.astype(mx.float32)), np.array(y_c.astype(mx.float32)))
+    for pool, contiguous in ((kp, kc), (vp, vc)):
+        assert np.array_equal(np.array(read_blocks(pool, bt).astype(mx.float32)),
+                              np.array(contiguous.astype(mx.float32)))
+
+
+@cuda
 @pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("splits", [0, 3])
 def test_rope_attend_reads_a_fused_qkv_row(splits: int, norms: bool) -> None:
