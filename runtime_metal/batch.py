@@ -23,10 +23,11 @@ Two ways to run, chosen per engine (`mode`):
   use are fed a dummy token at their length, a position nothing reads and the next write
   overwrites. A prompt is prefilled through the engine's own single-sequence path (chunked,
   MLX's fused causal attention) into a scratch cache, then copied into its row.
-- "sequential" (onnxruntime, or MLX when the program is refused): each slot owns a cache state
-  (Engine.swap_cache) and a step feeds the slots one after another. onnxruntime is served this
-  way: batching it would need left padding and per-row attention masks over re-packed past
-  tensors whenever a sequence joins or leaves.
+- "rows" (onnxruntime on its lowered graph: ort_engine/row_batch.py): one KV buffer per layer
+  with a row per slot; each slot's cache state is its row, so a prompt is prefilled as in
+  "sequential", and a step runs the fed rows together, each at its own length.
+- "sequential" (onnxruntime's plain graph, or MLX when the program is refused): each slot owns
+  a cache state (Engine.swap_cache) and a step feeds the slots one after another.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ class BatchDecoder:
             raise RuntimeUserError(
                 f"engine {engine.name!r} has no batched program here; use batched=None")
         self.mode = "batched" if program is not None and batched is not False else "sequential"
+        make_rows = getattr(engine, "row_batch", None)  # onnxruntime's
+        self._rows = make_rows(max_batch, self.capacity) if (
+            make_rows and self.mode == "sequential" and batched is not False) else None
+        if self._rows is not None:
+            self.mode = "rows"
+            for i, s in enumerate(self.slots):
+                s.state = self._rows.state(i)
         self.caches: list[KVCache] = []
         self._spans: dict[int, mx.array] = {}
         self._span_step = 0
@@ -134,7 +142,7 @@ class BatchDecoder:
 
     def _prefill(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
         engine, s = self.engine, self.slots[slot]
-        if self.mode == "sequential":
+        if self.mode != "batched":  # "rows": the slot's state is its row of the batch buffer
             saved = engine.swap_cache(s.state)
             try:
                 engine.trim(engine.offset - keep)
@@ -181,7 +189,8 @@ class BatchDecoder:
             else:
                 feed.append(i)
         if feed:
-            rows = self._batched(feed) if self.mode == "batched" else self._sequential(feed)
+            rows = (self._batched(feed) if self.mode == "batched" else
+                    self._rows_step(feed) if self.mode == "rows" else self._sequential(feed))
             for i, token in rows.items():
                 out[i] = token
         return dict(sorted(out.items()))
@@ -207,6 +216,18 @@ class BatchDecoder:
             finally:
                 s.state = engine.swap_cache(saved)
         return self._sample(logits)
+
+    def _rows_step(self, feed: list[int]) -> dict[int, int]:
+        assert self._rows is not None
+        # A row not fed writes a dummy at its length, kept inside the buffer and the rotary
+        # tables: last_position >= max_context - 1, beyond any prefix a prompt reuses.
+        last = self._rows.last_position
+        logits = self._rows.step({i: self.slots[i].pending for i in feed},  # type: ignore[misc]
+                                 [min(len(s.cached), last) for s in self.slots])
+        for i in feed:
+            state = self.slots[i].state
+            self.slots[i].state = (state[0], len(self.slots[i].cached) + 1)  # type: ignore[index]
+        return self._sample(logits)  # type: ignore[arg-type]
 
     def _span(self, feed: list[int]) -> mx.array:
         """Key positions 0..L-1 that the step's attention reads: L covers the longest fed
