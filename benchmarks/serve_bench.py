@@ -18,10 +18,10 @@ each (system, concurrency) gets a warm-up burst first. Figures are medians over 
   decode_tps = one stream's tokens after its first / time from its first to its last text
              (median over the streams): the decode rate a user sees, prefill left out
 
-`--artifact DIR` serves an existing fuselm artifact (e.g. the real SmolLM2-135M Q4) instead of
-building a checkpoint (fuselm only), and `fuselm bench` runs on the same artifact and engine
-first, in its own process, so the JSON puts one stream's decode next to the engine's own tg
-(`one_stream_over_bench_tg`) and TTFT next to its prompt length.
+`fuselm bench` runs on the same artifact and engine first, in its own process, so the JSON puts
+one stream's decode next to the engine's own tg (`one_stream_over_bench_tg`). `--artifact DIR`
+serves an existing fuselm artifact (e.g. the real SmolLM2-135M Q4) instead of building a
+checkpoint (fuselm only).
 
     python benchmarks/serve_bench.py --shape tiny --streams 1 4 8 16 --rounds 3 -n 32
     python benchmarks/serve_bench.py --shape qwen3-0.6b --group-size 32 --rounds 3 -n 128 \
@@ -232,13 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.artifact:
         fl_dir, mlx_dir = Path(args.artifact), None
         args.systems = ["fuselm"]
-        # about the chat prompt's length: the words, the template and the chat's system text
-        reference = bench_tg(fl_dir, args.fuselm_engine, args.n, args.prompt_words + 32)
     else:
         hf = ensure_checkpoint(work, args.shape, None)
         tag = f"{args.shape}_g{args.group_size}_{dtype}"
         fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, dtype)
         mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype)
+    if "fuselm" in args.systems:  # before any server starts: the machine to itself
+        # about the chat prompt's length: the words, the template and the chat's system text
+        reference = bench_tg(fl_dir, args.fuselm_engine, args.n, args.prompt_words + 32)
     servers = start_servers(args, fl_dir, mlx_dir)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {
         s.name: {k: [] for k in args.streams} for s in servers}
