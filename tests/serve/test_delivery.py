@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -51,7 +52,7 @@ def _stream(srv: Server, prompt: str, n: int) -> tuple[str, float]:
 
 
 def test_a_slow_reader_does_not_slow_another_stream(server: Server) -> None:
-    """One client with a tiny receive buffer reads 64 bytes every 20 ms; a normal stream run
+    """One client with a tiny receive buffer reads 32 bytes every 30 ms; a normal stream run
     next to it finishes within its solo time (plus slack), before the slow one; the slow one
     still gets its whole text, in fewer chunks than tokens."""
     solo_text, solo_s = _stream(server, "slow readers 1", N)
@@ -68,11 +69,11 @@ def test_a_slow_reader_does_not_slow_another_stream(server: Server) -> None:
     def read_slowly() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            part = sock.recv(64)
+            part = sock.recv(32)
             if not part:
                 break
             got.extend(part)
-            time.sleep(0.02)
+            time.sleep(0.03)
         slow_done.set()
 
     reader = threading.Thread(target=read_slowly, daemon=True)
@@ -157,3 +158,33 @@ def test_smollm2_run_and_serve_stream_the_same_text(smol_server: Server) -> None
     assert all(w.strip() for w in want)
     assert got == want
     assert Path(srv.log).exists()
+
+
+def test_a_client_that_leaves_frees_its_row_at_once(smol_server: Server) -> None:
+    """A streaming client killed mid-stream: its row is dropped within a few steps (the engine
+    checks before each step), not decoded on to its 400 tokens, and the next request runs."""
+    srv = smol_server
+    client = textwrap.dedent(f"""
+        import openai
+        c = openai.OpenAI(base_url={srv.url + '/v1'!r}, api_key="none", max_retries=0)
+        s = c.chat.completions.create(model={MODEL!r}, max_tokens=400, temperature=0,
+            messages=[{{"role": "user", "content": "Tell me a very long story."}}], stream=True)
+        for chunk in s:
+            print("chunk", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", client], stdout=subprocess.PIPE)
+    try:
+        for _ in range(4):  # it is streaming
+            assert proc.stdout.readline() == b"chunk\n"  # type: ignore[union-attr]
+        before = srv.health()["generated_tokens"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while (h := srv.health())["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert h["active"] == 0
+    assert h["generated_tokens"] - before <= 16
+    reply = srv.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4
