@@ -3,11 +3,12 @@ thread, scheduler.py) become text events for its response. Each turn takes every
 arrived since the last one, runs them through the one text stream (runtime_metal/text_stream.py:
 detokenizer and stop strings) and yields their text as one event; so a client that reads
 slowly, or a loop busy with other streams, gets fewer, larger chunks while the engine keeps
-its pace. After a chunk a stream waits CHUNK_INTERVAL_S before it looks again: a fast engine
-would otherwise wake the event loop for every token, and each wake-up is a GIL hand-over the
-engine thread waits on (the loop's Python runs between the engine's steps). The first text goes
-out at once (time to first token). A stop string ends the request here: the job is cancelled
-and the engine drops its row before the next step.
+its pace. After a chunk a stream takes no new tokens for CHUNK_INTERVAL_S (the end of the
+request still wakes it at once): a fast engine would otherwise wake the event loop for every
+token, and each wake-up is a GIL hand-over the engine thread waits on (the loop's Python runs
+between the engine's steps). The first text goes out at once (time to first token). A stop
+string ends the request here: the job is cancelled and the engine drops its row before the
+next step.
 
 Events: ("delta", text), ("done", finish_reason, usage) or ("error", status, message)."""
 
@@ -34,8 +35,10 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
                   ) -> AsyncIterator[tuple[Any, ...]]:
     text = TextStream(decode, job.stop)
     consumed = 0
+    not_before = 0.0
+    loop = asyncio.get_running_loop()
     while True:
-        tokens, finish = await job.take()
+        tokens, finish = await job.take(not_before)
         parts = []
         for token in tokens:
             consumed += 1
@@ -57,8 +60,7 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
             parts.append(text.finish())
         if piece := "".join(parts):
             yield ("delta", piece)
-            if finish is None:
-                await asyncio.sleep(interval)
+            not_before = loop.time() + interval
         if finish is not None:
             # completion_tokens: what the engine generated (an EOS included)
             yield ("done", "stop" if text.stopped else finish, _usage(job, job.generated))

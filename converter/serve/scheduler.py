@@ -66,24 +66,36 @@ class Job:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
     read: int = 0  # tokens the reader has taken
-    waiting: bool = False  # the reader sleeps on `wake`: the engine must wake it
+    # What the sleeping reader wants the engine to wake it for: None (it is not asleep),
+    # "token" (anything new) or "finish" (only the end: it is waiting out its chunk interval).
+    waiting: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def take(self) -> tuple[list[int], str | None]:
-        """The tokens that arrived since the last call (waiting for at least one), and the
-        finish reason once the engine is done with this job (then no more tokens come)."""
+    async def take(self, not_before: float = 0.0) -> tuple[list[int], str | None]:
+        """The tokens that arrived since the last call, and the finish reason once the engine
+        is done with this job (then no more tokens come). Waits for at least one token, and
+        until the loop's clock reaches `not_before` unless the job finishes first."""
+        loop = asyncio.get_running_loop()
         while True:
             finish = self.finish  # read before the tokens: the engine sets it after the last
             n = len(self.tokens)
-            if n > self.read or finish is not None:
+            early = loop.time() < not_before
+            if finish is not None or (n > self.read and not early):
                 new, self.read = self.tokens[self.read:n], n
                 return new, finish
             self.wake.clear()
-            self.waiting = True
-            if len(self.tokens) > self.read or self.finish is not None:
-                self.waiting = False  # arrived between the look and the flag: no sleep
+            self.waiting = "finish" if early else "token"
+            if self.finish is not None or (len(self.tokens) > n and not early):
+                self.waiting = None  # it came between the look and the flag: no sleep
                 continue
-            await self.wake.wait()
+            if not early:
+                await self.wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(self.wake.wait(), not_before - loop.time())
+            except TimeoutError:
+                pass
+            self.waiting = None
 
 
 def _wake(jobs: list[Job]) -> None:
@@ -230,8 +242,8 @@ class Scheduler:
         will find the new tokens when it comes back)."""
         sleeping: dict[asyncio.AbstractEventLoop, list[Job]] = {}
         for job in self._touched:
-            if job.waiting:
-                job.waiting = False
+            if job.waiting == "token" or (job.waiting and job.finish is not None):
+                job.waiting = None
                 sleeping.setdefault(job.loop, []).append(job)
         self._touched.clear()
         for loop, jobs in sleeping.items():
