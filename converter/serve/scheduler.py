@@ -127,10 +127,13 @@ class Scheduler:
         self._admitted = self._generated = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fuselm-engine", daemon=True)
+        self._wakeups: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
+        self._waker = threading.Thread(target=self._notifier, name="fuselm-wake", daemon=True)
 
     # -- called from the server's event loop --------------------------------------------
     def start(self) -> None:
         """Start the engine thread; return once its decoder is built (re-raising its error)."""
+        self._waker.start()
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
@@ -140,6 +143,8 @@ class Scheduler:
         self._stopping.set()
         self._pending.put(None)
         self._thread.join(timeout=10)
+        self._wakeups.put(None)  # after the engine's last wake-ups
+        self._waker.join(timeout=10)
 
     def submit(self, job: Job) -> None:
         if self._pending.qsize() >= self.max_queue:
@@ -240,18 +245,37 @@ class Scheduler:
     def _notify(self) -> None:
         """One wake-up call per step for the readers that sleep (a reader busy sending
         will find the new tokens when it comes back)."""
-        sleeping: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+        sleeping = []
         for job in self._touched:
             if job.waiting == "token" or (job.waiting and job.finish is not None):
                 job.waiting = None
-                sleeping.setdefault(job.loop, []).append(job)
+                sleeping.append(job)
         self._touched.clear()
-        for loop, jobs in sleeping.items():
-            try:
-                loop.call_soon_threadsafe(_wake, jobs)
-            except RuntimeError:  # the server's loop has closed (shutdown): nobody listens
-                for job in jobs:
-                    job.cancelled.set()
+        if sleeping:
+            self._wakeups.put(sleeping)
+
+    def _notifier(self) -> None:
+        """Hands the engine's wake-ups to the event loop. The engine thread only queues them
+        (no system call, the GIL kept): this thread's call_soon_threadsafe, and the loop's
+        turn it starts, run while the engine thread has let the GIL go inside its next step
+        (onnxruntime's run, MLX's eval), not between its steps."""
+        while (first := self._wakeups.get()) is not None:
+            jobs = list(first)
+            while not self._wakeups.empty():
+                more = self._wakeups.get()
+                if more is None:
+                    self._wakeups.put(None)
+                    break
+                jobs.extend(more)
+            by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+            for job in jobs:
+                by_loop.setdefault(job.loop, []).append(job)
+            for loop, group in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_wake, group)
+                except RuntimeError:  # the server's loop has closed (shutdown): nobody listens
+                    for job in group:
+                        job.cancelled.set()
 
     def _finish(self, slot: int, job: Job, reason: str) -> None:
         assert self.decoder is not None

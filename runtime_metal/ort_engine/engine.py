@@ -174,7 +174,7 @@ class OrtEngine:
             return None
         m = self.manifest.model
         return RowBatch(self.session, set(self._inputs), self._past_names, m.num_kv_heads,
-                        m.head_dim, max_batch, capacity, self._rope_positions)
+                        m.head_dim, m.vocab_size, max_batch, capacity, self._rope_positions)
 
     def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """onnxruntime (CPU) has no device side: the host logits."""

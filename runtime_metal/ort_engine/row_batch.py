@@ -11,8 +11,9 @@ position beyond its cached tokens that the next write there overwrites.
 
 A row's buffers are contiguous views (buf[i:i+1]), so a prompt is prefilled straight into its
 row by the engine's own single-sequence path (Engine.swap_cache with `state(i)`), no copy.
-The binding of the KV views is made once per row count and kept: a step binds only its three
-small inputs.
+The binding of the KV views and of a logits buffer is made once per row count and kept: a step
+binds only its small inputs and reads the logits where onnxruntime wrote them (asking the
+binding for its outputs would wrap all 2 x layers + 1 of them anew every step).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fuselm.runtime_metal.graph_io import present_for
 
 class RowBatch:
     def __init__(self, session: object, inputs: set[str], past_names: list[str],
-                 kv_heads: int, head_dim: int, max_batch: int, capacity: int,
+                 kv_heads: int, head_dim: int, vocab: int, max_batch: int, capacity: int,
                  max_position: int) -> None:
         """max_position: positions the graph's rotary tables cover (0: no limit)."""
         self.session = session
@@ -35,27 +36,32 @@ class RowBatch:
         self.capacity = capacity
         # The last position a dummy write may use: inside the buffer and the rotary tables.
         self.last_position = min(capacity, max_position or capacity) - 1
+        self.vocab = vocab
         self.buffers = {n: np.zeros((max_batch, kv_heads, capacity, head_dim), np.float32)
                         for n in past_names}
-        self._bindings: dict[int, object] = {}  # rows -> binding with their KV views bound
+        # rows -> binding with their KV views and a logits buffer [rows, 1, vocab] bound
+        self._bindings: dict[int, tuple[object, np.ndarray]] = {}
         self._keep: list[object] = []  # the OrtValues those bindings point into
 
     def state(self, row: int) -> tuple[dict[str, np.ndarray], int]:
         """Row `row`'s cache as an engine cache state (its views, no positions valid)."""
         return {n: b[row:row + 1] for n, b in self.buffers.items()}, 0
 
-    def _binding(self, rows: int) -> object:
+    def _binding(self, rows: int) -> tuple[object, np.ndarray]:
         if rows not in self._bindings:
             import onnxruntime as ort
 
             binding = self.session.io_binding()  # type: ignore[attr-defined]
-            binding.bind_output("logits")  # first: get_outputs() lists in binding order
+            logits = np.empty((rows, 1, self.vocab), np.float32)
+            value = ort.OrtValue.ortvalue_from_numpy(logits)
+            self._keep.append(value)
+            binding.bind_ortvalue_output("logits", value)
             for name, buf in self.buffers.items():
                 value = ort.OrtValue.ortvalue_from_numpy(buf[:rows])
                 self._keep.append(value)
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(present_for(name), value)
-            self._bindings[rows] = binding
+            self._bindings[rows] = binding, logits
         return self._bindings[rows]
 
     def step(self, tokens: Mapping[int, int], lengths: Sequence[int]) -> dict[int, np.ndarray]:
@@ -74,10 +80,10 @@ class RowBatch:
             "position_ids": lens[:, None].copy(),
             "logits_from": np.zeros(1, np.int64),
         }
-        binding = self._binding(rows)
+        binding, logits = self._binding(rows)
         for name, value in feeds.items():
             if name in self.inputs:
                 binding.bind_cpu_input(name, value)  # type: ignore[attr-defined]
         self.session.run_with_iobinding(binding)  # type: ignore[attr-defined]
-        logits = binding.get_outputs()[0].numpy()  # type: ignore[attr-defined]
-        return {row: logits[row, -1] for row in tokens}
+        # copies: the buffer is overwritten by the next step
+        return {row: logits[row, -1].copy() for row in tokens}
