@@ -15,10 +15,19 @@ each (system, concurrency) gets a warm-up burst first. Figures are medians over 
              a random-weight model emits ids its small trained tokenizer decodes to nothing, so
              the first streamed text can come at the very end
   first_content_ms = median time to the first non-empty streamed text (null if none came)
+  decode_tps = one stream's tokens after its first / time from its first to its last text
+             (median over the streams): the decode rate a user sees, prefill left out
+
+`fuselm bench` runs on the same artifact and engine first, in its own process, so the JSON puts
+one stream's decode next to the engine's own tg (`one_stream_over_bench_tg`). `--artifact DIR`
+serves an existing fuselm artifact (e.g. the real SmolLM2-135M Q4) instead of building a
+checkpoint (fuselm only).
 
     python benchmarks/serve_bench.py --shape tiny --streams 1 4 8 16 --rounds 3 -n 32
     python benchmarks/serve_bench.py --shape qwen3-0.6b --group-size 32 --rounds 3 -n 128 \
         --json-out serve_qwen3.json
+    python benchmarks/serve_bench.py --artifact /tmp/smol_q4 --fuselm-engine onnxruntime \
+        --streams 1 4 --rounds 3 -n 64 --json-out serve_smol_cpu.json
 """
 
 from __future__ import annotations
@@ -108,7 +117,9 @@ async def one_stream(http: httpx.AsyncClient, srv: ServerProc, prompt: str, n: i
                     last = time.perf_counter()
                     first = first or last
                     pieces += 1
-    return {"t0": t0, "first": first, "last": last, "tokens": tokens or pieces,
+    tokens = tokens or pieces
+    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+    return {"t0": t0, "first": first, "last": last, "tokens": tokens, "decode_tps": rate,
             "end": time.perf_counter()}
 
 
@@ -147,12 +158,26 @@ async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: 
         log(f"{srv.name} x{streams}: {len(errors)} stream(s) failed: {errors[0]}")
     total = sum(r["tokens"] for r in res)
     firsts = [(r["first"] - r["t0"]) * 1e3 for r in res if r["first"]]
+    rates = [r["decode_tps"] for r in res if r["decode_tps"] == r["decode_tps"]]
     return {"agg_tps": total / wall,
             "first_content_ms": statistics.median(firsts) if firsts else float("nan"),
+            "decode_tps": statistics.median(rates) if rates else float("nan"),
             "tokens": total, "wall_s": wall, "failed": len(errors)}
 
 
-def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list[ServerProc]:
+def bench_tg(artifact: Path, engine: str, n: int, prompt_tokens: int) -> dict[str, Any]:
+    """`fuselm bench` on the artifact in its own process: the engine's one-sequence decode."""
+    cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "bench", str(artifact),
+           "--engine", engine, "--json", "-n", str(n), "-p", str(prompt_tokens), "-r", "3"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    got = json.loads(out)
+    log(f"fuselm bench: tg{n} {got['tg']:.1f} tok/s ({got['engine']['engine']})")
+    return {"tg": got["tg"], "pp": got["pp"], "prompt_tokens": prompt_tokens, "new_tokens": n,
+            "engine": got["engine"]}
+
+
+def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path | None
+                  ) -> list[ServerProc]:
     work = Path(args.work)
     servers = []
     max_batch = str(max(args.streams))
@@ -163,7 +188,7 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path) -> list
                "--log-level", "warning", "--model-name", "bench",
                "--max-context", str(args.fuselm_max_context)]
         servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))
-    if "mlx-lm" in args.systems:
+    if "mlx-lm" in args.systems and mlx_dir is not None:
         port = free_port()
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(mlx_dir), "--port",
                str(port), "--log-level", "WARNING", "--decode-concurrency", max_batch]
@@ -192,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="fuselm serve --max-context: KV rows are reserved (and attended) at "
                     "this length")
     ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--artifact", help="serve this fuselm artifact (fuselm only; no checkpoint "
+                    "is built) and compare one stream with `fuselm bench` on it")
     ap.add_argument("--json-out")
     args = ap.parse_args(argv)
 
@@ -201,10 +228,18 @@ def main(argv: list[str] | None = None) -> None:
     dtype = args.dtype if args.dtype != "auto" else ("float16" if gpu else "float32")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    hf = ensure_checkpoint(work, args.shape, None)
-    tag = f"{args.shape}_g{args.group_size}_{dtype}"
-    fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, dtype)
-    mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype)
+    reference = None
+    if args.artifact:
+        fl_dir, mlx_dir = Path(args.artifact), None
+        args.systems = ["fuselm"]
+    else:
+        hf = ensure_checkpoint(work, args.shape, None)
+        tag = f"{args.shape}_g{args.group_size}_{dtype}"
+        fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, dtype)
+        mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype)
+    if "fuselm" in args.systems:  # before any server starts: the machine to itself
+        # about the chat prompt's length: the words, the template and the chat's system text
+        reference = bench_tg(fl_dir, args.fuselm_engine, args.n, args.prompt_words + 32)
     servers = start_servers(args, fl_dir, mlx_dir)
     runs: dict[str, dict[int, list[dict[str, float]]]] = {
         s.name: {k: [] for k in args.streams} for s in servers}
@@ -220,25 +255,32 @@ def main(argv: list[str] | None = None) -> None:
                     res["ttft_ms"] = asyncio.run(ttft_burst(s, k, args.prompt_words, salt=r))
                     runs[s.name][k].append(res)
                     log(f"round {r} {s.name:7s} x{k:<3d} agg {res['agg_tps']:8.1f} tok/s  "
+                        f"decode/stream {res['decode_tps']:7.1f}  "
                         f"ttft {res['ttft_ms']:7.1f} ms  first text "
                         f"{res['first_content_ms']:7.1f} ms  failed {res['failed']}")
     finally:
         for s in servers:
             s.stop()
     summary: dict[str, Any] = {
-        "shape": args.shape, "group_size": args.group_size, "dtype": dtype,
+        "shape": args.shape if not args.artifact else None, "artifact": args.artifact,
+        "group_size": args.group_size if not args.artifact else None, "dtype": dtype,
         "device": str(mx.default_device()), "n": args.n, "rounds": args.rounds,
         "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine,
         "fuselm_max_context": args.fuselm_max_context, "results": {}}
     for name, by_k in runs.items():
         summary["results"][name] = {
             str(k): {**{m: statistics.median(x[m] for x in v) for m in
-                        ("agg_tps", "ttft_ms", "first_content_ms")},
+                        ("agg_tps", "ttft_ms", "first_content_ms", "decode_tps")},
                      "failed_streams": sum(x["failed"] for x in v)} for k, v in by_k.items()}
     for by_k in summary["results"].values():
         one = by_k.get("1", {}).get("agg_tps")
         for v in by_k.values():
             v["x_single_stream"] = v["agg_tps"] / one if one else None
+    one_stream = summary["results"].get("fuselm", {}).get("1")
+    if reference is not None:
+        summary["fuselm_bench"] = reference
+        if one_stream:
+            summary["one_stream_over_bench_tg"] = one_stream["decode_tps"] / reference["tg"]
     if "fuselm" in runs and "mlx-lm" in runs:
         summary["fuselm_over_mlx_lm_agg"] = {
             k: summary["results"]["fuselm"][k]["agg_tps"] /

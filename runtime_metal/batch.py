@@ -32,9 +32,13 @@ Two ways to run, chosen per engine (`mode`):
   and only then reads that one's tokens, so the device never waits for the host between
   steps. A row sampled on the host needs its logits first: a call whose last step fed one
   reads before it queues. A sequence that leaves drops the token queued for it.
-- "sequential" (onnxruntime, or MLX when the program is refused): each slot owns a cache state
-  (Engine.swap_cache) and a step feeds the slots one after another; a freed slot keeps its
-  tokens, and `add` picks the free slot sharing the longest prefix with the prompt.
+- "rows" (onnxruntime on its lowered graph: ort_engine/row_batch.py): one KV buffer per layer
+  with a row per slot; each slot's cache state is its row, so a prompt is prefilled as in
+  "sequential", and a step runs the fed rows together, each at its own length.
+- "sequential" (onnxruntime's plain graph, or MLX when the program is refused): each slot owns
+  a cache state (Engine.swap_cache) and a step feeds the slots one after another.
+In both of these a freed slot keeps its tokens, and `add` picks the free slot sharing the
+longest prefix with the prompt.
 """
 
 from __future__ import annotations
@@ -101,6 +105,13 @@ class BatchDecoder:
             raise RuntimeUserError(
                 f"engine {engine.name!r} has no batched program here; use batched=None")
         self.mode = "batched" if program is not None and batched is not False else "sequential"
+        make_rows = getattr(engine, "row_batch", None)  # onnxruntime's
+        self._rows = make_rows(max_batch, self.capacity) if (
+            make_rows and self.mode == "sequential" and batched is not False) else None
+        if self._rows is not None:
+            self.mode = "rows"
+            for i, s in enumerate(self.slots):
+                s.state = self._rows.state(i)
         self._span_step = 0
         self._inflight: _Step | None = None  # batched mode: the step queued by the last step()
         self._clock = 0
@@ -281,8 +292,16 @@ class BatchDecoder:
             else:
                 feed.append(i)
         if feed:
-            out.update(self._sequential(feed))
+            out.update(self._rows_step(feed) if self.mode == "rows" else self._sequential(feed))
         return dict(sorted(out.items()))
+
+    def _advance(self, i: int, logits: object) -> int:
+        """Slot i's fed token joins its cache; its next token is sampled from `logits`."""
+        s = self.slots[i]
+        assert s.pending is not None and s.sampler is not None
+        s.cached.append(s.pending)
+        s.pending = s.sampler(np.asarray(logits, np.float32), s.cached)
+        return s.pending
 
     def _sequential(self, feed: list[int]) -> dict[int, int]:
         engine = self.engine
@@ -294,11 +313,20 @@ class BatchDecoder:
                 logits = np.asarray(engine.decode_step(s.pending), np.float32)
             finally:
                 s.state = engine.swap_cache(saved)
-            assert s.pending is not None and s.sampler is not None
-            s.cached.append(s.pending)
-            s.pending = s.sampler(logits, s.cached)
-            out[i] = s.pending
+            out[i] = self._advance(i, logits)
         return out
+
+    def _rows_step(self, feed: list[int]) -> dict[int, int]:
+        assert self._rows is not None
+        # A row not fed writes a dummy at its length, kept inside the buffer and the rotary
+        # tables: last_position >= max_context - 1, beyond any prefix a prompt reuses.
+        last = self._rows.last_position
+        logits = self._rows.step({i: self.slots[i].pending for i in feed},  # type: ignore[misc]
+                                 [min(len(s.cached), last) for s in self.slots])
+        for i in feed:
+            state = self.slots[i].state
+            self.slots[i].state = (state[0], len(self.slots[i].cached) + 1)  # type: ignore[index]
+        return {i: self._advance(i, row) for i, row in logits.items()}  # type: ignore[union-attr]
 
     def _step_batched(self) -> dict[int, int]:
         """The pipelined step (generate's loop, for b rows): the step queued by the previous

@@ -1,9 +1,10 @@
 """The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions
 and /v1/models, plus /health. Handlers parse and check requests, tokenize off the event loop,
-hand a Job to the scheduler and turn its events into a response or a server-sent-event stream.
-Every failure is a JSON error in OpenAI's schema with its status; none reaches the client as a
-traceback, and none stops the server. Before any handler, access.AccessGuard checks who is
-asking (Host, Origin, API key); request_body checks what the body is."""
+hand a Job to the scheduler and turn its delivery (delivery.py) into a response or a
+server-sent-event stream. Every failure is a JSON error in OpenAI's schema with its status;
+none reaches the client as a traceback, and none stops the server. Before any handler,
+access.AccessGuard checks who is asking (Host, Origin, API key); request_body checks what the
+body is."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fuselm.converter.serve.access import AccessGuard, AccessRules
+from fuselm.converter.serve.delivery import deliver
 from fuselm.converter.serve.errors import ApiError
 from fuselm.converter.serve.request_body import read_json
 from fuselm.converter.serve.scheduler import Job, QueueFull, Scheduler
@@ -179,26 +181,32 @@ async def _submit(request: Request, kind: str) -> Response:
 
 
 async def _collect(request: Request, state: ServeState, job: Job, chat: bool) -> Response:
-    parts: list[str] = []
-    try:
-        while True:
-            try:
-                event = await asyncio.wait_for(job.events.get(), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    job.cancelled.set()
-                    return Response(status_code=499)
-                continue
+    async def read() -> tuple[str, Any]:
+        parts: list[str] = []
+        async for event in deliver(job, state.scheduler.decode):
             if event[0] == "delta":
                 parts.append(event[1])
             elif event[0] == "error":
                 raise ApiError(event[1], event[2], kind="server_error")
             else:
-                _, finish, u = event
-                use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
-                make = chat_response if chat else completion_response
-                return JSONResponse(make(job.rid, state.model_id, "".join(parts), finish, use))
+                return "".join(parts), event
+        raise AssertionError("a delivery ends with done or error")
+
+    task = asyncio.ensure_future(read())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                break
+            if await request.is_disconnected():
+                job.cancelled.set()
+                return Response(status_code=499)
+        text, (_, finish, u) = task.result()
+        use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+        make = chat_response if chat else completion_response
+        return JSONResponse(make(job.rid, state.model_id, text, finish, use))
     finally:
+        task.cancel()
         job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled
 
 
@@ -208,6 +216,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
                   ) -> AsyncIterator[str]:
+    """One SSE chunk per delivery turn: all the text that came since the last (delivery.py)."""
     created, model = int(time.time()), state.model_id
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -220,20 +229,17 @@ async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
     try:
         if chat:
             yield _sse(chat_chunk(job.rid, model, created, {"role": "assistant", "content": ""}))
-        while True:
-            event = await job.events.get()
+        async for event in deliver(job, state.scheduler.decode):
             if event[0] == "delta":
                 yield _sse(chunk(event[1]))
             elif event[0] == "error":
                 yield _sse(error_body(event[2], "server_error"))
-                break
             else:
                 _, finish, u = event
                 yield _sse(chunk(None, finish))
                 if include_usage:
                     use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
                     yield _sse(usage_chunk(job.rid, model, created, obj, use))
-                break
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # the client left (or we are done): free the slot at once

@@ -1,7 +1,14 @@
 """The serving scheduler: one thread owns the engine and drives a batch decoder (add -> slot,
-step -> {slot: token}, remove); requests arrive through a thread-safe queue and leave through
-per-request asyncio queues. New requests join between steps, finished or cancelled ones leave
-at once, so a client that disconnects frees its slot before the next step."""
+step -> {slot: token}, remove); requests arrive through a thread-safe queue. New requests join
+between steps, finished or cancelled ones leave at once, so a client that disconnects frees its
+slot before the next step.
+
+The engine thread never waits for HTTP and does no per-token text work: a step appends each
+row's token id to its Job and wakes the event loop once (only for jobs whose reader waits).
+Detokenizing, stop strings, JSON and sockets happen on the event loop (delivery.py), which
+takes every token that arrived since it last looked: a slow client gets them as one larger
+chunk while the batch keeps its pace. A reader that saw a stop string or lost its client sets
+`cancelled`, and the engine removes that row before its next step."""
 
 from __future__ import annotations
 
@@ -12,11 +19,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions
-from fuselm.runtime_metal.text_stream import TextStream
 
 log = logging.getLogger("fuselm.serve")
 
@@ -39,8 +45,10 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request as the engine thread sees it; events go to `events` on the caller's loop:
-    ("delta", text), ("done", finish_reason, usage dict) or ("error", status, message)."""
+    """One request, shared by the engine thread (which writes `tokens`, then `finish`) and its
+    reader on the event loop (`take`). `tokens` holds the generated ids but an EOS; `generated`
+    counts the EOS too. `finish`: "stop" (EOS), "length", "error" (`error` says what) or
+    "shutdown"."""
 
     rid: str
     prompt: list[int]
@@ -48,19 +56,51 @@ class Job:
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    error: tuple[int, str] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended_by: str = "cancelled"  # what the reader logs when it cancels (e.g. "stop" string)
     generated: int = 0
     cached: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
-    text: TextStream | None = None
+    read: int = 0  # tokens the reader has taken
+    # What the sleeping reader wants the engine to wake it for: None (it is not asleep),
+    # "token" (anything new) or "finish" (only the end: it is waiting out its chunk interval).
+    waiting: str | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def emit(self, *event: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the server's loop has closed (shutdown): nobody listens
-            self.cancelled.set()
+    async def take(self, not_before: float = 0.0) -> tuple[list[int], str | None]:
+        """The tokens that arrived since the last call, and the finish reason once the engine
+        is done with this job (then no more tokens come). Waits for at least one token, and
+        until the loop's clock reaches `not_before` unless the job finishes first."""
+        loop = asyncio.get_running_loop()
+        while True:
+            finish = self.finish  # read before the tokens: the engine sets it after the last
+            n = len(self.tokens)
+            early = loop.time() < not_before
+            if finish is not None or (n > self.read and not early):
+                new, self.read = self.tokens[self.read:n], n
+                return new, finish
+            self.wake.clear()
+            self.waiting = "finish" if early else "token"
+            if self.finish is not None or (len(self.tokens) > n and not early):
+                self.waiting = None  # it came between the look and the flag: no sleep
+                continue
+            if not early:
+                await self.wake.wait()
+                continue
+            try:
+                await asyncio.wait_for(self.wake.wait(), not_before - loop.time())
+            except TimeoutError:
+                pass
+            self.waiting = None
+
+
+def _wake(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.wake.set()
 
 
 class Scheduler:
@@ -74,20 +114,26 @@ class Scheduler:
         self.decoder: BatchDecoder | None = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
+        # The readers' detokenizer (delivery.py, on the event loop; the handlers encode with
+        # a tokenizer of their own: a fast tokenizer is not safe to share across threads).
         self.decode = decode
         self.eos = set(int(e) for e in eos_ids)
         self.max_batch = max_batch
         self.max_queue = max_queue
         self._pending: queue.Queue[Job | None] = queue.Queue()
         self._active: dict[int, Job] = {}
+        self._touched: list[Job] = []  # jobs with news since the last wake-up call
         # Since start, for /health: what reached the engine (a refused request never does).
         self._admitted = self._generated = 0
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fuselm-engine", daemon=True)
+        self._wakeups: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
+        self._waker = threading.Thread(target=self._notifier, name="fuselm-wake", daemon=True)
 
     # -- called from the server's event loop --------------------------------------------
     def start(self) -> None:
         """Start the engine thread; return once its decoder is built (re-raising its error)."""
+        self._waker.start()
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
@@ -97,6 +143,8 @@ class Scheduler:
         self._stopping.set()
         self._pending.put(None)
         self._thread.join(timeout=10)
+        self._wakeups.put(None)  # after the engine's last wake-ups
+        self._waker.join(timeout=10)
 
     def submit(self, job: Job) -> None:
         if self._pending.qsize() >= self.max_queue:
@@ -132,8 +180,9 @@ class Scheduler:
             except Exception:  # an engine bug must not kill the server: fail these requests
                 log.exception("engine step failed; failing %d request(s)", len(self._active))
                 for job in self._active.values():
-                    job.emit("error", 500, "the engine failed on this request (see the "
-                                           "server log)")
+                    self._end(job, "error", (500, "the engine failed on this request (see "
+                                                  "the server log)"))
+                self._notify()
                 self._active.clear()
                 self.decoder.reset()
                 continue
@@ -141,8 +190,10 @@ class Scheduler:
                 job = self._active.get(slot)
                 if job is not None:
                     self._on_token(slot, job, token)
+            self._notify()
         for job in self._active.values():
-            job.emit("error", 503, "the server is shutting down")
+            self._end(job, "shutdown", (503, "the server is shutting down"))
+        self._notify()
 
     def _admit(self) -> None:
         assert self.decoder is not None
@@ -156,9 +207,9 @@ class Scheduler:
             try:
                 slot = self.decoder.add(job.prompt, job.sampling)
             except RuntimeUserError as e:
-                job.emit("error", 400, str(e))
+                self._end(job, "error", (400, str(e)))
+                self._notify()
                 continue
-            job.text = TextStream(self.decode, job.stop)
             self._active[slot] = job
             self._admitted += 1
 
@@ -166,40 +217,75 @@ class Scheduler:
         for slot, job in list(self._active.items()):
             if job.cancelled.is_set():
                 self._finish(slot, job, "cancelled")
+        self._notify()
 
     def _on_token(self, slot: int, job: Job, token: int) -> None:
-        assert job.text is not None and self.decoder is not None
+        """Per token only what decides whether the row goes on: EOS and max_tokens (stop
+        strings need text: the reader finds them and cancels the job)."""
+        assert self.decoder is not None
         if job.generated == 0:
             job.t_first = time.perf_counter()
             job.cached = self.decoder.cached_tokens(slot)
         job.generated += 1
         self._generated += 1
-        finish = None
         if token in self.eos:
-            finish = "stop"
+            self._finish(slot, job, "stop")
+            return
+        job.tokens.append(token)
+        if job.generated >= job.max_tokens:
+            self._finish(slot, job, "length")
         else:
-            delta = job.text.push(token)
-            if delta:
-                job.emit("delta", delta)
-            if job.text.stopped:
-                finish = "stop"
-        if finish is None and job.generated >= job.max_tokens:
-            finish = "length"
-        if finish is not None:
-            rest = job.text.finish()
-            if rest:
-                job.emit("delta", rest)
-            self._finish(slot, job, "stop" if job.text.stopped else finish)
+            self._touched.append(job)
+
+    def _end(self, job: Job, finish: str, error: tuple[int, str] | None = None) -> None:
+        job.error = error
+        job.finish = finish  # after the last token and the error: the reader looks at it first
+        self._touched.append(job)
+
+    def _notify(self) -> None:
+        """One wake-up call per step for the readers that sleep (a reader busy sending
+        will find the new tokens when it comes back)."""
+        sleeping = []
+        for job in self._touched:
+            if job.waiting == "token" or (job.waiting and job.finish is not None):
+                job.waiting = None
+                sleeping.append(job)
+        self._touched.clear()
+        if sleeping:
+            self._wakeups.put(sleeping)
+
+    def _notifier(self) -> None:
+        """Hands the engine's wake-ups to the event loop. The engine thread only queues them
+        (no system call, the GIL kept): this thread's call_soon_threadsafe, and the loop's
+        turn it starts, run while the engine thread has let the GIL go inside its next step
+        (onnxruntime's run, MLX's eval), not between its steps."""
+        while (first := self._wakeups.get()) is not None:
+            jobs = list(first)
+            while not self._wakeups.empty():
+                more = self._wakeups.get()
+                if more is None:
+                    self._wakeups.put(None)
+                    break
+                jobs.extend(more)
+            by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
+            for job in jobs:
+                by_loop.setdefault(job.loop, []).append(job)
+            for loop, group in by_loop.items():
+                try:
+                    loop.call_soon_threadsafe(_wake, group)
+                except RuntimeError:  # the server's loop has closed (shutdown): nobody listens
+                    for job in group:
+                        job.cancelled.set()
 
     def _finish(self, slot: int, job: Job, reason: str) -> None:
         assert self.decoder is not None
         self.decoder.remove(slot)
         del self._active[slot]
         now = time.perf_counter()
-        use = {"prompt_tokens": len(job.prompt), "completion_tokens": job.generated,
-               "cached_tokens": job.cached}
-        if reason != "cancelled":
-            job.emit("done", reason, use)
+        if reason == "cancelled":
+            reason = job.ended_by
+        else:
+            self._end(job, reason)
         ttft = (job.t_first - job.t_submit) * 1e3 if job.t_first else float("nan")
         log.info("%s %s: prompt %d tok (cached %d), completion %d tok, ttft %.0f ms, "
                  "total %.0f ms", job.rid, reason, len(job.prompt), job.cached, job.generated,

@@ -22,6 +22,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.graph_io import PAST, present_for
 from fuselm.runtime_metal.manifest_schema import check_graph_io, ort_past_dtype
 from fuselm.runtime_metal.ort_engine.lowering import Lowered, lower_for_cpu
+from fuselm.runtime_metal.ort_engine.row_batch import RowBatch
 from fuselm.runtime_metal.ort_engine.session import OPTIMIZATION_LEVELS, make_session
 from fuselm.runtime_metal.ort_engine.shared_kv import GROW, SharedKV
 
@@ -163,8 +164,17 @@ class OrtEngine:
         return old
 
     def batch_program(self) -> None:
-        """None: batch.py serves onnxruntime one sequence at a time."""
+        """None: MLX's compiled batched program has no onnxruntime counterpart (row_batch)."""
         return None
+
+    def row_batch(self, max_batch: int, capacity: int) -> RowBatch | None:
+        """Rows of different lengths decoded in one run (row_batch.py), on the lowered graph;
+        None on the plain graph (batch.py then feeds its rows one after another)."""
+        if self._kv is None:
+            return None
+        m = self.manifest.model
+        return RowBatch(self.session, set(self._inputs), self._past_names, m.num_kv_heads,
+                        m.head_dim, m.vocab_size, max_batch, capacity, self._rope_positions)
 
     def forward_device(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         """onnxruntime (CPU) has no device side: the host logits."""

@@ -1,0 +1,67 @@
+"""Token delivery, on the server's event loop: a Job's token ids (appended by the engine
+thread, scheduler.py) become text events for its response. Each turn takes every token that
+arrived since the last one, runs them through the one text stream (runtime_metal/text_stream.py:
+detokenizer and stop strings) and yields their text as one event; so a client that reads
+slowly, or a loop busy with other streams, gets fewer, larger chunks while the engine keeps
+its pace. After a chunk a stream takes no new tokens for CHUNK_INTERVAL_S (the end of the
+request still wakes it at once): a fast engine would otherwise wake the event loop for every
+token, and each wake-up is a GIL hand-over the engine thread waits on (the loop's Python runs
+between the engine's steps). The first text goes out at once (time to first token). A stop
+string ends the request here: the job is cancelled and the engine drops its row before the
+next step.
+
+Events: ("delta", text), ("done", finish_reason, usage) or ("error", status, message)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fuselm.converter.serve.scheduler import Job
+from fuselm.runtime_metal.text_stream import Decode, TextStream
+
+# Chunks per stream at most ~100/s: below what a reader notices, far above any engine's pace
+# on a slow CPU (one token per chunk there), ~10 tokens per chunk at 1 ms a token.
+CHUNK_INTERVAL_S = 0.01
+
+
+def _usage(job: Job, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": len(job.prompt), "completion_tokens": completion,
+            "cached_tokens": job.cached}
+
+
+async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
+                  ) -> AsyncIterator[tuple[Any, ...]]:
+    text = TextStream(decode, job.stop)
+    consumed = 0
+    not_before = 0.0
+    loop = asyncio.get_running_loop()
+    while True:
+        tokens, finish = await job.take(not_before)
+        parts = []
+        for token in tokens:
+            consumed += 1
+            parts.append(text.push(token))
+            if text.stopped:
+                break
+        if text.stopped:  # tokens the engine made past the stop string are dropped
+            job.ended_by = "stop"
+            job.cancelled.set()
+            if piece := "".join(parts):
+                yield ("delta", piece)
+            yield ("done", "stop", _usage(job, consumed))
+            return
+        if finish in ("error", "shutdown"):
+            assert job.error is not None
+            yield ("error", *job.error)
+            return
+        if finish is not None:
+            parts.append(text.finish())
+        if piece := "".join(parts):
+            yield ("delta", piece)
+            not_before = loop.time() + interval
+        if finish is not None:
+            # completion_tokens: what the engine generated (an EOS included)
+            yield ("done", "stop" if text.stopped else finish, _usage(job, job.generated))
+            return
