@@ -235,8 +235,11 @@ class _Worker:
 
     def __init__(self) -> None:
         try:
+            # -P: the working directory does not go first on the worker's sys.path, so a
+            # folder named like a package there (a source checkout's fuselm/, a jinja2.py)
+            # cannot shadow the installed one and kill the worker at import
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
+                [sys.executable, "-P", "-m", WORKER_MODULE], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:  # start_new_session: a terminal's Ctrl-C does not reach it
             raise ChatTemplateError(f"cannot start the chat template renderer ({e})",
@@ -266,8 +269,11 @@ class _Worker:
         return json.loads(buf)
 
     def why_gone(self) -> str:
-        self.stop()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+        self.stop()  # closes the pipes, after their last words are read
         last = err.strip().splitlines()[-1] if err.strip() else ""
         return f"exit code {self.proc.returncode}" + (f": {last[:200]}" if last else "")
 

@@ -177,3 +177,19 @@ def test_run_and_chat_still_answer_ordinary_messages(capsys, hostile_art: Path) 
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "loop limit" in errors[0] and "Traceback" not in r.stderr
     assert "[user] hello" in r.stdout and "[user] LOOPS" not in r.stdout
+
+
+def test_a_module_in_the_working_directory_cannot_shadow_the_renderer(tmp_path: Path) -> None:
+    """The renderer process imports jinja2 and fuselm by their installed names: a jinja2.py in
+    the folder a user runs fuselm from (or a source checkout's fuselm/) is not imported."""
+    import subprocess
+    import sys
+
+    (tmp_path / "jinja2.py").write_text("raise ImportError('the shadowing jinja2.py')\n")
+    code = ("from fuselm.runtime_metal.chat_template import render_chat; "
+            "print(render_chat('[{{ messages[0].content }}]', [{'role': 'user', "
+            "'content': 'hi'}]))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[hi]"
