@@ -6,6 +6,7 @@
 #                                               # test_kernels.py, only `-k EXPR` if given
 #   benchmarks/gpu_run.sh batchtests            # the batch decoder's tests on the GPU: the kernels
 #                                               # through a block table, batch invariance
+#   benchmarks/gpu_run.sh pytest ARGS...        # pytest ARGS on the GPU host's layout (TF32 off)
 #   benchmarks/gpu_run.sh sbs SHAPE GROUP       # side_by_side.py --separate: each system in its own
 #                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
 #                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
@@ -80,6 +81,11 @@ case "$part" in
     # the H200 host either made `fuselm.converter` unimportable)
     NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
       "${par[@]}" tests/runtime/test_kernels.py ${2:+-k "$2"}
+    ;;
+  pytest)
+    # any tests with the GPU host's layout (TF32 off, the linked package first on the path)
+    shift
+    NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append "$@"
     ;;
   batchtests)
     # the batch decoder on MLX-CUDA: the attention kernels through a block table, and batch
