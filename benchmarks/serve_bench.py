@@ -167,7 +167,7 @@ async def burst(srv: ServerProc, streams: int, n: int, prompt_words: int, salt: 
 
 def bench_tg(artifact: Path, engine: str, n: int, prompt_tokens: int) -> dict[str, Any]:
     """`fuselm bench` on the artifact in its own process: the engine's one-sequence decode."""
-    cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "bench", str(artifact),
+    cmd = [sys.executable, "-P", "-m", "fuselm.converter.cli.main", "bench", str(artifact),
            "--engine", engine, "--json", "-n", str(n), "-p", str(prompt_tokens), "-r", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     got = json.loads(out)
@@ -183,8 +183,8 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path | None
     max_batch = str(max(args.streams))
     if "fuselm" in args.systems:
         port = free_port()
-        cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(fl_dir), "--port",
-               str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
+        cmd = [sys.executable, "-P", "-m", "fuselm.converter.cli.main", "serve", str(fl_dir),
+               "--port", str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
                "--log-level", "warning", "--model-name", "bench",
                "--max-context", str(args.fuselm_max_context)]
         servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))

@@ -353,27 +353,42 @@ def held_bytes(constants: dict[str, object]) -> int:
 
 
 def probe_kernels(weights: list[QWeight], dtype: object, rows: int = 16) -> int:
-    """Mark the weights whose quantized matmul this MLX build cannot run.
+    """Mark the weights whose quantized matmul this MLX build cannot run, or runs wrong.
 
     Some MLX backends dispatch quantized matmul to kernels with conditions on shapes and
     layouts (MLX-CUDA 0.32.4 on an H200 refused our weights with "No implementation for
     problem shape"); each weight is tried once at load with a one-row and a `rows`-row input,
-    and what is refused falls back to a plain matmul over the dequantized weight. Returns how
+    and what is refused falls back to a plain matmul over the dequantized weight. A result
+    that does not match that plain matmul (an 8-bit model on MLX-CUDA gave non-finite logits
+    through MLX's own ops) falls back the same way rather than decoding garbage. Returns how
     many weights were marked.
     """
     marked = 0
     for w in weights:
         s, b = w.affine(dtype)
+        dense = mx.dequantize(w.packed, s, b, group_size=w.group_size, bits=w.bits)
+        dense = dense.T if w.transposed else dense
         for n, marker in ((1, _DENSE_ALL), (rows, _DENSE_ROWS)):
-            x = mx.zeros((1, n, w.shape[0]), dtype=dtype)
+            x = mx.random.normal((1, n, w.shape[0]), key=mx.random.key(n)).astype(dtype)
             try:
-                mx.eval(mx.quantized_matmul(x, w.packed, s, b, transpose=w.transposed,
-                                            group_size=w.group_size, bits=w.bits))
+                got = mx.quantized_matmul(x, w.packed, s, b, transpose=w.transposed,
+                                          group_size=w.group_size, bits=w.bits)
+                ok = _close(got, x @ dense)
             except RuntimeError:
+                ok = False
+            if not ok:
                 w._cast[marker] = True
                 marked += 1
                 break
     return marked
+
+
+def _close(got: mx.array, want: mx.array) -> bool:
+    """The same matmul up to the accumulation order of the activation dtype."""
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    scale = mx.maximum(mx.max(mx.abs(want)), mx.array(1e-6))
+    err = mx.max(mx.abs(got - want)) / scale
+    return bool(mx.all(mx.isfinite(got)).item()) and float(err.item()) <= 1e-2
 
 
 def set_dense_rows(weights: list[QWeight], rows: int) -> None:

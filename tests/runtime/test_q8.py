@@ -58,3 +58,19 @@ def test_both_engines_agree_and_stay_close_to_float(q8: dict[str, tuple[Path, Pa
     assert rel(a, b) <= 1e-4  # the same 8-bit weights, float compute
     ref = engine_logits(make_engine(f32, "onnxruntime", accuracy_level=0), PROMPT, 8)
     assert rel(b, ref) <= 2e-2
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (8, 64), (8, 128)])
+def test_load_probe_keeps_quantized_matmuls_that_match_the_dense_one(bits: int, group: int
+                                                                     ) -> None:
+    """probe_kernels (run at load on a GPU) compares MLX's quantized matmul with the plain
+    matmul over the dequantized weight; where they agree, as on this CPU, nothing falls back."""
+    import mlx.core as mx
+
+    from fuselm.runtime_metal.mlx_engine.qweight import probe_kernels
+
+    w = mx.random.normal((96, 256), key=mx.random.key(bits + group))
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    for dtype in (mx.float32, mx.float16):
+        weight = QWeight(q, s, b, group, True, bits=bits)
+        assert probe_kernels([weight], dtype) == 0
