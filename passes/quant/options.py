@@ -29,12 +29,9 @@ BLOCK_SIZES = (32, 64, 128)
 QUANT_CHOICES = ("none", "q4")
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
-# With calibration statistics and no explicit --block-size / --bits-budget: blocks of 32 or 64
-# per tensor under this mean (fewer bits than mlx-lm's default 4.5). On SmolLM2 it gives
-# +14 % PPL where every tensor at 64 gives +19 % and the data-free block 32 +27 % at 4.625
-# (BENCHMARKS.md 'Quantization quality'). Data-free, a budget costs more than it saves (+39 % at
-# 4.45), so without statistics the default stays block 32 everywhere.
-DEFAULT_BITS_BUDGET = 4.45
+# Every tensor in blocks of 32 unless --block-size / --bits-budget say otherwise. A budget of
+# 4.45 bits (32 or 64 per tensor) saves 0.175 bits per weight and costs PPL: on SmolLM2-135M
+# +14 % against +11 % at block 32 everywhere (BENCHMARKS.md 'Quantization quality').
 BITS_BUDGET_RANGE = (4.3125, 4.625)  # every tensor in blocks of 64 .. every one in blocks of 32
 
 
@@ -61,7 +58,7 @@ class QuantOptions:
 
     method: str = DEFAULT_METHOD
     block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or per tensor under a budget
-    bits_budget: float | None = None  # None: DEFAULT_BITS_BUDGET when calibrated and no block
+    bits_budget: float | None = None  # None: every tensor in blocks of `block_size`
     symmetric: bool = False
     lm_head: bool = True
     embeddings: bool = False
@@ -74,14 +71,10 @@ class QuantOptions:
         if self.calibration and not self.default_calibration:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
 
-    def blocks(self, calibrated: bool) -> tuple[int, float | None]:
-        """(block size, bits budget) for a conversion with or without calibration statistics:
-        the budget asked for; else DEFAULT_BITS_BUDGET when calibrated and no block size was
-        asked for; else none (every tensor in blocks of `block_size`, 32 by default)."""
-        budget = self.bits_budget
-        if budget is None and calibrated and self.block_size is None:
-            budget = DEFAULT_BITS_BUDGET
-        return self.block_size or DEFAULT_BLOCK_SIZE, budget
+    def blocks(self) -> tuple[int, float | None]:
+        """(block size, bits budget): the budget asked for (32 or 64 per tensor under it), else
+        none (every tensor in blocks of `block_size`, 32 by default)."""
+        return self.block_size or DEFAULT_BLOCK_SIZE, self.bits_budget
 
 
 def quant_options(

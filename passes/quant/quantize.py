@@ -98,6 +98,7 @@ BITS = 4
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SPILL_FILE = "quantized.data"  # QuantizeQ4(spill_dir=...): the new tensors' bytes, on disk
+GRAM_BYTES = 256 << 20  # calibration Gram matrices held at once (see _rounds)
 
 # A new tensor's values: the TensorProto made, or what it became once written to disk.
 Spill = Callable[[TensorProto], LazyValues]
@@ -132,26 +133,42 @@ class QuantizeQ4:
         result = PassResult()
         tables, gathers = _gathers(graph)
         jobs = _find_jobs(graph, tables, gathers, opts, result)
-        moments = None
+        calib = self.calibration
+        block_size, budget = opts.blocks()
         calib_seconds = 0.0
-        if self.calibration is not None:
+        model = load = None
+        moments: dict[str, Moments] | None = None
+        # Which jobs get their statistics from which forward (see _rounds).
+        rounds = _rounds(jobs, calib)
+        if calib is not None:
             t0 = time.perf_counter()
             model, load = runnable(graph)  # the fused float graph, before any weight changes
-            moments = self.calibration.moments(model, load, {
-                j.activation.name: weights.data_type(j.weight) for j in jobs if j.activation})
-            del model
+            if len(rounds) > 1 and budget is not None:  # the allocation needs every importance
+                moments = calib.moments(model, load, _activations(jobs), gram=False)
             calib_seconds = time.perf_counter() - t0
-        if moments is None and opts.norm_importance:
+        elif opts.norm_importance:
             moments = _norm_moments(jobs)
-        block_size, budget = opts.blocks(self.calibration is not None)
         total = sum(int(np.prod(j.weight.shape)) for j in jobs)
         with self._spill() as spill, q4_search.for_model(total):
             w = _Writer(graph, opts, spill)
-            blocks = _block_sizes(jobs, block_size, budget, opts, moments)
-            for job in jobs:
-                stats = (None if moments is None or job.activation is None
-                         else moments.get(job.activation.name))
-                _apply(w, job, blocks[job.weight.name], stats, tables, gathers)
+            for n, (part, gram) in enumerate(rounds):
+                if calib is not None:
+                    t0 = time.perf_counter()
+                    assert model is not None and load is not None
+                    moments = {**(moments or {}),
+                               **calib.moments(model, load, _activations(part), gram)}
+                    calib_seconds += time.perf_counter() - t0
+                if n == 0:
+                    blocks = _block_sizes(jobs, block_size, budget, opts, moments)
+                for job in part:
+                    stats = (None if moments is None or job.activation is None
+                             else moments.get(job.activation.name))
+                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers)
+                if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
+                    moments = {k: v for k, v in moments.items() if v.gram is None}
+            del model
+        order = {j.weight.name: i for i, j in enumerate(jobs)}
+        w.tensors.sort(key=lambda t: order[t["name"]])  # the record in graph order
         _rewrite(graph, w)
         used = sorted({t["block_size"] for t in w.tensors})
         result.count = len(jobs)
@@ -330,6 +347,47 @@ def _find_jobs(
             if name not in tied and _used_only_by(graph, tables[name], users):
                 jobs.append(_Job("embedding", None, tables[name], None, "embedding"))
     return jobs
+
+
+def _activations(jobs: list[_Job]) -> dict[str, int]:
+    """The activations the jobs' weights multiply (name -> float type), in job order."""
+    return {j.activation.name: weights.data_type(j.weight) for j in jobs if j.activation}
+
+
+def _reduction_size(job: _Job) -> int:
+    """K of the job's [K, N] weight (its input's width)."""
+    t = job.weight
+    return int(t.shape[1] if job.kind in ("tied", "embedding") or job.trans is not None
+               else t.shape[0])
+
+
+def _rounds(jobs: list[_Job], calib: Calibration | None) -> list[tuple[list[_Job], bool]]:
+    """Groups of jobs, each with one calibration forward, and whether that forward keeps Gram
+    matrices (for the jobs the calibration gives error feedback, Calibration.feedback).
+
+    The jobs without feedback take their importance from one forward without Gram matrices.
+    The Gram matrices go in consecutive groups of at most GRAM_BYTES (K^2 float64 each: all at
+    once would be 3.4 GB for Qwen3-0.6B), each group's dropped once its weights are quantized.
+    """
+    if calib is None:
+        return [(jobs, False)] if jobs else []
+
+    def fed(j: _Job) -> bool:
+        return j.activation is not None and calib.feedback(j.role)
+
+    plain = [j for j in jobs if not fed(j)]
+    out: list[tuple[list[_Job], bool]] = [(plain, False)] if plain else []
+    size = 0
+    fresh = True
+    for job in filter(fed, jobs):
+        cost = 8 * _reduction_size(job) ** 2
+        if not fresh and size + cost <= GRAM_BYTES:
+            out[-1][0].append(job)
+            size += cost
+        else:
+            out.append(([job], True))
+            size, fresh = cost, False
+    return out
 
 
 def _norm_moments(jobs: list[_Job]) -> dict[str, Moments]:

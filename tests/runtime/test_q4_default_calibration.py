@@ -1,8 +1,8 @@
-"""The default Q4 (`--quant q4` alone): the built-in calibration text's per-channel importance,
-collected by running the float graph in segments (passes/quant/q4_segments.py), and blocks of 32 or
-64 per tensor under DEFAULT_BITS_BUDGET. Deterministic; the segments compute what one session
-over the whole graph computes; a checkpoint without a tokenizer, or `--no-calibration`, gets
-the data-free quantizer."""
+"""The default Q4 (`--quant q4` alone): the built-in calibration text, run through the float graph
+in segments (passes/quant/q4_segments.py): error feedback (GPTQ) on the LM head, the
+importance-weighted search on every other weight, blocks of 32 everywhere. Deterministic; the
+segments compute what one session over the whole graph computes; a checkpoint without a
+tokenizer, or `--no-calibration`, gets the data-free quantizer."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from onnx import numpy_helper
 from fuselm.converter.models.builtin import build_model
 from fuselm.errors import FuselmError
 from fuselm.passes.quant import q4_segments
-from fuselm.passes.quant.options import DEFAULT_BITS_BUDGET
-from fuselm.passes.quant.q4_allocate import bits_per_weight
-from fuselm.passes.quant.q4_calibration import collect
-from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.q4_calibration import HEAD_ROLES, collect
+from fuselm.passes.quant.q4_math import quantize_array, quantize_gptq
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.validate import engine_logits, rel
@@ -72,33 +70,34 @@ def test_segments_compute_what_one_session_computes(models: dict[str, Path]) -> 
         assert rel(a[name].sq, b[name].sq) <= 1e-5
 
 
-def test_default_is_calibrated_within_budget_and_deterministic(models: dict[str, Path]) -> None:
+def test_default_is_calibrated_block_32_and_deterministic(models: dict[str, Path]) -> None:
     q = read_manifest(models["q4"]).quantization
-    assert q is not None and q["bits_budget"] == DEFAULT_BITS_BUDGET < 4.5
+    assert q is not None and q["bits_budget"] is None and q["block_size"] == 32
     cal = q["calibration"]
-    assert cal["file"] == "calibration.txt (built-in)" and cal["tokens"] >= 64
-    assert cal["method"] == "importance-weighted search"
+    assert cal["file"] == "calibration.txt (built-in)" and cal["tokens"] >= 1000
+    assert cal["method"].startswith("gptq for lm_head/tied_embedding_lm_head")
     ts = q["tensors"]
-    assert {t["block_size"] for t in ts} <= {32, 64}
-    assert all(t["calibration"] == "importance" for t in ts)
-    weights = [int(np.prod(t["shape"])) for t in ts]
-    mean = sum(w * bits_per_weight(t["block_size"]) for w, t in zip(weights, ts, strict=True))
-    assert mean / sum(weights) <= DEFAULT_BITS_BUDGET
+    assert {t["block_size"] for t in ts} == {32}
+    assert {t["role"] for t in ts if t["calibration"] == "gptq"} == {"tied_embedding_lm_head"}
+    assert all(t["calibration"] == "importance" for t in ts if t["role"] not in HEAD_ROLES)
     a = (models["q4"] / "model.onnx.data").read_bytes()
     assert a == (models["again"] / "model.onnx.data").read_bytes()
 
 
-def test_default_codes_are_the_importance_weighted_search(models: dict[str, Path]) -> None:
-    """The stored codes of a tensor are quantize_array's with the calibration activations'
-    mean squares as importance, at the block size the record names."""
+def test_default_codes_are_the_search_and_the_heads_gptq(models: dict[str, Path]) -> None:
+    """The stored codes of a layer's tensor are quantize_array's with the calibration
+    activations' mean squares as importance; the tied LM head's are quantize_gptq's on its
+    input's Gram matrix; both at block 32 and from the same text."""
     from fuselm.converter.calibration_input import builtin_calibration
 
     cal = builtin_calibration(models["hf"])
-    assert cal is not None and not cal.gram
+    assert cal is not None and cal.gram and cal.feedback_roles == HEAD_ROLES
     model = onnx.load(str(models["float"] / "model.onnx"))
     pairs = _pairs(model)
-    moments = collect(model, numpy_helper.to_array, cal.tokens,
-                      {a: onnx.TensorProto.FLOAT for a, _ in pairs}, cal.context, gram=False)
+    head_act = next(n.input[0] for n in model.graph.node
+                    if n.op_type == "MatMul" and n.output[0] == "logits")
+    acts = {a: onnx.TensorProto.FLOAT for a in [a for a, _ in pairs] + [head_act]}
+    moments = collect(model, numpy_helper.to_array, cal.tokens, acts, cal.context, gram=True)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     q = read_manifest(models["q4"]).quantization
     qm = onnx.load(str(models["q4"] / "model.onnx"))
@@ -110,6 +109,10 @@ def test_default_codes_are_the_importance_weighted_search(models: dict[str, Path
                               importance=moments[act].sq)
         got = numpy_helper.to_array(qinits[rec["codes"]]).astype(np.uint8)
         assert np.array_equal(got, want.codes)
+    head = next(t for t in q["tensors"] if t["role"] == "tied_embedding_lm_head")
+    want = quantize_gptq(inits[head["name"]].T, moments[head_act].gram, 32)
+    got = numpy_helper.to_array(qinits[head["codes"]]).astype(np.uint8)
+    assert np.array_equal(got, want.codes)
 
 
 def test_default_mlx_equals_onnxruntime(models: dict[str, Path]) -> None:
@@ -133,17 +136,17 @@ def test_without_tokenizer_or_flag_the_default_is_data_free(
 
 def test_builtin_tokens_equal_transformers_tokenizer(models: dict[str, Path]) -> None:
     """The calibration text is tokenized with the `tokenizers` library (no torch import): the
-    same ids as the checkpoint's transformers tokenizer, no special tokens, first BUILTIN_TOKENS."""
+    same ids as the checkpoint's transformers tokenizer, no special tokens, the whole text."""
     from importlib import resources
 
     from transformers import AutoTokenizer
 
-    from fuselm.converter.calibration_input import BUILTIN_FILE, BUILTIN_TOKENS, builtin_calibration
+    from fuselm.converter.calibration_input import BUILTIN_FILE, builtin_calibration
 
     text = (resources.files("fuselm.passes") / BUILTIN_FILE).read_text(encoding="utf-8")
     want = AutoTokenizer.from_pretrained(str(models["hf"])).encode(text, add_special_tokens=False)
     calib = builtin_calibration(models["hf"])
-    assert calib is not None and list(calib.tokens) == want[:BUILTIN_TOKENS]
+    assert calib is not None and list(calib.tokens) == want
 
 
 def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None:
