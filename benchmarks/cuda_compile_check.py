@@ -177,6 +177,16 @@ def main() -> None:
                     p2 = mx.zeros((n2, nout // 8), mx.uint32)
                     s2 = mx.zeros((n2, nout // g2), dt)
                     kernels_q4.q4_gemv(y, p2, s2, s2, g2, a2, x_at=y_at)
+        for rows, kdim, nout, act, g in ((1, 1024, 4096, None, 32), (4, 1024, 6144, "silu", 64),
+                                         (16, 2048, 4096, None, 128)):
+            # 8-bit weights (BITS = 8: 4 codes a word), plain, gated and add+norm
+            x = mx.zeros((rows, 1, kdim), dt)
+            packed = mx.zeros((nout, kdim // 4), mx.uint32)
+            sc = mx.zeros((nout, kdim // g), dt)
+            kernels_q4.q4_gemv(x, packed, sc, sc, g, act)
+            if act is None:
+                kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, g, mx.zeros((rows, 1, nout), dt),
+                                            mx.ones((nout,), dt), 1e-6)
         for hidden in (1024, 4096):  # the separate add+RMSNorm: 256 and 1024 threads a block
             h = mx.zeros((1, 1, hidden), dt)
             kernels_cuda.add_rms_norm(h, h, mx.ones((hidden,), dt), 1e-6)

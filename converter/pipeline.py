@@ -11,7 +11,7 @@ import contextlib
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -29,7 +29,7 @@ from fuselm.input_files import check_regular
 from fuselm.passes import ops
 from fuselm.passes.manager import select
 from fuselm.passes.quant.options import FLAGS as QUANT_FLAGS
-from fuselm.passes.quant.options import QuantOptions, quant_options
+from fuselm.passes.quant.options import SOURCE_DEFAULT, QuantOptions, quant_options
 from fuselm.passes.quant.quantize import SPILL_FILE
 from fuselm.runtime_metal import artifact, integrity
 
@@ -44,6 +44,9 @@ class ConvertOptions:
     quant: QuantOptions | None = None  # None: float weights (passes/quant/options.py)
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
+    # quant None and a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K): keep its
+    # blocks (passes/quant/options.py SOURCE_DEFAULT); False (`--quant none`): float weights
+    source_quant: bool = True
 
     def __post_init__(self) -> None:
         if self.quant is not None and not isinstance(self.quant, QuantOptions):
@@ -64,6 +67,8 @@ class ConvertOptions:
                             f"choose from {', '.join(sorted(known | set(QUANT_FLAGS)))}")
         flags = {k: options.pop(k) for k in QUANT_FLAGS if k in options and k != "quant"}
         quant = options.pop("quant", None)
+        if isinstance(quant, str) and quant.lower() == "none":  # asked for: float weights
+            options.setdefault("source_quant", False)
         if not isinstance(quant, QuantOptions):
             quant = quant_options(quant, **flags)
         elif flags:
@@ -154,7 +159,8 @@ def _run_passes(raw: Path, final: Path, opts: ConvertOptions, calibration: Any =
     if opts.quant is not None:
         from fuselm.passes.quant.quantize import QuantizeQ4
 
-        quantize = QuantizeQ4(opts.quant, calibration, spill_dir=raw.parent)
+        given = None if exported is None else exported.given
+        quantize = QuantizeQ4(opts.quant, calibration, spill_dir=raw.parent, given=given)
     deferred: dict[str, Any] = {}
     model, report = run_pipeline(
         model, passes=opts.passes, quantize=quantize, base_dir=raw.parent, deferred=deferred,
@@ -209,6 +215,9 @@ def convert(
         from fuselm.converter.gguf_input import staged_gguf
 
         with staged_gguf(model_dir, out_dir) as staged:
+            opts = options or ConvertOptions()
+            if opts.quant is None and opts.source_quant and staged.checkpoint.quantized:
+                options = replace(opts, quant=SOURCE_DEFAULT)
             return convert(staged.meta, out_dir, options, progress, checkpoint=staged.checkpoint,
                            source=staged.source, exporter=staged.exporter, spec=staged.spec)
     opts = options or ConvertOptions()
@@ -238,7 +247,7 @@ def convert(
         from fuselm.converter.calibration_input import load_calibration
 
         calib = load_calibration(src, opts.quant.calibration)
-    elif opts.quant is not None and opts.quant.default_calibration:
+    elif opts.quant is not None and opts.quant.calibrates:
         from fuselm.converter.calibration_input import builtin_calibration
 
         calib = builtin_calibration(src, spec)

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fuselm.export.config import DecoderSpec, RopeSpec
 from fuselm.export.errors import ExportError
-from fuselm.export.export_result import ExportResult
+from fuselm.export.export_result import ExportResult, given_lookup
 from fuselm.export.family import Source
 from fuselm.export.registry import decoder_spec, family_of
 from fuselm.export.safetensors.checkpoint import Checkpoint, cast
@@ -392,6 +392,7 @@ def build_model(
         result.model, result.sources = model, w.recipes
     else:
         onnx.save(model, str(onnx_path))
+    result.given = given_lookup(ckpt, sources)
     result.weight_bytes = w.nbytes
     result.nonfinite = screen.nonfinite
     result.seconds["build"] = time.perf_counter() - t0

@@ -23,7 +23,7 @@ from fuselm.export import heap
 from fuselm.export.config import DecoderSpec
 from fuselm.export.decoder import Decoder
 from fuselm.export.errors import ExportError
-from fuselm.export.export_result import ExportResult
+from fuselm.export.export_result import ExportResult, given_lookup
 from fuselm.export.registry import decoder_spec
 from fuselm.export.safetensors.checkpoint import Checkpoint
 from fuselm.export.tensor_match import check_layer_count, check_tensor_names
@@ -329,6 +329,7 @@ def export_model(
     if progress:
         progress("trace", 0, 1)
     model, module = _trace(spec, graph_dtype)
+    result.given = given_lookup(ckpt, module.weight_sources())  # initializer = parameter name
     heap.release()  # the trace's graphs are garbage now; the weights phase starts from here
     result.seconds["trace"] = time.perf_counter() - t0
     if progress:

@@ -1,4 +1,4 @@
-"""The fuselm op contract, defined once: FusedRoPE, FusedQKV, FusedGateUp.
+"""The fuselm op contract, defined once: FusedRoPE, FusedQKV, FusedGateUp, DequantizeAffine.
 
 Each op has (1) an `onnx.defs.OpSchema` so checkers and torch's exporter know it, (2) a NumPy
 reference that tests and runtimes compare against, and (3) an ONNX function body in standard
@@ -17,6 +17,11 @@ Semantics that are attributes or absences rather than ops of their own:
 - A layer without position encoding (NoPE) has no FusedRoPE node: its q and k go from the
   projections straight to Attention (QKV pairing tells them apart by Attention's inputs).
 - Logit soft-capping and the scalar multipliers of some families are plain Tanh/Mul/Div nodes.
+- DequantizeAffine is blocked DequantizeLinear with a float bias per block instead of an
+  integer zero point, w = codes·scale + bias (MLX's affine form; GGUF's Q4_1 and Q4_K, whose
+  per-block minimum no integer zero point holds). Its body computes in float32:
+  DequantizeLinear(codes, scale) + DequantizeLinear(ones, bias), the second spreading each
+  block's bias over its weights exactly (1·b = b), then casts to the scales' type.
 
 export/ and runtime_metal/ import this module and nothing else from passes/.
 """
@@ -32,7 +37,7 @@ from onnx import AttributeProto, FunctionProto, NodeProto, defs, helper
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
 ONNX_OPSET = 23
-OP_TYPES = ("FusedRoPE", "FusedQKV", "FusedGateUp")
+OP_TYPES = ("FusedRoPE", "FusedQKV", "FusedGateUp", "DequantizeAffine")
 GATE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -175,7 +180,27 @@ def _schemas() -> list[defs.OpSchema]:
             defs.OpSchema.Attribute("block_size", _A.INT, "", required=False),
         ],
     )
-    return [rope, qkv, gate_up]
+    affine = defs.OpSchema(
+        "DequantizeAffine",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc="Blocked dequantization with a float bias per block: y = codes * scale + bias "
+            "(computed in float32, output in the scales' type); blocks of block_size along "
+            "axis, as blocked DequantizeLinear.",
+        inputs=[
+            _P("codes", "C", "unsigned codes, e.g. [K, N]"),
+            _P("scales", "S", "[K/block, N] scales (blocks along axis)"),
+            _P("biases", "S", "[K/block, N] biases, the scales' shape"),
+        ],
+        outputs=[_P("y", "S", "the codes' shape")],
+        type_constraints=[("C", ["tensor(uint4)", "tensor(uint8)"], "codes"),
+                          ("S", _FLOATS, "scales, biases and output")],
+        attributes=[
+            defs.OpSchema.Attribute("axis", _A.INT, "", required=True),
+            defs.OpSchema.Attribute("block_size", _A.INT, "", required=True),
+        ],
+    )
+    return [rope, qkv, gate_up, affine]
 
 
 def _last_dim_as(ctx: onnx.shape_inference.InferenceContext, out: int, size: int | None) -> None:
@@ -221,7 +246,19 @@ def _infer_gate_up(ctx: onnx.shape_inference.InferenceContext) -> None:
     _last_dim_as(ctx, 0, n)
 
 
-_INFER = {"FusedRoPE": _infer_rope, "FusedQKV": _infer_qkv, "FusedGateUp": _infer_gate_up}
+def _infer_affine(ctx: onnx.shape_inference.InferenceContext) -> None:
+    codes, scales = ctx.get_input_type(0), ctx.get_input_type(1)
+    if codes is None or scales is None:
+        return
+    t = onnx.TypeProto()
+    t.tensor_type.elem_type = scales.tensor_type.elem_type
+    if codes.tensor_type.HasField("shape"):
+        t.tensor_type.shape.CopyFrom(codes.tensor_type.shape)
+    ctx.set_output_type(0, t)
+
+
+_INFER = {"FusedRoPE": _infer_rope, "FusedQKV": _infer_qkv, "FusedGateUp": _infer_gate_up,
+          "DequantizeAffine": _infer_affine}
 
 
 def register_schemas() -> None:
@@ -343,6 +380,18 @@ def dequantize_reference(
     )
 
 
+def dequantize_affine_reference(
+    codes: np.ndarray, scales: np.ndarray, biases: np.ndarray, block_size: int, axis: int = 0
+) -> np.ndarray:
+    """DequantizeAffine: w = codes * s + b per block of `block_size` along `axis`, in float32,
+    returned in the scales' dtype."""
+    ax = axis % codes.ndim
+    n = codes.shape[ax]
+    s = np.repeat(scales.astype(np.float32), block_size, axis=ax).take(range(n), axis=ax)
+    b = np.repeat(biases.astype(np.float32), block_size, axis=ax).take(range(n), axis=ax)
+    return (codes.astype(np.float32) * s + b).astype(scales.dtype)
+
+
 def _project(
     x: np.ndarray,
     weight: np.ndarray,
@@ -451,6 +500,8 @@ def variant_of(node: NodeProto) -> Variant:
         return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)), act)
     if node.op_type == "FusedQKV":
         return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)))
+    if node.op_type == "DequantizeAffine":
+        return Variant(node.op_type, ())
     raise ValueError(f"not a fuselm op: {node.op_type}")
 
 
@@ -677,16 +728,43 @@ def _gate_up_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
     return inputs, nodes
 
 
+def _affine_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
+    del v  # one form
+    inputs = ["codes", "scales", "biases"]
+
+    def dq(ins: list[str], out: str) -> NodeProto:
+        node = _n("DequantizeLinear", ins, [out])
+        node.attribute.extend([_ref("axis", "axis", AttributeProto.INT),
+                               _ref("block_size", "block_size", AttributeProto.INT)])
+        return node
+
+    nodes = [
+        _n("Cast", ["scales"], ["s32"], to=onnx.TensorProto.FLOAT),
+        _n("Cast", ["biases"], ["b32"], to=onnx.TensorProto.FLOAT),
+        dq(["codes", "s32"], "qs"),
+        _n("Shape", ["qs"], ["shape"]),  # (of the float32 values: no Shape kernel on uint4)
+        _n("ConstantOfShape", ["shape"], ["ones"],
+           value=helper.make_tensor("one", onnx.TensorProto.UINT8, [1], [1])),
+        dq(["ones", "b32"], "bias_full"),
+        _n("Add", ["qs", "bias_full"], ["y32"]),
+        _n("CastLike", ["y32", "scales"], ["y"]),
+    ]
+    return inputs, nodes
+
+
 _ATTRS = {
+    "DequantizeAffine": ["axis", "block_size"],
     "FusedRoPE": list(ROPE_ATTRS),
     "FusedQKV": ["q_size", "k_size", "v_size", "block_size"],
     "FusedGateUp": ["activation", "block_size"],
 }
-_OUTPUTS = {"FusedRoPE": ["q_rot", "k_rot"], "FusedQKV": ["q", "k", "v"], "FusedGateUp": ["y"]}
+_OUTPUTS = {"FusedRoPE": ["q_rot", "k_rot"], "FusedQKV": ["q", "k", "v"], "FusedGateUp": ["y"],
+            "DequantizeAffine": ["y"]}
 
 
 def function_for(v: Variant) -> FunctionProto:
-    build = {"FusedRoPE": _rope_body, "FusedQKV": _qkv_body, "FusedGateUp": _gate_up_body}
+    build = {"FusedRoPE": _rope_body, "FusedQKV": _qkv_body, "FusedGateUp": _gate_up_body,
+             "DequantizeAffine": _affine_body}
     inputs, nodes = build[v.op_type](v)
     return helper.make_function(
         DOMAIN,

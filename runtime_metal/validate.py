@@ -30,6 +30,11 @@ def hf_model(model_dir: str | Path) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the ladder's table is the output; no loading bars
+    path = Path(model_dir)
+    if path.is_file():  # a GGUF: transformers' own loader, its weights dequantized to float32
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
 

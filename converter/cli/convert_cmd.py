@@ -36,10 +36,10 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--quant",
-    type=click.Choice(["none", "q4"]),
-    default="none",
-    show_default=True,
-    help="q4: 4-bit block weights (DequantizeLinear + MatMul / fused ops).",
+    type=click.Choice(["none", "q4", "q8"]),
+    default=None,
+    help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops). "
+    "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q8_0/Q4_K), which keeps its blocks.",
 )
 @click.option(
     "--block-size",
@@ -52,8 +52,8 @@ def _passes(value: str | None) -> list[str] | None:
 @click.option("--bits-budget", type=float, default=None, metavar="BITS",
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
               "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits).")
-@click.option("--q-bits", type=click.Choice(["4"]), default=None,
-              help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
+@click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
+              help="mlx-lm's spelling: --q-bits 4 is --quant q4, --q-bits 8 --quant q8.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
 @click.option(
     "--quant-lm-head/--no-quant-lm-head",
@@ -87,7 +87,7 @@ def convert_command(
     model_dir: Path,
     out_dir: Path,
     dtype: str,
-    quant: str,
+    quant: str | None,
     block_size: int | None,
     bits_budget: float | None,
     q_bits: str | None,
@@ -113,10 +113,9 @@ def convert_command(
     from fuselm.converter.progress import stage_progress, stderr
     from fuselm.passes.quant.options import quant_options
 
-    if q_bits is not None:
-        quant = "q4"
     model_dir = resolve_source(model_dir)
-    quant_opts = quant_options(quant, block_size=block_size, bits_budget=bits_budget,
+    quant_opts = quant_options(quant, q_bits=None if q_bits is None else int(q_bits),
+                               block_size=block_size, bits_budget=bits_budget,
                                symmetric=sym, quant_lm_head=quant_lm_head,
                                quant_embeddings=quant_embeddings, quant_method=quant_method,
                                calibration=calibration, default_calibration=not no_calibration)
@@ -125,6 +124,7 @@ def convert_command(
         optimize=not no_optimize,
         passes=_passes(passes),
         quant=quant_opts,
+        source_quant=quant != "none",
         keep_intermediate=keep_intermediate,
         allow_nonfinite=allow_nonfinite,
     )
@@ -176,23 +176,21 @@ convert = convert_command
     help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise",
 )
 def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
-    """Convert the bundled SmolLM2-135M-Instruct GGUF to Q4 and answer a question with it."""
+    """Convert the bundled SmolLM2-135M-Instruct GGUF (its Q4_1 blocks kept) and answer a
+    question with it."""
     from fuselm.converter import out_dir as out_dir_safety
     from fuselm.converter import pipeline
     from fuselm.converter.cli.run_cmd import run
     from fuselm.converter.models.smollm2 import bundled_gguf
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.progress import stage_progress, stderr
-    from fuselm.passes.quant.options import QuantOptions
-
     if out_dir is not None:  # before any output: a refused -o is one error line
         out_dir_safety.check_target(out_dir)
     gguf = bundled_gguf()
     artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
-    stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")
+    stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir}, keeping its Q4_1 blocks")
     with stage_progress() as progress:
-        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant=QuantOptions()),
-                                  progress)
+        result = pipeline.convert(gguf, artifact_dir, ConvertOptions(), progress)
     if result.report is not None:
         stderr.print(result.report.render())
     stderr.print(f"[green]converted[/] in {result.seconds['total']:.1f}s → {artifact_dir}")

@@ -42,6 +42,8 @@ def rows(record: dict[str, Any]) -> list[dict[str, Any]]:
             "rel_rms_error": t["rel_rms_error"],
             "bits_per_weight": t["bits_per_weight"],
             "block_size": t.get("block_size", record.get("block_size")),
+            "bits": t.get("bits", 4),
+            "given": t.get("given"),  # the checkpoint's own blocks, kept (e.g. "gguf Q4_1")
         }
         for t in record["tensors"]
     ]
@@ -53,20 +55,26 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
     if not record or not record.get("tensors"):
         return "no Q4 weights"
     table = rows(record)
+    bits = record.get("bits", 4)
+    q = f"Q{bits}" if isinstance(bits, int) else f"bits {bits.removeprefix('mixed ')}"
+    given = record.get("given")
+    kept = "" if not given else " · kept from the checkpoint: " + ", ".join(
+        f"{k} x{v}" for k, v in given["kept"].items()) + f", {given['quantized']} quantized"
     lines = [
-        f"Q4 block {record.get('block_size')} · method {record.get('method', 'minmax')} · "
+        f"{q} block {record.get('block_size')} · method {record.get('method', 'minmax')}{kept} · "
         f"{len(table)} tensors · {record.get('bits_per_weight')} bits/weight quantized, "
         f"{record.get('bits_per_weight_overall', '?')} overall · "
-        f"LM head {'q4' if record.get('lm_head') else 'float'} · "
-        f"embeddings {'q4' if record.get('embeddings') else 'float'}",
-        f"{'rel RMS err':>11}  {'bits/w':>6}  {'block':>5}  {'role':<24} {'shape':<14} name",
+        f"LM head {'quantized' if record.get('lm_head') else 'float'} · "
+        f"embeddings {'quantized' if record.get('embeddings') else 'float'}",
+        f"{'rel RMS err':>11}  {'bits/w':>6}  {'block':>5}  {'role':<24} {'shape':<14} name"
+        + ("  (kept from)" if given else ""),
     ]
     for r in table[:top] if top else table:
         shape = "x".join(str(d) for d in r["shape"])
         lines.append(
             f"{r['rel_rms_error']:>11.5f}  {r['bits_per_weight']:>6.3f}  {r['block_size']!s:>5}  "
             f"{r['role']:<24} "
-            f"{shape:<14} {r['name']}"
+            f"{shape:<14} {r['name']}" + (f"  ({r['given']})" if r["given"] else "")
         )
     return "\n".join(lines)
 

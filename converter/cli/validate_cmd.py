@@ -20,12 +20,26 @@ SAME_MODEL = ("architecture", "vocab_size", "num_layers", "hidden_size", "num_he
 
 
 def check_same_model(model_dir: str, manifest: object) -> None:
-    """Refuse, before any compute, an HF folder and an artifact of different models."""
+    """Refuse, before any compute, an HF folder (or GGUF file) and an artifact of different
+    models."""
+    from fuselm.export.gguf.file import is_gguf
     from fuselm.export.registry import decoder_spec
 
-    if not Path(model_dir, "config.json").is_file():
-        raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder")
-    spec = decoder_spec(model_dir)
+    if Path(model_dir).is_file() and is_gguf(model_dir):
+        import tempfile
+        from types import SimpleNamespace
+
+        from fuselm.export.gguf.source import GGUFCheckpoint
+
+        config = GGUFCheckpoint(model_dir).config
+        with tempfile.TemporaryDirectory() as meta:  # the spec reads the config it stages
+            Path(meta, "config.json").write_text(json.dumps(config))
+            spec = decoder_spec(meta, hf_config=SimpleNamespace(**config))
+    elif not Path(model_dir, "config.json").is_file():
+        raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder "
+                               "or the .gguf file it was converted from")
+    else:
+        spec = decoder_spec(model_dir)
     info = manifest.model  # type: ignore[attr-defined]
     diff = [f"{k}: {getattr(spec, k)} in {model_dir} vs {getattr(info, k)} in the artifact"
             for k in SAME_MODEL if getattr(spec, k) != getattr(info, k)]
@@ -38,7 +52,7 @@ def check_same_model(model_dir: str, manifest: object) -> None:
 
 
 @click.command("validate")
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path())
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("-n", "--tokens", type=click.IntRange(1), default=32, show_default=True,
               help="greedy tokens compared per prompt")

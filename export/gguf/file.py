@@ -96,18 +96,23 @@ class GGUFFile:
             raise ExportError(f"{self.path}: metadata {key} cannot be read ({v.reason})")
         return v
 
-    def read(self, name: str) -> np.ndarray:
-        """One tensor dequantized to float32, shaped as in numpy/torch (ne reversed)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
+    def raw(self, name: str) -> np.ndarray:
+        """One tensor's stored bytes (uint8), as the file holds them."""
         t = self.tensors[name]
         buf = bytearray(t.nbytes)
         with open_regular(self.path) as f:
             f.seek(t.offset)
             if f.readinto(buf) != t.nbytes:
                 raise ExportError(f"{self.path} is truncated while reading {name}")
-        raw = np.frombuffer(buf, dtype=np.uint8)
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor dequantized to float32, shaped as in numpy/torch (ne reversed)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        raw = self.raw(name)
         qtype = GGMLQuantizationType[t.type_name]
         if t.type_name in ("F32", "F16"):
             return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(t.shape)

@@ -21,9 +21,11 @@ import numpy as np
 
 from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
+from fuselm.export.gguf.blocks import EXACT_TYPES, given_blocks
 from fuselm.export.gguf.config import generation_config, hf_config
 from fuselm.export.gguf.file import GGUFFile
 from fuselm.export.registry import decoder_spec, family_of
+from fuselm.given_blocks import GivenBlocks
 
 if TYPE_CHECKING:  # torch is imported only where the torch exporter reads the file
     import torch
@@ -116,6 +118,13 @@ class GGUFCheckpoint:
     def nbytes(self) -> int:
         return self.gguf.path.stat().st_size
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any matrix comes in a block format fuselm holds exactly (its conversion
+        then keeps the blocks by default)."""
+        return any(t.type_name in EXACT_TYPES and len(t.shape) == 2
+                   for t in self.gguf.tensors.values())
+
     def tensor_types(self) -> dict[str, int]:
         """Tensor count per GGUF type, for the manifest."""
         out: dict[str, int] = {}
@@ -170,6 +179,21 @@ class GGUFCheckpoint:
             key = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
             w = unpermute_qk(w, int(self.config[key]))
         return w
+
+    def given_blocks(self, hf_name: str) -> GivenBlocks | None:
+        """The tensor's own quantized blocks in HF layout [N, K] (q/k rows unpermuted, which
+        moves whole rows and so keeps every block), or None when its type has no exact form in
+        fuselm's stored formats (export/gguf/blocks.py)."""
+        name = self._lookup(hf_name)
+        t = self.gguf.tensors[name]
+        if t.type_name not in EXACT_TYPES or len(t.shape) != 2:
+            return None
+        given = given_blocks(t.type_name, self.gguf.raw(name), t.shape)
+        if given is not None and self.permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
+            key = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
+            rows = unpermute_qk(np.arange(t.shape[0]), int(self.config[key]))
+            given = given.take_rows(rows)
+        return given
 
     def get(self, hf_name: str) -> torch.Tensor:
         import torch

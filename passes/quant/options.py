@@ -3,6 +3,8 @@ user's flags (`quant_options`) and handed unchanged from the CLI and the Python 
 convert pipeline to the quantize pass (passes/quant/quantize.py).
 
     --quant q4                    QuantOptions()                 the defaults below
+    --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max, no
+                                                                 search, no calibration)
     --block-size 64               block_size=64                  every tensor in blocks of 64
     --bits-budget 4.45            bits_budget=4.45               32 or 64 per tensor under a mean
     --sym                         symmetric=True                 fixed zero point 8
@@ -26,13 +28,24 @@ from fuselm.passes.errors import PassesError
 from fuselm.passes.quant.q4_math import METHODS
 
 BLOCK_SIZES = (32, 64, 128)
-QUANT_CHOICES = ("none", "q4")
+BITS = (4, 8)
+QUANT_CHOICES = ("none", "q4", "q8")
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
 # Every tensor in blocks of 32 unless --block-size / --bits-budget say otherwise. A budget of
 # 4.45 bits (32 or 64 per tensor) saves 0.175 bits per weight and costs PPL: on SmolLM2-135M
 # +14 % against +11 % at block 32 everywhere (BENCHMARKS.md 'Quantization quality').
 BITS_BUDGET_RANGE = (4.3125, 4.625)  # every tensor in blocks of 64 .. every one in blocks of 32
+
+
+def _check_bits(bits: int, bits_budget: float | None, calibration: str | None) -> None:
+    if bits not in BITS:
+        raise PassesError(f"--q-bits {bits} is not supported; valid values: "
+                          f"{', '.join(map(str, BITS))}")
+    if bits == 8 and bits_budget is not None:
+        raise PassesError("--bits-budget is a 4-bit mean; drop it with --q-bits 8")
+    if bits == 8 and calibration:
+        raise PassesError("--calibration shapes 4-bit rounding; drop it with --q-bits 8")
 
 
 def _check_values(block_size: int | None, bits_budget: float | None, method: str) -> None:
@@ -65,11 +78,18 @@ class QuantOptions:
     calibration: str | None = None  # a text file
     default_calibration: bool = True  # without `calibration`: the built-in text
     norm_importance: bool = True  # without calibration data: RMSNorm's gamma^2 as importance
+    bits: int = 4
 
     def __post_init__(self) -> None:
         _check_values(self.block_size, self.bits_budget, self.method)
         if self.calibration and not self.default_calibration:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
+        _check_bits(self.bits, self.bits_budget, self.calibration)
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether a calibration text runs: 4-bit only (8-bit blocks take min/max)."""
+        return self.bits == 4 and bool(self.calibration or self.default_calibration)
 
     def blocks(self) -> tuple[int, float | None]:
         """(block size, bits budget): the budget asked for (32 or 64 per tensor under it), else
@@ -89,11 +109,13 @@ def quant_options(
     calibration: str | None = None,
     default_calibration: bool = True,
     norm_importance: bool = True,
+    q_bits: int | None = None,
 ) -> QuantOptions | None:
     """The options the user's flags ask for (the CLI's and the Python API's spellings); None
-    means no quantization. `quant_lm_head=None` is the default: quantized with q4. Raises
-    PassesError naming the flag and its valid values."""
-    q = (quant or "none").lower()
+    means no quantization. `quant_lm_head=None` is the default: quantized with q4. `q_bits`
+    (4 or 8) asks for quantization by itself. Raises PassesError naming the flag and its valid
+    values."""
+    q = (quant or (f"q{q_bits}" if q_bits else "none")).lower()
     if q not in QUANT_CHOICES:
         raise PassesError(
             f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
@@ -104,11 +126,23 @@ def quant_options(
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         if calibration:
             raise PassesError("--calibration needs --quant q4")
+        if q_bits:
+            raise PassesError("--q-bits needs quantization; drop --quant none")
         return None
+    bits = 8 if q == "q8" else 4
+    if q_bits is not None and q_bits != bits:
+        raise PassesError(f"--quant {q} and --q-bits {q_bits} contradict; give one")
+    _check_bits(bits, bits_budget, calibration)
     return QuantOptions(quant_method, block_size, bits_budget, symmetric,
                         quant_lm_head is not False, quant_embeddings, calibration,
-                        default_calibration, norm_importance)
+                        default_calibration, norm_importance, bits)
 
+
+# What a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K) is converted with
+# when no quantization is asked for: its blocks kept as they are (the quantize pass's given
+# blocks), and what has no exact form here (a Q6_K or Q5_K tensor, a float matrix beside the
+# quantized ones) in 8-bit blocks, the nearest fuselm holds; its embedding table too.
+SOURCE_DEFAULT = QuantOptions(bits=8, default_calibration=False, embeddings=True)
 
 # The flag names `quant_options` takes (the Python API tells them from its other options).
 FLAGS = tuple(inspect.signature(quant_options).parameters)

@@ -24,9 +24,9 @@ Optional, decided before any weight is written (the jobs are found first): a blo
 tensor under a bits budget (`bits_budget`, passes/quant/q4_allocate.py); the search weighted by
 each input channel's importance — RMSNorm's gamma^2 data-free (`norm_importance`), or the
 activations of a calibration text (the `calibration` tokens this pass is given,
-passes/quant/q4_calibration.py: mean squares only, or with GPTQ-style error feedback,
-passes/quant/q4_gptq.py). With calibration statistics and no block size asked for, a budget of
-DEFAULT_BITS_BUDGET applies (QuantOptions.blocks). The stored format is the same in every case.
+passes/quant/q4_calibration.py: mean squares, and GPTQ-style error feedback,
+passes/quant/q4_gptq.py, on the weights the calibration names: the LM head by default, every
+weight with `--calibration FILE`). The stored format is the same in every case.
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
@@ -64,6 +64,26 @@ is quantized as ONE tensor, blocks along H (axis 1 of E, i.e. the LM head's redu
 DequantizeLinear feeds both uses. Tied, the two flags name the same tensor, so either one
 quantizes it (the info records that).
 
+**8-bit** (`bits=8`, `--q-bits 8`): the same blocks along K with uint8 codes and uint8 zero
+points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w/s) + zp, 0,
+255)); plain DequantizeLinear, which MLX reads as its 8-bit affine form.
+
+**Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
+quantized (a GGUF Q4_0/Q4_1/Q8_0/Q4_K tensor) is stored as given, its codes, scales and zero
+points or biases unchanged, instead of being searched again; a packed projection is given when
+every part is, in one bits/block/form (its parts' blocks concatenated along N), else it is
+quantized from the dequantized values (recorded). The forms:
+
+    integer zero points, 4 or 8 bits  DequantizeLinear(codes, scales, zp)      (as above)
+    float biases (Q4_1, Q4_K)         fuselm.DequantizeAffine(codes, scales, biases, axis,
+                                      block_size): w = codes*s + b (passes/ops.py)
+
+A scale or bias that the graph's float type does not hold exactly (Q4_K's d*sc in a float16
+graph) is stored float32 with a Cast after the dequantization, so nothing is rounded. In a
+conversion with given blocks or 8-bit weights, FusedQKV / FusedGateUp take their packed
+weight from such a dequantize node as a float input (one function-body variant per op for
+every form); a plain float-to-4-bit conversion keeps the codes/scales/zp inputs.
+
 Weights are read one at a time, each dropped once quantized. With `spill_dir`, every new tensor
 (codes, scales, zero points) is written to `spill_dir/SPILL_FILE` as it is made and stays there
 as a reference (passes/weights.py): the quantized model is never held in memory (an 8B model's
@@ -84,6 +104,7 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from fuselm.given_blocks import GivenBlocks
 from fuselm.passes import ops, weights
 from fuselm.passes.graph import PassResult, is_graph_output
 from fuselm.passes.model_io import runnable
@@ -91,7 +112,8 @@ from fuselm.passes.quant import q4_search
 from fuselm.passes.quant.options import QuantOptions
 from fuselm.passes.quant.q4_allocate import allocate_blocks
 from fuselm.passes.quant.q4_calibration import Calibration, Moments
-from fuselm.passes.quant.q4_math import quantize_array, quantize_gptq, uint4_tensor
+from fuselm.passes.quant.q4_math import Q4Tensor, quantize_array, quantize_gptq, uint4_tensor
+from fuselm.passes.quant.q8_math import quantize_8bit
 from fuselm.passes.writer import DataFile
 
 BITS = 4
@@ -102,6 +124,9 @@ GRAM_BYTES = 256 << 20  # calibration Gram matrices held at once (see _rounds)
 
 # A new tensor's values: the TensorProto made, or what it became once written to disk.
 Spill = Callable[[TensorProto], LazyValues]
+# Given blocks by initializer name (None: that weight comes as floats), in the checkpoint's
+# [N, K] layout (export's ExportResult.given).
+Given = Callable[[str], GivenBlocks | None]
 
 
 class QuantizeQ4:
@@ -115,15 +140,17 @@ class QuantizeQ4:
     `calibration`: the tokens whose activations weight the rounding (None: data-free).
     `spill_dir`: where the new tensors go as they are made (see the module's last paragraph;
     give the pipeline's `base_dir`, so the writer finds them, and delete the file after saving).
+    `given`: the blocks a checkpoint gives per initializer name (see the module doc).
     """
 
     name = "quantize_q4"
 
     def __init__(self, options: QuantOptions | None = None, calibration: Calibration | None = None,
-                 spill_dir: str | Path | None = None) -> None:
+                 spill_dir: str | Path | None = None, given: Given | None = None) -> None:
         self.options = options or QuantOptions()
         self.calibration = calibration
         self.spill_dir = spill_dir
+        self.given = given
 
     def run(self, graph: gs.Graph) -> PassResult:
         opts = self.options
@@ -151,6 +178,7 @@ class QuantizeQ4:
         total = sum(int(np.prod(j.weight.shape)) for j in jobs)
         with self._spill() as spill, q4_search.for_model(total):
             w = _Writer(graph, opts, spill)
+            w.fused_via_node = self.given is not None or opts.bits != 4
             for n, (part, gram) in enumerate(rounds):
                 if calib is not None:
                     t0 = time.perf_counter()
@@ -163,7 +191,8 @@ class QuantizeQ4:
                 for job in part:
                     stats = (None if moments is None or job.activation is None
                              else moments.get(job.activation.name))
-                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers)
+                    given = None if self.given is None else _given_of(job.weight, self.given)
+                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers, given)
                 if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
                     moments = {k: v for k, v in moments.items() if v.gram is None}
             del model
@@ -171,21 +200,24 @@ class QuantizeQ4:
         w.tensors.sort(key=lambda t: order[t["name"]])  # the record in graph order
         _rewrite(graph, w)
         used = sorted({t["block_size"] for t in w.tensors})
+        bits_used = sorted({t.get("bits", BITS) for t in w.tensors}) or [opts.bits]
         result.count = len(jobs)
         result.extra["quantization"] = {
-            "bits": BITS,
+            "bits": bits_used[0] if len(bits_used) == 1 else "mixed " + "/".join(
+                map(str, bits_used)),
             "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
             "bits_budget": budget,
             "calibration": None if self.calibration is None else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
             "norm_importance": opts.norm_importance and self.calibration is None,
             "symmetric": opts.symmetric,
-            "zero_point": "fixed 8 (uint4)" if opts.symmetric else "uint4 per block",
+            "zero_point": _zero_point_text(opts),
+            "given": _given_record(w.tensors),
             "scale_dtype": "float16 values (stored in the graph's float type)",
             "rounding": "scale: float16 round-to-nearest-even; codes: round-half-to-even of w/s, "
                         "+ zp",
             "tensors": w.tensors,
-            "method": opts.method,
+            "method": opts.method if opts.bits == 4 else "minmax",
             "lm_head": any(t["role"] in ("lm_head", "tied_embedding_lm_head") for t in w.tensors),
             "embeddings": any(t["role"] in ("embedding", "tied_embedding_lm_head")
                               for t in w.tensors),
@@ -390,6 +422,43 @@ def _rounds(jobs: list[_Job], calib: Calibration | None) -> list[tuple[list[_Job
     return out
 
 
+def _given_of(t: gs.Constant, given: Given) -> GivenBlocks | None:
+    """The blocks the checkpoint gives for weight `t` ([N, K]): its own, or for a packed
+    projection (pairing's recipe, its parts [K, N_i] concatenated along axis 1) its parts'
+    blocks concatenated along N. None when any part comes as floats or the parts differ."""
+    own = given(t.name)
+    if own is not None:
+        return own
+    src = weights.source(t)
+    if type(src) is weights.PackedValues:
+        if src.axis != 1:
+            return None
+        parts = []
+        for p in src.parts:
+            g = given(p.tensor.name) if isinstance(p, LazyValues) else None
+            if g is None:
+                return None
+            parts.append(g)
+        return GivenBlocks.concat(parts)
+    return None
+
+
+def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How many tensors kept their checkpoint's blocks, per source type; None without any."""
+    kept: dict[str, int] = {}
+    for t in tensors:
+        if "given" in t:
+            kept[t["given"]] = kept.get(t["given"], 0) + 1
+    requantized = sum(1 for t in tensors if "given" not in t)
+    return {"kept": kept, "quantized": requantized} if kept else None
+
+
+def _zero_point_text(opts: QuantOptions) -> str:
+    kind = "uint4" if opts.bits == 4 else "uint8"
+    fixed = 8 if opts.bits == 4 else 128
+    return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
+
+
 def _norm_moments(jobs: list[_Job]) -> dict[str, Moments]:
     """Data-free importance: a weight fed by RMSNormalization(x, gamma) sees inputs whose
     channel k is gamma_k times a unit-RMS value, so gamma_k^2 stands in for the mean squared
@@ -446,13 +515,31 @@ def _scale_dtype(data_type: int) -> tuple[np.dtype, int | None]:
 
 @dataclass
 class _Q4:
-    """One quantized weight in the graph: its three initializers and a Cast target."""
+    """One quantized weight in the graph: its initializers and a Cast target. `offsets` is
+    the zero points (DequantizeLinear) or, for the affine form, the float biases
+    (fuselm.DequantizeAffine)."""
 
     codes: gs.Constant
     scales: gs.Constant
-    zero_points: gs.Constant
+    offsets: gs.Constant
     block_size: int
     cast_to: int | None  # the weight's own type, when the scales' is another (bfloat16)
+    affine: bool = False
+
+    @property
+    def zero_points(self) -> gs.Constant:
+        assert not self.affine
+        return self.offsets
+
+    def dequantize_node(self, out: gs.Variable, axis: int, name: str,
+                        inputs: list[gs.Tensor] | None = None) -> gs.Node:
+        """The node computing the weight from (codes, scales, offsets), or from `inputs`."""
+        ins = inputs or [self.codes, self.scales, self.offsets]
+        attrs = {"axis": axis, "block_size": self.block_size}
+        if self.affine:
+            return gs.Node("DequantizeAffine", name=name, domain=ops.DOMAIN, attrs=attrs,
+                           inputs=ins, outputs=[out])
+        return gs.Node("DequantizeLinear", name=name, attrs=attrs, inputs=ins, outputs=[out])
 
 
 class _Writer:
@@ -468,6 +555,7 @@ class _Writer:
         self.original_bytes = 0
         self.quantized_bytes = 0
         self.weights = 0
+        self.fused_via_node = False  # fused ops read their weight from a dequantize node
 
     def unique(self, base: str) -> str:
         name, i = base, 1
@@ -486,31 +574,70 @@ class _Writer:
         """
         symmetric = self.opts.symmetric
         calibrated = None
-        if stats is not None and stats.gram is not None:
+        if self.opts.bits == 8:
+            q = quantize_8bit(w_kn, block_size, symmetric)
+        elif stats is not None and stats.gram is not None:
             q, calibrated = quantize_gptq(w_kn, stats.gram, block_size, symmetric), "gptq"
         else:
             imp = None if stats is None else stats.sq
             q = quantize_array(w_kn, block_size, symmetric, self.opts.method, imp)
             calibrated = None if stats is None else "importance" if stats.count else "norm-weight"
-        err = q.rel_rms_error or 0.0
+        extra = {"calibration": calibrated} if calibrated else {}
+        return self._store(src, role, axis, q, self.opts.bits, None, q.rel_rms_error or 0.0,
+                           extra)
+
+    def keep(self, src: gs.Constant, given: GivenBlocks, role: str, axis: int) -> _Q4:
+        """Store the checkpoint's own blocks of `src` (axis 1: in its [N, K] layout, as
+        given; axis 0: as [K, N])."""
+        t = (lambda a: a) if axis == 1 else (lambda a: None if a is None else a.T)
+        q = Q4Tensor(t(given.codes), t(given.scales), t(given.zero_points), given.block_size)
+        return self._store(src, role, axis, q, given.bits, t(given.biases), 0.0,
+                           {"given": given.source}, transposed=True)
+
+    def _store(self, src: gs.Constant, role: str, axis: int, q: Q4Tensor, bits: int,
+               biases: np.ndarray | None, err: float, extra: dict[str, Any],
+               transposed: bool = False) -> _Q4:
+        """New initializers for q's codes, scales and zero points (or `biases`); `transposed`:
+        q is already in the stored layout."""
         data_type = weights.data_type(src)
         sdtype, cast_to = _scale_dtype(data_type)
-        codes, scales, zps = q.codes, q.scales.astype(sdtype), q.zero_points
-        if axis == 1:  # stored in the source's own [N, K] layout, blocks along its axis 1
-            codes, scales, zps = codes.T, scales.T, zps.T
-        names = (self.unique(src.name + "_q4"), self.unique(src.name + "_scale"),
-                 self.unique(src.name + "_zp"))
+        offsets = q.zero_points if biases is None else biases
+        if not all(np.array_equal(a.astype(sdtype).astype(np.float32), a.astype(np.float32))
+                   for a in (q.scales, offsets) if a.dtype.kind == "f"):
+            # values the graph's float type does not hold (Q4_K's d*sc in float16): kept
+            # float32, the dequantized weight cast to the graph's type
+            sdtype, cast_to = np.dtype(np.float32), (None if data_type == TensorProto.FLOAT
+                                                      else data_type)
+        codes, scales = q.codes, q.scales.astype(sdtype)
+        if biases is not None:
+            offsets = biases.astype(sdtype)
+        if axis == 1 and not transposed:  # stored in the source's own [N, K] layout
+            codes, scales, offsets = codes.T, scales.T, offsets.T
+        tag = "_q4" if bits == 4 else "_q8"
+        names = (self.unique(src.name + tag), self.unique(src.name + "_scale"),
+                 self.unique(src.name + ("_bias" if biases is not None else "_zp")))
+
+        def packed(a: np.ndarray, name: str) -> TensorProto:
+            a = np.ascontiguousarray(a)
+            return uint4_tensor(a, name) if bits == 4 else numpy_helper.from_array(a, name)
+
         made = []
-        for t in (uint4_tensor(codes, names[0]),
+        for t in (packed(codes, names[0]),
                   numpy_helper.from_array(np.ascontiguousarray(scales), names[1]),
-                  uint4_tensor(zps, names[2])):
+                  numpy_helper.from_array(np.ascontiguousarray(offsets), names[2])
+                  if biases is not None else packed(offsets, names[2])):
             made.append(weights.Weight(t.name, self.spill(t) if self.spill else LazyValues(t)))
-        k, n = w_kn.shape
-        nbytes = (codes.size + zps.size + 1) // 2 + scales.nbytes
+        size = codes.size
+        k = int(src.shape[1] if axis == 1 else src.shape[0])
+        block_size = q.block_size
+        nbytes = ((size * bits + 7) // 8 + scales.nbytes
+                  + (offsets.nbytes if biases is not None else (offsets.size * bits + 7) // 8))
+        if bits == 4 and biases is None:  # the 4-bit record's own rounding, kept as it was
+            nbytes = (size + offsets.size + 1) // 2 + scales.nbytes
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize
-        self.original_bytes += w_kn.size * itemsize
+        self.original_bytes += size * itemsize
         self.quantized_bytes += nbytes
-        self.weights += w_kn.size
+        self.weights += size
         self.tensors.append(
             {
                 "name": src.name,
@@ -519,22 +646,21 @@ class _Writer:
                 "axis": axis,
                 "codes": names[0],
                 "scales": names[1],
-                "zero_points": names[2],
+                ("biases" if biases is not None else "zero_points"): names[2],
                 "block_size": block_size,
                 "partial_block": k % block_size != 0,
-                "bits_per_weight": round(8 * nbytes / w_kn.size, 4),
+                "bits_per_weight": round(8 * nbytes / size, 4),
                 "rel_rms_error": round(err, 6),
-                **({"calibration": calibrated} if calibrated else {}),
+                **({"bits": bits} if bits != 4 or biases is not None else {}),
+                **extra,
             }
         )
-        return _Q4(*made, block_size, cast_to)
+        return _Q4(*made, block_size, cast_to, biases is not None)
 
     def dequantize(self, q: _Q4, out: gs.Variable, axis: int) -> None:
         """DequantizeLinear (+ Cast) of `q` into `out`."""
         dq_out = out if q.cast_to is None else gs.Variable(out.name + "_f32")
-        nodes = [gs.Node("DequantizeLinear", name=out.name + "_DequantizeLinear",
-                         attrs={"axis": axis, "block_size": q.block_size},
-                         inputs=[q.codes, q.scales, q.zero_points], outputs=[dq_out])]
+        nodes = [q.dequantize_node(dq_out, axis, out.name + "_DequantizeLinear")]
         if q.cast_to is not None:
             nodes.append(gs.Node("Cast", name=out.name + "_Cast", attrs={"to": q.cast_to},
                                  inputs=[dq_out], outputs=[out]))
@@ -555,6 +681,8 @@ class _Writer:
         base = self.unique(out.name + "_q4")
         sdt = weights.data_type(q.scales)
         other = TensorProto.FLOAT16 if sdt == TensorProto.FLOAT else TensorProto.FLOAT
+        if q.cast_to is not None and sdt == TensorProto.FLOAT:  # not float16 values
+            other = TensorProto.DOUBLE
         nodes: list[gs.Node] = []
 
         def step(op: str, src: gs.Tensor, name: str, **attrs: Any) -> gs.Variable:
@@ -571,14 +699,15 @@ class _Writer:
             return rows
 
         cg = table(q.codes, "codes", TensorProto.UINT8)
-        zg = table(q.zero_points, "zp", TensorProto.UINT8)
+        if q.affine:  # the biases take the scales' lossless round trip too
+            zg = step("Cast", table(q.offsets, "bias", other), f"{base}_bias_back", to=sdt)
+        else:
+            zg = table(q.zero_points, "zp", TensorProto.UINT8)
         sg = table(q.scales, "scale", other)
         back = step("Cast", sg, f"{base}_scale_back", to=sdt)
         gather.outputs.clear()  # `out` is the new nodes' now
         dq_out = out if q.cast_to is None else gs.Variable(f"{base}_dq")
-        nodes.append(gs.Node("DequantizeLinear", name=f"{base}_DequantizeLinear",
-                             attrs={"axis": -1, "block_size": q.block_size},
-                             inputs=[cg, back, zg], outputs=[dq_out]))
+        nodes.append(q.dequantize_node(dq_out, -1, f"{base}_DequantizeLinear", [cg, back, zg]))
         if q.cast_to is not None:
             nodes.append(gs.Node("Cast", attrs={"to": q.cast_to}, inputs=[dq_out], outputs=[out]))
         self.groups.append(nodes)
@@ -586,13 +715,18 @@ class _Writer:
 
 
 def _apply(w: _Writer, job: _Job, block_size: int, stats: Moments | None,
-           tables: dict[str, gs.Constant], gathers: dict[str, list[gs.Node]]) -> None:
-    """Quantize one job's weight and rewire its consumers to the 4-bit form."""
+           tables: dict[str, gs.Constant], gathers: dict[str, list[gs.Node]],
+           given: GivenBlocks | None = None) -> None:
+    """Quantize one job's weight (or keep its `given` blocks) and rewire its consumers to the
+    quantized form."""
     t, node, trans = job.weight, job.node, job.trans
-    arr = job.kn()
     axis = 1 if job.kind == "embedding" else 0  # stored in the source's own layout
-    q = w.quantize(t, arr, job.role, axis, block_size, stats)
-    del arr  # the float copy goes before the next weight is read
+    if given is not None:
+        q = w.keep(t, given, job.role, axis)
+    else:
+        arr = job.kn()
+        q = w.quantize(t, arr, job.role, axis, block_size, stats)
+        del arr  # the float copy goes before the next weight is read
     if job.kind == "tied":
         # Stored as the LM head's [K=H, N=V] (blocks along H, axis 1 of E): the head is then
         # the plain DequantizeLinear + MatMul that onnxruntime fuses into MatMulNBits; the
@@ -607,6 +741,11 @@ def _apply(w: _Writer, job: _Job, block_size: int, stats: Moments | None,
     elif job.kind == "embedding":
         for gather in gathers[t.name]:
             w.gather(q, gather, stored_kn=False)
+    elif job.kind == "fused" and w.fused_via_node:
+        assert node is not None
+        dq_out = gs.Variable(w.unique(t.name + "_dq"))
+        w.dequantize(q, dq_out, axis=0)
+        node.inputs[1] = dq_out
     elif job.kind == "fused":
         assert node is not None
         bias = node.inputs[4] if len(node.inputs) > 4 and node.inputs[4].name else None
@@ -660,7 +799,8 @@ def _roles(tensors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _overall_bits(graph: gs.Graph, w: _Writer) -> float | None:
     """Bits per weight over every float weight of the graph (quantized and kept float alike):
     the Q4 tensors' codes, scales and zero points plus each float initializer as stored."""
-    qparams = {t["scales"] for t in w.tensors}
+    qparams = {t["scales"] for t in w.tensors} | {t["biases"] for t in w.tensors
+                                                   if "biases" in t}
     kept_bytes = kept = 0
     for t in graph.tensors().values():
         if not isinstance(t, gs.Constant) or t.name in qparams:

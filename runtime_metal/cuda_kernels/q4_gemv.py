@@ -1,5 +1,10 @@
-"""A Q4 matrix-vector kernel for decode steps (mx.fast.cuda_kernel), for R rows at once (one
-token per sequence of a batch: R = the batch), with an optional gated epilogue.
+"""A Q4 (and 8-bit) matrix-vector kernel for decode steps (mx.fast.cuda_kernel), for R rows at
+once (one token per sequence of a batch: R = the batch), with an optional gated epilogue.
+
+8-bit weights (MLX's affine form with bits=8: 4 codes a uint32 word, code e at bits 8e) run
+the same kernels with the template constant BITS = 8: a lane's 16-byte step then holds 16
+codes instead of 32; everything else (groups, scales, biases, the order of the sums, the
+epilogues) is the same. BITS comes from the packed width (K / 8 or K / 4 words a row).
 
 Why not MLX's own quantized matmul: MLX-CUDA picks its vector kernel only for one row
 (M = 1 and no batch); an input of R > 1 rows goes to its tiled GEMM, which costs about what a
@@ -91,15 +96,16 @@ __device__ __forceinline__ void fl_load8(const __nv_bfloat16* p, float* o) {
 // The GEMV's main loop, one warp: v[j][r] = sum_k x[r, k] W[k, n + j NO] over the NR weight
 // rows of output column n (NR = 2: the gated form's gate and up halves), for R rows of x,
 // summed across the warp (every lane holds the sums).
-// wq: [NR * NO, K / 8] uint32 (8 codes a word, code e at bits 4e), sc/bi: [NR * NO, K / G].
-// Each lane reads 16 bytes of a weight row at a time (32 codes, inside one group: G is a
-// multiple of 32), so a warp has 512 contiguous bytes in flight per row: 4-byte loads left
-// the bandwidth-bound GEMVs (an LM head, an 8B model's layers) at ~1/3 of the H200's.
-template <typename T, int K, int G, int NO, int R, int NR>
+// wq: [NR * NO, K * BITS / 32] uint32 (32 / BITS codes a word, code e at bits BITS * e),
+// sc/bi: [NR * NO, K / G]. Each lane reads 16 bytes of a weight row at a time (CPS = 128 / BITS
+// codes: 32 at 4 bits, 16 at 8, inside one group: G is a multiple of 32), so a warp has 512
+// contiguous bytes in flight per row: 4-byte loads left the bandwidth-bound GEMVs (an LM head,
+// an 8B model's layers) at ~1/3 of the H200's.
+template <typename T, int K, int G, int NO, int R, int NR, int BITS>
 __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const T* sc,
                                            const T* bi, int n, int lane, float (&v)[NR][R]) {
-  constexpr int KQ = K / 32, QPG = G / 32, KG = K / G;
-  const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows are K / 2 bytes: 16-aligned
+  constexpr int CPS = 128 / BITS, KQ = K / CPS, QPG = G / CPS, KG = K / G;
+  const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows: K * BITS / 8 bytes, 16-aligned
   float acc[NR][R];
   #pragma unroll
   for (int j = 0; j < NR; ++j)
@@ -131,20 +137,24 @@ __device__ __forceinline__ void fl_q4_dots(const T* x, const uint32_t* wq, const
       const int w4 = lane + 32 * (s0 + u);
       if (w4 >= KQ) continue;
       #pragma unroll
-      for (int c = 0; c < 4; ++c) {  // the four words, codes 8c .. 8c+7 of the 32
+      for (int c = 0; c < CPS / 8; ++c) {  // codes 8c .. 8c+7 of the step's CPS
         float f[NR][8];  // the codes as floats: 2^23 + c reinterpreted, minus 2^23 (exact)
         #pragma unroll
         for (int j = 0; j < NR; ++j) {
           const uint4 w = q4[u][j];
-          const uint32_t q = c == 0 ? w.x : c == 1 ? w.y : c == 2 ? w.z : w.w;
+          const uint32_t wd[4] = {w.x, w.y, w.z, w.w};
           #pragma unroll
-          for (int e = 0; e < 8; ++e)
-            f[j][e] = __uint_as_float(0x4B000000u | ((q >> (4 * e)) & 15u)) - 8388608.f;
+          for (int e = 0; e < 8; ++e) {
+            // 4 bits: word c, nibble e; 8 bits: word 2c + e / 4, byte e % 4
+            const uint32_t q = BITS == 4 ? (wd[c] >> (4 * e)) & 15u
+                                         : (wd[2 * c + (e >> 2)] >> (8 * (e & 3))) & 255u;
+            f[j][e] = __uint_as_float(0x4B000000u | q) - 8388608.f;
+          }
         }
         #pragma unroll
         for (int r = 0; r < R; ++r) {
           float xv[8];
-          fl_load8(x + (size_t)r * K + (size_t)w4 * 32 + c * 8, xv);
+          fl_load8(x + (size_t)r * K + (size_t)w4 * CPS + c * 8, xv);
           float xs = 0.f;
           #pragma unroll
           for (int e = 0; e < 8; ++e) xs += xv[e];
@@ -204,7 +214,7 @@ _GEMV = """
   const int n = blockIdx.x * NW + warp;
   if (n >= NO) return;
   float v[NR][R];
-  fl_q4_dots<T, K, G, NO, R, NR>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
+  fl_q4_dots<T, K, G, NO, R, NR, BITS>(fl_at<XO>(x), wq, sc, bi, n, lane, v);
   if (lane == 0) fl_q4_store<T, O, NO, R, NR, EPI>(out, n, v);
 """
 
@@ -223,7 +233,7 @@ _GEMV = """
 # thread of the last block reaches the tail's barriers. Returns true in the last block, after
 # its y writes; it has set the ticket back to zero (for the next launch).
 _ADD_NORM_BLOCK = """
-template <typename T, int K, int G, int NO, int R, int NW>
+template <typename T, int K, int G, int NO, int R, int NW, int BITS>
 __device__ __forceinline__ bool fl_q4_add_norm_block(
     int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
     const T* rr, const T* nw, float e0, T* h, T* y, float* part) {
@@ -237,7 +247,7 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
   for (int r = 0; r < R; ++r)
     rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
   float v[1][R];
-  fl_q4_dots<T, K, G, NO, R, 1>(x, wq, sc, bi, n, lane, v);
+  fl_q4_dots<T, K, G, NO, R, 1, BITS>(x, wq, sc, bi, n, lane, v);
   if (lane == 0) {
     #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -300,7 +310,8 @@ _ADD_NORM_GLOBALS = ("__device__ unsigned int fuselm_addnorm_ticket = 0u;\n"
 # array, as above). x and the residual are read at element offsets XO and RO of their arrays:
 # a previous add+norm's hy (its h as this one's residual), the view's Slice never evaluated.
 _ADD_NORM = """
-  fl_q4_add_norm_block<T, K, G, NO, R, NW>(blockIdx.x, &fuselm_addnorm_ticket, fl_at<XO>(x),
+  fl_q4_add_norm_block<T, K, G, NO, R, NW, BITS>(blockIdx.x, &fuselm_addnorm_ticket,
+                                                 fl_at<XO>(x),
                                            wq, sc, bi, fl_at<RO>(rr), nw, __int_as_float(EPSB),
                                            hy, hy + R * NO, fuselm_addnorm_part);
 """
@@ -328,20 +339,26 @@ def _add_norm_kernel(unroll: int) -> Any:
 
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
          transposed: bool, act: str | None = None) -> bool:
-    """x [..., K] of at most MAX_ROWS rows against a 4-bit M [N, K] grouped along K (W = M.T),
-    scales/biases of x's dtype; for a gated epilogue, an even N."""
-    if not (transposed and bits == 4 and x.dtype in kernels.DTYPES and x.ndim >= 1):
+    """x [..., K] of at most MAX_ROWS rows against a 4- or 8-bit M [N, K] grouped along K
+    (W = M.T), scales/biases of x's dtype; for a gated epilogue, an even N."""
+    if not (transposed and bits in (4, 8) and x.dtype in kernels.DTYPES and x.ndim >= 1):
         return False
     k = x.shape[-1]
     rows = x.size // k if k else 0
     n = packed.shape[0]
     return (0 < rows <= MAX_ROWS and packed.ndim == 2 and packed.dtype == mx.uint32
-            and packed.shape[1] * 8 == k and group_size in (32, 64, 128) and k % group_size == 0
+            and packed.shape[1] * (32 // bits) == k and group_size in (32, 64, 128)
+            and k % group_size == 0
             and scales.shape == (n, k // group_size) and scales.dtype == x.dtype
             and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
 
 
 Source = tuple[mx.array, int]  # (an array the kernel reads, an element offset in it)
+
+
+def _bits(packed: mx.array, k: int) -> int:
+    """Bits a code of a packed [N, K * bits / 32] matrix: 4 or 8 (what `fits` checked)."""
+    return 32 * packed.shape[1] // k
 
 
 def _source(x: mx.array, at: Source | None) -> Source:
@@ -369,7 +386,7 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
         inputs=[xs, packed, scales, biases],
         template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
                   ("NO", n_out), ("R", x.size // k), ("EPI", ACTIVATIONS[act] if act else 0),
-                  ("NW", _WARPS), ("XO", xo)],
+                  ("NW", _WARPS), ("XO", xo), ("BITS", _bits(packed, k))],
         grid=(blocks * _WARPS * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[out_dtype])
     return out
@@ -418,7 +435,7 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
         inputs=[xs, packed, scales, biases, rs, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
                   ("R", rows), ("NW", _WARPS), ("EPSB", kernels.float_bits(eps)),
-                  ("XO", xo), ("RO", ro)],
+                  ("XO", xo), ("RO", ro), ("BITS", _bits(packed, k))],
         grid=(n_out * 32, 1, 1), threadgroup=(_WARPS * 32, 1, 1),
         output_shapes=[(2, *shape)], output_dtypes=[x.dtype])
     return hy

@@ -60,20 +60,26 @@ def _initial_constant(value: np.ndarray) -> object:
 
 
 def _try_pack(node: onnx.NodeProto, attrs: dict, consts: dict) -> qweight.QWeight | None:
-    """Fold a constant blocked DequantizeLinear into MLX's affine form, if it maps 1:1."""
+    """Fold a constant blocked DequantizeLinear (or fuselm.DequantizeAffine) into MLX's affine
+    form, if it maps 1:1."""
     names = list(node.input) + [""] * (3 - len(node.input))
     if not all(n == "" or n in consts for n in names):
         return None
     codes, scales = consts.get(names[0]), consts.get(names[1])
-    zp = consts.get(names[2]) if names[2] else None
+    offsets = consts.get(names[2]) if names[2] else None
+    if isinstance(codes, mx.array) and codes.dtype == mx.uint8:  # 8-bit codes went to device
+        codes = np.array(codes)
     if not isinstance(codes, np.ndarray) or scales is None:
         return None
     scales_np = np.array(scales) if isinstance(scales, mx.array) else scales
     axis, block = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
     if not qweight.can_pack(codes, scales_np, axis, block):
         return None
-    zp_np = None if zp is None else np.asarray(zp)
-    return qweight.from_dequantize_linear(codes, scales_np, zp_np, axis, block)
+    off = None if offsets is None else np.asarray(offsets)
+    if node.op_type == "DequantizeAffine":
+        return None if off is None else qweight.from_dequantize_affine(
+            codes, scales_np, off, axis, block)
+    return qweight.from_dequantize_linear(codes, scales_np, off, axis, block)
 
 
 def _bind_kv(steps: list[Step], graph_inputs: set[str]) -> tuple[int, bool]:
@@ -124,7 +130,8 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             consts[node.output[0]] = _initial_constant(_constant_value(attrs))
             folded += 1
             continue
-        if domain == "" and node.op_type == "DequantizeLinear":
+        if (domain, node.op_type) in (("", "DequantizeLinear"),
+                                      (contract.DOMAIN, "DequantizeAffine")):
             packed = _try_pack(node, attrs, consts)
             if packed is not None:
                 consts[node.output[0]] = packed

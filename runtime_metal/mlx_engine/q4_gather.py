@@ -149,7 +149,7 @@ def _tied(tables: tuple[str, str, str], scale_dtype: np.dtype | None, lineage: L
         return None
     dtype = head.dtype if scale_dtype is None else like_dtype(mx, np.empty(0, scale_dtype))
     return qweight.QWeight(head.packed, head.scales, head.biases, head.group_size, False, dtype,
-                           rows_only=True)
+                           rows_only=True, bits=head.bits)
 
 
 def _pack(tables: tuple[str, str, str], scale_dtype: np.dtype | None, s: Step,

@@ -4,7 +4,9 @@ ONNX: w[k, n] = (codes[k, n] - zp[k // B, n]) * scale[k // B, n]   (blocks along
 axis K; axis 0 for a [K, N] MatMul weight, axis 1 for a tied [V, H] embedding).
 MLX:  w = scale * q + bias, codes packed 8 per uint32 along the grouped (last) axis.
 So q = codes, scale = scale, bias = -zp * scale: the same weights, bit for bit. Computing the bias
-in float32 keeps it exact (a float16 scale has 11 significant bits, zp < 16 adds 4).
+in float32 keeps it exact (a float16 scale has 11 significant bits, zp < 16 adds 4; zp < 256 of
+8-bit codes adds 8). fuselm.DequantizeAffine (w = codes * scale + bias, passes/ops.py) is MLX's
+form itself: its biases are taken as they are. 4-bit codes pack 8 per uint32, 8-bit ones 4.
 """
 
 from __future__ import annotations
@@ -116,21 +118,20 @@ class QWeight:
     dtype: object = mx.float32  # the dtype DequantizeLinear (+ Cast) would produce
     _cast: dict = field(default_factory=dict, repr=False)
     rows_only: bool = False  # an embedding table read by row gathers, never a matmul weight
-
-    bits = 4
+    bits: int = 4
 
     @property
     def shape(self) -> tuple[int, int]:
-        r, c = self.packed.shape[0], self.packed.shape[1] * 8
+        r, c = self.packed.shape[0], self.packed.shape[1] * (32 // self.bits)
         return (c, r) if self.transposed else (r, c)
 
     def T(self) -> QWeight:  # noqa: N802 - mirrors array.T
         return QWeight(self.packed, self.scales, self.biases, self.group_size,
-                       not self.transposed, self.dtype, self._cast)
+                       not self.transposed, self.dtype, self._cast, bits=self.bits)
 
     def astype(self, dtype: object) -> QWeight:
         return QWeight(self.packed, self.scales, self.biases, self.group_size,
-                       self.transposed, dtype, self._cast)
+                       self.transposed, dtype, self._cast, bits=self.bits)
 
     def affine(self, dtype: object) -> tuple[mx.array, mx.array]:
         """Scales and biases in the activation dtype (cast once, cached)."""
@@ -239,11 +240,19 @@ def _pack_columns(codes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.T)
 
 
+def _pack_bytes(codes: np.ndarray, transposed: bool) -> np.ndarray:
+    """8-bit codes [R, C] → uint32 words of 4 along the grouped axis (C, or R when
+    `transposed`: the words of codes.T), little-endian: element j of a word at bits 8j."""
+    q = np.ascontiguousarray(codes.T if transposed else codes, dtype=np.uint8)
+    return q.view(np.dtype("<u4")).astype(np.uint32, copy=False)
+
+
 def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) -> bool:
-    """True when the blocked DequantizeLinear maps 1:1 onto MLX's affine groups."""
+    """True when the blocked DequantizeLinear (or DequantizeAffine) maps 1:1 onto MLX's
+    affine groups: 4-bit codes, or 8-bit unsigned ones."""
     return (
         codes.ndim == 2
-        and codes.dtype in FOUR_BIT
+        and (codes.dtype in FOUR_BIT or codes.dtype == np.uint8)
         and axis in (0, 1, -1, -2)
         and block_size in MLX_GROUP_SIZES
         and codes.shape[axis % 2] % block_size == 0
@@ -256,6 +265,9 @@ def from_dequantize_linear(
     block_size: int,
 ) -> QWeight:
     """Repack a constant blocked DequantizeLinear (see can_pack) into a QWeight."""
+    if codes.dtype == np.uint8:
+        z = np.zeros(scales.shape, np.uint8) if zero_points is None else zero_points
+        return _repack(codes, scales, None, z, axis, block_size, 8)
     signed = codes.dtype == np.dtype(ml_dtypes.int4)
     # int4 codes c and zero points z: (c - z) = ((c + 8) - (z + 8)), so shift both to uint4.
     # On the codes' bytes (ml_dtypes keeps a 4-bit element in the low nibble): c + 8 of a
@@ -268,20 +280,41 @@ def from_dequantize_linear(
         z = np.full(scales.shape, 8 if signed else 0, np.int16)
     else:
         z = zero_points.astype(np.int16) + (8 if signed else 0)
+    return _repack(q, scales, None, z, axis, block_size, 4)
+
+
+def from_dequantize_affine(codes: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                           axis: int, block_size: int) -> QWeight:
+    """Repack a constant fuselm.DequantizeAffine (see can_pack) into a QWeight: its biases
+    are MLX's own."""
+    bits = 8 if codes.dtype == np.uint8 else 4
+    q = codes if bits == 8 else codes.view(np.uint8) & np.uint8(15)
+    return _repack(q, scales, biases, None, axis, block_size, bits)
+
+
+def _repack(q: np.ndarray, scales: np.ndarray, biases: np.ndarray | None,
+            z: np.ndarray | None, axis: int, block_size: int, bits: int) -> QWeight:
+    """QWeight of uint8 codes q (values < 2**bits), with `biases` or zero points `z`."""
     transposed = axis % 2 == 0
     if transposed:  # blocks along rows: MLX groups along the last axis, so store W.T
-        packed = _pack_columns(q)
-        s, z = scales.T, z.T
+        packed = _pack_columns(q) if bits == 4 else _pack_bytes(q, True)
+        s = scales.T
+        z = None if z is None else z.T
+        biases = None if biases is None else biases.T
     else:
-        packed = _pack_rows(np.ascontiguousarray(q))
+        packed = _pack_rows(np.ascontiguousarray(q)) if bits == 4 else _pack_bytes(q, False)
         s = scales
     s32 = np.ascontiguousarray(s).astype(np.float32)
     # C order: numpy may lay out the product of a transposed and a plain array column-major,
     # MLX keeps that layout, and MLX-CUDA's quantized kernels take row-major biases only.
-    bias = np.ascontiguousarray(-(z.astype(np.float32) * s32))
+    if biases is None:
+        assert z is not None
+        bias = np.ascontiguousarray(-(z.astype(np.float32) * s32))
+    else:
+        bias = np.ascontiguousarray(biases).astype(np.float32)
     out_dtype = to_device(np.zeros((), scales.dtype)).dtype  # type: ignore[union-attr]
     return QWeight(mx.array(packed), to_device(s32), to_device(bias),  # type: ignore[arg-type]
-                   block_size, transposed, out_dtype)
+                   block_size, transposed, out_dtype, bits=bits)
 
 
 def settle_affine(weights: list[QWeight], dtype: object) -> None:

@@ -14,7 +14,9 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
   inv_freq through passes.ops.rope_cos_sin) and a KV buffer shared by past and present
   (`past_present_share_buffer`: the engine binds one buffer to both, so no concat per step);
 - Q4 `DequantizeLinear` + `MatMul` (and FusedQKV / FusedGateUp's bodies) are left for
-  onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level;
+  onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level; fused ops fed by a
+  dequantize node and `DequantizeAffine` weights are written so that it can
+  (ort_engine/dequant_matmul.py);
 - a `logits_from` input: the LM head runs only from that position on (the engine asks for the
   last position unless it wants every position's logits);
 - a Q4 embedding lookup → `GatherBlockQuantized` on the packed table (ort_gather_q4.py), not
@@ -42,6 +44,7 @@ from fuselm.passes.ops import ROPE_ATTRS, rope_cos_sin
 from fuselm.runtime_metal.artifact import Manifest
 from fuselm.runtime_metal.graph_io import PAST
 from fuselm.runtime_metal.manifest_schema import onnx_inputs
+from fuselm.runtime_metal.ort_engine import dequant_matmul
 from fuselm.runtime_metal.ort_engine.gather_q4 import packed_gathers
 from fuselm.runtime_metal.ort_engine.int4 import symmetric_to_int4
 
@@ -100,6 +103,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
     supported = {"", "fuselm"}
     if any(n.domain not in supported for n in g.node):
         raise NotLowered("a node outside the ONNX and fuselm domains")
+    dequant_matmul.rewrite(g)  # before the float32 casts, which then cover its nodes too
     _to_float32(model)
     producer = {o: n for n in g.node for o in n.output}
     uses = Counter(i for n in g.node for i in n.input)

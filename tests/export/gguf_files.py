@@ -29,7 +29,7 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _k_quant_bytes(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+def k_quant_bytes(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
     size, scale_at = _K_QUANTS[kind]
     blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
     for at in scale_at:
@@ -46,7 +46,7 @@ def _tensor(writer: Any, name: str, w: np.ndarray, kind: str, rng: np.random.Gen
     if w.ndim == 1 or kind == "F32":
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
     elif kind in _K_QUANTS:
-        writer.add_tensor(name, _k_quant_bytes(*w.shape, kind, rng), raw_dtype=qtype)
+        writer.add_tensor(name, k_quant_bytes(*w.shape, kind, rng), raw_dtype=qtype)
     else:
         writer.add_tensor(name, quantize(np.ascontiguousarray(w, np.float32), qtype),
                           raw_dtype=qtype)

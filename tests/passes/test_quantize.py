@@ -281,14 +281,29 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 def test_bad_block_size_lists_valid_values() -> None:
     with pytest.raises(PassesError, match="32, 64, 128"):
         quant_options("q4", block_size=48)
-    with pytest.raises(PassesError, match="none, q4"):
-        quant_options("q8")
+    with pytest.raises(PassesError, match="none, q4, q8"):
+        quant_options("q3")
     with pytest.raises(PassesError, match="32, 64, 128"):
         QuantOptions(block_size=48)  # made directly, checked the same way
     with pytest.raises(PassesError, match="4.3125 .. 4.625"):
         QuantOptions(bits_budget=5.0)
     assert quant_options("q4", block_size=64, symmetric=True).block_size == 64
     assert quant_options(None) is None and BLOCK_SIZES == (32, 64, 128)
+
+
+def test_eight_bit_options_and_what_they_refuse_by_name() -> None:
+    assert quant_options(q_bits=8).bits == 8 and quant_options("q8").bits == 8
+    assert not quant_options("q8").calibrates and quant_options("q4").calibrates
+    with pytest.raises(PassesError, match="--q-bits 3"):
+        QuantOptions(bits=3)
+    with pytest.raises(PassesError, match="--bits-budget"):
+        quant_options(q_bits=8, bits_budget=4.45)
+    with pytest.raises(PassesError, match="--calibration"):
+        quant_options("q8", calibration="text.txt")
+    with pytest.raises(PassesError, match="contradict"):
+        quant_options("q4", q_bits=8)
+    with pytest.raises(PassesError, match="--q-bits needs"):
+        quant_options("none", q_bits=8)
 
 
 def test_defaults_quantize_the_head_with_the_search() -> None:

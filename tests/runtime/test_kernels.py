@@ -129,6 +129,19 @@ def test_fits_refuses_what_the_kernel_cannot_take() -> None:
     assert not kernels.add_rms_norm_fits(mx.zeros((1, 8)), mx.zeros((8,)), mx.ones((8,)), -1)
 
 
+def test_gemv_fits_four_and_eight_bit_weights_of_their_width() -> None:
+    """The GEMV takes 4-bit (K / 8 words a row) and 8-bit (K / 4) weights, each only at its
+    own packed width; other widths (MLX's 2/3/5/6-bit forms) go to MLX's quantized matmul."""
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+
+    x, s = mx.zeros((1, 1, 256), mx.float16), mx.zeros((64, 8), mx.float16)
+    for bits in (4, 8):
+        packed = mx.zeros((64, 256 * bits // 32), mx.uint32)
+        assert kernels_q4.fits(x, packed, s, 32, bits, True)
+        assert not kernels_q4.fits(x, packed, s, 32, 12 - bits, True)  # the other width
+    assert not kernels_q4.fits(x, mx.zeros((64, 48), mx.uint32), s, 32, 6, True)
+
+
 def test_float_bits_round_trips_kernel_constants() -> None:
     """Float constants go to the kernels as the int of their float32 bits (a template argument,
     not an input array): read back as float32 (the kernel's __int_as_float), each is the
@@ -599,18 +612,20 @@ def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
 
 # ---- MLX-CUDA: the Q4 GEMV kernel (kernels_q4.py) ----------------------------------------------
 
-def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int):  # noqa: ANN202
-    """A QWeight as the planner makes it (blocked DequantizeLinear along K of a [K, N] weight),
-    stored as M [N, K] (transposed)."""
+def _q4_weight(rng: np.random.Generator, k: int, n: int, group: int,  # noqa: ANN202
+               bits: int = 4):
+    """A QWeight as the planner makes it (blocked DequantizeLinear along K of a [K, N] weight,
+    uint4 codes, or uint8 ones with bits=8), stored as M [N, K] (transposed)."""
     import ml_dtypes
 
     from fuselm.runtime_metal.mlx_engine.qweight import from_dequantize_linear
 
-    codes = rng.integers(0, 16, (k, n)).astype(ml_dtypes.uint4)
-    scales = rng.uniform(0.01, 0.05, (k // group, n)).astype(np.float32)
-    zp = rng.integers(0, 16, (k // group, n)).astype(ml_dtypes.uint4)
+    kind = ml_dtypes.uint4 if bits == 4 else np.uint8
+    codes = rng.integers(0, 2 ** bits, (k, n)).astype(kind)
+    scales = rng.uniform(0.01, 0.05, (k // group, n)).astype(np.float32) / 2 ** (bits - 4)
+    zp = rng.integers(0, 2 ** bits, (k // group, n)).astype(kind)
     w = from_dequantize_linear(codes, scales, zp, axis=0, block_size=group)
-    assert w.transposed and w.packed.shape == (n, k // 8)
+    assert w.transposed and w.bits == bits and w.packed.shape == (n, k * bits // 32)
     return w, codes.astype(np.float64)
 
 
@@ -658,24 +673,26 @@ GEMV_CASES = [
 
 
 @cuda
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,k,n,group,act", GEMV_CASES)
 def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
-                        act: str | None) -> None:
+                        act: str | None, bits: int) -> None:
     """Against the dequantized weight in float64 (the weight's affine terms as the kernel
-    reads them, in the activation dtype); each row alone gives exactly its row of the batch."""
+    reads them, in the activation dtype); each row alone gives exactly its row of the batch.
+    4-bit and 8-bit weights (BITS = 8: 4 codes a word)."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows * k + n)
-    w, codes = _q4_weight(rng, k, n, group)
+    w, codes = _q4_weight(rng, k, n, group, bits)
     x, xf = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     s, b = w.affine(dtype)
     sf = np.array(s.astype(mx.float32)).astype(np.float64)  # [N, K/G]
     bf = np.array(b.astype(mx.float32)).astype(np.float64)
     dense = codes * np.repeat(sf.T, group, axis=0) + np.repeat(bf.T, group, axis=0)  # [K, N]
     y_ref = xf.reshape(rows, k).astype(np.float64) @ dense
-    assert kernels_q4.fits(x, w.packed, s, group, 4, True, act)
+    assert kernels_q4.fits(x, w.packed, s, group, bits, True, act)
     with qweight.gemv_kernel():
         y = w.gated_matmul(x, act) if act else w.matmul(x)
     assert y is not None
@@ -832,10 +849,12 @@ def test_fold_into_producers_finds_each_layers_projections(q4_artifact: Path) ->
 
 
 @cuda
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("rows,k,n", [(1, 2048, 1024), (4, 3072, 1024), (1, 14336, 4096),
                                       (3, 96, 64)])
-def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -> None:
+def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int,
+                                   bits: int) -> None:
     """The GEMV with the residual add + RMSNorm in its epilogue against the plain GEMV followed
     by the add+RMSNorm kernel: the sum h bit-equal; y within the dtype's tolerance (the sum of
     squares is formed in another order); a second call bit-equal to the first (the last-block
@@ -844,7 +863,7 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int) -
     from fuselm.runtime_metal.mlx_engine import qweight
 
     rng = np.random.default_rng(rows + k + n)
-    w, _ = _q4_weight(rng, k, n, 32)
+    w, _ = _q4_weight(rng, k, n, 32, bits)
     x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
     r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
     scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)

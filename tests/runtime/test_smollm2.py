@@ -48,12 +48,24 @@ def smol_hf() -> tuple[Any, Any]:
 
 @pytest.fixture(scope="session")
 def smol_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert(bundled_gguf(), tmp_path_factory.mktemp("smol") / "f32")
+    return convert(bundled_gguf(), tmp_path_factory.mktemp("smol") / "f32", quant="none")
 
 
 @pytest.fixture(scope="session")
 def smol_f16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert(bundled_gguf(), tmp_path_factory.mktemp("smol") / "f16", dtype="float16")
+    return convert(bundled_gguf(), tmp_path_factory.mktemp("smol") / "f16", dtype="float16",
+                   quant="none")
+
+
+@pytest.fixture(scope="session")
+def smol_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`fuselm convert model.gguf` as it is: the file's Q4_1 / Q8_0 blocks kept."""
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.pipeline import convert as run_convert
+
+    out = tmp_path_factory.mktemp("smol") / "default"
+    run_convert(bundled_gguf(), out, ConvertOptions())
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -141,3 +153,30 @@ def test_perplexity_float16_and_q4_within_bounds(smol_f16: Path, smol_q4: Path,
     assert abs(f16.ppl / ref.ppl - 1) <= 0.01
     assert 0.97 <= q4.ppl / ref.ppl <= 1.35
     assert np.isfinite(q4.ppl_stderr)
+
+
+def test_default_conversion_keeps_the_files_blocks_and_passes_validate(
+        smol_default: Path, smol_hf: tuple[Any, Any], hf_reference: tuple[np.ndarray,
+                                                                         list[list[int]]],
+        chat_prompts: list[list[int]]) -> None:
+    """The demo's conversion: the size of the file (not a float16 copy), the logits of the
+    file's own weights (transformers dequantizes them to float32), HF's greedy tokens and
+    PPL — what `fuselm validate model.gguf artifact` checks."""
+    from fuselm.runtime_metal.artifact import read_manifest
+
+    m = read_manifest(smol_default)
+    # 210 Q4_1 matrices, q/k/v and gate/up packed: 4 stored tensors a layer; the tied table
+    assert m.quantization["given"] == {"kept": {"gguf Q4_1": 4 * 30, "gguf Q8_0": 1},
+                                       "quantized": 0}
+    size = (smol_default / "model.onnx.data").stat().st_size
+    assert size <= 1.01 * bundled_gguf().stat().st_size
+    ref_logits, ref_tokens = hf_reference
+    eng = _engine(smol_default, "onnxruntime")
+    assert rel(engine_logits(eng, chat_prompts[0], 512), ref_logits) <= 2e-2  # float16 graph
+    for ids, want in zip(chat_prompts, ref_tokens, strict=True):
+        assert generate(eng, ids, max_new_tokens=N_GREEDY).tokens == want
+    model, tok = smol_hf
+    text = SAMPLE_TEXT.read_text()
+    ref = perplexity_of(lambda ids: hf_logits(model, ids), text_tokens(tok, text), 512)
+    got = perplexity(smol_default, text, 512, "onnxruntime", accuracy_level=0)
+    assert abs(got.ppl / ref.ppl - 1) <= 1e-3

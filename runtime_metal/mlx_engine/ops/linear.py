@@ -66,3 +66,16 @@ def dequantize_linear(xp: ModuleType, x, scale, zero_point=None, *, axis: int = 
     return (q.astype(mx.float32) * s.astype(mx.float32)).astype(like_dtype(mx, scale))
 
 
+
+
+@op("fuselm", "DequantizeAffine")
+def dequantize_affine(xp: ModuleType, x, scale, bias, *, axis: int, block_size: int):  # noqa: ANN001, ANN201
+    """w = codes * scale + bias per block (passes/ops.py), computed densely in float32, for
+    what the planner could not fold into a QWeight (gathered rows of a table)."""
+    ax = axis % x.ndim
+    n = x.shape[ax]
+    cut = [slice(None)] * x.ndim
+    cut[ax] = slice(0, n)
+    s = mx.repeat(scale.astype(mx.float32), block_size, axis=ax)[tuple(cut)]
+    b = mx.repeat(bias.astype(mx.float32), block_size, axis=ax)[tuple(cut)]
+    return (x.astype(mx.float32) * s + b).astype(like_dtype(mx, scale))

@@ -1,0 +1,156 @@
+"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0 or Q4_K converted by default keeps its blocks
+(no second quantization), so fuselm's logits are those of the file's own dequantized weights
+run in float32 by transformers' GGUF loader, on both engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.pipeline import ConvertOptions, convert
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.ort_engine.engine import OrtEngine
+from fuselm.runtime_metal.validate import engine_logits, rel
+from tests.export.gguf_files import write_gguf
+
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384)
+ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+         "token_embd", "output")
+# llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
+CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
+                                      head_dim=64), t)
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
+CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
+                                       head_dim=128), t) for t in ("Q4_1", "Q8_0")}
+PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Each case's GGUF and its default conversion (float32 graph: only the blocks' own
+    values can differ from transformers')."""
+    root = tmp_path_factory.mktemp("gguf_exact")
+    out = {}
+    for i, (name, (family, shape, kind)) in enumerate(CASES.items()):
+        path, _ = write_gguf(root / f"{name}.gguf", family, dict.fromkeys(ROLES, kind), seed=i,
+                             **SHAPE, **shape)
+        convert(path, root / name, ConvertOptions(dtype="float32"))
+        out[name] = (path, root / name)
+    return out
+
+
+def _hf_logits(path: Path) -> np.ndarray:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([PROMPT])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Path]],
+                                                name: str) -> None:
+    _, out = exact[name]
+    kind = CASES[name][2]
+    q = read_manifest(out).quantization
+    assert q is not None and q["given"] == {"kept": {f"gguf {kind}": len(q["tensors"])},
+                                            "quantized": 0}
+    assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
+    assert q["bits"] == (8 if kind == "Q8_0" else 4)
+    from fuselm.converter.cli.quant_report_cmd import render
+
+    text = render(q)
+    assert f"kept from the checkpoint: gguf {kind} x{len(q['tensors'])}, 0 quantized" in text
+    assert text.count(f"(gguf {kind})") == len(q["tensors"])
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_the_files_dequantized_weights(exact: dict[str, tuple[Path, Path]],
+                                                    name: str, engine: str) -> None:
+    path, out = exact[name]
+    want = _hf_logits(path)
+    if engine == "onnxruntime":  # float compute (accuracy level 0): no int8 activations
+        eng = OrtEngine(out, read_manifest(out), accuracy_level=0)
+        got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
+    else:
+        got = engine_logits(make_engine(out, "mlx"), PROMPT, None)
+    assert rel(got, want) <= 1e-4
+
+
+def test_explicit_quant_none_converts_to_float(exact: dict[str, tuple[Path, Path]],
+                                               tmp_path: Path) -> None:
+    path, _ = exact["llama-Q4_1"]
+    convert(path, tmp_path / "f", ConvertOptions.from_flags(quant="none", dtype="float32"))
+    assert read_manifest(tmp_path / "f").quantization is None
+
+
+def test_cli_keeps_blocks_by_default_and_refuses_bad_eight_bit_flags(
+        exact: dict[str, tuple[Path, Path]], tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    from tests.cli_run import cli, one_error
+
+    path, _ = exact["llama-Q4_0"]
+    code, _ = cli(capsys, "convert", str(path), "-o", str(tmp_path / "d"), "--quiet")
+    assert code == 0 and read_manifest(tmp_path / "d").quantization["given"]["quantized"] == 0
+    code, _ = cli(capsys, "convert", str(path), "-o", str(tmp_path / "f"), "--quant", "none",
+                  "--quiet")
+    assert code == 0 and read_manifest(tmp_path / "f").quantization is None
+    line = one_error(*cli(capsys, "convert", str(path), "-o", str(tmp_path / "x"),
+                          "--q-bits", "8", "--bits-budget", "4.45"))
+    assert "--bits-budget" in line and not (tmp_path / "x").exists()
+    line = one_error(*cli(capsys, "convert", str(path), "-o", str(tmp_path / "y"),
+                          "--quant", "q4", "--q-bits", "8"))
+    assert "contradict" in line
+
+
+def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
+        tmp_path: Path) -> None:
+    """Q5_K / Q6_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
+    (quant-report); a packed projection whose parts differ is quantized whole."""
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+             "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
+             "output": "Q4_0"}
+    path, _ = write_gguf(tmp_path / "mixed.gguf", "llama", types, seed=9, **SHAPE,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
+    q = read_manifest(tmp_path / "out").quantization
+    layers = SHAPE["num_hidden_layers"]
+    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1},
+                          "quantized": 3 * layers}
+    again = [t for t in q["tensors"] if "given" not in t]
+    assert {t["bits"] for t in again} == {8} and all(t["rel_rms_error"] > 0 for t in again)
+    eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
+    got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
+    assert rel(got, _hf_logits(path)) <= 2e-2
+
+
+def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Path]],
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = exact["llama-Q4_1"]
+    monkeypatch.setenv("FUSELM_EXPORT", "torch")
+    r = convert(path, tmp_path / "t", ConvertOptions(dtype="float32"))
+    assert r.manifest.source["exporter"].startswith("torch")
+    assert r.manifest.quantization["given"]["quantized"] == 0
+    eng = OrtEngine(tmp_path / "t", r.manifest, accuracy_level=0)
+    assert rel(eng.forward(np.asarray(PROMPT)[None], all_logits=True), _hf_logits(path)) <= 1e-4
+
+
+def test_validate_takes_the_gguf_as_its_reference(exact: dict[str, tuple[Path, Path]],
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """`fuselm validate model.gguf OUT`: transformers' GGUF load in float32 is the top rung;
+    an artifact of another model is refused before any compute."""
+    from tests.cli_run import cli, one_error
+
+    path, out = exact["llama-Q4_0"]
+    code, err = cli(capsys, "validate", str(path), str(out), "-n", "4", "--no-ppl")
+    assert code == 0, err
+    other = exact["qwen3-Q8_0"][1]
+    line = one_error(*cli(capsys, "validate", str(path), str(other), "-n", "4", "--no-ppl"))
+    assert "different models" in line
