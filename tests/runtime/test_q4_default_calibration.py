@@ -37,6 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "q4": convert(hf, root / "q4", quant="q4"),
         "again": convert(hf, root / "again", quant="q4"),
         "bare": convert(bare, root / "bare_q4", quant="q4"),
+        "mixed": convert(hf, root / "mixed", quant="mixed"),
     }
 
 
@@ -167,3 +168,69 @@ def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None
                   head_dim=128, intermediate_size=14336, vocab_size=128256)
     assert linear_weights(big) == 7_504_658_432 > BUILTIN_MAX_WEIGHTS
     assert builtin_calibration(models["hf"], big) is None
+
+
+def test_mixed_preset_puts_the_most_sensitive_share_at_8_bits(models: dict[str, Path]) -> None:
+    """`--quant mixed`: the tensors choose_8bit picks from the built-in text's importance (at
+    most MIXED_SHARE of the weights) are stored as 8-bit blocks of 32 (quantize_8bit's codes),
+    the rest as the default 4-bit; the choice is recorded, shown by quant-report, and the
+    artifact runs the same on both engines."""
+    from click.testing import CliRunner
+
+    from fuselm.converter.calibration_input import builtin_calibration
+    from fuselm.converter.cli.main import cli
+    from fuselm.passes.quant.options import MIXED_SHARE
+    from fuselm.passes.quant.q4_allocate import choose_8bit
+    from fuselm.passes.quant.q8_math import quantize_8bit
+
+    q = read_manifest(models["mixed"]).quantization
+    assert q is not None and q["bits"] == "mixed 4/8" and q["block_size"] == 32
+    eight = q["mixed"]["eight_bit"]
+    assert eight and q["mixed"]["share"] == MIXED_SHARE
+    ts = {t["name"]: t for t in q["tensors"]}
+    assert {n for n, t in ts.items() if t.get("bits", 4) == 8} == set(eight)
+    size = {n: int(np.prod(t["shape"])) for n, t in ts.items()}
+    assert sum(size[n] for n in eight) <= MIXED_SHARE * sum(size.values())
+    # the choice is choose_8bit's on the float graph's weights and the text's importance
+    cal = builtin_calibration(models["hf"])
+    assert cal is not None
+    model = onnx.load(str(models["float"] / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    head_act = next(n.input[0] for n in model.graph.node
+                    if n.op_type == "MatMul" and n.output[0] == "logits")
+    acts = dict(_pairs(model))
+    acts_of = {w: a for a, w in acts.items()}
+    moments = collect(model, numpy_helper.to_array, cal.tokens,
+                      {a: onnx.TensorProto.FLOAT for a in [*acts, head_act]}, cal.context,
+                      gram=False)
+    items = []
+    for n, t in ts.items():
+        kn = inits[n].T if t["role"] in HEAD_ROLES else inits[n]
+        items.append((n, lambda kn=kn: kn, head_act if t["role"] in HEAD_ROLES else acts_of[n]))
+    imp = {k: v.sq for k, v in moments.items()}
+    assert choose_8bit(items, MIXED_SHARE, 32, importance=imp) == eight
+    qm = onnx.load(str(models["mixed"] / "model.onnx"))
+    qinits = {t.name: t for t in qm.graph.initializer}
+    for n in eight:
+        kn = inits[n].T if ts[n]["role"] in HEAD_ROLES else inits[n]
+        got = numpy_helper.to_array(qinits[ts[n]["codes"]])
+        assert got.dtype == np.uint8 and np.array_equal(got, quantize_8bit(kn, 32).codes)
+    four = next(n for n in ts if n not in eight)
+    assert ts[four].get("bits", 4) == 4
+    text = CliRunner().invoke(cli, ["quant-report", str(models["mixed"])]).output
+    assert f"mixed: {len(eight)} tensors at 8 bits" in text
+    mlx_engine = make_engine(models["mixed"], "mlx")
+    ort_engine = make_engine(models["mixed"], "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(2).integers(4, 384, 30)]
+    assert rel(engine_logits(mlx_engine, prompt, 6), engine_logits(ort_engine, prompt, 6)) <= 1e-3
+
+
+def test_mixed_preset_refuses_its_contradictions() -> None:
+    from fuselm.passes.errors import PassesError
+    from fuselm.passes.quant.options import quant_options
+
+    assert quant_options("mixed").mixed and quant_options("mixed").bits == 4
+    with pytest.raises(PassesError, match="--bits-budget"):
+        quant_options("mixed", bits_budget=4.45)
+    with pytest.raises(PassesError, match="contradict"):
+        quant_options("mixed", q_bits=8)
