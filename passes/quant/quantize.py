@@ -168,11 +168,13 @@ class QuantizeQ4:
         calib_seconds = 0.0
         model = load = None
         moments: dict[str, Moments] | None = None
+        prior = False  # every activation's mean squares collected before the rounds
         if calib is not None:
             t0 = time.perf_counter()
             model, load = runnable(graph)  # the fused float graph, before any weight changes
             if budget is not None or opts.mixed:  # the choice needs every importance first
                 moments = calib.moments(model, load, _activations(jobs), gram=False)
+                prior = True
             calib_seconds = time.perf_counter() - t0
         elif opts.norm_importance:
             moments = _norm_moments(jobs)
@@ -184,7 +186,7 @@ class QuantizeQ4:
             w = _Writer(graph, opts, spill)
             w.fused_via_node = self.given is not None or opts.bits != 4 or bool(eight)
             for n, (part, gram) in enumerate(rounds):
-                if calib is not None:
+                if calib is not None and (gram or not prior):  # else `moments` has them
                     t0 = time.perf_counter()
                     assert model is not None and load is not None
                     moments = {**(moments or {}),
