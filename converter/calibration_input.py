@@ -1,8 +1,9 @@
 """The calibration text of the activation-aware Q4 pass (passes/quant/q4_calibration.py), tokenized
 with the checkpoint's own tokenizer: `--calibration FILE` (error feedback, GPTQ-style), or by
-default the shipped passes/calibration.txt (its first BUILTIN_TOKENS tokens, per-channel
-importance only: one cheap forward). `--no-calibration`, or a checkpoint without a tokenizer,
-gives the data-free quantizer."""
+default the shipped passes/calibration.txt (all of it, about 1,700 tokens: error feedback on
+the LM head, the importance-weighted search for every other weight; q4_calibration.HEAD_ROLES
+says why).
+`--no-calibration`, or a checkpoint without a tokenizer, gives the data-free quantizer."""
 
 from __future__ import annotations
 
@@ -11,13 +12,9 @@ from pathlib import Path
 
 from fuselm.converter.errors import UserError
 from fuselm.export.config import DecoderSpec
-from fuselm.passes.quant.q4_calibration import Calibration, read_calibration
+from fuselm.passes.quant.q4_calibration import HEAD_ROLES, Calibration, read_calibration
 
 CONTEXT = 512  # tokens per forward (each chunk from an empty cache)
-# The default's tokens: one forward of CONTEXT. On SmolLM2 (block 64, importance-weighted) 256,
-# 512 and all 1,700 tokens of the text gave +19.1 %, +18.4 % and +19.1 % PPL: the outlier
-# channels that matter show within a few hundred tokens (BENCHMARKS.md 'Quantization quality').
-BUILTIN_TOKENS = 256
 BUILTIN_FILE = "calibration.txt"
 # Above this many linear weights the default stays data-free: the forward and the 32/64 choice
 # scale with the weights (Qwen3-0.6B: +12 s wall, +29 s CPU on 2 cores), and an 8B model's
@@ -35,8 +32,8 @@ def linear_weights(spec: DecoderSpec) -> int:
 
 
 def builtin_calibration(model_dir: Path, spec: DecoderSpec | None = None) -> Calibration | None:
-    """The default calibration: the shipped text through the checkpoint's tokenizer, importance
-    only (no Gram matrices). None when the checkpoint has no tokenizer files or (given `spec`)
+    """The default calibration: the shipped text through the checkpoint's tokenizer, error
+    feedback on the LM head. None when the checkpoint has no tokenizer files or (given `spec`)
     more than BUILTIN_MAX_WEIGHTS linear weights: data-free then."""
     if spec is not None and linear_weights(spec) > BUILTIN_MAX_WEIGHTS:
         return None
@@ -44,10 +41,11 @@ def builtin_calibration(model_dir: Path, spec: DecoderSpec | None = None) -> Cal
                for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     text = (resources.files("fuselm.passes") / BUILTIN_FILE).read_text(encoding="utf-8")
-    ids = _tokenize(model_dir, text)[:BUILTIN_TOKENS]
+    ids = _tokenize(model_dir, text)
     if len(ids) < 64:
         return None
-    return Calibration(ids, CONTEXT, gram=False, source=f"{BUILTIN_FILE} (built-in)")
+    return Calibration(ids, CONTEXT, gram=True, source=f"{BUILTIN_FILE} (built-in)",
+                       feedback_roles=HEAD_ROLES)
 
 
 def _tokenize(model_dir: Path, text: str) -> tuple[int, ...]:

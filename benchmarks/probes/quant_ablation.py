@@ -25,7 +25,7 @@ import torch
 from fuselm.passes.quant.q4_math import quantize_array
 from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, perplexity_of, read_text, text_tokens
 
-CALIB = Path(__file__).resolve().parent.parent / "passes" / "calibration.txt"
+CALIB = Path(__file__).resolve().parents[2] / "passes" / "calibration.txt"
 
 
 class Harness:

@@ -36,9 +36,10 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--quant",
-    type=click.Choice(["none", "q4", "q8"]),
+    type=click.Choice(["none", "q4", "q8", "mixed"]),
     default=None,
-    help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops). "
+    help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops); mixed: "
+    "q4 with the quarter of the weights that measure most sensitive at 8 bits. "
     "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q8_0/Q4_K), which keeps its blocks.",
 )
 @click.option(
@@ -47,12 +48,11 @@ def _passes(value: str | None) -> list[str] | None:
     type=int,
     default=None,
     help="Q4 block size along the reduction axis (32, 64 or 128) for every tensor. Default: "
-    "32 or 64 per tensor under --bits-budget (4.45 when calibrated), else 32.",
+    "32, or 32 or 64 per tensor under --bits-budget.",
 )
 @click.option("--bits-budget", type=float, default=None, metavar="BITS",
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
-              "chosen by measured error. Default: 4.45 with calibration statistics (the "
-              "default), else none (block 32 everywhere, 4.625 bits).")
+              "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits).")
 @click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4, --q-bits 8 --quant q8.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -71,9 +71,9 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option("--calibration", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Q4: a text (a few hundred words or more, not your evaluation text) run "
-              "through the float model; weights are rounded with error feedback on its "
-              "activations (GPTQ-style). Slower convert. Default: a built-in text, "
-              "per-channel importance only.")
+              "through the float model; every weight is rounded with error feedback on its "
+              "activations (GPTQ-style). Slower convert. Default: a built-in text, error "
+              "feedback on the LM head, per-channel importance elsewhere.")
 @click.option("--no-calibration", is_flag=True,
               help="Q4 without the built-in calibration text: data-free (block 32, norm-weighted).")
 @click.option("--report", is_flag=True, help="Print the Q4 per-tensor error report (quant-report).")

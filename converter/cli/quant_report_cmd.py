@@ -60,6 +60,10 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
     given = record.get("given")
     kept = "" if not given else " · kept from the checkpoint: " + ", ".join(
         f"{k} x{v}" for k, v in given["kept"].items()) + f", {given['quantized']} quantized"
+    mixed = record.get("mixed")
+    if mixed:  # --quant mixed: which tensors the sensitivity measure put at 8 bits
+        kept += (f" · mixed: {len(mixed['eight_bit'])} tensors at 8 bits "
+                 f"(the most sensitive {mixed['share']:.0%} of the weights)")
     lines = [
         f"{q} block {record.get('block_size')} · method {record.get('method', 'minmax')}{kept} · "
         f"{len(table)} tensors · {record.get('bits_per_weight')} bits/weight quantized, "
@@ -92,6 +96,7 @@ def quant_report(out_dir: Path, top: int | None, as_json: bool) -> None:
             for k in (
                 "block_size",
                 "bits_budget",
+                "mixed",
                 "calibration",
                 "method",
                 "bits_per_weight",

@@ -5,6 +5,9 @@ convert pipeline to the quantize pass (passes/quant/quantize.py).
     --quant q4                    QuantOptions()                 the defaults below
     --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max, no
                                                                  search, no calibration)
+    --quant mixed                 mixed=True                     q4, with the most sensitive
+                                                                 MIXED_SHARE of the weights at
+                                                                 8 bits (q4_allocate.choose_8bit)
     --block-size 64               block_size=64                  every tensor in blocks of 64
     --bits-budget 4.45            bits_budget=4.45               32 or 64 per tensor under a mean
     --sym                         symmetric=True                 fixed zero point 8
@@ -29,15 +32,17 @@ from fuselm.passes.quant.q4_math import METHODS
 
 BLOCK_SIZES = (32, 64, 128)
 BITS = (4, 8)
-QUANT_CHOICES = ("none", "q4", "q8")
+QUANT_CHOICES = ("none", "q4", "q8", "mixed")
+# `--quant mixed`: this share of the quantized weights (the tensors whose 4-bit rounding
+# measures worst on the calibration activations) at 8 bits, the rest as q4. On SmolLM2-135M
+# a float32 graph then holds 5.125 + 0.25 * 4.125 = 6.16 bits per weight, within llama.cpp's
+# Q4_K_M (6.27 bits per parameter there; BENCHMARKS.md 'Quantization quality').
+MIXED_SHARE = 0.25
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
-# With calibration statistics and no explicit --block-size / --bits-budget: blocks of 32 or 64
-# per tensor under this mean (fewer bits than mlx-lm's default 4.5). On SmolLM2 it gives
-# +14 % PPL where every tensor at 64 gives +19 % and the data-free block 32 +27 % at 4.625
-# (BENCHMARKS.md 'Quantization quality'). Data-free, a budget costs more than it saves (+39 % at
-# 4.45), so without statistics the default stays block 32 everywhere.
-DEFAULT_BITS_BUDGET = 4.45
+# Every tensor in blocks of 32 unless --block-size / --bits-budget say otherwise. A budget of
+# 4.45 bits (32 or 64 per tensor) saves 0.175 bits per weight and costs PPL: on SmolLM2-135M
+# +14 % against +11 % at block 32 everywhere (BENCHMARKS.md 'Quantization quality').
 BITS_BUDGET_RANGE = (4.3125, 4.625)  # every tensor in blocks of 64 .. every one in blocks of 32
 
 
@@ -74,7 +79,7 @@ class QuantOptions:
 
     method: str = DEFAULT_METHOD
     block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or per tensor under a budget
-    bits_budget: float | None = None  # None: DEFAULT_BITS_BUDGET when calibrated and no block
+    bits_budget: float | None = None  # None: every tensor in blocks of `block_size`
     symmetric: bool = False
     lm_head: bool = True
     embeddings: bool = False
@@ -82,26 +87,26 @@ class QuantOptions:
     default_calibration: bool = True  # without `calibration`: the built-in text
     norm_importance: bool = True  # without calibration data: RMSNorm's gamma^2 as importance
     bits: int = 4
+    mixed: bool = False  # 4-bit, with MIXED_SHARE of the weights at 8 bits
 
     def __post_init__(self) -> None:
         _check_values(self.block_size, self.bits_budget, self.method)
         if self.calibration and not self.default_calibration:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
         _check_bits(self.bits, self.bits_budget, self.calibration)
+        if self.mixed and (self.bits != 4 or self.bits_budget is not None):
+            raise PassesError("--quant mixed chooses 4 or 8 bits per tensor itself; drop "
+                              "--bits-budget / --q-bits")
 
     @property
     def calibrates(self) -> bool:
         """Whether a calibration text runs: 4-bit only (8-bit blocks take min/max)."""
         return self.bits == 4 and bool(self.calibration or self.default_calibration)
 
-    def blocks(self, calibrated: bool) -> tuple[int, float | None]:
-        """(block size, bits budget) for a conversion with or without calibration statistics:
-        the budget asked for; else DEFAULT_BITS_BUDGET when calibrated and no block size was
-        asked for; else none (every tensor in blocks of `block_size`, 32 by default)."""
-        budget = self.bits_budget
-        if budget is None and calibrated and self.block_size is None:
-            budget = DEFAULT_BITS_BUDGET
-        return self.block_size or DEFAULT_BLOCK_SIZE, budget
+    def blocks(self) -> tuple[int, float | None]:
+        """(block size, bits budget): the budget asked for (32 or 64 per tensor under it), else
+        none (every tensor in blocks of `block_size`, 32 by default)."""
+        return self.block_size or DEFAULT_BLOCK_SIZE, self.bits_budget
 
 
 def quant_options(
@@ -137,12 +142,15 @@ def quant_options(
             raise PassesError("--q-bits needs quantization; drop --quant none")
         return None
     bits = 8 if q == "q8" else 4
-    if q_bits is not None and q_bits != bits:
+    if q_bits is not None and (q == "mixed" or q_bits != bits):
         raise PassesError(f"--quant {q} and --q-bits {q_bits} contradict; give one")
+    if q == "mixed" and bits_budget is not None:
+        raise PassesError("--quant mixed chooses 4 or 8 bits per tensor itself; drop "
+                          "--bits-budget")
     _check_bits(bits, bits_budget, calibration)
     return QuantOptions(quant_method, block_size, bits_budget, symmetric,
                         quant_lm_head is not False, quant_embeddings, calibration,
-                        default_calibration, norm_importance, bits)
+                        default_calibration, norm_importance, bits, q == "mixed")
 
 
 # What a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K) is converted with

@@ -1,4 +1,5 @@
-"""Bit allocation: a block size per tensor, under a budget of bits per weight.
+"""Bit allocation: a block size per tensor under a budget of bits per weight, or (`choose_8bit`,
+`--quant mixed`) which tensors get 8 bits instead of 4 under a share of the weights.
 
 Smaller blocks cost more bits (a float16 scale and a uint4 zero point per block: 4 + 20/B bits
 per weight: 4.625 at B = 32, 4.3125 at 64, 4.15625 at 128) and cut the error. Tensors do not
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.q8_math import quantize_8bit
 
 CHOICES = (32, 64)  # block sizes the allocation picks from
 SAMPLE_COLUMNS = 256
@@ -35,9 +37,10 @@ def bits_per_weight(block_size: int) -> float:
 
 def tensor_errors(
     w: np.ndarray, choices: Sequence[int], symmetric: bool, method: str,
-    importance: np.ndarray | None,
+    importance: np.ndarray | None, bits: int = 4,
 ) -> dict[int, float]:
-    """Relative (importance-weighted) squared error of a [K, N] weight at each block size."""
+    """Relative (importance-weighted) squared error of a [K, N] weight at each block size, in
+    `bits`-bit blocks."""
     n = w.shape[1]
     step = max(1, -(-n // SAMPLE_COLUMNS))
     cols = np.ascontiguousarray(w[:, ::step], dtype=np.float32)
@@ -46,7 +49,8 @@ def tensor_errors(
     den = float((ref * imp).sum() if imp is not None else ref.sum())
     out: dict[int, float] = {}
     for b in choices:
-        q = quantize_array(cols, b, symmetric, method, importance)
+        q = (quantize_8bit(cols, b, symmetric) if bits == 8
+             else quantize_array(cols, b, symmetric, method, importance))
         d = (q.dequantize(np.float32).astype(np.float64) - cols) ** 2
         num = float((d * imp).sum() if imp is not None else d.sum())
         out[b] = num / den if den > 0 else 0.0
@@ -102,3 +106,33 @@ def allocate_blocks(
         bits += sizes[best] * (bits_per_weight(choices[i + 1]) - bits_per_weight(choices[i]))
         level[best] = i + 1
     return {n: choices[level[n]] for n in sizes}
+
+
+def choose_8bit(
+    items: Sequence[tuple[str, Callable[[], np.ndarray], str | None]],
+    share: float,
+    block: int,
+    symmetric: bool = False,
+    method: str = "search",
+    importance: dict[str, np.ndarray] | None = None,
+) -> list[str]:
+    """The tensors (by name) to store at 8 bits, at most `share` of the weights: the measured
+    sensitivity of a tensor is the drop of its relative importance-weighted squared error
+    (tensor_errors, on the calibration activations' mean squares when given) from 4-bit to
+    8-bit blocks of `block`; every 8-bit weight costs the same extra bits, so the tensors go
+    in order of that drop, each taken while it fits (ties by name). Deterministic."""
+    gains: list[tuple[float, str, int]] = []
+    for name, get, act in items:
+        w = get()
+        imp = None if importance is None or act is None else importance.get(act)
+        e4 = tensor_errors(w, [block], symmetric, method, imp)[block]
+        e8 = tensor_errors(w, [block], symmetric, method, imp, bits=8)[block]
+        gains.append((e4 - e8, name, w.size))
+        del w
+    left = share * sum(size for _, _, size in gains)
+    chosen = []
+    for gain, name, size in sorted(gains, key=lambda g: (-g[0], g[1])):
+        if gain > 0 and size <= left:
+            chosen.append(name)
+            left -= size
+    return sorted(chosen)

@@ -28,6 +28,12 @@ from fuselm.input_files import check_regular
 from fuselm.passes.quant import q4_segments
 
 MIN_CHUNK = 16
+# The roles the built-in text's error feedback is for (Calibration.feedback_roles): measured on
+# SmolLM2-135M with its ~1,700 tokens, error feedback on the LM head took PPL from +10.9 % to
+# +10.0 % over the importance-weighted search, and on the layers' projections too it gave
+# +10.5 %: too few tokens for [K, K] statistics that hold beyond the text (BENCHMARKS.md
+# 'Quantization quality').
+HEAD_ROLES = ("lm_head", "tied_embedding_lm_head")
 
 
 @dataclass
@@ -122,23 +128,36 @@ def collect(
 class Calibration:
     """What `--calibration FILE` gives the quantize pass: the text's tokens and how to use them.
 
-    `gram=True` keeps [K, K] second moments for error feedback (quant/q4_gptq.py); False keeps
-    the per-channel importance only (the importance-weighted search).
+    `gram=True` keeps [K, K] second moments for error feedback (quant/q4_gptq.py) on the
+    weights of `feedback_roles` (None: every weight); the others, and every weight with
+    `gram=False`, take the per-channel importance only (the importance-weighted search).
     """
 
     tokens: tuple[int, ...]
     context: int = 512
     gram: bool = True
     source: str = ""  # the file, for fuselm.json
+    feedback_roles: tuple[str, ...] | None = None
 
     def moments(
         self,
         model: onnx.ModelProto,
         load: Callable[[TensorProto], np.ndarray],
         activations: dict[str, int],
+        gram: bool | None = None,
     ) -> dict[str, Moments]:
-        return collect(model, load, self.tokens, activations, self.context, self.gram)
+        """The activations' moments; `gram=False` skips the [K, K] matrices this once."""
+        return collect(model, load, self.tokens, activations, self.context,
+                       self.gram if gram is None else gram)
+
+    def feedback(self, role: str) -> bool:
+        """Whether a weight of this role (quantize.py's: "linear", "lm_head", ...) is rounded
+        with error feedback (else the importance-weighted search)."""
+        return self.gram and (self.feedback_roles is None or role in self.feedback_roles)
 
     def record(self) -> dict[str, object]:
         return {"file": self.source, "tokens": len(self.tokens), "context": self.context,
-                "method": "gptq" if self.gram else "importance-weighted search"}
+                "method": ("importance-weighted search" if not self.gram
+                           else "gptq" if self.feedback_roles is None
+                           else f"gptq for {'/'.join(self.feedback_roles)}, importance-weighted "
+                                "search for the others")}

@@ -23,6 +23,7 @@ import numpy as np
 from fuselm.passes.quant.q4_search import search_params
 
 DAMP = 0.01  # of mean diag(H): keeps the factorization stable for near-dead input channels
+SLAB = 2048  # columns at a time (see gptq_params)
 _QMAX = 15
 
 
@@ -45,16 +46,34 @@ def gptq_params(
     damp: float = DAMP,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes (uint8 [K, N]), float16 scales and float32 integral zero points ([nb, N]) for a
-    [K, N] weight given its inputs' second-moment matrix `gram` ([K, K])."""
+    [K, N] weight given its inputs' second-moment matrix `gram` ([K, K]).
+
+    Columns are independent (each is its own least-squares problem under the same H), so they
+    go SLAB at a time: the working copy stays a few MB where a whole LM head's would be as
+    large as the weight (113 MB for SmolLM2's tied table)."""
     k, n = w.shape
     u = inverse_cholesky(gram, damp).astype(np.float32)
     diag_h = np.diag(np.asarray(gram, np.float64)).astype(np.float32)
-    work = np.array(w, dtype=np.float32, copy=True)
-    work[diag_h <= 0, :] = 0  # rows whose input is always 0 contribute nothing
     nb = -(-k // block_size)
     codes = np.empty((k, n), np.uint8)
     scales = np.empty((nb, n), np.float16)
     zps = np.empty((nb, n), np.float32)
+    for c0 in range(0, n, SLAB):
+        c1 = min(n, c0 + SLAB)
+        work = np.array(w[:, c0:c1], dtype=np.float32, copy=True)
+        if not np.isfinite(work).all():  # slab by slab: no whole-weight mask either
+            raise ValueError("weight has NaN or Inf values; refusing to quantize")
+        _gptq_slab(work, u, diag_h, block_size, symmetric, codes[:, c0:c1], scales[:, c0:c1],
+                   zps[:, c0:c1])
+    return codes, scales, zps
+
+
+def _gptq_slab(work: np.ndarray, u: np.ndarray, diag_h: np.ndarray, block_size: int,
+               symmetric: bool, codes: np.ndarray, scales: np.ndarray, zps: np.ndarray) -> None:
+    """gptq_params on the columns `work` (a copy, updated in place) into the output views."""
+    k, n = work.shape
+    work[diag_h <= 0, :] = 0  # rows whose input is always 0 contribute nothing
+    nb = -(-k // block_size)
     for b in range(nb):
         b0, b1 = b * block_size, min(k, (b + 1) * block_size)
         imp = np.maximum(diag_h[b0:b1], 0).reshape(1, b1 - b0, 1)
@@ -78,4 +97,3 @@ def gptq_params(
             work[b1:] -= u[b0:b1, b1:].T @ err
         scales[b] = s16
         zps[b] = zp
-    return codes, scales, zps

@@ -7,6 +7,7 @@ applies it to graphs; this module only turns arrays into codes, scales and zero 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -222,9 +223,7 @@ def quantize_gptq(
     if w.ndim != 2 or gram.shape != (w.shape[0], w.shape[0]):
         raise ValueError(f"expected [K, N] weight and [K, K] gram, got {w.shape}, {gram.shape}")
     wf = np.asarray(w, np.float32)
-    if not np.isfinite(wf).all():
-        raise ValueError("weight has NaN or Inf values; refusing to quantize")
-    codes, scales, zps = gptq_params(wf, gram, block_size, symmetric)
+    codes, scales, zps = gptq_params(wf, gram, block_size, symmetric)  # checks finiteness
     q = Q4Tensor(codes, scales, zps.astype(np.uint8), block_size)
     # Never worse than the importance-weighted search on the calibration activations: keep
     # whichever has the smaller output error tr(D^T H D), D = w' - w (a guard, by construction).
@@ -232,13 +231,28 @@ def quantize_gptq(
     h = np.asarray(gram, np.float64)
     if output_error(alt, wf, h) < output_error(q, wf, h):
         q = alt
-    d = q.dequantize(np.float32) - wf
-    ssw = float(np.vdot(wf, wf))
-    q.rel_rms_error = float(np.sqrt(float(np.vdot(d, d)) / ssw)) if ssw > 0 else 0.0
+    sse = ssw = 0.0
+    for c0, d in _differences(q, wf):
+        sse += float(np.vdot(d, d))
+        w = wf[:, c0:c0 + d.shape[1]]
+        ssw += float(np.vdot(w, w))
+    q.rel_rms_error = float(np.sqrt(sse / ssw)) if ssw > 0 else 0.0
     return q
+
+
+_ERROR_SLAB = 1024  # columns per step of the error sums: float64 temporaries of K x 1024
+
+
+def _differences(q: Q4Tensor, w: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(first column, w' - w in float64) for consecutive column slabs: a whole LM head's
+    difference would be twice the weight's size."""
+    for c0 in range(0, w.shape[1], _ERROR_SLAB):
+        c1 = min(w.shape[1], c0 + _ERROR_SLAB)
+        deq = ops.dequantize_reference(q.codes[:, c0:c1], q.scales[:, c0:c1].astype(np.float32),
+                                       q.zero_points[:, c0:c1], q.block_size)
+        yield c0, deq.astype(np.float64) - np.asarray(w[:, c0:c1], np.float64)
 
 
 def output_error(q: Q4Tensor, w: np.ndarray, gram: np.ndarray) -> float:
     """Mean squared output error on the calibration activations: tr(D^T H D), D = w' - w."""
-    d = (q.dequantize(np.float32) - np.asarray(w, np.float32)).astype(np.float64)
-    return float(np.einsum("kn,kn->", d, gram @ d))
+    return sum(float(np.einsum("kn,kn->", d, gram @ d)) for _, d in _differences(q, w))

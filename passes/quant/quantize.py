@@ -24,9 +24,9 @@ Optional, decided before any weight is written (the jobs are found first): a blo
 tensor under a bits budget (`bits_budget`, passes/quant/q4_allocate.py); the search weighted by
 each input channel's importance — RMSNorm's gamma^2 data-free (`norm_importance`), or the
 activations of a calibration text (the `calibration` tokens this pass is given,
-passes/quant/q4_calibration.py: mean squares only, or with GPTQ-style error feedback,
-passes/quant/q4_gptq.py). With calibration statistics and no block size asked for, a budget of
-DEFAULT_BITS_BUDGET applies (QuantOptions.blocks). The stored format is the same in every case.
+passes/quant/q4_calibration.py: mean squares, and GPTQ-style error feedback,
+passes/quant/q4_gptq.py, on the weights the calibration names: the LM head by default, every
+weight with `--calibration FILE`). The stored format is the same in every case.
 
 Codes and zero points are uint4 ([K, N] and [ceil(K/B), N]); scales have the weight's float
 dtype (float16 in a float16 graph: 4.625 bits per weight at B = 32) but their *values* are always
@@ -66,7 +66,10 @@ quantizes it (the info records that).
 
 **8-bit** (`bits=8`, `--q-bits 8`): the same blocks along K with uint8 codes and uint8 zero
 points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w/s) + zp, 0,
-255)); plain DequantizeLinear, which MLX reads as its 8-bit affine form.
+255)); plain DequantizeLinear, which MLX reads as its 8-bit affine form. **Mixed**
+(`mixed=True`, `--quant mixed`): 4-bit as above, except the tensors
+passes/quant/q4_allocate.choose_8bit picks by measured sensitivity (MIXED_SHARE of the
+weights), which take 8-bit blocks; the record's `mixed` names them, each tensor its `bits`.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
 quantized (a GGUF Q4_0/Q4_1/Q8_0/Q4_K tensor) is stored as given, its codes, scales and zero
@@ -109,8 +112,8 @@ from fuselm.passes import ops, weights
 from fuselm.passes.graph import PassResult, is_graph_output
 from fuselm.passes.model_io import runnable
 from fuselm.passes.quant import q4_search
-from fuselm.passes.quant.options import QuantOptions
-from fuselm.passes.quant.q4_allocate import allocate_blocks
+from fuselm.passes.quant.options import MIXED_SHARE, QuantOptions
+from fuselm.passes.quant.q4_allocate import allocate_blocks, choose_8bit
 from fuselm.passes.quant.q4_calibration import Calibration, Moments
 from fuselm.passes.quant.q4_math import Q4Tensor, quantize_array, quantize_gptq, uint4_tensor
 from fuselm.passes.quant.q8_math import quantize_8bit
@@ -120,6 +123,7 @@ BITS = 4
 FUSED_OPS = ("FusedQKV", "FusedGateUp")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
 SPILL_FILE = "quantized.data"  # QuantizeQ4(spill_dir=...): the new tensors' bytes, on disk
+GRAM_BYTES = 256 << 20  # calibration Gram matrices held at once (see _rounds)
 
 # A new tensor's values: the TensorProto made, or what it became once written to disk.
 Spill = Callable[[TensorProto], LazyValues]
@@ -159,28 +163,48 @@ class QuantizeQ4:
         result = PassResult()
         tables, gathers = _gathers(graph)
         jobs = _find_jobs(graph, tables, gathers, opts, result)
-        moments = None
+        calib = self.calibration
+        block_size, budget = opts.blocks()
         calib_seconds = 0.0
-        if self.calibration is not None:
+        model = load = None
+        moments: dict[str, Moments] | None = None
+        prior = False  # every activation's mean squares collected before the rounds
+        if calib is not None:
             t0 = time.perf_counter()
             model, load = runnable(graph)  # the fused float graph, before any weight changes
-            moments = self.calibration.moments(model, load, {
-                j.activation.name: weights.data_type(j.weight) for j in jobs if j.activation})
-            del model
+            if budget is not None or opts.mixed:  # the choice needs every importance first
+                moments = calib.moments(model, load, _activations(jobs), gram=False)
+                prior = True
             calib_seconds = time.perf_counter() - t0
-        if moments is None and opts.norm_importance:
+        elif opts.norm_importance:
             moments = _norm_moments(jobs)
-        block_size, budget = opts.blocks(self.calibration is not None)
+        eight = set(_eight_bit(jobs, block_size, opts, moments)) if opts.mixed else set()
+        # Which jobs get their statistics from which forward (see _rounds).
+        rounds = _rounds(jobs, calib, eight)
         total = sum(int(np.prod(j.weight.shape)) for j in jobs)
         with self._spill() as spill, q4_search.for_model(total):
             w = _Writer(graph, opts, spill)
-            w.fused_via_node = self.given is not None or opts.bits != 4
-            blocks = _block_sizes(jobs, block_size, budget, opts, moments)
-            for job in jobs:
-                stats = (None if moments is None or job.activation is None
-                         else moments.get(job.activation.name))
-                given = None if self.given is None else _given_of(job.weight, self.given)
-                _apply(w, job, blocks[job.weight.name], stats, tables, gathers, given)
+            w.fused_via_node = self.given is not None or opts.bits != 4 or bool(eight)
+            for n, (part, gram) in enumerate(rounds):
+                if calib is not None and (gram or not prior):  # else `moments` has them
+                    t0 = time.perf_counter()
+                    assert model is not None and load is not None
+                    moments = {**(moments or {}),
+                               **calib.moments(model, load, _activations(part), gram)}
+                    calib_seconds += time.perf_counter() - t0
+                if n == 0:
+                    blocks = _block_sizes(jobs, block_size, budget, opts, moments)
+                for job in part:
+                    stats = (None if moments is None or job.activation is None
+                             else moments.get(job.activation.name))
+                    given = None if self.given is None else _given_of(job.weight, self.given)
+                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers, given,
+                           8 if job.weight.name in eight else None)
+                if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
+                    moments = {k: v for k, v in moments.items() if v.gram is None}
+            del model
+        order = {j.weight.name: i for i, j in enumerate(jobs)}
+        w.tensors.sort(key=lambda t: order[t["name"]])  # the record in graph order
         _rewrite(graph, w)
         used = sorted({t["block_size"] for t in w.tensors})
         bits_used = sorted({t.get("bits", BITS) for t in w.tensors}) or [opts.bits]
@@ -190,6 +214,9 @@ class QuantizeQ4:
                 map(str, bits_used)),
             "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
             "bits_budget": budget,
+            "mixed": None if not opts.mixed else {
+                "share": MIXED_SHARE, "eight_bit": sorted(eight),
+                "measure": "relative importance-weighted error drop, 4 to 8 bits"},
             "calibration": None if self.calibration is None else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
             "norm_importance": opts.norm_importance and self.calibration is None,
@@ -364,6 +391,50 @@ def _find_jobs(
     return jobs
 
 
+def _activations(jobs: list[_Job]) -> dict[str, int]:
+    """The activations the jobs' weights multiply (name -> float type), in job order."""
+    return {j.activation.name: weights.data_type(j.weight) for j in jobs if j.activation}
+
+
+def _reduction_size(job: _Job) -> int:
+    """K of the job's [K, N] weight (its input's width)."""
+    t = job.weight
+    return int(t.shape[1] if job.kind in ("tied", "embedding") or job.trans is not None
+               else t.shape[0])
+
+
+def _rounds(jobs: list[_Job], calib: Calibration | None, eight: set[str]
+            ) -> list[tuple[list[_Job], bool]]:
+    """Groups of jobs, each with one calibration forward, and whether that forward keeps Gram
+    matrices (for the 4-bit jobs the calibration gives error feedback, Calibration.feedback;
+    `eight` names the jobs at 8 bits).
+
+    The jobs without feedback take their importance from one forward without Gram matrices.
+    The Gram matrices go in consecutive groups of at most GRAM_BYTES (K^2 float64 each: all at
+    once would be 3.4 GB for Qwen3-0.6B), each group's dropped once its weights are quantized.
+    """
+    if calib is None:
+        return [(jobs, False)] if jobs else []
+
+    def fed(j: _Job) -> bool:
+        return (j.activation is not None and j.weight.name not in eight
+                and calib.feedback(j.role))
+
+    plain = [j for j in jobs if not fed(j)]
+    out: list[tuple[list[_Job], bool]] = [(plain, False)] if plain else []
+    size = 0
+    fresh = True
+    for job in filter(fed, jobs):
+        cost = 8 * _reduction_size(job) ** 2
+        if not fresh and size + cost <= GRAM_BYTES:
+            out[-1][0].append(job)
+            size += cost
+        else:
+            out.append(([job], True))
+            size, fresh = cost, False
+    return out
+
+
 def _given_of(t: gs.Constant, given: Given) -> GivenBlocks | None:
     """The blocks the checkpoint gives for weight `t` ([N, K]): its own, or for a packed
     projection (pairing's recipe, its parts [K, N_i] concatenated along axis 1) its parts'
@@ -396,9 +467,18 @@ def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _zero_point_text(opts: QuantOptions) -> str:
-    kind = "uint4" if opts.bits == 4 else "uint8"
+    kind = "uint4/uint8" if opts.mixed else "uint4" if opts.bits == 4 else "uint8"
     fixed = 8 if opts.bits == 4 else 128
     return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
+
+
+def _eight_bit(jobs: list[_Job], block_size: int, opts: QuantOptions,
+               moments: dict[str, Moments] | None) -> list[str]:
+    """`--quant mixed`: the weights stored at 8 bits (passes/quant/q4_allocate.choose_8bit)."""
+    return choose_8bit(
+        [(j.weight.name, j.kn, None if j.activation is None else j.activation.name)
+         for j in jobs], MIXED_SHARE, block_size, opts.symmetric, opts.method,
+        None if moments is None else {k: v.sq for k, v in moments.items()})
 
 
 def _norm_moments(jobs: list[_Job]) -> dict[str, Moments]:
@@ -507,8 +587,10 @@ class _Writer:
         return name
 
     def quantize(self, src: gs.Constant, w_kn: np.ndarray, role: str, axis: int,
-                 block_size: int, stats: Moments | None = None) -> _Q4:
-        """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) into new initializers.
+                 block_size: int, stats: Moments | None = None, bits: int | None = None
+                 ) -> _Q4:
+        """Quantize `w_kn` ([K, N]; stored transposed when axis == 1) into new initializers,
+        in `bits`-bit blocks (None: the options' bits).
 
         With calibration `stats` of its input: error feedback on the input's second moments
         (passes/quant/q4_gptq.py) when they hold a Gram matrix, else the importance-weighted
@@ -516,7 +598,8 @@ class _Writer:
         """
         symmetric = self.opts.symmetric
         calibrated = None
-        if self.opts.bits == 8:
+        bits = bits or self.opts.bits
+        if bits == 8:
             q = quantize_8bit(w_kn, block_size, symmetric)
         elif stats is not None and stats.gram is not None:
             q, calibrated = quantize_gptq(w_kn, stats.gram, block_size, symmetric), "gptq"
@@ -525,8 +608,7 @@ class _Writer:
             q = quantize_array(w_kn, block_size, symmetric, self.opts.method, imp)
             calibrated = None if stats is None else "importance" if stats.count else "norm-weight"
         extra = {"calibration": calibrated} if calibrated else {}
-        return self._store(src, role, axis, q, self.opts.bits, None, q.rel_rms_error or 0.0,
-                           extra)
+        return self._store(src, role, axis, q, bits, None, q.rel_rms_error or 0.0, extra)
 
     def keep(self, src: gs.Constant, given: GivenBlocks, role: str, axis: int) -> _Q4:
         """Store the checkpoint's own blocks of `src` (axis 1: in its [N, K] layout, as
@@ -658,7 +740,7 @@ class _Writer:
 
 def _apply(w: _Writer, job: _Job, block_size: int, stats: Moments | None,
            tables: dict[str, gs.Constant], gathers: dict[str, list[gs.Node]],
-           given: GivenBlocks | None = None) -> None:
+           given: GivenBlocks | None = None, bits: int | None = None) -> None:
     """Quantize one job's weight (or keep its `given` blocks) and rewire its consumers to the
     quantized form."""
     t, node, trans = job.weight, job.node, job.trans
@@ -667,7 +749,7 @@ def _apply(w: _Writer, job: _Job, block_size: int, stats: Moments | None,
         q = w.keep(t, given, job.role, axis)
     else:
         arr = job.kn()
-        q = w.quantize(t, arr, job.role, axis, block_size, stats)
+        q = w.quantize(t, arr, job.role, axis, block_size, stats, bits)
         del arr  # the float copy goes before the next weight is read
     if job.kind == "tied":
         # Stored as the LM head's [K=H, N=V] (blocks along H, axis 1 of E): the head is then

@@ -322,15 +322,12 @@ def test_defaults_quantize_the_head_with_the_search() -> None:
         quant_options("q4", calibration="text.txt", default_calibration=False)
 
 
-def test_block_size_and_budget_follow_calibration() -> None:
-    """Block 32 everywhere unless asked; with calibration statistics and no block size, the
-    default bits budget; an explicit block size or budget always wins."""
-    from fuselm.passes.quant.options import DEFAULT_BITS_BUDGET
-
-    assert QuantOptions().blocks(calibrated=False) == (32, None)
-    assert QuantOptions().blocks(calibrated=True) == (32, DEFAULT_BITS_BUDGET)
-    assert QuantOptions(block_size=64).blocks(calibrated=True) == (64, None)
-    assert QuantOptions(bits_budget=4.5).blocks(calibrated=False) == (32, 4.5)
+def test_block_size_and_budget_are_what_was_asked() -> None:
+    """Block 32 everywhere unless a block size or a bits budget is asked for (the default has
+    no budget, calibrated or not)."""
+    assert QuantOptions().blocks() == (32, None)
+    assert QuantOptions(block_size=64).blocks() == (64, None)
+    assert QuantOptions(bits_budget=4.5).blocks() == (32, 4.5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The default Q4 (`--quant q4` alone): the built-in calibration text's per-channel importance,
-collected by running the float graph in segments (passes/quant/q4_segments.py), and blocks of 32 or
-64 per tensor under DEFAULT_BITS_BUDGET. Deterministic; the segments compute what one session
-over the whole graph computes; a checkpoint without a tokenizer, or `--no-calibration`, gets
-the data-free quantizer."""
+"""The default Q4 (`--quant q4` alone): the built-in calibration text, run through the float graph
+in segments (passes/quant/q4_segments.py): error feedback (GPTQ) on the LM head, the
+importance-weighted search on every other weight, blocks of 32 everywhere. Deterministic; the
+segments compute what one session over the whole graph computes; a checkpoint without a
+tokenizer, or `--no-calibration`, gets the data-free quantizer."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from onnx import numpy_helper
 from fuselm.converter.models.builtin import build_model
 from fuselm.errors import FuselmError
 from fuselm.passes.quant import q4_segments
-from fuselm.passes.quant.options import DEFAULT_BITS_BUDGET
-from fuselm.passes.quant.q4_allocate import bits_per_weight
-from fuselm.passes.quant.q4_calibration import collect
-from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.q4_calibration import HEAD_ROLES, collect
+from fuselm.passes.quant.q4_math import quantize_array, quantize_gptq
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.validate import engine_logits, rel
@@ -39,6 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "q4": convert(hf, root / "q4", quant="q4"),
         "again": convert(hf, root / "again", quant="q4"),
         "bare": convert(bare, root / "bare_q4", quant="q4"),
+        "mixed": convert(hf, root / "mixed", quant="mixed"),
     }
 
 
@@ -72,33 +71,34 @@ def test_segments_compute_what_one_session_computes(models: dict[str, Path]) -> 
         assert rel(a[name].sq, b[name].sq) <= 1e-5
 
 
-def test_default_is_calibrated_within_budget_and_deterministic(models: dict[str, Path]) -> None:
+def test_default_is_calibrated_block_32_and_deterministic(models: dict[str, Path]) -> None:
     q = read_manifest(models["q4"]).quantization
-    assert q is not None and q["bits_budget"] == DEFAULT_BITS_BUDGET < 4.5
+    assert q is not None and q["bits_budget"] is None and q["block_size"] == 32
     cal = q["calibration"]
-    assert cal["file"] == "calibration.txt (built-in)" and cal["tokens"] >= 64
-    assert cal["method"] == "importance-weighted search"
+    assert cal["file"] == "calibration.txt (built-in)" and cal["tokens"] >= 1000
+    assert cal["method"].startswith("gptq for lm_head/tied_embedding_lm_head")
     ts = q["tensors"]
-    assert {t["block_size"] for t in ts} <= {32, 64}
-    assert all(t["calibration"] == "importance" for t in ts)
-    weights = [int(np.prod(t["shape"])) for t in ts]
-    mean = sum(w * bits_per_weight(t["block_size"]) for w, t in zip(weights, ts, strict=True))
-    assert mean / sum(weights) <= DEFAULT_BITS_BUDGET
+    assert {t["block_size"] for t in ts} == {32}
+    assert {t["role"] for t in ts if t["calibration"] == "gptq"} == {"tied_embedding_lm_head"}
+    assert all(t["calibration"] == "importance" for t in ts if t["role"] not in HEAD_ROLES)
     a = (models["q4"] / "model.onnx.data").read_bytes()
     assert a == (models["again"] / "model.onnx.data").read_bytes()
 
 
-def test_default_codes_are_the_importance_weighted_search(models: dict[str, Path]) -> None:
-    """The stored codes of a tensor are quantize_array's with the calibration activations'
-    mean squares as importance, at the block size the record names."""
+def test_default_codes_are_the_search_and_the_heads_gptq(models: dict[str, Path]) -> None:
+    """The stored codes of a layer's tensor are quantize_array's with the calibration
+    activations' mean squares as importance; the tied LM head's are quantize_gptq's on its
+    input's Gram matrix; both at block 32 and from the same text."""
     from fuselm.converter.calibration_input import builtin_calibration
 
     cal = builtin_calibration(models["hf"])
-    assert cal is not None and not cal.gram
+    assert cal is not None and cal.gram and cal.feedback_roles == HEAD_ROLES
     model = onnx.load(str(models["float"] / "model.onnx"))
     pairs = _pairs(model)
-    moments = collect(model, numpy_helper.to_array, cal.tokens,
-                      {a: onnx.TensorProto.FLOAT for a, _ in pairs}, cal.context, gram=False)
+    head_act = next(n.input[0] for n in model.graph.node
+                    if n.op_type == "MatMul" and n.output[0] == "logits")
+    acts = {a: onnx.TensorProto.FLOAT for a in [a for a, _ in pairs] + [head_act]}
+    moments = collect(model, numpy_helper.to_array, cal.tokens, acts, cal.context, gram=True)
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     q = read_manifest(models["q4"]).quantization
     qm = onnx.load(str(models["q4"] / "model.onnx"))
@@ -110,6 +110,10 @@ def test_default_codes_are_the_importance_weighted_search(models: dict[str, Path
                               importance=moments[act].sq)
         got = numpy_helper.to_array(qinits[rec["codes"]]).astype(np.uint8)
         assert np.array_equal(got, want.codes)
+    head = next(t for t in q["tensors"] if t["role"] == "tied_embedding_lm_head")
+    want = quantize_gptq(inits[head["name"]].T, moments[head_act].gram, 32)
+    got = numpy_helper.to_array(qinits[head["codes"]]).astype(np.uint8)
+    assert np.array_equal(got, want.codes)
 
 
 def test_default_mlx_equals_onnxruntime(models: dict[str, Path]) -> None:
@@ -133,17 +137,17 @@ def test_without_tokenizer_or_flag_the_default_is_data_free(
 
 def test_builtin_tokens_equal_transformers_tokenizer(models: dict[str, Path]) -> None:
     """The calibration text is tokenized with the `tokenizers` library (no torch import): the
-    same ids as the checkpoint's transformers tokenizer, no special tokens, first BUILTIN_TOKENS."""
+    same ids as the checkpoint's transformers tokenizer, no special tokens, the whole text."""
     from importlib import resources
 
     from transformers import AutoTokenizer
 
-    from fuselm.converter.calibration_input import BUILTIN_FILE, BUILTIN_TOKENS, builtin_calibration
+    from fuselm.converter.calibration_input import BUILTIN_FILE, builtin_calibration
 
     text = (resources.files("fuselm.passes") / BUILTIN_FILE).read_text(encoding="utf-8")
     want = AutoTokenizer.from_pretrained(str(models["hf"])).encode(text, add_special_tokens=False)
     calib = builtin_calibration(models["hf"])
-    assert calib is not None and list(calib.tokens) == want[:BUILTIN_TOKENS]
+    assert calib is not None and list(calib.tokens) == want
 
 
 def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None:
@@ -164,3 +168,69 @@ def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None
                   head_dim=128, intermediate_size=14336, vocab_size=128256)
     assert linear_weights(big) == 7_504_658_432 > BUILTIN_MAX_WEIGHTS
     assert builtin_calibration(models["hf"], big) is None
+
+
+def test_mixed_preset_puts_the_most_sensitive_share_at_8_bits(models: dict[str, Path]) -> None:
+    """`--quant mixed`: the tensors choose_8bit picks from the built-in text's importance (at
+    most MIXED_SHARE of the weights) are stored as 8-bit blocks of 32 (quantize_8bit's codes),
+    the rest as the default 4-bit; the choice is recorded, shown by quant-report, and the
+    artifact runs the same on both engines."""
+    from click.testing import CliRunner
+
+    from fuselm.converter.calibration_input import builtin_calibration
+    from fuselm.converter.cli.main import cli
+    from fuselm.passes.quant.options import MIXED_SHARE
+    from fuselm.passes.quant.q4_allocate import choose_8bit
+    from fuselm.passes.quant.q8_math import quantize_8bit
+
+    q = read_manifest(models["mixed"]).quantization
+    assert q is not None and q["bits"] == "mixed 4/8" and q["block_size"] == 32
+    eight = q["mixed"]["eight_bit"]
+    assert eight and q["mixed"]["share"] == MIXED_SHARE
+    ts = {t["name"]: t for t in q["tensors"]}
+    assert {n for n, t in ts.items() if t.get("bits", 4) == 8} == set(eight)
+    size = {n: int(np.prod(t["shape"])) for n, t in ts.items()}
+    assert sum(size[n] for n in eight) <= MIXED_SHARE * sum(size.values())
+    # the choice is choose_8bit's on the float graph's weights and the text's importance
+    cal = builtin_calibration(models["hf"])
+    assert cal is not None
+    model = onnx.load(str(models["float"] / "model.onnx"))
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    head_act = next(n.input[0] for n in model.graph.node
+                    if n.op_type == "MatMul" and n.output[0] == "logits")
+    acts = dict(_pairs(model))
+    acts_of = {w: a for a, w in acts.items()}
+    moments = collect(model, numpy_helper.to_array, cal.tokens,
+                      {a: onnx.TensorProto.FLOAT for a in [*acts, head_act]}, cal.context,
+                      gram=False)
+    items = []
+    for n, t in ts.items():
+        kn = inits[n].T if t["role"] in HEAD_ROLES else inits[n]
+        items.append((n, lambda kn=kn: kn, head_act if t["role"] in HEAD_ROLES else acts_of[n]))
+    imp = {k: v.sq for k, v in moments.items()}
+    assert choose_8bit(items, MIXED_SHARE, 32, importance=imp) == eight
+    qm = onnx.load(str(models["mixed"] / "model.onnx"))
+    qinits = {t.name: t for t in qm.graph.initializer}
+    for n in eight:
+        kn = inits[n].T if ts[n]["role"] in HEAD_ROLES else inits[n]
+        got = numpy_helper.to_array(qinits[ts[n]["codes"]])
+        assert got.dtype == np.uint8 and np.array_equal(got, quantize_8bit(kn, 32).codes)
+    four = next(n for n in ts if n not in eight)
+    assert ts[four].get("bits", 4) == 4
+    text = CliRunner().invoke(cli, ["quant-report", str(models["mixed"])]).output
+    assert f"mixed: {len(eight)} tensors at 8 bits" in text
+    mlx_engine = make_engine(models["mixed"], "mlx")
+    ort_engine = make_engine(models["mixed"], "onnxruntime", accuracy_level=0)
+    prompt = [int(i) for i in np.random.default_rng(2).integers(4, 384, 30)]
+    assert rel(engine_logits(mlx_engine, prompt, 6), engine_logits(ort_engine, prompt, 6)) <= 1e-3
+
+
+def test_mixed_preset_refuses_its_contradictions() -> None:
+    from fuselm.passes.errors import PassesError
+    from fuselm.passes.quant.options import quant_options
+
+    assert quant_options("mixed").mixed and quant_options("mixed").bits == 4
+    with pytest.raises(PassesError, match="--bits-budget"):
+        quant_options("mixed", bits_budget=4.45)
+    with pytest.raises(PassesError, match="contradict"):
+        quant_options("mixed", q_bits=8)
