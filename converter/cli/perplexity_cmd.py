@@ -6,7 +6,7 @@ import json
 
 import click
 
-from fuselm.converter.cli.options import ort_options, threads_option
+from fuselm.converter.cli.options import model_argument, ort_options, threads_option
 
 _RULE = ("The text is tokenized without special tokens and cut into consecutive chunks of "
          "--context tokens (a last partial chunk is dropped); each chunk runs from an empty "
@@ -14,9 +14,9 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
          "context/2 tokens. PPL = exp(mean NLL), ± its standard error.")
 
 
-@click.command("perplexity", help=f"Perplexity of a text under the model in OUT_DIR. {_RULE}")
-@click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--text", "text_file", type=click.Path(dir_okay=False), default=None,
+@click.command("perplexity", help=f"Perplexity of a text under MODEL. {_RULE}")
+@model_argument
+@click.option("-f", "--file", "--text", "text_file", type=click.Path(dir_okay=False), default=None,
               help="UTF-8 text file [default: a bundled ~2.5k-token English prose passage]")
 @click.option("--context", type=click.IntRange(4), default=512, show_default=True,
               help="tokens per chunk (even)")

@@ -40,7 +40,7 @@ def test_familiar_run_flags(artifact: Path) -> None:
     assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
     assert len(json.loads(a.stdout)["tokens"]) <= 5
     both = cli("run", str(artifact), "-m", str(artifact), "--prompt", "Hi")
-    assert both.returncode == 2 and "OUT_DIR or -m/--model" in both.stderr
+    assert both.returncode == 2 and "MODEL or -m/--model" in both.stderr
 
 
 def test_bench_grid_one_table(artifact: Path) -> None:
