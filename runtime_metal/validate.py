@@ -88,10 +88,12 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
              n_tokens: int = 32, prefill_chunk: int | None = None,
              engines: tuple[str, ...] = ("onnxruntime", "mlx"),
              ppl_tokens: list[int] | None = None, ppl_context: int = 256,
-             on_prompt: Callable[[int], None] | None = None) -> Report:
+             on_prompt: Callable[[int], None] | None = None,
+             reference: Any = None) -> Report:
     """Run the ladder; `on_prompt(i)` is called after prompt i (progress); with `ppl_tokens`,
-    every rung's PPL on them too (rung_perplexity)."""
-    model = hf_model(model_dir)
+    every rung's PPL on them too (rung_perplexity). `reference`: the HF model to compare with
+    (default: model_dir's, in float32)."""
+    model = reference if reference is not None else hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
     for name in engines:

@@ -13,6 +13,23 @@ import click
 # without them.
 
 
+DTYPES = ("auto", "float32", "float16")
+
+
+def _dtype(dtype: str) -> str:
+    """--dtype; bfloat16, which users bring from mlx-lm, is refused with the reason and the
+    way (a bfloat16 checkpoint converts to float16)."""
+    if dtype == "bfloat16":
+        raise click.BadParameter(
+            "bfloat16 graphs are not supported (onnxruntime has no bfloat16 kernels on CPU "
+            "for them); a bfloat16 checkpoint converts to float16 with --dtype auto, or use "
+            "float32", param_hint="--dtype")
+    if dtype not in DTYPES:
+        raise click.BadParameter(f"{dtype!r} is not one of {', '.join(map(repr, DTYPES))}",
+                                 param_hint="--dtype")
+    return dtype
+
+
 def _passes(value: str | None) -> list[str] | None:
     return [p.strip() for p in value.split(",") if p.strip()] if value else None
 
@@ -29,9 +46,10 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "float32", "float16"]),
+    metavar="[auto|float32|float16]",
     default="auto",
     show_default=True,
+    callback=lambda _ctx, _param, v: _dtype(v),
     help="Graph dtype; auto keeps the checkpoint's (bf16 → float16).",
 )
 @click.option(
@@ -53,6 +71,7 @@ def _passes(value: str | None) -> list[str] | None:
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
               "chosen by measured error. Default: 4.45 with calibration statistics (the "
               "default), else none (block 32 everywhere, 4.625 bits).")
+@click.option("-q", "--quantize", is_flag=True, help="mlx-lm's spelling: --quant q4.")
 @click.option("--q-bits", type=click.Choice(["4"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -92,6 +111,7 @@ def convert_command(
     block_size: int | None,
     bits_budget: float | None,
     q_bits: str | None,
+    quantize: bool,
     sym: bool,
     quant_lm_head: bool | None,
     quant_embeddings: bool,
@@ -114,7 +134,7 @@ def convert_command(
     from fuselm.converter.progress import stage_progress, stderr
     from fuselm.passes.quant.options import quant_options
 
-    if q_bits is not None:
+    if q_bits is not None or quantize:
         quant = "q4"
     model_dir = resolve_source(model_dir)
     quant_opts = quant_options(quant, block_size=block_size, bits_budget=bits_budget,
