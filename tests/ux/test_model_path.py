@@ -114,7 +114,7 @@ def test_concurrent_calls_convert_once(tiny_gguf: Path, cache: Path) -> None:
     assert all(p.returncode == 0 for p in procs), outs
     (entry,) = _entries(cache)
     assert {o[0].strip() for o in outs} == {str(entry)}
-    assert sum("converting" in o[1] for o in outs) == 1, outs
+    assert sum(" once into " in o[1] for o in outs) == 1, outs
 
 
 def test_validate_a_gguf_without_an_hf_folder(tiny_gguf: Path, cache: Path,
