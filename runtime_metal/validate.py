@@ -89,10 +89,12 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
              engines: tuple[str, ...] = ("onnxruntime", "mlx"),
              ppl_tokens: list[int] | None = None, ppl_context: int = 256,
              on_prompt: Callable[[int], None] | None = None,
-             reference: Any = None) -> Report:
+             reference: Any = None,
+             on_ppl: Callable[[str, int, int, float], None] | None = None) -> Report:
     """Run the ladder; `on_prompt(i)` is called after prompt i (progress); with `ppl_tokens`,
     every rung's PPL on them too (rung_perplexity). `reference`: the HF model to compare with
-    (default: model_dir's, in float32)."""
+    (default: model_dir's, in float32). `on_ppl(rung, chunks done, chunks, PPL so far)`:
+    the PPL phase's progress."""
     model = reference if reference is not None else hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
@@ -122,18 +124,21 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
         if on_prompt is not None:
             on_prompt(i)
     if ppl_tokens is not None:
-        rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context)
+        rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context, on_ppl)
     return Report(n_tokens, prompts, rungs)
 
 
 def rung_perplexity(rungs: list[Rung], model: Any, engines: dict[str, Any],
-                    tokens: list[int], context: int) -> None:
+                    tokens: list[int], context: int,
+                    on_ppl: Callable[[str, int, int, float], None] | None = None) -> None:
     """PPL of every rung on the same tokens (runtime_metal/perplexity.py's chunking rule)."""
     from fuselm.runtime_metal.perplexity import engine_logits_fn, perplexity_of
 
     for rung in rungs:
         fn = (lambda ids: hf_logits(model, ids)) if rung.name == "hf" else engine_logits_fn(
             engines[rung.name])
-        r = perplexity_of(fn, tokens, context, engine=rung.name)
+        report = None if on_ppl is None else (
+            lambda done, total, ppl, name=rung.name: on_ppl(name, done, total, ppl))
+        r = perplexity_of(fn, tokens, context, engine=rung.name, on_chunk=report)
         rung.perplexity = {"ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "context": r.context,
                            "scored_tokens": r.scored_tokens}

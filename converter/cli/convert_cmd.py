@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import click
@@ -185,7 +184,8 @@ convert = convert_command
     "out_dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Where to write the converted model (default: a temp dir).",
+    help="Where to write the converted model  [default: smollm2-q4 in fuselm's cache folder, "
+    "$XDG_CACHE_HOME/fuselm or ~/.cache/fuselm]",
 )
 @click.option("--prompt", default="What is the capital of France?", show_default=True)
 @click.option("-n", "max_new_tokens", type=click.IntRange(1), default=64, show_default=True)
@@ -198,6 +198,7 @@ convert = convert_command
 )
 def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
     """Convert the bundled SmolLM2-135M-Instruct GGUF to Q4 and answer a question with it."""
+    from fuselm.config import cache_folder
     from fuselm.converter import out_dir as out_dir_safety
     from fuselm.converter import pipeline
     from fuselm.converter.cli.run_cmd import run
@@ -209,7 +210,7 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
     if out_dir is not None:  # before any output: a refused -o is one error line
         out_dir_safety.check_target(out_dir)
     gguf = bundled_gguf()
-    artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
+    artifact_dir = out_dir or cache_folder() / "demo" / "smollm2-q4"
     stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir} with --quant q4")
     with stage_progress() as progress:
         result = pipeline.convert(gguf, artifact_dir, ConvertOptions(quant=QuantOptions()),
@@ -222,3 +223,17 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
         run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens,
         engine=engine
     )
+    stderr.print(next_steps(gguf, artifact_dir), highlight=False)
+
+
+def next_steps(gguf: Path, artifact: Path) -> str:
+    """What to try after the demo, with its own paths."""
+    return "\n".join([
+        f"the model is in {artifact}; next, try:",
+        f"  fuselm chat {artifact}                      # talk to it",
+        f"  fuselm run {artifact} -p \"Tell me a joke\" -n 64",
+        f"  fuselm serve {artifact}                     # an OpenAI-compatible server",
+        f"  fuselm validate {gguf} {artifact}   # check it against the GGUF's own weights",
+        f"  fuselm bench {artifact}                     # prefill / decode tokens/s",
+        f"  fuselm run {gguf} -p Hello             # a GGUF runs directly (converted once)",
+    ])

@@ -29,13 +29,19 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
                accuracy_level: int, threads: int | None, as_json: bool) -> None:
+    from fuselm.converter.progress import stage_progress
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
     from fuselm.runtime_metal.perplexity import perplexity as run_ppl
 
     text = read_text(text_file or SAMPLE_TEXT)
     options = ort_options(resolve_engine(engine), accuracy_level, threads)
-    result = run_ppl(out_dir, text, context=context, engine=engine, **options)
+    with stage_progress(not as_json) as bar:
+        def on_chunk(done: int, total: int, ppl: float) -> None:
+            bar("chunks", done, total, f"PPL {ppl:.4f}")
+
+        result = run_ppl(out_dir, text, context=context, engine=engine,
+                         on_chunk=on_chunk if bar else None, **options)
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "text": str(text_file or SAMPLE_TEXT)}))
         return

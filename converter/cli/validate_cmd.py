@@ -148,9 +148,16 @@ def _ladder(model_dir: str, out_dir: str, reference: Any, tokens: int,  # noqa: 
             f"done at {time.perf_counter() - t0:.1f}s")
         sys.stdout.flush()
 
-    report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
-                        ppl_tokens, ppl_context, on_prompt=progress,
-                        reference=reference.model if reference else None)
+    from fuselm.converter.progress import stage_progress
+
+    with stage_progress(not as_json) as bar:
+        def on_ppl(rung: str, done: int, total: int, ppl: float) -> None:
+            bar(f"PPL {rung}", done, total, f"{ppl:.4f}")
+
+        report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
+                            ppl_tokens, ppl_context, on_prompt=progress,
+                            reference=reference.model if reference else None,
+                            on_ppl=on_ppl if bar else None)
     verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key) for r in report.rungs[1:]}
     if any(report.rungs[0].nonfinite):
         for v in verdicts.values():
