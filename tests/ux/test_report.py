@@ -75,3 +75,12 @@ def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -
     assert cli("report", str(q4), "-o", str(tmp_path / "r.html")).returncode == 0
     sizes = render(tmp_path / "r.html", tmp_path)
     assert sizes["quant-error"][0] > 100 and "down_proj" in sizes["_text"]
+
+
+def test_times_read_in_human_units() -> None:
+    from fuselm.converter.report.svg_charts import bar_chart, shown
+
+    assert [shown(v, "ms") for v in (0.0123, 12.3, 999, 35_700, 240_000)] == [
+        "12.3 µs", "12.3 ms", "999 ms", "35.7 s", "4 min"]
+    chart = bar_chart([("fuselm.FusedQKV", 35_700.0), ("Add", 12.5)], "ms", "profile")
+    assert ">35.7 s</text>" in chart and ">12.5 ms</text>" in chart and "e+" not in chart
