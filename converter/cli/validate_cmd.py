@@ -70,8 +70,9 @@ def validate(model_dir: str, out_dir: str | None, tokens: int, prompts: tuple[st
     OUT_DIR, the conversion `fuselm run MODEL_DIR` uses (the cache's) is checked.
 
     Thresholds on rel = max|a-b| / max|b| of the logits vs HF: float32 pass <= 1e-4, fail >
-    1e-3; float16 pass <= 1e-2, fail > 5e-2; Q4 pass <= 0.2, fail > 0.5 (why: see
-    runtime_metal/verdict.py). NaN/Inf anywhere fails."""
+    1e-3; float16 pass <= 1e-2, fail > 5e-2; Q4 pass <= 0.2, fail > 0.5, or with the PPL
+    measured (the default) on its increase over the reference: pass <= +25 %, fail > +50 %
+    (why: see runtime_metal/verdict.py). NaN/Inf anywhere fails."""
     from fuselm.converter.model_path import resolve_model, source_kind
 
     kind = source_kind(Path(model_dir))
@@ -158,7 +159,15 @@ def _ladder(model_dir: str, out_dir: str, reference: Any, tokens: int,  # noqa: 
                             ppl_tokens, ppl_context, on_prompt=progress,
                             reference=reference.model if reference else None,
                             on_ppl=on_ppl if bar else None)
-    verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key) for r in report.rungs[1:]}
+    reference_ppl = (report.rungs[0].perplexity or {}).get("ppl")
+
+    def increase(rung: Any) -> float | None:
+        if not reference_ppl or not rung.perplexity:
+            return None
+        return rung.perplexity["ppl"] / reference_ppl - 1
+
+    verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key, increase(r))
+                for r in report.rungs[1:]}
     if any(report.rungs[0].nonfinite):
         for v in verdicts.values():
             v.status, v.reason = "FAIL", "the HF checkpoint itself gives NaN/Inf logits"
