@@ -223,7 +223,7 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
         run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens,
         engine=engine
     )
-    stderr.print(next_steps(gguf, artifact_dir), highlight=False)
+    click.echo(next_steps(gguf, artifact_dir), err=True)  # plain: rich wraps long paths
 
 
 def next_steps(gguf: Path, artifact: Path) -> str:
