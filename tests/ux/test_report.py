@@ -54,6 +54,10 @@ def test_report_renders_in_headless_chromium(artifact: Path, tmp_path: Path) -> 
     assert sizes["layer-before"][1] > sizes["layer-after"][1]
     text = sizes["_text"]
     assert "qkv" in text and "fuselm.FusedQKV +2" in text and "not quantized" in text
+    assert "as exported, before the passes" in text
+    passes = json.loads((artifact / "fuselm.json").read_text())["passes"]["passes"]
+    idle = [p["name"] for p in passes if not p["matches"] and not p.get("op_delta")]
+    assert idle and text.count("no match: none of its pattern in the graph") == len(idle)
 
 
 def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -> None:
