@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +73,15 @@ def cache_entry(path: Path) -> Path:
     """The cache folder a GGUF file or an HF folder converts into."""
     name = path.resolve().name.removesuffix(".gguf") or "model"
     return conversion_folder() / f"{name}-{cache_key(path)}"
+
+
+def model_name(artifact: Path) -> str:
+    """The name to show for an artifact: its folder's, without the cache key of a conversion
+    folder (`SmolLM2-135M-Instruct.Q4_1`, not `SmolLM2-135M-Instruct.Q4_1-418ba3ea126dbca9`)."""
+    path = artifact.resolve()
+    if path.parent == conversion_folder().resolve():
+        return re.sub(r"-[0-9a-f]{16}$", "", path.name)
+    return path.name
 
 
 def say(message: str) -> None:

@@ -130,7 +130,9 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     scheduler = Scheduler(build, model.decoder(), model.eos_ids, max_batch=max_batch,
                           max_queue=max_queue)
     scheduler.start()
-    state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
+    from fuselm.converter.model_path import model_name as shown_name
+
+    state = ServeState(scheduler, tok_handlers, model_name or shown_name(Path(out_dir)),
                        max_context, manifest.model.vocab_size, default_max_tokens,
                        max_body, described, sampling=model.sampling_defaults)
     app = create_app(state, access)

@@ -58,6 +58,9 @@ def test_gguf_converted_once_then_reused(tiny_gguf: Path, cache: Path, tmp_path:
     assert (entry / "fuselm.json").stat().st_mtime_ns == stamp  # not written again
     model, _ = fuselm.load(str(tiny_gguf), engine="onnxruntime")
     assert model.path == entry and _entries(cache) == [entry]
+    from fuselm.converter.model_path import model_name
+
+    assert model_name(entry) == "tiny"  # what serve calls it: the file's name, no cache key
 
     # A changed file (same path, new weights) converts again, into a new entry.
     changed = tmp_path / "tiny.gguf"
