@@ -7,12 +7,18 @@ loaded_model.py: engine, tokenizer, generation loop, text stream);
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fuselm.converter.errors import UserError
+
+if TYPE_CHECKING:
+    from fuselm.runtime_metal.sampling import SamplingOptions
 
 Messages = Sequence[dict[str, str]]
 
@@ -45,14 +51,41 @@ class Generation:
     stop: str | None = None  # the stop string that ended the text
 
 
+@dataclass
+class GenerationResponse:
+    """One step of `stream_generate`, with mlx-lm's GenerationResponse fields.
+
+    text: what this token added to the reply ("" while a character cut between tokens or a
+    possible stop string is held back); token: the id chosen; logprobs: log-softmax of that
+    step's logits over the vocabulary (before temperature and penalties); prompt_tps and
+    generation_tps: tokens/s so far; peak_memory: GB (MLX's peak, else the process's max RSS);
+    finish_reason: None until the last response, then "stop" (EOS or a stop string) or
+    "length". As in mlx-lm, the last response repeats the last token (the EOS id when the
+    model stopped) and carries the text held back until the end."""
+
+    text: str
+    token: int
+    logprobs: np.ndarray
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+    from_draft: bool = False  # mlx-lm's speculative decoding; fuselm has none
+
+
 class Model:
     """A loaded artifact. `generate`/`stream` take a prompt string (the chat template is applied
-    when the tokenizer has one) or a list of chat messages ({"role", "content"})."""
+    when the tokenizer has one), a list of chat messages ({"role", "content"}) or token ids.
+
+    Unpacks as `model, tokenizer = fuselm.load(path)`, the shape mlx-lm's `load` returns."""
 
     def __init__(self, out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> None:
+        from fuselm.converter.model_path import resolve_model
         from fuselm.runtime_metal.loaded_model import open_model
 
-        self.runtime = open_model(out_dir, engine, **engine_options)
+        self.runtime = open_model(resolve_model(out_dir), engine, **engine_options)
         self.path = self.runtime.path
         self.manifest = self.runtime.manifest
         self.engine = self.runtime.engine
@@ -61,29 +94,44 @@ class Model:
         # Successive calls that share a prefix (a growing conversation) reuse the KV cache.
         self._session = self.runtime.session()
 
-    def encode(self, prompt: str | Messages, raw: bool = False) -> list[int]:
+    def __iter__(self) -> Iterator[Any]:
+        """`model, tokenizer = fuselm.load(...)`: this model and its tokenizer."""
+        return iter((self, self.tokenizer))
+
+    def encode(self, prompt: str | Messages | Sequence[int], raw: bool = False) -> list[int]:
         from fuselm.runtime_metal.tokenizer import encode_prompt
 
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt, raw=raw)
-        messages = list(prompt)
-        if not messages or messages[-1].get("role") != "user":
+        items = list(prompt)
+        if items and all(isinstance(i, int | np.integer) for i in items):
+            return [int(i) for i in items]  # token ids, as given
+        if not items or items[-1].get("role") != "user":
             raise UserError("messages must end with a user message")
-        return encode_prompt(self.tokenizer, messages[-1]["content"], history=messages[:-1])
+        return encode_prompt(self.tokenizer, items[-1]["content"], history=items[:-1])
 
-    def stream(self, prompt: str | Messages, *, max_tokens: int = 256,
+    def sampling(self, temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None
+                 ) -> SamplingOptions:
+        """The options given over the model's generation_config.json (greedy without
+        do_sample), as in `fuselm run` and `serve`."""
+        sampling = self.runtime.sampling_defaults.overridden(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed)
+        sampling.validate()
+        return sampling
+
+    def stream(self, prompt: str | Messages | Sequence[int], *, max_tokens: int = 256,
                temperature: float | None = None, top_p: float | None = None,
-               top_k: int | None = None, repetition_penalty: float | None = None,
-               seed: int | None = None,
+               top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, seed: int | None = None,
                stop: Sequence[str] = (), raw: bool = False,
                result: list[Generation] | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
         `result` when given. A sampling option left None is the model's
         generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`."""
-        sampling = self.runtime.sampling_defaults.overridden(
-            temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, seed=seed)
-        sampling.validate()
+        sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
                                                stop_strings=tuple(stop))
@@ -94,15 +142,118 @@ class Model:
                 "prefill_tokens_per_s": done.pp, "decode_tokens_per_s": done.tg,
                 "engine": done.engine.get("engine")}, done.stop))
 
-    def generate(self, prompt: str | Messages, **options: Any) -> Generation:
+    def generate(self, prompt: str | Messages | Sequence[int], *, max_tokens: int = 256,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), raw: bool = False) -> Generation:
         """The whole reply at once; options as `stream`'s."""
         out: list[Generation] = []
-        for _ in self.stream(prompt, result=out, **options):
+        for _ in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                             raw=raw, result=out):
             pass
         return out[0]
 
+    def responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
+                  sampling: SamplingOptions, stop: Sequence[str]
+                  ) -> Iterator[GenerationResponse]:
+        """`stream_generate`'s responses: one per token, then the closing one."""
+        from fuselm.runtime_metal.bench import peak_memory
 
-def load(out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> Model:
-    """Open a converted artifact. engine: "auto" (MLX on a GPU, onnxruntime otherwise), "mlx"
-    or "onnxruntime"; engine_options go to the engine (e.g. accuracy_level=0)."""
-    return Model(out_dir, engine, **engine_options)
+        ids = self.encode(prompt)
+        steps: list[tuple[int, np.ndarray, float]] = []  # token, logprobs, when chosen
+
+        def record(logits: np.ndarray, token: int) -> None:
+            z = logits.astype(np.float32)
+            top = z.max()
+            steps.append((token, z - (top + np.log(np.exp(z - top).sum())),
+                          time.perf_counter()))
+
+        eos = set(self.eos_ids)
+        t0 = time.perf_counter()
+        sent = 0
+
+        def response(k: int, text: str, finish: str | None = None) -> GenerationResponse:
+            token, logprobs, when = steps[k]
+            first = steps[0][2]
+            return GenerationResponse(
+                text, token, logprobs, len(ids), len(ids) / max(first - t0, 1e-9), k + 1,
+                k / (when - first) if k and when > first else 0.0,
+                peak_memory(self.runtime.engine_name)[0] / 1e9, finish)
+
+        pieces = self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
+                                      stop_strings=tuple(stop), on_logits=record)
+        held = ""
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as done:
+                result = done.value
+                break
+            # Tokens chosen so far, but an EOS (it ends the reply: never part of it).
+            upto = len(steps) - (1 if steps and steps[-1][0] in eos else 0)
+            if upto == sent:  # text released at the end (held back until then)
+                held += piece
+                continue
+            for k in range(sent, upto):
+                yield response(k, piece if k == upto - 1 else "")
+            sent = upto
+        for k in range(sent, len(result.tokens)):
+            yield response(k, "")
+        yield response(len(steps) - 1, held,
+                       "length" if result.stop_reason == "length" else "stop")
+
+
+def load(path: str | Path, engine: str = "auto", **engine_options: Any) -> Model:
+    """Open a model: an artifact folder, or a .gguf file or HF checkpoint folder (converted
+    once into fuselm's cache, the folder printed on stderr). engine: "auto" (MLX on a GPU,
+    onnxruntime otherwise), "mlx" or "onnxruntime"; engine_options go to the engine (e.g.
+    accuracy_level=0). `model, tokenizer = load(path)` unpacks as mlx-lm's does."""
+    return Model(path, engine, **engine_options)
+
+
+def _own_tokenizer(model: Model, tokenizer: Any) -> None:
+    if tokenizer is not None and tokenizer is not model.tokenizer:
+        raise UserError("pass the tokenizer fuselm.load returned with this model (or None): "
+                        "fuselm encodes with the model's own")
+
+
+def stream_generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int], *,
+                    max_tokens: int = 256, temperature: float | None = None,
+                    top_p: float | None = None, top_k: int | None = None,
+                    min_p: float | None = None, repetition_penalty: float | None = None,
+                    seed: int | None = None, stop: Sequence[str] = ()
+                    ) -> Iterator[GenerationResponse]:
+    """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, logprobs,
+    timing), the last with finish_reason. `prompt`: a string (chat template applied when the
+    tokenizer has one), chat messages, or token ids as given. A sampling option left None is
+    the model's generation_config.json's (greedy without do_sample)."""
+    _own_tokenizer(model, tokenizer)
+    sampling = model.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+    return model.responses(prompt, max_tokens, sampling, stop)
+
+
+def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int], *,
+             max_tokens: int = 256, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None, seed: int | None = None,
+             stop: Sequence[str] = (), verbose: bool = False) -> str:
+    """mlx-lm's `generate`: the reply's text. verbose: the text as it comes, then the prompt
+    and generation tokens/s and peak memory, on stdout (as mlx-lm prints them)."""
+    _own_tokenizer(model, tokenizer)
+    text = []
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                stop=stop):
+        text.append(last.text)
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print(f"\n==========\nPrompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} "
+              f"tokens-per-sec\nGeneration: {last.generation_tokens} tokens, "
+              f"{last.generation_tps:.3f} tokens-per-sec\nPeak memory: {last.peak_memory:.3f} GB")
+    return "".join(text)

@@ -1,9 +1,12 @@
-"""Rich progress on stderr (stdout stays clean for --json)."""
+"""Rich progress on stderr (stdout stays clean for --json): one bar per stage of a long job
+(convert's stages, perplexity's chunks, validate's phases, report --profile), with a running
+value beside it where the job has one (the PPL so far). The commands turn it off with --quiet
+or --json; rich draws it live on a terminal and prints its last state otherwise."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -11,11 +14,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 stderr = Console(stderr=True)
 
 _LABELS = {"trace": "tracing the decoder", "weights": "writing weights", "passes": "graph passes"}
+Update = Callable[..., None]  # (stage, done, total, value="")
 
 
 @contextlib.contextmanager
 def stage_progress(enabled: bool = True) -> Iterator:
-    """Yield a callback `(stage, done, total)` that drives one progress bar per stage."""
+    """Yield a callback `(stage, done, total, value="")` that drives one progress bar per
+    stage; `value` is shown after the count (e.g. "PPL 12.34")."""
     if not enabled:
         yield None
         return
@@ -24,14 +29,15 @@ def stage_progress(enabled: bool = True) -> Iterator:
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[value]}"),
         console=stderr,
         transient=False,
     ) as bar:
         tasks: dict[str, int] = {}
 
-        def update(stage: str, done: int, total: int) -> None:
+        def update(stage: str, done: int, total: int, value: str = "") -> None:
             if stage not in tasks:
-                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total)
-            bar.update(tasks[stage], completed=done, total=total)
+                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total, value=value)
+            bar.update(tasks[stage], completed=done, total=total, value=value)
 
         yield update

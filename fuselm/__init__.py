@@ -2,8 +2,10 @@
 
     import fuselm
     fuselm.convert("path/to/hf-model", "out", quant="q4")
-    model = fuselm.load("out")
-    print(model.generate("Hello", max_tokens=32).text)
+    model, tokenizer = fuselm.load("out")        # or a .gguf file, or an HF folder
+    print(fuselm.generate(model, tokenizer, "Hello", max_tokens=32))
+    for r in fuselm.stream_generate(model, tokenizer, "Hello", max_tokens=32):
+        print(r.text, end="")
 
 The names are loaded on first use, so `import fuselm` does not import torch or MLX.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Generation", "Model", "convert", "load"]
+__all__ = ["Generation", "GenerationResponse", "Model", "convert", "generate", "load",
+           "stream_generate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,3 +25,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     raise AttributeError(f"module 'fuselm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "__version__"])

@@ -146,8 +146,7 @@ class RuntimeConfig:
             return None
         if self.kernel_dir:
             return Path(self.kernel_dir).expanduser()
-        base = os.environ.get("XDG_CACHE_HOME", "").strip()
-        return (Path(base) if base else Path.home() / ".cache") / "fuselm" / "cuda"
+        return cache_folder() / "cuda"
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(name, value, source) for every setting and option, for inspect and --verbose."""
@@ -167,6 +166,13 @@ class RuntimeConfig:
         width = max(len(n) for n, _, _ in rows)
         vwidth = max(len(v) for _, v, _ in rows)
         return [f"{n:<{width}}  {v:<{vwidth}}  {src}" for n, v, src in rows]
+
+
+def cache_folder() -> Path:
+    """fuselm's cache: $XDG_CACHE_HOME/fuselm, else ~/.cache/fuselm (the CUDA kernel headers,
+    the models `run`, `serve`, `fuselm.load` ... converted from a GGUF or an HF folder)."""
+    base = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(base) if base else Path.home() / ".cache") / "fuselm"
 
 
 _SETTING = {s.field: s for s in SETTINGS}

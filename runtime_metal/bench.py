@@ -95,9 +95,10 @@ def peak_memory(engine_name: str) -> tuple[int, str]:
     return int(rss * (1 if sys.platform == "darwin" else 1024)), "max RSS (process)"
 
 
-def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None
-                     ) -> tuple[float, float]:
-    """One greedy generation of n tokens; returns (pp, tg) in tokens/s."""
+def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None,
+                     on_token: Callable[[int], None] | None = None) -> tuple[float, float]:
+    """One greedy generation of n tokens; returns (pp, tg) in tokens/s. `on_token(count)`
+    after each token (progress)."""
     opts = SamplingOptions()
     timings: dict[str, float] = {}
     device = make_device_sampler(opts) if engine.device_loop else None
@@ -105,6 +106,8 @@ def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None
     for _ in generate_steps(engine, prompt, max_new_tokens=n, sampler=make_sampler(opts),
                             prefill_chunk=chunk, timings=timings, device_sampler=device):
         count += 1
+        if on_token is not None:
+            on_token(count)
     pp = len(prompt) / timings["prefill"]
     tg = (count - 1) / timings["decode"] if count > 1 and timings.get("decode") else 0.0
     return pp, tg
@@ -162,16 +165,17 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
         seconds={"load": load_s, "total": time.perf_counter() - t0})
 
 
-def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int | None
-                 ) -> list[dict[str, Any]]:
-    """Per-op time of the MLX executor (node by node, warm-up passes skipped)."""
+def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int | None,
+                 on_token: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """Per-op time of the MLX executor (node by node, warm-up passes skipped); `on_token`:
+    timed_generation's."""
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     if name != "mlx":
         raise ValueError("--profile times the MLX engine's nodes; use --engine mlx")
     prof = Profiler()
     eng = open_model(out_dir, "mlx", profiler=prof).engine
-    timed_generation(eng, prompt, n, chunk)
+    timed_generation(eng, prompt, n, chunk, on_token)
     return prof.by_op()
 
 

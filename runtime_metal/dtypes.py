@@ -54,11 +54,21 @@ _NP_TO_MX = {np.dtype(k): v for k, v in (
 _MX_TO_NP = {v: k for k, v in _NP_TO_MX.items() if k != np.dtype(np.float64)}
 
 
+def half() -> mx.Dtype:
+    """The MLX dtype float16 values compute in: float16, but float32 where MLX runs on the CPU.
+    MLX's CPU backend has no fast float16 arithmetic on x86: a float16 Q4 matmul there is ~30x
+    slower than the same in float32 (BENCHMARKS.md, "MLX on a CPU"), and a float16 graph
+    decoded at 0.1 tokens/s. float32 also holds every float16 value exactly."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
 def onnx_dtype(xp: ModuleType, elem_type: int):  # noqa: ANN201 - np.dtype or mx.Dtype
     table = _NP if xp is np else _MX
     if elem_type not in table:
         name = TensorProto.DataType.Name(elem_type)
         raise RuntimeUserError(f"element type {name} is not supported by fuselm's runtime")
+    if xp is not np and elem_type == TensorProto.FLOAT16:
+        return half()
     return table[elem_type]
 
 
@@ -67,7 +77,9 @@ def like_dtype(xp: ModuleType, like: object):  # noqa: ANN201
     d = like.dtype  # type: ignore[attr-defined]
     if xp is np:
         return d if isinstance(d, np.dtype) else _MX_TO_NP[d]
-    return _NP_TO_MX[np.dtype(d)] if isinstance(d, np.dtype) else d
+    if isinstance(d, np.dtype):
+        return half() if d == np.float16 else _NP_TO_MX[d]
+    return d
 
 
 def to_device(value: object) -> object:
@@ -76,7 +88,7 @@ def to_device(value: object) -> object:
         arr = np.asarray(value)
         if arr.dtype == ml_dtypes.bfloat16:
             return mx.array(arr.astype(np.float32)).astype(mx.bfloat16)
-        if arr.dtype == np.float64:
+        if arr.dtype == np.float64 or (arr.dtype == np.float16 and half() == mx.float32):
             arr = arr.astype(np.float32)
         elif arr.dtype in FOUR_BIT:
             # MLX has no 4-bit element type; the general DequantizeLinear reads bytes.

@@ -205,6 +205,7 @@ def iter_generate(
     context_length: int | None = None,
     reset: bool = True,
     device_sampling: bool | None = None,
+    on_logits: Callable[[np.ndarray, int], None] | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -213,7 +214,9 @@ def iter_generate(
     reset=False continues after the engine's cached positions (the caller's prompt is only
     what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
-    on device (MLX's generator: draws differ from the host's); False = always on the host."""
+    on device (MLX's generator: draws differ from the host's); False = always on the host.
+    on_logits(logits, token): each step's host logits and the token chosen from them, in order
+    (sampling then runs on the host; the Python API's logprobs)."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -222,6 +225,15 @@ def iter_generate(
                                        context_length)
     opts = sampling or SamplingOptions()
     sampler = make_sampler(opts)
+    if on_logits is not None:
+        choose = sampler
+
+        def sampler(logits: np.ndarray, history: Sequence[int]) -> int:
+            token = choose(logits, history)
+            on_logits(logits, token)
+            return token
+
+        device_sampling = False
     device_sampler = None
     if engine.device_loop and device_sampling is not False and (
             device_sampling or opts.temperature == 0):

@@ -6,9 +6,10 @@ from fuselm.runtime_metal.artifact import ModelInfo
 
 # Above this, MLX's single-threaded CPU backend is painfully slow (seconds per token).
 MLX_CPU_PARAMS = 50_000_000
-# Decode does about 2 FLOPs per parameter per token; MLX's CPU backend reaches roughly
-# 2 GFLOP/s on one core for these matrix-vector products (an estimate, not a benchmark).
-MLX_CPU_FLOPS = 2e9
+# Decode does about 2 FLOPs per parameter per token; MLX's CPU backend reached 0.75 GFLOP/s
+# on them: SmolLM2-135M Q4 decoded at 2.8 tokens/s on a 2-core x86 host, as fast as mlx-lm's
+# own decode there (BENCHMARKS.md, "MLX on a CPU"; onnxruntime: 141 tokens/s).
+MLX_CPU_FLOPS = 0.75e9
 
 
 def parameter_count(m: ModelInfo) -> int:
@@ -36,5 +37,5 @@ def mlx_cpu_warning(m: ModelInfo) -> str | None:
     speed = MLX_CPU_FLOPS / (2 * params)
     return (f"warning: MLX has no GPU on this host and its CPU backend runs on one core; for "
             f"this {human(params)}-parameter model expect roughly {speed:.1f} tokens/s "
-            "(estimate). --engine onnxruntime (the default here) uses every core and is "
-            "much faster")
+            "(scaled from 2.8 tokens/s measured on a 135M model, mlx-lm's own speed there). "
+            "--engine onnxruntime (the default here) uses every core and is ~50x faster")

@@ -32,6 +32,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 # A fixed English prose text shipped with the package, for tests, validate and benchmarks.
 SAMPLE_TEXT = Path(__file__).parent / "english_prose.txt"
 
+OnChunk = Callable[[int, int, float], None]  # (chunks done, chunks, PPL so far)
 Logits = Callable[[list[int]], np.ndarray]  # chunk ids -> float logits [len(ids), vocab]
 
 
@@ -96,8 +97,9 @@ def chunk_nll(logits: np.ndarray, ids: Sequence[int]) -> np.ndarray:
 
 
 def perplexity_of(logits_fn: Logits, tokens: Sequence[int], context: int = 512,
-                  engine: str = "") -> PerplexityResult:
-    """PPL of `tokens` under `logits_fn` (any system), with the chunking rule above."""
+                  engine: str = "", on_chunk: OnChunk | None = None) -> PerplexityResult:
+    """PPL of `tokens` under `logits_fn` (any system), with the chunking rule above;
+    `on_chunk(done, total, ppl so far)` after each chunk (progress, as llama-perplexity's)."""
     nlls: list[np.ndarray] = []
     seconds = 0.0
     parts = chunks(tokens, context)
@@ -106,6 +108,9 @@ def perplexity_of(logits_fn: Logits, tokens: Sequence[int], context: int = 512,
         logits = logits_fn(ids)
         seconds += time.perf_counter() - t0
         nlls.append(chunk_nll(np.asarray(logits), ids))
+        if on_chunk is not None:
+            so_far = float(np.concatenate(nlls).mean())
+            on_chunk(len(nlls), len(parts), math.exp(so_far) if so_far < _MAX_LOG else math.inf)
     nll = np.concatenate(nlls)
     mean = float(nll.mean())
     se = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else 0.0
@@ -130,8 +135,9 @@ def engine_logits_fn(engine: Any) -> Logits:
 
 
 def perplexity(out_dir: str | Path, text: str, context: int = 512, engine: str = "auto",
-               **engine_options: Any) -> PerplexityResult:
-    """PPL of `text` under the artifact in `out_dir`, through engine `engine`."""
+               on_chunk: OnChunk | None = None, **engine_options: Any) -> PerplexityResult:
+    """PPL of `text` under the artifact in `out_dir`, through engine `engine`; `on_chunk`:
+    perplexity_of's."""
     from fuselm.runtime_metal.loaded_model import open_model
 
     model = open_model(out_dir, engine, defer_engine=True, **engine_options)
@@ -141,4 +147,5 @@ def perplexity(out_dir: str | Path, text: str, context: int = 512, engine: str =
             f"{model.manifest.model.context_length}")
     tokens = text_tokens(model.tokenizer, text)
     eng = model.engine
-    return perplexity_of(engine_logits_fn(eng), tokens, context, engine=eng.name)
+    return perplexity_of(engine_logits_fn(eng), tokens, context, engine=eng.name,
+                         on_chunk=on_chunk)

@@ -19,6 +19,7 @@ class SamplingOptions:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off: tokens less likely than min_p x the likeliest are dropped
     repetition_penalty: float = 1.0  # 1 = off (HF's CTRL-style penalty)
     seed: int | None = None
 
@@ -31,6 +32,8 @@ class SamplingOptions:
             raise RuntimeUserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise RuntimeUserError(f"top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise RuntimeUserError(f"min-p must be in [0, 1] (0 = off), got {self.min_p}")
         if not (0 < self.repetition_penalty < math.inf):
             raise RuntimeUserError(
                 f"repetition penalty must be a finite number > 0 (1 = off), got "
@@ -52,7 +55,7 @@ class SamplingOptions:
 
 # transformers' GenerationConfig values for what generation_config.json leaves out when it sets
 # do_sample true (top_k 50 included: HF samples from the 50 likeliest tokens by default).
-HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+HF_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
 
 
 def sampling_defaults(gen_config: dict[str, Any]) -> SamplingOptions:
@@ -78,6 +81,7 @@ def sampling_defaults(gen_config: dict[str, Any]) -> SamplingOptions:
                                    f"{top_k!r}")
         opts = SamplingOptions(temperature=number("temperature", HF_SAMPLING["temperature"]),
                                top_k=int(top_k), top_p=number("top_p", HF_SAMPLING["top_p"]),
+                               min_p=number("min_p", HF_SAMPLING["min_p"]),
                                repetition_penalty=penalty)
     try:
         opts.validate()
@@ -124,6 +128,9 @@ def make_sampler(opts: SamplingOptions) -> Sampler:
             z = np.where(z < kth, -np.inf, z)
         p = np.exp(z - z.max())
         p /= p.sum()
+        if opts.min_p > 0:  # relative to the likeliest token, after temperature (llama.cpp's)
+            p = np.where(p >= opts.min_p * p.max(), p, 0.0)
+            p /= p.sum()
         if opts.top_p < 1.0:
             order = np.argsort(-p)
             cum = np.cumsum(p[order])
@@ -162,6 +169,9 @@ def make_device_sampler(opts: SamplingOptions) -> DeviceSampler | None:
         if opts.top_k and opts.top_k < z.shape[-1]:
             kth = mx.topk(z, opts.top_k, axis=-1).min(axis=-1, keepdims=True)
             z = mx.where(z < kth, -mx.inf, z)
+        if opts.min_p > 0:  # p >= min_p * p_max, in log space: z >= z_max + log(min_p)
+            floor = z.max(axis=-1, keepdims=True) + math.log(opts.min_p)
+            z = mx.where(z < floor, -mx.inf, z)
         if opts.top_p < 1.0:
             order = mx.argsort(-z, axis=-1)
             p = mx.softmax(mx.take_along_axis(z, order, axis=-1), axis=-1)

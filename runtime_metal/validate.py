@@ -30,11 +30,6 @@ def hf_model(model_dir: str | Path) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the ladder's table is the output; no loading bars
-    path = Path(model_dir)
-    if path.is_file():  # a GGUF: transformers' own loader, its weights dequantized to float32
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32)
-        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model.eval()
 
@@ -93,11 +88,14 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
              n_tokens: int = 32, prefill_chunk: int | None = None,
              engines: tuple[str, ...] = ("onnxruntime", "mlx"),
              ppl_tokens: list[int] | None = None, ppl_context: int = 256,
-             on_prompt: Callable[[int], None] | None = None, reference: Any = None) -> Report:
+             on_prompt: Callable[[int], None] | None = None,
+             reference: Any = None,
+             on_ppl: Callable[[str, int, int, float], None] | None = None) -> Report:
     """Run the ladder; `on_prompt(i)` is called after prompt i (progress); with `ppl_tokens`,
-    every rung's PPL on them too (rung_perplexity). `reference`: the float32 HF model to
-    measure against, when not `model_dir` loaded by transformers (an AWQ / GPTQ folder's
-    dequantized weights)."""
+    every rung's PPL on them too (rung_perplexity). `reference`: the HF model to compare with
+    (default: model_dir's, in float32; a GGUF's or an AWQ / GPTQ folder's dequantized weights
+    are given here). `on_ppl(rung, chunks done, chunks, PPL so far)`:
+    the PPL phase's progress."""
     model = reference if reference is not None else hf_model(model_dir)
     rungs = [Rung("hf")]
     opened = {}
@@ -127,18 +125,21 @@ def validate(model_dir: str | Path, out_dir: str | Path, prompts: list[list[int]
         if on_prompt is not None:
             on_prompt(i)
     if ppl_tokens is not None:
-        rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context)
+        rung_perplexity(rungs, model, opened, ppl_tokens, ppl_context, on_ppl)
     return Report(n_tokens, prompts, rungs)
 
 
 def rung_perplexity(rungs: list[Rung], model: Any, engines: dict[str, Any],
-                    tokens: list[int], context: int) -> None:
+                    tokens: list[int], context: int,
+                    on_ppl: Callable[[str, int, int, float], None] | None = None) -> None:
     """PPL of every rung on the same tokens (runtime_metal/perplexity.py's chunking rule)."""
     from fuselm.runtime_metal.perplexity import engine_logits_fn, perplexity_of
 
     for rung in rungs:
         fn = (lambda ids: hf_logits(model, ids)) if rung.name == "hf" else engine_logits_fn(
             engines[rung.name])
-        r = perplexity_of(fn, tokens, context, engine=rung.name)
+        report = None if on_ppl is None else (
+            lambda done, total, ppl, name=rung.name: on_ppl(name, done, total, ppl))
+        r = perplexity_of(fn, tokens, context, engine=rung.name, on_chunk=report)
         rung.perplexity = {"ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "context": r.context,
                            "scored_tokens": r.scored_tokens}

@@ -40,3 +40,6 @@ def test_demo_command_runs(tmp_path: Path) -> None:
     assert (tmp_path / "q4" / "model.onnx").is_file()
     assert "tg" in r.stderr and "FusedQKV" in r.stderr
     assert "Paris" in r.stdout, r.stdout
+    # where the model is and what to try next, with its own paths
+    assert f"the model is in {tmp_path / 'q4'}; next, try:" in r.stderr
+    assert f"fuselm chat {tmp_path / 'q4'}" in r.stderr

@@ -41,7 +41,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
           profile: bool, verbose: bool = False) -> None:
-    """Benchmark OUT_DIR: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
+    """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.cli.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.bench import check_fits, run_bench

@@ -136,8 +136,9 @@ class Chat:
 @click.option("--system", default=None, help="system prompt")
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
-         engine: str, accuracy_level: int, threads: int | None, system: str | None) -> None:
-    """Interactive chat with OUT_DIR (history kept; /help lists the commands)."""
+         engine: str, accuracy_level: int, threads: int | None, system: str | None,
+         min_p: float | None = None) -> None:
+    """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
                                "(for one reply without stdin use `fuselm run --prompt TEXT`)")
@@ -146,7 +147,8 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
             f"{out_dir} has no tokenizer, and chat needs one to turn text into tokens; "
             "re-convert from a checkpoint folder that has tokenizer.json "
             "(`fuselm run --prompt-ids` works without one)")
-    sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed)
+    sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
+                             min_p)
     model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
     tok = model.tokenizer
     gen = {"max_new_tokens": max_new_tokens, "sampling": sampling}

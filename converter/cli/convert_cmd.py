@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import click
@@ -11,6 +10,23 @@ import click
 # The pipeline, the quantization options and the progress display import onnx, numpy and the
 # exporters: imported in the command bodies, so that `fuselm --help` and argument errors answer
 # without them.
+
+
+DTYPES = ("auto", "float32", "float16")
+
+
+def _dtype(dtype: str) -> str:
+    """--dtype; bfloat16, which users bring from mlx-lm, is refused with the reason and the
+    way (a bfloat16 checkpoint converts to float16)."""
+    if dtype == "bfloat16":
+        raise click.BadParameter(
+            "bfloat16 graphs are not supported (onnxruntime has no bfloat16 kernels on CPU "
+            "for them); a bfloat16 checkpoint converts to float16 with --dtype auto, or use "
+            "float32", param_hint="--dtype")
+    if dtype not in DTYPES:
+        raise click.BadParameter(f"{dtype!r} is not one of {', '.join(map(repr, DTYPES))}",
+                                 param_hint="--dtype")
+    return dtype
 
 
 def _passes(value: str | None) -> list[str] | None:
@@ -29,9 +45,10 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", "float32", "float16"]),
+    metavar="[auto|float32|float16]",
     default="auto",
     show_default=True,
+    callback=lambda _ctx, _param, v: _dtype(v),
     help="Graph dtype; auto keeps the checkpoint's (bf16 → float16).",
 )
 @click.option(
@@ -53,6 +70,7 @@ def _passes(value: str | None) -> list[str] | None:
 @click.option("--bits-budget", type=float, default=None, metavar="BITS",
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
               "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits).")
+@click.option("-q", "--quantize", is_flag=True, help="mlx-lm's spelling: --quant q4.")
 @click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4, --q-bits 8 --quant q8.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -95,6 +113,7 @@ def convert_command(
     block_size: int | None,
     bits_budget: float | None,
     q_bits: str | None,
+    quantize: bool,
     sym: bool,
     quant_lm_head: bool | None,
     quant_embeddings: bool,
@@ -118,6 +137,8 @@ def convert_command(
     from fuselm.converter.progress import stage_progress, stderr
     from fuselm.passes.quant.options import quant_options
 
+    if quantize and quant is None:
+        quant = "q4"
     model_dir = resolve_source(model_dir)
     quant_opts = quant_options(quant, q_bits=None if q_bits is None else int(q_bits),
                                block_size=block_size, bits_budget=bits_budget,
@@ -170,7 +191,8 @@ convert = convert_command
     "out_dir",
     type=click.Path(path_type=Path),
     default=None,
-    help="Where to write the converted model (default: a temp dir).",
+    help="Where to write the converted model  [default: smollm2-q4 in fuselm's cache folder, "
+    "$XDG_CACHE_HOME/fuselm or ~/.cache/fuselm]",
 )
 @click.option("--prompt", default="What is the capital of France?", show_default=True)
 @click.option("-n", "max_new_tokens", type=click.IntRange(1), default=64, show_default=True)
@@ -184,6 +206,7 @@ convert = convert_command
 def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) -> None:
     """Convert the bundled SmolLM2-135M-Instruct GGUF (its Q4_1 blocks kept) and answer a
     question with it."""
+    from fuselm.config import cache_folder
     from fuselm.converter import out_dir as out_dir_safety
     from fuselm.converter import pipeline
     from fuselm.converter.cli.run_cmd import run
@@ -193,7 +216,7 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
     if out_dir is not None:  # before any output: a refused -o is one error line
         out_dir_safety.check_target(out_dir)
     gguf = bundled_gguf()
-    artifact_dir = out_dir or Path(tempfile.mkdtemp(prefix="fuselm-demo-")) / "smollm2-q4"
+    artifact_dir = out_dir or cache_folder() / "demo" / "smollm2-q4"
     stderr.print(f"converting {gguf.name} (GGUF) → {artifact_dir}, keeping its Q4_1 blocks")
     with stage_progress() as progress:
         result = pipeline.convert(gguf, artifact_dir, ConvertOptions(), progress)
@@ -205,3 +228,17 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
         run, out_dir=str(artifact_dir), prompt=prompt, max_new_tokens=max_new_tokens,
         engine=engine
     )
+    click.echo(next_steps(gguf, artifact_dir), err=True)  # plain: rich wraps long paths
+
+
+def next_steps(gguf: Path, artifact: Path) -> str:
+    """What to try after the demo, with its own paths."""
+    return "\n".join([
+        f"the model is in {artifact}; next, try:",
+        f"  fuselm chat {artifact}                      # talk to it",
+        f"  fuselm run {artifact} -p \"Tell me a joke\" -n 64",
+        f"  fuselm serve {artifact}                     # an OpenAI-compatible server",
+        f"  fuselm validate {gguf} {artifact}   # check it against the GGUF's own weights",
+        f"  fuselm bench {artifact}                     # prefill / decode tokens/s",
+        f"  fuselm run {gguf} -p Hello             # a GGUF runs directly (converted once)",
+    ])

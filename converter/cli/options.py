@@ -12,20 +12,25 @@ import click
 from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.errors import RuntimeUserError
 
+MODEL_HELP = ("the model: an artifact folder, or a .gguf file or HF checkpoint folder "
+              "(converted once into the cache; the folder is printed)")
+
 
 def model_argument(f: Callable[..., Any]) -> Callable[..., Any]:
-    """OUT_DIR as a positional argument or as `-m/--model` (mlx-lm / llama.cpp spelling)."""
-    f = click.option("-m", "--model", "model_opt", default=None, metavar="OUT_DIR",
-                     type=click.Path(file_okay=False),
-                     help="the artifact folder (same as the OUT_DIR argument)")(f)
-    f = click.argument("out_dir", required=False, type=click.Path(file_okay=False))(f)
+    """MODEL as a positional argument or as `-m/--model` (mlx-lm / llama.cpp spelling): an
+    artifact folder, a GGUF file or an HF folder (converter/model_path.py resolves it)."""
+    f = click.option("-m", "--model", "model_opt", default=None, metavar="MODEL",
+                     type=click.Path(), help=f"{MODEL_HELP}; same as the MODEL argument")(f)
+    f = click.argument("out_dir", metavar="MODEL", required=False, type=click.Path())(f)
 
     @functools.wraps(f)
     def wrapper(*args: Any, out_dir: str | None = None, model_opt: str | None = None,
                 **kwargs: Any) -> Any:
         if (out_dir is None) == (model_opt is None):
-            raise click.UsageError("give the artifact folder once: OUT_DIR or -m/--model")
-        return f(*args, out_dir=out_dir or model_opt, **kwargs)
+            raise click.UsageError("give the model once: MODEL or -m/--model")
+        from fuselm.converter.model_path import resolve_model
+
+        return f(*args, out_dir=str(resolve_model(out_dir or model_opt)), **kwargs)
 
     return wrapper
 

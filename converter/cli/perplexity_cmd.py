@@ -6,7 +6,7 @@ import json
 
 import click
 
-from fuselm.converter.cli.options import ort_options, threads_option
+from fuselm.converter.cli.options import model_argument, ort_options, threads_option
 
 _RULE = ("The text is tokenized without special tokens and cut into consecutive chunks of "
          "--context tokens (a last partial chunk is dropped); each chunk runs from an empty "
@@ -14,9 +14,9 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
          "context/2 tokens. PPL = exp(mean NLL), ± its standard error.")
 
 
-@click.command("perplexity", help=f"Perplexity of a text under the model in OUT_DIR. {_RULE}")
-@click.argument("out_dir", type=click.Path(file_okay=False))
-@click.option("--text", "text_file", type=click.Path(dir_okay=False), default=None,
+@click.command("perplexity", help=f"Perplexity of a text under MODEL. {_RULE}")
+@model_argument
+@click.option("-f", "--file", "--text", "text_file", type=click.Path(dir_okay=False), default=None,
               help="UTF-8 text file [default: a bundled ~2.5k-token English prose passage]")
 @click.option("--context", type=click.IntRange(4), default=512, show_default=True,
               help="tokens per chunk (even)")
@@ -29,13 +29,19 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
                accuracy_level: int, threads: int | None, as_json: bool) -> None:
+    from fuselm.converter.progress import stage_progress
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
     from fuselm.runtime_metal.perplexity import perplexity as run_ppl
 
     text = read_text(text_file or SAMPLE_TEXT)
     options = ort_options(resolve_engine(engine), accuracy_level, threads)
-    result = run_ppl(out_dir, text, context=context, engine=engine, **options)
+    with stage_progress(not as_json) as bar:
+        def on_chunk(done: int, total: int, ppl: float) -> None:
+            bar("chunks", done, total, f"PPL {ppl:.4f}")
+
+        result = run_ppl(out_dir, text, context=context, engine=engine,
+                         on_chunk=on_chunk if bar else None, **options)
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "text": str(text_file or SAMPLE_TEXT)}))
         return

@@ -56,12 +56,16 @@ def _profile(out_dir: str, measure: bool, profile_json: Path | None
     if not measure:
         return None, "not measured: add --profile (or --profile-json FILE from `fuselm run " \
                      "--engine mlx --profile --json`)"
+    from fuselm.converter.progress import stage_progress
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.bench import profile_rows
 
     vocab = read_manifest(out_dir).model.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(16)]
-    rows = profile_rows(out_dir, "mlx", prompt, 8, 512)
+    with stage_progress() as bar:
+        bar("profiling MLX node by node (tokens)", 0, 8)
+        rows = profile_rows(out_dir, "mlx", prompt, 8, 512, on_token=lambda done: bar(
+            "profiling MLX node by node (tokens)", done, 8))
     return rows, "16-token prompt, 8 new tokens, node by node after 2 warm-up passes " \
                  "(totals exceed a normal run; the ranking is the point)"
 

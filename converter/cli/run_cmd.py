@@ -29,14 +29,15 @@ _CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
 
 
 def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p: float | None,
-              repetition_penalty: float | None, seed: int | None):  # noqa: ANN202
+              repetition_penalty: float | None, seed: int | None,
+              min_p: float | None = None):  # noqa: ANN202
     """The flags given over the model's generation_config.json defaults (greedy without one),
     the defaults `fuselm serve` uses for a request that sets nothing."""
     from fuselm.runtime_metal.sampling import sampling_defaults
     from fuselm.runtime_metal.tokenizer import generation_config
 
     opts = sampling_defaults(generation_config(out_dir)).overridden(
-        temperature=temperature, top_k=top_k, top_p=top_p,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed)
     opts.validate()
     return opts
@@ -101,6 +102,9 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
                      help=f"0 = greedy  {_FROM_CONFIG}"),
         click.option("--top-k", type=int, default=None, help=f"0 = off  {_FROM_CONFIG}"),
         click.option("--top-p", type=float, default=None, help=f"1 = off  {_FROM_CONFIG}"),
+        click.option("--min-p", type=float, default=None,
+                     help="keep tokens at least this fraction as likely as the likeliest, "
+                     f"0 = off  {_FROM_CONFIG}"),
         click.option("--repetition-penalty", type=float, default=None,
                      help=f"1 = off  {_FROM_CONFIG}"),
         click.option("--seed", type=int, default=None),
@@ -111,11 +115,18 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 
 @click.command("run")
 @model_argument
-@click.option("--prompt", default=None, help="text; the chat template is applied if present")
+@click.option("-p", "--prompt", default=None,
+              help="text; the chat template is applied if present; `-` reads stdin  "
+              "[default: stdin when it is not a terminal]")
+@click.option("--system", default=None, help="a system message before the prompt (chat "
+              "template)")
 @click.option("--prompt-ids", default=None, help="token ids as given, e.g. 1,2,3")
 @click.option("--raw", is_flag=True, help="do not apply the chat template to --prompt")
 @click.option("-n", "--max-new-tokens", "--max-tokens", type=click.IntRange(1), default=64,
               show_default=True)
+@click.option("-c", "--ctx-size", "--max-kv-size", "ctx_size", type=click.IntRange(2),
+              default=None, help="tokens of context (prompt + reply) at most; the reply stops "
+              "where it is full  [default: the model's context length]")
 @_sampling_options
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @_ENGINE
@@ -134,13 +145,18 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...],
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
-        verify_files: bool = False, verbose: bool = False) -> None:
-    """Generate text from a converted model in OUT_DIR."""
+        verify_files: bool = False, verbose: bool = False, system: str | None = None,
+        ctx_size: int | None = None, min_p: float | None = None) -> None:
+    """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
+    prompt = prompt_text(prompt, prompt_ids)
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt and --prompt-ids")
-    sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed)
+    if system is not None and (prompt is None or raw):
+        raise click.UsageError("--system goes into the chat template: give it with --prompt, "
+                               "without --raw")
+    sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p)
     config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact
@@ -149,7 +165,14 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
     if prompt is not None:
         check_text(prompt)
-        ids = encode_prompt(model.tokenizer, prompt, raw=raw)
+        history = None
+        if system is not None:
+            if not getattr(model.tokenizer, "chat_template", None):
+                raise RuntimeUserError("--system needs a chat template, and this model's "
+                                       "tokenizer has none")
+            check_text(system)
+            history = [{"role": "system", "content": system}]
+        ids = encode_prompt(model.tokenizer, prompt, raw=raw, history=history)
     else:
         ids = _parse_ids(prompt_ids or "")
         vocab = model.manifest.model.vocab_size
@@ -161,7 +184,12 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         stream.write(piece)
         stream.flush()
 
+    context = model.manifest.model.context_length
+    if ctx_size is not None and ctx_size > context:
+        raise RuntimeUserError(f"--ctx-size {ctx_size} is over the model's context ({context}); "
+                               f"give at most {context}")
     result = model.generate(ids, on_text=on_text, max_new_tokens=max_new_tokens,
+                            context_length=ctx_size or context,
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
                             device_sampling=True if device_sampling else None)
     stream.write("\n")
@@ -178,6 +206,17 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
                    f"stop: {result.stop_reason}", err=True)
     if profiler is not None and not as_json:
         click.echo(profiler.table(), err=True)
+
+
+def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:
+    """The prompt: `-p TEXT`; `-p -` reads stdin; no prompt at all reads stdin when it is not
+    a terminal (`echo hi | fuselm run M`), as llama.cpp and mlx-lm do."""
+    if prompt == "-" or (prompt is None and prompt_ids is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+        if not text.strip():
+            raise click.UsageError("the prompt read from stdin is empty; give -p TEXT")
+        return text.rstrip("\n")
+    return prompt
 
 
 # Shared with chat_cmd (same options, one definition).

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from fuselm.converter.cli.options import ort_options, threads_option
+from fuselm.converter.cli.options import model_argument, ort_options, threads_option
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
@@ -34,7 +34,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 
 
 @click.command("serve")
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@model_argument
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address to listen on; one beyond this machine (0.0.0.0, a LAN address) "
               "needs --api-key or --insecure-no-auth")
@@ -57,7 +57,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
 @click.option("--model-name", default=None, help="the model id clients send; default: "
-              "OUT_DIR's folder name")
+              "MODEL's name")
 @click.option("--max-body", type=click.IntRange(1024), default=2 * 1024 * 1024,
               show_default=True, help="largest request body in bytes (HTTP 413 above)")
 @click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True, default=None,
@@ -80,7 +80,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
           allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
-    """Serve OUT_DIR over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
+    """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
     Sampling a request leaves out (temperature, top_p, and the extensions top_k and
@@ -130,7 +130,9 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     scheduler = Scheduler(build, model.decoder(), model.eos_ids, max_batch=max_batch,
                           max_queue=max_queue)
     scheduler.start()
-    state = ServeState(scheduler, tok_handlers, model_name or Path(out_dir).resolve().name,
+    from fuselm.converter.model_path import model_name as shown_name
+
+    state = ServeState(scheduler, tok_handlers, model_name or shown_name(Path(out_dir)),
                        max_context, manifest.model.vocab_size, default_max_tokens,
                        max_body, described, sampling=model.sampling_defaults)
     app = create_app(state, access)

@@ -3,10 +3,12 @@ per rung and a non-zero exit on FAIL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,26 +21,15 @@ SAME_MODEL = ("architecture", "vocab_size", "num_layers", "hidden_size", "num_he
               "num_kv_heads", "head_dim", "intermediate_size")
 
 
-def check_same_model(model_dir: str, manifest: object) -> None:
-    """Refuse, before any compute, an HF folder (or GGUF file) and an artifact of different
-    models."""
-    from fuselm.export.gguf.file import is_gguf
+def check_same_model(model_dir: str, manifest: object, spec: object = None) -> None:
+    """Refuse, before any compute, an HF folder (or GGUF, `spec` given) and an artifact of
+    different models."""
     from fuselm.export.registry import decoder_spec
 
-    if Path(model_dir).is_file() and is_gguf(model_dir):
-        import tempfile
-        from types import SimpleNamespace
-
-        from fuselm.export.gguf.source import GGUFCheckpoint
-
-        config = GGUFCheckpoint(model_dir).config
-        with tempfile.TemporaryDirectory() as meta:  # the spec reads the config it stages
-            Path(meta, "config.json").write_text(json.dumps(config))
-            spec = decoder_spec(meta, hf_config=SimpleNamespace(**config))
-    elif not Path(model_dir, "config.json").is_file():
-        raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder "
-                               "or the .gguf file it was converted from")
-    else:
+    if spec is None:
+        if not Path(model_dir, "config.json").is_file():
+            raise RuntimeUserError(f"{model_dir} has no config.json; pass the HF model folder "
+                                   "or the .gguf file the artifact was converted from")
         spec = decoder_spec(model_dir)
     info = manifest.model  # type: ignore[attr-defined]
     diff = [f"{k}: {getattr(spec, k)} in {model_dir} vs {getattr(info, k)} in the artifact"
@@ -51,11 +42,13 @@ def check_same_model(model_dir: str, manifest: object) -> None:
             "pass the folder the artifact was converted from")
 
 
-def _dequantized_reference(model_dir: str) -> object:
+def _dequantized_reference(model_dir: str) -> Any:
     """An AWQ / GPTQ folder's reference: its dequantized weights in transformers' float32 model
-    (export/quantized/reference.py); None for every other input (transformers loads it)."""
+    (export/quantized/reference.py); None for every other HF folder (transformers loads it)."""
+    from fuselm.converter.gguf_reference import Reference
     from fuselm.export.open_checkpoint import open_checkpoint
     from fuselm.export.quantized.checkpoint import QuantizedCheckpoint
+    from fuselm.export.registry import decoder_spec
 
     if not Path(model_dir, "config.json").is_file():
         return None
@@ -64,12 +57,12 @@ def _dequantized_reference(model_dir: str) -> object:
         return None
     from fuselm.export.quantized.reference import dequantized_model
 
-    return dequantized_model(ckpt)
+    return Reference(Path(model_dir), decoder_spec(model_dir), dequantized_model(ckpt))
 
 
 @click.command("validate")
-@click.argument("model_dir", type=click.Path())
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path(exists=True))
+@click.argument("out_dir", required=False, type=click.Path(file_okay=False))
 @click.option("-n", "--tokens", type=click.IntRange(1), default=32, show_default=True,
               help="greedy tokens compared per prompt")
 @click.option("--prompt", "prompts", multiple=True, help="text prompt (repeatable)")
@@ -84,15 +77,48 @@ def _dequantized_reference(model_dir: str) -> object:
               show_default=True, help="PPL chunk size (see `fuselm perplexity --help`)")
 @click.option("--no-ppl", is_flag=True, help="skip the PPL of each rung")
 @click.option("--json", "as_json", is_flag=True)
-def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...],
+def validate(model_dir: str, out_dir: str | None, tokens: int, prompts: tuple[str, ...],
              engines: tuple[str, ...], want_mlx: bool, prefill_chunk: int | None,
              ppl_text: str | None, ppl_context: int, no_ppl: bool, as_json: bool) -> None:
     """Check a conversion: HF transformers float32 -> onnxruntime -> MLX on a few prompts,
     with a PASS / WARN / FAIL verdict per rung (exit 1 on FAIL).
 
+    MODEL_DIR is the HF folder or the .gguf file OUT_DIR was converted from; for a GGUF the
+    reference is transformers holding the file's own dequantized weights in float32. Without
+    OUT_DIR, the conversion `fuselm run MODEL_DIR` uses (the cache's) is checked.
+
     Thresholds on rel = max|a-b| / max|b| of the logits vs HF: float32 pass <= 1e-4, fail >
-    1e-3; float16 pass <= 1e-2, fail > 5e-2; Q4 pass <= 0.2, fail > 0.5 (why: see
-    runtime_metal/verdict.py). NaN/Inf anywhere fails."""
+    1e-3; float16 pass <= 1e-2, fail > 5e-2; Q4 pass <= 0.2, fail > 0.5, or with the PPL
+    measured (the default) on its increase over the reference: pass <= +25 %, fail > +50 %
+    (why: see runtime_metal/verdict.py). NaN/Inf anywhere fails."""
+    from fuselm.converter.model_path import resolve_model, source_kind
+
+    kind = source_kind(Path(model_dir))
+    if kind == "artifact":
+        raise click.UsageError(f"{model_dir} is a converted artifact; give the HF folder or the "
+                               ".gguf file it came from, then the artifact: validate MODEL_DIR "
+                               "OUT_DIR")
+    if out_dir is None:
+        if kind is None:
+            raise click.UsageError(f"{model_dir} is neither an HF folder nor a .gguf file")
+        out_dir = str(resolve_model(model_dir))
+    with contextlib.ExitStack() as stack:
+        reference = None
+        if kind == "gguf":
+            from fuselm.converter.gguf_reference import gguf_reference
+
+            click.echo(f"reading {model_dir}'s weights as the float32 reference", err=True)
+            reference = stack.enter_context(gguf_reference(model_dir))
+        else:
+            reference = _dequantized_reference(model_dir)
+        _ladder(model_dir, out_dir, reference, tokens, prompts, engines, want_mlx, prefill_chunk,
+                ppl_text, ppl_context, no_ppl, as_json)
+
+
+def _ladder(model_dir: str, out_dir: str, reference: Any, tokens: int,  # noqa: PLR0913
+            prompts: tuple[str, ...], engines: tuple[str, ...], want_mlx: bool,
+            prefill_chunk: int | None, ppl_text: str | None, ppl_context: int, no_ppl: bool,
+            as_json: bool) -> None:
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.engine import mlx_has_gpu
     from fuselm.runtime_metal.loaded_model import open_model
@@ -100,7 +126,7 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
     from fuselm.runtime_metal.verdict import THRESHOLDS, judge, precision
 
     manifest = read_manifest(out_dir)
-    check_same_model(model_dir, manifest)
+    check_same_model(model_dir, manifest, reference.spec if reference else None)
     say = (lambda m: click.echo(m, err=True)) if as_json else click.echo
     rungs = list(engines) or ["onnxruntime", "mlx"]
     if "mlx" in rungs and not engines and not want_mlx and not mlx_has_gpu():
@@ -133,7 +159,8 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
             f"-n {tokens} after a {longest}-token prompt needs {longest + tokens} positions but "
             f"the model's context is {context}; give -n <= {context - longest}")
     key = precision(manifest.dtype, manifest.quantization)
-    say(f"validating {out_dir} ({key}) against {model_dir} (HF float32): "
+    what = "its dequantized weights in HF float32" if reference else "HF float32"
+    say(f"validating {out_dir} ({key}) against {model_dir} ({what}): "
         f"{len(ids)} prompts, {tokens} greedy tokens each, rungs: {', '.join(rungs)}")
     t0 = time.perf_counter()
 
@@ -142,10 +169,25 @@ def validate(model_dir: str, out_dir: str, tokens: int, prompts: tuple[str, ...]
             f"done at {time.perf_counter() - t0:.1f}s")
         sys.stdout.flush()
 
-    report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
-                        ppl_tokens, ppl_context, on_prompt=progress,
-                        reference=_dequantized_reference(model_dir))
-    verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key) for r in report.rungs[1:]}
+    from fuselm.converter.progress import stage_progress
+
+    with stage_progress(not as_json) as bar:
+        def on_ppl(rung: str, done: int, total: int, ppl: float) -> None:
+            bar(f"PPL {rung}", done, total, f"{ppl:.4f}")
+
+        report = run_ladder(model_dir, out_dir, ids, tokens, prefill_chunk, tuple(rungs),
+                            ppl_tokens, ppl_context, on_prompt=progress,
+                            reference=reference.model if reference else None,
+                            on_ppl=on_ppl if bar else None)
+    reference_ppl = (report.rungs[0].perplexity or {}).get("ppl")
+
+    def increase(rung: Any) -> float | None:
+        if not reference_ppl or not rung.perplexity:
+            return None
+        return rung.perplexity["ppl"] / reference_ppl - 1
+
+    verdicts = {r.name: judge(r.logits_rel_hf, r.nonfinite, key, increase(r))
+                for r in report.rungs[1:]}
     if any(report.rungs[0].nonfinite):
         for v in verdicts.values():
             v.status, v.reason = "FAIL", "the HF checkpoint itself gives NaN/Inf logits"

@@ -33,6 +33,13 @@ class ReportData:
     notes: list[str] = field(default_factory=list)
 
 
+def _unchanged(e: dict[str, Any]) -> str:
+    """Why a pass changed nothing: with no match, its pattern was not in the graph it got (the
+    graph builder writes RMSNormalization, FusedRoPE and Attention itself)."""
+    why = "no match: none of its pattern in the graph" if not e.get("matches") else "no change"
+    return f"<span class=muted>{why}</span>"
+
+
 def _passes_table(passes: list[dict[str, Any]]) -> str:
     rows = []
     for e in passes:
@@ -43,7 +50,7 @@ def _passes_table(passes: list[dict[str, Any]]) -> str:
             refused += f"<br>(+{len(e['refused']) - 8} more)"
         rows.append(f"<tr><td>{escape(e['name'])}</td><td class=num>{e['matches']}</td>"
                     f"<td class=num>{e['nodes_before']} → {e['nodes_after']}</td>"
-                    f"<td>{delta or '<span class=muted>no change</span>'}</td>"
+                    f"<td>{delta or _unchanged(e)}</td>"
                     f"<td>{refused or '<span class=muted>none</span>'}</td>"
                     f"<td class=num>{e.get('seconds', 0):.3f}</td></tr>")
     return ("<table id=passes><tr><th>pass</th><th>matches</th><th>nodes</th>"
@@ -79,10 +86,10 @@ def render(d: ReportData) -> str:
 <table id=summary>{summary}</table>
 <h2>Passes</h2>{_passes_table(d.passes)}
 <h2>Op histogram, before → after the passes</h2><div class=scroll>{hist}</div>
-<h2>One decoder layer, before and after fusion</h2>
-<div class=layers><figure><figcaption>before ({n_before} nodes)</figcaption>
+<h2>One decoder layer, as exported and after the passes</h2>
+<div class=layers><figure><figcaption>as exported, before the passes ({n_before} nodes)</figcaption>
 <div class=scroll>{before or '<p class=muted>not recorded</p>'}</div></figure>
-<figure><figcaption>after ({n_after} nodes; fuselm ops in orange)</figcaption>
+<figure><figcaption>after the passes ({n_after} nodes; fuselm ops in orange)</figcaption>
 <div class=scroll>{after or '<p class=muted>no layer found</p>'}</div></figure></div>
 <h2>Time per op (MLX executor, node by node)</h2>{prof}
 <h2>Q4 error per tensor</h2>{quant}

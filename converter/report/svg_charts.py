@@ -12,6 +12,17 @@ PLAIN = "#8ecae6"
 BAR = "#457b9d"
 
 
+def shown(value: float, unit: str) -> str:
+    """A value as people read it: milliseconds as µs, ms, s or min, three significant digits
+    (35,700 ms is "35.7 s", not "3.57e+04 ms"); other units as before."""
+    if unit == "ms":
+        for limit, scale, name in ((1.0, 1e3, "µs"), (1e3, 1.0, "ms"), (6e4, 1e-3, "s")):
+            if abs(value) < limit:
+                return f"{value * scale:.3g} {name}"
+        return f"{value / 6e4:.3g} min"
+    return f"{value:.3g} {unit}"
+
+
 def bar_chart(rows: Sequence[tuple[str, float]], unit: str, css_id: str,
               label_width: int = 220) -> str:
     """One bar per (label, value), longest first as given."""
@@ -28,8 +39,8 @@ def bar_chart(rows: Sequence[tuple[str, float]], unit: str, css_id: str,
                      f'{escape(label)}</text>'
                      f'<rect x="{label_width}" y="{y + 3}" width="{w:.1f}" height="{h - 6}" '
                      f'fill="{BAR}"><title>{escape(label)}: {value:g} {unit}</title></rect>'
-                     f'<text x="{label_width + w + 6:.1f}" y="{y + 15}">{value:.3g} {unit}'
-                     '</text>')
+                     f'<text x="{label_width + w + 6:.1f}" y="{y + 15}">'
+                     f'{escape(shown(value, unit))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

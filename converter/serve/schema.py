@@ -60,6 +60,7 @@ class _Request(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # Not OpenAI's, but vLLM's and llama.cpp's (the openai client sends them in extra_body).
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, lt=float("inf"))
     seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
     stop: str | list[str] | None = None
@@ -74,7 +75,7 @@ class _Request(BaseModel):
     def sampling(self, defaults: SamplingOptions) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter."""
         return defaults.overridden(temperature=self.temperature, top_p=self.top_p,
-                                   top_k=self.top_k,
+                                   top_k=self.top_k, min_p=self.min_p,
                                    repetition_penalty=self.repetition_penalty, seed=self.seed)
 
     @field_validator("stop")

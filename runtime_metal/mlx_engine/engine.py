@@ -22,6 +22,7 @@ import numpy as np
 from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
+from fuselm.runtime_metal.dtypes import half
 from fuselm.runtime_metal.kv_cache import KVCache
 from fuselm.runtime_metal.loader import load_graph
 from fuselm.runtime_metal.manifest_schema import (
@@ -62,7 +63,7 @@ class MLXEngine:
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
-        act = mx.float16 if manifest.dtype == "float16" else mx.float32
+        act = half() if manifest.dtype == "float16" else mx.float32
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
         settle_affine(packed, act)
         self.dense_from_rows = kernels.dense_prefill_rows(self.config.prefill_dense)

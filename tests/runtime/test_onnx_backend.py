@@ -22,11 +22,20 @@ class MLXRep(BackendRep):
         self.plan = build_plan(LoadedGraph(model, weights, None))  # type: ignore[arg-type]
         init = set(weights)
         self.input_names = [i.name for i in model.graph.input if i.name not in init]
+        # MLX on a CPU computes float16 in float32 (runtime_metal/dtypes.py `half`): outputs
+        # come back in the type the graph declares.
+        self.output_types = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}
 
     def run(self, inputs, **kwargs):  # noqa: ANN001, ANN003, ANN201
         feeds = dict(zip(self.input_names, inputs, strict=False))
         out = Executor(self.plan).run(feeds)
-        return [to_host(out[o]) for o in self.plan.outputs]
+        return [declared(to_host(out[o]), self.output_types.get(o)) for o in self.plan.outputs]
+
+
+def declared(value: np.ndarray, elem_type: int | None) -> np.ndarray:
+    if elem_type == onnx.TensorProto.FLOAT16 and value.dtype == np.float32:
+        return value.astype(np.float16)
+    return value
 
 
 class MLXBackend(Backend):

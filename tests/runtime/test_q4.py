@@ -70,17 +70,22 @@ def test_untied_q4_embedding_is_packed(family_models, tmp_path) -> None:  # noqa
 
 
 def test_half_precision_artifact_keeps_affine_terms_once(family_models, tmp_path) -> None:  # noqa: ANN001
-    """float16 activations: every QWeight's scales/biases are float16 only (no float32 pair
-    beside the cast), the tied table still shares the head's arrays, and the MLX engine agrees
+    """float16 activations: every QWeight's scales/biases are in the dtype float16 computes in
+    (float16; float32 on MLX's CPU backend, dtypes.half) only, with no pair of the other dtype
+    beside the cast, the tied table still shares the head's arrays, and the MLX engine agrees
     with onnxruntime to float16 precision."""
     import mlx.core as mx
+
+    from fuselm.runtime_metal.dtypes import half
 
     out = convert(family_models["qwen3"][0], tmp_path / "q4_fp16", dtype="float16", quant="q4",
                   quant_lm_head=True, quant_embeddings=True)
     mlx_engine = make_engine(out, "mlx")
     packed = [v for v in mlx_engine.plan.constants.values() if isinstance(v, QWeight)]
-    assert packed and all(w.scales.dtype == w.biases.dtype == mx.float16 for w in packed)
-    assert not any(mx.float32 in w._cast for w in packed)
+    act = half()
+    other = mx.float32 if act == mx.float16 else mx.float16
+    assert packed and all(w.scales.dtype == w.biases.dtype == act for w in packed)
+    assert not any(other in w._cast for w in packed)
     rows, raw = _lookup_tables(mlx_engine)
     assert len(rows) == 1 and not raw
     assert any(w is not rows[0] and w.packed is rows[0].packed and w.scales is rows[0].scales

@@ -70,14 +70,14 @@ def test_completions_refuse_what_they_do_not_implement(server: Server, name: str
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_unknown_parameter_refused_by_name(server: Server, path: str) -> None:
-    body = {"model": MODEL, "max_tokens": 2, "min_p": 0.1,
+    body = {"model": MODEL, "max_tokens": 2, "mirostat": 2,
             **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path
                else {"prompt": "hi"})}
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == "min_p" and err["code"] == "unknown_parameter"
-    assert "min_p" in err["message"]
+    assert err["param"] == "mirostat" and err["code"] == "unknown_parameter"
+    assert "mirostat" in err["message"]
 
 
 def test_no_op_values_and_bookkeeping_fields_accepted(server: Server) -> None:
@@ -106,7 +106,7 @@ def test_default_sampling_is_the_generation_config(any_server: Server) -> None:
     assert gen["do_sample"] is False
     (model,) = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
     assert model["fuselm"]["sampling_defaults"] == {
-        "temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+        "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
     want = run_json(server, "--prompt-ids", ",".join(map(str, IDS)))
     assert completion(server) == want["text"]
     r = server.client().chat.completions.create(
@@ -123,6 +123,22 @@ def test_top_k_honoured(any_server: Server) -> None:
         assert completion(server, temperature=2.0, seed=seed, extra_body={"top_k": 1}) == greedy
     free = {completion(server, temperature=2.0, seed=seed) for seed in (1, 2, 3)}
     assert free != {greedy}
+
+
+def test_min_p_honoured(any_server: Server) -> None:
+    server = any_server
+    """min_p=1 keeps only the likeliest token: greedy at any temperature and seed."""
+    greedy = completion(server, temperature=0)
+    for seed in (1, 2):
+        assert completion(server, temperature=2.0, seed=seed, extra_body={"min_p": 1.0}) == greedy
+
+
+def test_min_p_same_as_run(server: Server) -> None:
+    """A small min_p samples what `fuselm run --min-p` samples (one host sampler, one seed)."""
+    got = completion(server, temperature=1.5, seed=4, extra_body={"min_p": 0.05})
+    want = run_json(server, "--prompt-ids", ",".join(map(str, IDS)), "--temperature", "1.5",
+                    "--seed", "4", "--min-p", "0.05")["text"]
+    assert got == want
 
 
 def test_repetition_penalty_honoured(any_server: Server) -> None:

@@ -55,6 +55,13 @@ def cli(*args: str, input: str | bytes | None = None) -> subprocess.CompletedPro
                                        stderr.decode(errors="replace"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GGUF files and HF folders given to run, validate, load ... convert into the cache:
+    this session's own, never the user's ~/.cache."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A qwen3 checkpoint (GQA, head_dim != hidden/heads) with a long context for chat."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def test_familiar_run_flags(artifact: Path) -> None:
     assert json.loads(a.stdout)["tokens"] == json.loads(b.stdout)["tokens"]
     assert len(json.loads(a.stdout)["tokens"]) <= 5
     both = cli("run", str(artifact), "-m", str(artifact), "--prompt", "Hi")
-    assert both.returncode == 2 and "OUT_DIR or -m/--model" in both.stderr
+    assert both.returncode == 2 and "MODEL or -m/--model" in both.stderr
 
 
 def test_bench_grid_one_table(artifact: Path) -> None:
@@ -73,11 +74,13 @@ def test_convert_aliases_and_hub_offline(hf_dir: Path, tmp_path: Path) -> None:
     assert "`hf download SomeOrg/Some-Model-0.5B --local-dir Some-Model-0.5B`" in offline.stderr
 
 
-def test_run_on_an_hf_dir_suggests_a_sibling(hf_dir: Path) -> None:
-    r = cli("run", str(hf_dir), "--prompt", "Hi")
-    assert r.returncode == 2
-    sibling = hf_dir.resolve().parent / f"{hf_dir.name}-fuselm"
-    assert f"-o {sibling}`" in r.stderr, r.stderr
+def test_run_on_an_hf_dir_converts_it_into_the_cache(hf_dir: Path, artifact: Path) -> None:
+    r = cli("run", str(hf_dir), "-p", "Hi", "-n", "4", "--engine", "onnxruntime", "--json")
+    assert r.returncode == 0, r.stderr
+    cache = Path(os.environ["XDG_CACHE_HOME"]) / "fuselm" / "converted"
+    assert f"(HF folder) once into {cache}" in r.stderr or f"using {cache}" in r.stderr
+    # the default conversion of a float32 checkpoint: the same tokens as the float32 artifact
+    assert json.loads(r.stdout)["tokens"] == _run_json(artifact, "-p", "Hi", "-n", "4")["tokens"]
 
 
 def test_inspect_summary_first_and_collapsed(artifact: Path) -> None:
@@ -91,3 +94,73 @@ def test_inspect_summary_first_and_collapsed(artifact: Path) -> None:
     assert "past_key_values.{0..1}.key" in out and "past_key_values.0.key" not in out
     full = cli("inspect", str(artifact), "--full").stdout
     assert "past_key_values.1.value" in full
+
+
+def _run_json(artifact: Path, *args: str, input: str | None = None) -> dict:
+    r = cli("run", str(artifact), "--engine", "onnxruntime", "--json", *args, input=input)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    return {k: out[k] for k in ("tokens", "text", "prompt_tokens", "stop_reason")}
+
+
+def test_prompt_flag_and_stdin(artifact: Path) -> None:
+    want = _run_json(artifact, "--prompt", "Hi there", "-n", "4")
+    assert _run_json(artifact, "-p", "Hi there", "-n", "4") == want
+    assert _run_json(artifact, "-p", "-", "-n", "4", input="Hi there\n") == want
+    assert _run_json(artifact, "-n", "4", input="Hi there\n") == want  # piped, no -p
+    empty = cli("run", str(artifact), "-n", "4", input="")
+    assert empty.returncode == 2 and "the prompt read from stdin is empty" in empty.stderr
+
+
+def test_ctx_size_bounds_prompt_and_reply(artifact: Path) -> None:
+    for flag in ("-c", "--ctx-size", "--max-kv-size"):
+        out = _run_json(artifact, "-p", "Hi", "-n", "64", flag, "24")
+        assert out["prompt_tokens"] + len(out["tokens"]) == 24, out
+    over = cli("run", str(artifact), "-p", "Hi", "-c", "100000", "--engine", "onnxruntime")
+    assert over.returncode == 2 and "--ctx-size 100000 is over the model's context (4096)" \
+        in over.stderr
+
+
+def test_system_message_goes_through_the_template(artifact: Path) -> None:
+    from fuselm.runtime_metal.loaded_model import open_model
+    from fuselm.runtime_metal.tokenizer import encode_prompt
+
+    out = _run_json(artifact, "-p", "Hi", "--system", "Answer briefly.", "-n", "4")
+    tok = open_model(artifact, "onnxruntime", defer_engine=True).tokenizer
+    ids = encode_prompt(tok, "Hi", history=[{"role": "system", "content": "Answer briefly."}])
+    assert "Answer briefly." in tok.decode(ids)
+    assert out["prompt_tokens"] == len(ids) > len(encode_prompt(tok, "Hi"))
+    raw = cli("run", str(artifact), "-p", "Hi", "--raw", "--system", "x")
+    assert raw.returncode == 2 and "--system goes into the chat template" in raw.stderr
+
+
+def test_min_p_flag(artifact: Path) -> None:
+    greedy = _run_json(artifact, "-p", "Hi", "-n", "6")["tokens"]
+    for seed in ("1", "2"):
+        assert _run_json(artifact, "-p", "Hi", "-n", "6", "--temp", "2", "--seed", seed,
+                         "--min-p", "1")["tokens"] == greedy
+    bad = cli("run", str(artifact), "-p", "Hi", "--min-p", "1.5")
+    assert bad.returncode == 2 and "min-p must be in [0, 1]" in bad.stderr
+
+
+def test_serve_and_perplexity_take_dash_m(artifact: Path, tmp_path: Path) -> None:
+    r = cli("serve", "-m", str(artifact), "--host", "0.0.0.0")
+    assert r.returncode == 2 and "--api-key" in r.stderr  # got past the model to the bind check
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+    a = cli("perplexity", "-m", str(artifact), "-f", str(text), "--context", "32",
+            "--engine", "onnxruntime", "--json")
+    b = cli("perplexity", str(artifact), "--text", str(text), "--context", "32",
+            "--engine", "onnxruntime", "--json")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert json.loads(a.stdout)["ppl"] == json.loads(b.stdout)["ppl"]
+
+
+def test_convert_q_and_bfloat16(hf_dir: Path, tmp_path: Path) -> None:
+    r = cli("convert", str(hf_dir), "-o", str(tmp_path / "q"), "-q", "--quiet")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((tmp_path / "q" / "fuselm.json").read_text())
+    assert manifest["quantization"]["bits"] == 4
+    bf = cli("convert", str(hf_dir), "-o", str(tmp_path / "bf"), "--dtype", "bfloat16")
+    assert bf.returncode == 2 and "bfloat16 graphs are not supported" in bf.stderr
+    assert not (tmp_path / "bf").exists()

@@ -44,7 +44,7 @@ def test_help_imports_no_heavy_library(args: list[str]) -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["run"], "give the artifact folder once"),
+    (["run"], "give the model once"),
     (["convert", "--quant", "q9", "x", "-o", "y"], "'q9' is not one of"),
 ], ids=["run-without-model", "convert-unknown-quant"])
 def test_argument_error_imports_no_heavy_library(args: list[str], message: str) -> None:

@@ -54,6 +54,10 @@ def test_report_renders_in_headless_chromium(artifact: Path, tmp_path: Path) -> 
     assert sizes["layer-before"][1] > sizes["layer-after"][1]
     text = sizes["_text"]
     assert "qkv" in text and "fuselm.FusedQKV +2" in text and "not quantized" in text
+    assert "as exported, before the passes" in text
+    passes = json.loads((artifact / "fuselm.json").read_text())["passes"]["passes"]
+    idle = [p["name"] for p in passes if not p["matches"] and not p.get("op_delta")]
+    assert idle and text.count("no match: none of its pattern in the graph") == len(idle)
 
 
 def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -> None:
@@ -75,3 +79,12 @@ def test_report_q4_error_chart_or_not_recorded(artifact: Path, tmp_path: Path) -
     assert cli("report", str(q4), "-o", str(tmp_path / "r.html")).returncode == 0
     sizes = render(tmp_path / "r.html", tmp_path)
     assert sizes["quant-error"][0] > 100 and "down_proj" in sizes["_text"]
+
+
+def test_times_read_in_human_units() -> None:
+    from fuselm.converter.report.svg_charts import bar_chart, shown
+
+    assert [shown(v, "ms") for v in (0.0123, 12.3, 999, 35_700, 240_000)] == [
+        "12.3 µs", "12.3 ms", "999 ms", "35.7 s", "4 min"]
+    chart = bar_chart([("fuselm.FusedQKV", 35_700.0), ("Add", 12.5)], "ms", "profile")
+    assert ">35.7 s</text>" in chart and ">12.5 ms</text>" in chart and "e+" not in chart

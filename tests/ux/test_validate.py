@@ -65,6 +65,13 @@ def test_thresholds_per_precision() -> None:
     assert judge([0.1], [False], "q4").status == "PASS"
     assert judge([1e-9], [True], "q4").status == "FAIL"  # NaN/Inf anywhere fails
     assert judge([float("nan")], [False], "float32").status == "FAIL"
+    # Q4 with the PPL measured: judged on its increase (SmolLM2's default Q4: rel 0.6, +14.6 %)
+    assert judge([0.6], [False], "q4", 0.146).status == "PASS"
+    assert judge([0.6], [False], "q4", 0.386).status == "WARN"
+    assert judge([0.1], [False], "q4", 0.6).status == "FAIL"
+    assert judge([0.1], [False], "q4", float("nan")).status == "FAIL"
+    assert judge([0.6], [True], "q4", 0.0).status == "FAIL"
+    assert judge([5e-4], [False], "float16", 0.9).status == "PASS"  # PPL judges Q4 only
 
 
 def test_mlx_on_cpu_warning_names_speed_and_alternative() -> None:
