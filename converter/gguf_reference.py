@@ -6,7 +6,7 @@ HF checkpoint the GGUF was itself rounded from.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +49,15 @@ def reference_model(folder: Path, ckpt: GGUFCheckpoint) -> Any:
 
 
 @contextmanager
-def gguf_reference(path: str | Path) -> Iterator[Reference]:
-    """The reference for the GGUF at `path`; its staged folder lives as long as the context."""
+def gguf_reference(path: str | Path, check: Callable[[DecoderSpec], None] | None = None
+                   ) -> Iterator[Reference]:
+    """The reference for the GGUF at `path`; its staged folder lives as long as the context.
+    `check(spec)` runs before any weight is read (validate's same-model check: a refusal costs
+    no dequantizing)."""
     ckpt = GGUFCheckpoint(path)
     with out_dir_safety.scratch("gguf") as folder:
         stage(ckpt, folder)
-        yield Reference(folder, gguf_spec(folder, ckpt), reference_model(folder, ckpt))
+        spec = gguf_spec(folder, ckpt)
+        if check is not None:
+            check(spec)
+        yield Reference(folder, spec, reference_model(folder, ckpt))

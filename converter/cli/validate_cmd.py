@@ -106,9 +106,15 @@ def validate(model_dir: str, out_dir: str | None, tokens: int, prompts: tuple[st
         reference = None
         if kind == "gguf":
             from fuselm.converter.gguf_reference import gguf_reference
+            from fuselm.runtime_metal.artifact import read_manifest
 
-            click.echo(f"reading {model_dir}'s weights as the float32 reference", err=True)
-            reference = stack.enter_context(gguf_reference(model_dir))
+            manifest = read_manifest(out_dir)
+
+            def same_model(spec: object) -> None:
+                check_same_model(model_dir, manifest, spec)
+                click.echo(f"reading {model_dir}'s weights as the float32 reference", err=True)
+
+            reference = stack.enter_context(gguf_reference(model_dir, same_model))
         else:
             reference = _dequantized_reference(model_dir)
         _ladder(model_dir, out_dir, reference, tokens, prompts, engines, want_mlx, prefill_chunk,

@@ -135,8 +135,9 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     once; the tied embedding / LM head is read once when quantized (the default) and never with
     --no-quant-lm-head. A bits budget (--bits-budget) reads each weight twice, one at a time:
     once to measure its error at each block size, once to quantize it; each norm weight once.
-    The calibrated default reads each weight three times: the segmented forward, the budget's
-    measurement, the quantization.
+    The calibrated default reads each weight at most three times: the segmented forward for the
+    input importances, a second one that collects the Gram matrix of the weight GPTQ rounds
+    (the LM head's), the quantization.
 
     keep=True goes through raw.onnx.data (--keep-intermediate), whose bytes the writer copies
     undecoded. Without it the weights come from the checkpoint itself (export's
@@ -186,7 +187,7 @@ def test_convert_reads_only_the_weights_it_quantizes(model_dir, tmp_path: Path, 
     assert weights_after_norms(float_head_reads, 2 * layers) == want + ([] if keep else ["embed"])
     assert weights_after_norms(budget_reads, 2 * layers + 1) == [*want, "embed"] * 2
     counts = Counter(default_reads)
-    assert all(counts[w] == 3 for w in [*want, "embed"]), counts
+    assert all(2 <= counts[w] <= 3 for w in [*want, "embed"]), counts
     extra = set(counts) - {*want, "embed"}  # norms: read by the passes only from raw.onnx.data
     assert all("norm" in n for n in extra) and (bool(extra) or not keep), counts
 
