@@ -50,6 +50,13 @@ def logits(gguf: str, chunks: list[list[int]], out: str) -> dict:
     return {"files": files, "n_threads": llm.n_threads if hasattr(llm, "n_threads") else None}
 
 
+def last_logits(llm: llama_cpp.Llama) -> np.ndarray:
+    """The logits of the last evaluated position (kept by llama.cpp's context: without
+    logits_all, llama-cpp-python stores no scores of its own)."""
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
 def speed(gguf: str, prompt: list[int], new_tokens: int, repetitions: int) -> dict:
     llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(prompt) + new_tokens + 8, verbose=False)
     pp, tg = [], []
@@ -58,11 +65,11 @@ def speed(gguf: str, prompt: list[int], new_tokens: int, repetitions: int) -> di
         t0 = time.perf_counter()
         llm.eval(prompt)
         t1 = time.perf_counter()
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits(llm)))
         t2 = time.perf_counter()
         for _ in range(new_tokens):
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(last_logits(llm)))
         t3 = time.perf_counter()
         if rep:
             pp.append(len(prompt) / (t1 - t0))
