@@ -5,7 +5,7 @@ side by side (separate processes, alternating). Prints one JSON object.
     PYTHONPATH=. .venv/bin/python benchmarks/llamacpp_compare.py \
         --hf-dir SMOL_HF --llama-python /path/venv/bin/python --llama-src LLAMA_CPP_SRC \
         --work WORK [--gguf NAME=FILE ...] [--fuselm NAME=OUT_DIR ...] [--context 1024] \
-        [--speed GGUF_NAME=FUSELM_NAME ...] [--rounds 3]
+        [--speed GGUF_NAME=FUSELM_NAME ...] [--rounds 3] [--mlx-python /path/venv/bin/python]
 
 - HF_DIR is the float checkpoint every quantization starts from (for the bundled demo model:
   SmolLM2-135M-Instruct's GGUF dequantized into an HF folder by transformers).
@@ -20,6 +20,9 @@ side by side (separate processes, alternating). Prints one JSON object.
 - fuselm artifacts are scored by `fuselm perplexity` at its defaults (engine auto: onnxruntime on
   this CPU, accuracy level 4), as a user would run it; bits per parameter = bytes on disk × 8 /
   parameters, for both systems (GGUF file; model.onnx + model.onnx.data).
+- With `--mlx-python` (a venv holding mlx-lm), mlx-lm's default 4-bit and 8-bit quantization of
+  HF_DIR (`mlx_lm.convert --quantize`, its default group size) are scored the same way, their
+  logits from mlx-lm's own model (benchmarks/mlxlm_worker.py); bits = their safetensors bytes.
 - Speed: llama.cpp (its default threads) against `fuselm bench` (its defaults), each run in its
   own process, alternating for `--rounds`; prompt 512, 128 new tokens, medians.
 """
@@ -41,14 +44,15 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "llamacpp_worker.py"
+MLX_WORKER = HERE / "mlxlm_worker.py"
 QUANT_TYPES = ("Q8_0", "Q4_K_M", "Q4_K_S", "Q4_0")
 
 
-def worker(python: str, request: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run([python, str(WORKER)], input=json.dumps(request), text=True,
+def worker(python: str, request: dict[str, Any], script: Path = WORKER) -> dict[str, Any]:
+    out = subprocess.run([python, str(script)], input=json.dumps(request), text=True,
                          capture_output=True, check=False)
     if out.returncode:
-        raise SystemExit(f"llama.cpp worker failed: {out.stderr[-2000:]}")
+        raise SystemExit(f"{script.name} failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--speed", action="append", default=[], help="GGUF_NAME=FUSELM_NAME")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mlx-python", default=None, help="a Python with mlx-lm: its 4/8-bit rows")
     args = ap.parse_args()
 
     import torch
@@ -125,6 +130,21 @@ def main() -> None:
                                                                                strict=True)])
         rows.append({"system": name, **ppl_from_nll(nll),
                      "bits_per_param": path.stat().st_size * 8 / params, "file": str(path)})
+
+    for bits in (4, 8) if args.mlx_python else ():
+        dst = work / f"mlxlm_{bits}bit"
+        if not dst.exists():
+            worker(args.mlx_python, {"op": "quantize", "hf": args.hf_dir, "dst": str(dst),
+                                     "bits": bits}, MLX_WORKER)
+        with tempfile.TemporaryDirectory(dir=work) as tmp:
+            got = worker(args.mlx_python, {"op": "logits", "model": str(dst), "chunks": parts,
+                                           "out": tmp}, MLX_WORKER)
+            nll = np.concatenate([chunk_nll(np.load(f), c) for f, c in zip(got["files"], parts,
+                                                                               strict=True)])
+        size = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
+        rows.append({"system": f"mlx-lm {bits}-bit (mlx_lm.convert -q --q-bits {bits})",
+                     **ppl_from_nll(nll), "bits_per_param": size * 8 / params,
+                     "model": str(dst)})
 
     artifacts = dict(spec.split("=", 1) for spec in args.fuselm)
     text = work / "text.txt"
