@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fuselm.export.checkpoint_view import CheckpointView
 from fuselm.export.errors import ExportError
 from fuselm.export.json_file import read_json
 from fuselm.export.safetensors.checkpoint import Checkpoint, cast
@@ -274,37 +275,12 @@ class LoraAdapter:
         return w + np.float32(f.scale) * (b @ a)
 
 
-class AdaptedCheckpoint:
+class AdaptedCheckpoint(CheckpointView):
     """The base checkpoint with the adapter merged into the tensors it touches."""
 
     def __init__(self, base: Checkpoint, adapter: LoraAdapter) -> None:
-        self.base, self.adapter = base, adapter
-        self.root, self.files = base.root, base.files
-
-    @property
-    def tensors(self) -> dict[str, Any]:
-        return self.base.tensors
-
-    @property
-    def dtype_name(self) -> str:
-        return self.base.dtype_name
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.base.nbytes
-
-    def has(self, name: str) -> bool:
-        return self.base.has(name)
-
-    def info(self, name: str) -> Any:
-        return self.base.info(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.base.shape(name)
+        super().__init__(base)
+        self.adapter = adapter
 
     def same_values(self, a: str, b: str) -> bool:
         touched = self.adapter.touched()

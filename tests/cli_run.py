@@ -9,8 +9,9 @@ import pytest
 from fuselm.converter.cli.main import main
 
 
-def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
-    """Run `fuselm ARGS`; return (exit code, stderr). A traceback is always a failure."""
+def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """Run `fuselm ARGS`; return (exit code, stdout, stderr). A traceback is always a
+    failure."""
     old = sys.argv
     sys.argv = ["fuselm", *args]
     try:
@@ -20,8 +21,14 @@ def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
         code = int(e.code or 0)
     finally:
         sys.argv = old
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "Traceback" not in err
+    return code, out, err
+
+
+def cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """Run `fuselm ARGS`; return (exit code, stderr)."""
+    code, _, err = run_cli(capsys, *args)
     return code, err
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fuselm.export.checkpoint_view import CheckpointView
 from fuselm.export.errors import ExportError
 from fuselm.export.quantized.packing import awq_blocks, gptq_blocks, trivial_groups
 from fuselm.export.quantized.scheme import QuantScheme
@@ -41,15 +42,15 @@ class LayerInfo:
     dtype: np.dtype
 
 
-class QuantizedCheckpoint:
+class QuantizedCheckpoint(CheckpointView):
     """A safetensors checkpoint whose linear layers are AWQ / GPTQ packed (see the module)."""
 
     def __init__(self, base: Checkpoint, scheme: QuantScheme,
                  dequantize_act_order: bool = False) -> None:
-        self.base, self.scheme = base, scheme
+        super().__init__(base)
+        self.scheme = scheme
         self.dequantize_act_order = dequantize_act_order
         self.act_order: set[str] = set()  # layers whose g_idx reorders the input channels
-        self.root, self.files = base.root, base.files
         prefixes = sorted(n.removesuffix(".qweight") for n in base.tensors
                           if n.endswith(".qweight"))
         if not prefixes:
@@ -114,18 +115,6 @@ class QuantizedCheckpoint:
     @property
     def tensors(self) -> dict[str, Any]:
         return self._tensors
-
-    @property
-    def dtype_name(self) -> str:
-        return self.base.dtype_name
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.base.nbytes
 
     def has(self, name: str) -> bool:
         return name in self._tensors

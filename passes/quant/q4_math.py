@@ -142,7 +142,7 @@ def quantize_array(
             safe = np.where(s == 0, np.float32(1), s)
             zero = s == 0
         else:
-            s16, s, zp, safe, zero = _minmax_params(blocks, symmetric)
+            s16, s, zp, safe, zero = minmax_params(blocks, symmetric)
         q = np.divide(blocks, safe[:, None, :])  # true division, not a reciprocal multiply
         np.rint(q, out=q)  # round half to even
         q += zp[:, None, :]
@@ -174,26 +174,31 @@ def quantize_array(
     return Q4Tensor(codes, scales, zps, block_size, rel)
 
 
-def _minmax_params(
-    blocks: np.ndarray, symmetric: bool
+def minmax_params(
+    blocks: np.ndarray, symmetric: bool, bits: int = 4
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Plain min/max: float16 scales, float32 scales, zero points, safe divisors, zero mask."""
+    """Plain min/max for `bits`-bit codes (4, or 8 for passes/quant/q8_math.py): float16
+    scales, float32 scales, zero points, safe divisors, zero mask."""
+    levels = (1 << bits) - 1  # 15 steps at 4 bits, 255 at 8
+    half = 1 << (bits - 1)  # the symmetric zero point: 8 at 4 bits, 128 at 8
     if symmetric:
-        step = np.abs(blocks).max(axis=1) / np.float32(7)
+        step = np.abs(blocks).max(axis=1) / np.float32(half - 1)
     else:
         lo = np.minimum(blocks.min(axis=1), 0)
-        step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(15)
+        step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(levels)
     if float(step.max(initial=0.0)) > _FP16_MAX:
-        raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
+        bound = "1e6" if bits == 4 else "1e7"
+        raise ValueError(f"a block's range exceeds float16 scales (|w| > ~{bound}); cannot "
+                         "quantize")
     s16 = step.astype(np.float16)  # round-to-nearest-even onto the float16 grid
     s = s16.astype(np.float32)
     zero = s == 0
     safe = np.where(zero, np.float32(1), s)
     if symmetric:
-        zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
+        zp = np.full(s.shape, half, np.float32)
     else:
         zp = np.rint(-lo / safe)
-        np.clip(zp, 0, 15, out=zp)
+        np.clip(zp, 0, levels, out=zp)
         zp[zero] = 0
     return s16, s, zp, safe, zero
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuselm.passes.quant.q4_math import Q4Tensor
+from fuselm.passes.quant.q4_math import Q4Tensor, minmax_params
 
-SYMMETRIC_ZERO_POINT = 128
-_FP16_MAX = float(np.finfo(np.float16).max)
 _SLAB = 4096  # columns at a time: bounds the float32 temporaries
 
 
@@ -43,23 +41,7 @@ def quantize_8bit(w: np.ndarray, block_size: int = 32, symmetric: bool = False) 
         if pad:
             wf = np.concatenate([wf, np.zeros((pad, c1 - c0), np.float32)])
         blocks = wf.reshape(nb, block_size, c1 - c0)
-        if symmetric:
-            step = np.abs(blocks).max(axis=1) / np.float32(127)
-        else:
-            lo = np.minimum(blocks.min(axis=1), 0)
-            step = (np.maximum(blocks.max(axis=1), 0) - lo) / np.float32(255)
-        if float(step.max(initial=0.0)) > _FP16_MAX:
-            raise ValueError("a block's range exceeds float16 scales (|w| > ~1e7); cannot "
-                             "quantize")
-        s16 = step.astype(np.float16)
-        s = s16.astype(np.float32)
-        zero = s == 0
-        safe = np.where(zero, np.float32(1), s)
-        if symmetric:
-            zp = np.full(s.shape, SYMMETRIC_ZERO_POINT, np.float32)
-        else:
-            zp = np.clip(np.rint(-lo / safe), 0, 255)
-            zp[zero] = 0
+        s16, s, zp, safe, zero = minmax_params(blocks, symmetric, bits=8)
         q = np.rint(np.divide(blocks, safe[:, None, :])) + zp[:, None, :]
         q = np.where(zero[:, None, :], zp[:, None, :], q)
         np.clip(q, 0, 255, out=q)

@@ -119,3 +119,23 @@ def convert_with_env(name: str, value: str, src: Path, out: Path, **options: obj
         else:
             os.environ[name] = old
     return out
+
+
+def exact_engines(out: Path) -> list[object]:
+    """Both engines on `out` at float compute (onnxruntime's accuracy level 0), for comparisons
+    against a float reference."""
+    from fuselm.runtime_metal.engine import make_engine
+
+    return [make_engine(out, "onnxruntime", accuracy_level=0), make_engine(out, "mlx")]
+
+
+def assert_engines_match(out: Path, prompt: list[int], ref: np.ndarray, ref_tokens: list[int],
+                         steps: int) -> None:
+    """Both engines' logits on `prompt` within 1e-4 of `ref` and their greedy tokens equal to
+    `ref_tokens`."""
+    from fuselm.runtime_metal.generate import generate
+
+    for engine in exact_engines(out):
+        got = validate.engine_logits(engine, prompt, 8)
+        assert validate.rel(got, ref) <= 1e-4, (engine.name, validate.rel(got, ref))
+        assert generate(engine, prompt, max_new_tokens=steps).tokens == ref_tokens, engine.name

@@ -13,10 +13,9 @@ import pytest
 
 from fuselm.converter.models.builtin import build_model
 from fuselm.export.quantized.packing import awq_blocks, gptq_blocks, nibbles
-from fuselm.runtime_metal.engine import make_engine
-from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
-from tests.cli_run import cli, one_error
+from tests.cli_run import cli, one_error, run_cli
+from tests.export.helpers import assert_engines_match, exact_engines
 from tests.export.hub_quant_files import pack_awq, pack_gptq, quantize, write_pair
 
 PROMPT = [int(i) for i in np.random.default_rng(8).integers(3, 384, 24)]
@@ -107,12 +106,7 @@ def test_quant_none_gives_the_dequantized_floats(float_model: Path, tmp_path: Pa
 
 
 def _assert_matches(out: Path, ref: np.ndarray, ref_tokens: list[int]) -> None:
-    for name in ("onnxruntime", "mlx"):
-        engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
-                                            else {}))
-        got = engine_logits(engine, PROMPT, 8)
-        assert rel(got, ref) <= 1e-4, (name, rel(got, ref))
-        assert generate(engine, PROMPT, max_new_tokens=STEPS).tokens == ref_tokens, name
+    assert_engines_match(out, PROMPT, ref, ref_tokens, STEPS)
 
 
 def _edit_config(qdir: Path, **changes: object) -> None:
@@ -188,10 +182,8 @@ def test_float16_graph_keeps_the_scales_exactly(float_model: Path, tmp_path: Pat
     manifest = json.loads((out / "fuselm.json").read_text())
     assert manifest["dtype"] == "float16" and manifest["quantization"]["given"]["quantized"] == 0
     ref = hf_logits(hf_model(ref_dir), PROMPT)
-    for name in ("onnxruntime", "mlx"):
-        engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
-                                            else {}))
-        assert rel(engine_logits(engine, PROMPT, 8), ref) <= 2e-2, name
+    for engine in exact_engines(out):
+        assert rel(engine_logits(engine, PROMPT, 8), ref) <= 2e-2, engine.name
 
 
 def test_quant_q4_keeps_the_blocks_and_quantizes_the_head(float_model: Path,
@@ -208,25 +200,16 @@ def test_validate_measures_against_the_dequantized_weights(float_model: Path, tm
                                                            capsys) -> None:  # noqa: ANN001
     """`fuselm validate` on an AWQ / GPTQ folder (which transformers runs only with
     gptqmodel's kernels): the reference is its dequantized weights in float32."""
-    import sys
 
-    from fuselm.converter.cli.main import main
 
     qdir, _ = write_pair(float_model, tmp_path, "gptq", 64, seed=7)
     out = tmp_path / "out"
     assert cli(capsys, "convert", str(qdir), "-o", str(out), "--dtype", "float32",
                "--quiet")[0] == 0
-    old, sys.argv = sys.argv, ["fuselm", "validate", str(qdir), str(out), "-n", "16",
-                               "--no-ppl", "--json"]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    finally:
-        sys.argv = old
+    code, stdout, _ = run_cli(capsys, "validate", str(qdir), str(out), "-n", "16", "--no-ppl",
+                              "--json")
     assert code == 0
-    report = json.loads(capsys.readouterr().out)
+    report = json.loads(stdout)
     (rung,) = report["rungs"][1:]
     assert max(rung["logits_rel_hf"]) <= 1e-4 and set(rung["greedy_agree"]) == {16}, rung
 

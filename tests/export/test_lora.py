@@ -14,9 +14,9 @@ import torch
 
 from fuselm.converter.models.builtin import build_model
 from fuselm.runtime_metal.engine import make_engine
-from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.cli_run import cli, one_error
+from tests.export.helpers import assert_engines_match
 
 PROMPT = [int(i) for i in np.random.default_rng(5).integers(3, 384, 24)]
 STEPS = 32
@@ -76,12 +76,7 @@ def test_merged_adapter_matches_peft(base: Path, tmp_path: Path, capsys, case: s
     assert code == 0, err
     record = json.loads((out / "fuselm.json").read_text())["source"]["adapter"]
     assert record["merged"] > 0 and record["path"] == str(adapter.resolve())
-    for name in ("onnxruntime", "mlx"):
-        engine = make_engine(out, name, **({"accuracy_level": 0} if name == "onnxruntime"
-                                            else {}))
-        got = engine_logits(engine, PROMPT, 8)
-        assert rel(got, ref) <= 1e-4, (name, rel(got, ref))
-        assert generate(engine, PROMPT, max_new_tokens=STEPS).tokens == ref_tokens, name
+    assert_engines_match(out, PROMPT, ref, ref_tokens, STEPS)
 
 
 def test_adapter_changes_the_model(base: Path, tmp_path: Path) -> None:
