@@ -11,6 +11,11 @@ steadier figure on a shared CPU host where MLX's CPU backend is the device.
 Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps, then -n
 timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
 benchmarks/long_prompt.py (same --work).
+
+--profile (NVIDIA): each b's steps once more under PyTorch's profiler with CUDA activity
+(CUPTI records MLX's kernels): the device time a step by kernel name, the kernels a step and
+the time covered by at least one kernel, so a batch's extra cost is attributed to the kernels
+that grow with its rows.
 """
 
 from __future__ import annotations
@@ -44,6 +49,33 @@ def single_step_ms(engine, prompt: list[int], n: int, runs: int) -> float:  # no
     return statistics.median(times)
 
 
+def profile_steps(dec: BatchDecoder, n: int) -> dict[str, object]:
+    """n more steps of `dec` under the CUDA profiler: device time a step by kernel name."""
+    import tempfile
+    from collections import defaultdict
+
+    from step_profile import busy_union, kernel_events
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            dec.step()
+        mx.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        kernels = kernel_events(trace)
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        by_name[e["name"][:90]].append(e["dur"])
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
+    return {"kernels_per_step": len(kernels) / n,
+            "kernel_sum_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / n,
+            "busy_ms_per_step": busy_union(kernels) / 1e3 / n,
+            "top": [{"name": k, "count_per_step": len(v) / n, "us_per_step": sum(v) / n}
+                    for k, v in top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -58,6 +90,8 @@ def main() -> None:
                     "Q4 conversion)")
     ap.add_argument("--max-context", type=int, default=0,
                     help="the decoder's context (default: what the rounds need)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also each b's kernel time a step by kernel name (needs torch + CUDA)")
     args = ap.parse_args()
     out_dir = args.artifact or artifact(args.work, args.shape, args.dtype, args.p + args.n)
     engine = make_engine(out_dir, "mlx")
@@ -81,10 +115,12 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
         t = statistics.median(times)
+        prof = profile_steps(dec, args.n) if args.profile else None
         rows.append({"batch": b, "mode": dec.mode, "step_ms": t / args.n * 1e3,
                      "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t,
                      "step_over_single": t / args.n * 1e3 / single,
-                     "step_cpu_ms": statistics.median(cpu) / args.n * 1e3})
+                     "step_cpu_ms": statistics.median(cpu) / args.n * 1e3,
+                     **({"profile": prof} if prof else {})})
     one = next((r["tok_s_total"] for r in rows if r["batch"] == 1), None)
     for r in rows:
         r["throughput_over_one_row"] = r["tok_s_total"] / one if one else None

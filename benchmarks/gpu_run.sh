@@ -11,7 +11,10 @@
 #                                               # process, alternating, ROUNDS (3) x -r 3, p512 n128,
 #                                               # PP_EXTRA prefill lengths -> $OUT/SHAPE_gGROUP.json
 #   benchmarks/gpu_run.sh batch SHAPE GROUP     # batch_bench.py on the Q4 conversion, b = 1 4 8 16,
-#                                               # fuselm's kernels on and off (FUSELM_KERNELS)
+#                                               # fuselm's kernels on and off (FUSELM_KERNELS;
+#                                               # KERNELS="auto off" picks), BATCHES="1 16"
+#                                               # picks b, PROFILE=1 adds each b's kernel
+#                                               # time a step by kernel name
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
@@ -105,9 +108,10 @@ case "$part" in
     python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
       -n 4 > /dev/null  # build + convert once
     art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
-    for k in auto off; do
+    for k in ${KERNELS:-auto off}; do
       FUSELM_KERNELS=$k python3 benchmarks/batch_bench.py --artifact "$art" -b 1 4 8 16 \
-        -p 32 -n 64 -r 3 --max-context 1024 > "$OUT/batch_$2_g$3_kernels_$k.json"
+        -p 32 -n 64 -r 3 --max-context 1024 ${PROFILE:+--profile} ${BATCHES:+-b $BATCHES} \
+        > "$OUT/batch_$2_g$3_kernels_$k.json"
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
         [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
         "$OUT/batch_$2_g$3_kernels_$k.json"
