@@ -17,6 +17,7 @@
 #                                               # time a step by kernel name
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
+#                                               # (STREAMS="1 16" picks the stream counts)
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
 #                                               # random weights), fuselm Q4 (minmax scales) and
 #                                               # mlx-lm Q4 of it, side by side as `sbs` (ROUNDS)
@@ -246,7 +247,7 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
       --chunk 2048 -r 3 --ways prefix --json-out "$OUT/long_$2_g$3_dense.json" | grep '^{"tokens'
     ;;
   serve)
-    python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams 1 4 8 16 \
+    python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams ${STREAMS:-1 4 8 16} \
       --rounds "${ROUNDS:-3}" -n "${NEW_TOKENS:-128}" --work "$WORK" --json-out "$OUT/serve_$2_g$3.json"
     cp "$WORK"/*_server.log "$OUT/" 2>/dev/null || true
     ;;

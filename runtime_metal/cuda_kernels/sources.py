@@ -242,11 +242,16 @@ _ATTEND_SPLIT = """
   const size_t kh = (size_t)b * HK + g;
 /*KVROW*/  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
   const float ascale = __int_as_float(PA);
+  // The splits this row's keys fill, at least 64 keys each: splits past them hold no keys and
+  // only leave an empty partial, so a batch of short rows does not pay S blocks' prologue a
+  // row. The count depends on the row's own length alone, never on its batch.
+  const int SE = min(S, (pos + 64) / 64);
+  if (s < SE) {
   __shared__ float sq[GB][D], tq[GB][D], sk[D], tk[D], sv[D], rs[GB + 1];
   __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
   __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
   // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
-  const int n = pos + 1, chunk = (n + S - 1) / S;
+  const int n = pos + 1, chunk = (n + SE - 1) / SE;
   const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
   const int j_first = j_begin + warp * KB;
   const T* kb = kc + lane * VPT;
@@ -401,9 +406,14 @@ _ATTEND_SPLIT = """
     const size_t qh = (size_t)b * HQ + h0 + hh;
 /*WRITE*/
   }
+  } else if (tid < GB) {  // an empty split (S > 1 only: SE >= 1)
+    const size_t qh = (size_t)b * HQ + h0 + tid;
+/*EMPTY*/
+  }
 /*TAIL*/"""
 # S = 1: every key in this block; S > 1: the split's partial (an empty split: l = 0, max -inf)
 _WRITE_OUT = "    out[qh * D + e] = T(num / den);"
+_EMPTY_PART = "    pm[qh * S + s] = __int_as_float(0xff800000); pl[qh * S + s] = 0.f;"
 _WRITE_PART = """    pacc[(qh * S + s) * D + e] = num;
     if (e == 0) { pm[qh * S + s] = mx_; pl[qh * S + s] = den; }"""
 
@@ -429,9 +439,11 @@ _MERGE_LAST = """
     float den = 0.f, num = 0.f;
     for (int t = 0; t < S; ++t) {
       const float lt = __ldcg(pl + qh * S + t);
-      const float c = lt > 0.f ? __expf(__ldcg(pm + qh * S + t) - mx_) : 0.f;
-      den += lt * c;
-      num += __ldcg(pacc + (qh * S + t) * D + e) * c;
+      if (lt > 0.f) {  // an empty split's accumulator is never written
+        const float c = __expf(__ldcg(pm + qh * S + t) - mx_);
+        den += lt * c;
+        num += __ldcg(pacc + (qh * S + t) * D + e) * c;
+      }
     }
     out[qh * D + e] = T(num / den);
   }
@@ -527,9 +539,11 @@ def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool], page
     ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
     (_attend_inputs)."""
     if form == "merged":
-        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
+        source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
+                  .replace("/*EMPTY*/", ""))
     else:
-        source = _ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART).replace("/*TAIL*/", _MERGE_LAST)
+        source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
+                  .replace("/*TAIL*/", _MERGE_LAST).replace("/*EMPTY*/", _EMPTY_PART))
     scratch = form == "scratch"
     return kernels.cuda_kernel(
         name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
