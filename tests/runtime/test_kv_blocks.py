@@ -125,7 +125,7 @@ def test_a_full_pool_refuses_and_evicts_freed_prefixes(qwen3_artifact) -> None: 
     finished sequence's cached blocks are dropped (least recently used) when a new prompt
     needs them."""
     engine = make_engine(qwen3_artifact, "mlx")
-    dec = BatchDecoder(engine, max_batch=2, max_context=250, blocks=5)
+    dec = BatchDecoder(engine, max_batch=2, max_context=250, kv_tokens=5 * BLOCK)
     a = dec.add(_prompt(3 * BLOCK, 4))  # 3 blocks + 1 for its first decoded token
     _tokens(dec, [a], 2)
     with pytest.raises(RuntimeUserError, match="KV cache is full"):
