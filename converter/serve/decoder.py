@@ -24,6 +24,13 @@ class ServeDecoder:
         self.kv_cost = self.dec.kv_cost
         self.kv_held = self.dec.kv_held
         self._cached: dict[int, int] = {}
+        if kv_tokens is not None and self.dec.mode == "batched":
+            # MLX keeps freed buffers for reuse, one per size met (every prompt length's
+            # prefill scratch): under a budget that cache is capped at the KV pool's own size,
+            # so the process stays at weights + pool + at most as much again.
+            import mlx.core as mx
+
+            mx.set_cache_limit(sum(a.nbytes for a in self.dec.cache.buffers()))
 
     @property
     def exhausted(self) -> set[int]:
@@ -58,7 +65,8 @@ class ServeDecoder:
             return {}
         import mlx.core as mx
 
-        return {"mlx_active_bytes": int(mx.get_active_memory())}
+        return {"mlx_active_bytes": int(mx.get_active_memory()),
+                "mlx_cache_bytes": int(mx.get_cache_memory())}
 
     def describe(self) -> dict[str, object]:
         return self.dec.describe()
