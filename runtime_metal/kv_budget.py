@@ -13,9 +13,17 @@ GB = 10**9  # --memory-limit counts decimal gigabytes
 def kv_token_bytes(manifest: Manifest, engine: str) -> int:
     """Bytes one cached position takes, every layer's key and value: onnxruntime's lowered
     graph keeps its KV buffers in float32 whatever the artifact's dtype (ort_engine/
-    shared_kv.py), MLX in the graph's own dtype (its past_key_values inputs)."""
+    shared_kv.py; its plain graph no more), MLX in the graph's own dtype, float16 computed in
+    float32 on a CPU (dtypes.half)."""
     m = manifest.model
-    size = 4 if engine == "onnxruntime" else ELEMENT_BYTES[manifest.dtype]
+    if engine == "onnxruntime":
+        size = 4
+    elif manifest.dtype == "float16":
+        from fuselm.runtime_metal.dtypes import half
+
+        size = half().size
+    else:
+        size = ELEMENT_BYTES[manifest.dtype]
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * size
 
 
