@@ -152,6 +152,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()  # taken from _pending, waiting to join (in order)
         self._active: dict[int, Job] = {}
         self._reserved: dict[int, int] = {}  # slot -> KV positions its job reserved
+        self._reserved_total = 0  # their sum (read by /health on the event loop: one int)
         self._touched: list[Job] = []  # jobs with news since the last wake-up call
         # Since start, for /health: what reached the engine (a refused request never does).
         self._admitted = self._generated = 0
@@ -207,7 +208,7 @@ class Scheduler:
         new request can have now; `held`: positions the cache holds now (running rows and
         finished ones' cached prefixes, which give way to new requests)."""
         assert self.decoder is not None
-        budget, reserved = self.decoder.kv_budget, sum(self._reserved.values())
+        budget, reserved = self.decoder.kv_budget, self._reserved_total
         return {"budget_tokens": budget, "reserved_tokens": reserved,
                 "free_tokens": budget - reserved, "held_tokens": self.decoder.kv_held()}
 
@@ -238,6 +239,7 @@ class Scheduler:
                 self._notify()
                 self._active.clear()
                 self._reserved.clear()
+                self._reserved_total = 0
                 self.decoder.reset()
                 continue
             for slot, token in out.items():
@@ -270,7 +272,7 @@ class Scheduler:
                 self._waiting.popleft()
                 continue
             need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
-            if sum(self._reserved.values()) + need > self.decoder.kv_budget:
+            if self._reserved_total + need > self.decoder.kv_budget:
                 return  # it waits (and those behind it) until running requests leave
             self._waiting.popleft()
             try:
@@ -281,6 +283,7 @@ class Scheduler:
                 continue
             self._active[slot] = job
             self._reserved[slot] = need
+            self._reserved_total += need
             self._admitted += 1
 
     def _expire_waiting(self) -> None:
@@ -294,17 +297,17 @@ class Scheduler:
                 continue
             assert self.decoder is not None
             self._end(job, "error", (503, (
-                f"waited {now - job.t_submit:.0f} s (--queue-timeout {self.queue_timeout:g}) "
+                f"waited {now - job.t_submit:.2f} s (--queue-timeout {self.queue_timeout:g}) "
                 f"for {self.decoder.kv_cost(len(job.prompt) + job.max_tokens)} KV cache tokens; "
-                f"{sum(self._reserved.values())} of {self.decoder.kv_budget} are reserved by "
+                f"{self._reserved_total} of {self.decoder.kv_budget} are reserved by "
                 f"{len(self._active)} running request(s); retry later")))
         self._waiting = kept
         self._notify()
 
     def _end_exhausted(self) -> None:
-        """A row that can take no more tokens ends as "length": the admission's reservation
-        keeps the KV pool from running out, and max_tokens the row inside the context, so
-        this is the rule should either happen anyway, rather than a row that never ends."""
+        """A row that can take no more tokens ends as "length" rather than never ending. Not
+        expected: admission reserves a row's whole KV, and max_tokens keeps it inside the
+        context."""
         assert self.decoder is not None
         for slot in list(self.decoder.exhausted & self._active.keys()):
             job = self._active[slot]
@@ -380,7 +383,7 @@ class Scheduler:
         assert self.decoder is not None
         self.decoder.remove(slot)
         del self._active[slot]
-        self._reserved.pop(slot, None)
+        self._reserved_total -= self._reserved.pop(slot, 0)
         now = time.perf_counter()
         if reason == "cancelled":
             reason = job.ended_by
