@@ -151,7 +151,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     state = ServeState(scheduler, tok_handlers, model_name or shown_name(Path(out_dir)),
                        max_context, manifest.model.vocab_size, default_max_tokens,
                        max_body, described, sampling=model.sampling_defaults,
-                       chat_window=scheduler.decoder.kv_window)
+                       kv_window=scheduler.decoder.kv_window)
     app = create_app(state, access)
     log = logging.getLogger("fuselm.serve")
     log.info("serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,

@@ -70,9 +70,9 @@ class ServeState:
     engine: dict[str, object]
     # A request's sampling where it sets none: the model's generation_config.json, else greedy.
     sampling: SamplingOptions = SamplingOptions()
-    # The longest conversation (prompt + completion) a chat is cut to fit: the context, or
-    # less when the whole KV budget holds less (chat_window.py's rule). 0: max_context.
-    chat_window: int = 0
+    # The longest prompt + completion the whole KV budget holds (at most max_context; 0: that):
+    # what a chat is cut to fit (chat_window.py) and a default max_tokens stops at.
+    kv_window: int = 0
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -122,8 +122,9 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
                             f"{state.max_context} tokens. Shorten the prompt.",
                        param=prompt_param, code="context_length_exceeded")
     room = state.max_context - n_prompt
-    if requested is None:
-        return min(room, state.default_max_tokens)
+    if requested is None:  # what the KV budget can hold, at least one (else a 503 says why)
+        fits = (state.kv_window or state.max_context) - n_prompt
+        return min(room, state.default_max_tokens, max(fits, 1))
     if requested > room:
         raise ApiError(400, f"this server's context is {state.max_context} tokens, but "
                             f"{n_prompt + requested} were requested ({n_prompt} in the prompt, "
@@ -153,12 +154,12 @@ def _chat_ids(state: ServeState, req: ChatRequest) -> tuple[list[int], int]:
             raise ApiError(400, str(e), param="messages", code=code) from None
         return state.encode(lambda tok: chat_ids(tok, text))
 
-    fitted = fit(messages, render, state.chat_window or state.max_context,
+    fitted = fit(messages, render, state.kv_window or state.max_context,
                  req.token_limit() or 1)
     if fitted.dropped_messages:
         log.info("dropped the %d oldest message(s) (%d turn(s)) of %d to fit %d tokens",
                  fitted.dropped_messages, fitted.dropped_turns, len(messages),
-                 state.chat_window or state.max_context)
+                 state.kv_window or state.max_context)
     return fitted.tokens, fitted.dropped_messages
 
 

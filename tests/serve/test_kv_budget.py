@@ -157,6 +157,12 @@ def test_a_long_chat_is_cut_to_the_window(budget_server: Server) -> None:
         short = http.post("/v1/chat/completions", json={**body, "messages": kept})
         assert short.status_code == 200 and "x-fuselm-dropped-messages" not in short.headers
         assert short.json()["usage"]["prompt_tokens"] == len(_render(tok, kept))
+        # no max_tokens: the reply stops where the budget would, rather than a 503
+        free = http.post("/v1/chat/completions", json={"model": MODEL, "messages": kept,
+                                                        "temperature": 0})
+        assert free.status_code == 200, free.text
+        use = free.json()["usage"]
+        assert use["prompt_tokens"] + use["completion_tokens"] <= WINDOW
         # the last turn alone is over the window: refused as before, not cut
         long = {"role": "user", "content": " ".join(["fox"] * 400)}
         r = http.post("/v1/chat/completions", json={**body, "messages": [system, long]})
