@@ -85,16 +85,18 @@ class _Step:
 class BatchDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
                  prefill_chunk: int | None = None, batched: bool | None = None,
-                 blocks: int | None = None) -> None:
+                 kv_tokens: int | None = None) -> None:
         """batched: None = the batched program when the engine has it; False = sequential.
-        blocks: the block pool's size (batched mode; default: every slot at max_context)."""
+        kv_tokens: the KV cache's size in positions, all slots together (default: every slot
+        at max_context). Batched mode: a pool of kv_tokens // BLOCK blocks, which may hold
+        less than one sequence of max_context (the caller then admits only what fits:
+        `kv_cost`). Rows and sequential modes: a slot holds a whole row of `capacity`
+        positions, so kv_tokens // capacity slots at most."""
         if max_batch < 1 or max_context < 2:
             raise RuntimeUserError("max_batch must be >= 1 and max_context >= 2")
         self.engine = engine
-        self.max_batch = max_batch
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
-        self.slots = [_Slot() for _ in range(max_batch)]
         self.exhausted: set[int] = set()  # slots that reached max_context (no more tokens)
         self.reused_tokens = 0  # prompt tokens not prefilled again (prefix reuse)
         # Room for max_context positions plus the write of a token fed ahead at max_context.
@@ -105,6 +107,16 @@ class BatchDecoder:
             raise RuntimeUserError(
                 f"engine {engine.name!r} has no batched program here; use batched=None")
         self.mode = "batched" if program is not None and batched is not False else "sequential"
+        if self.mode != "batched" and kv_tokens is not None:
+            if kv_tokens < self.capacity:
+                raise RuntimeUserError(
+                    f"a KV budget of {kv_tokens} tokens cannot hold one sequence: on engine "
+                    f"{engine.name!r} each holds a whole row of {self.capacity} positions "
+                    f"(max_context {max_context}); give at least {self.capacity} tokens or a "
+                    "lower max_context")
+            max_batch = min(max_batch, kv_tokens // self.capacity)
+        self.max_batch = max_batch
+        self.slots = [_Slot() for _ in range(max_batch)]
         make_rows = getattr(engine, "row_batch", None)  # onnxruntime's
         self._rows = make_rows(max_batch, self.capacity) if (
             make_rows and self.mode == "sequential" and batched is not False) else None
@@ -119,13 +131,44 @@ class BatchDecoder:
         if self.mode == "batched":
             assert program is not None
             fn, layout, self._span_step = program
-            n = blocks if blocks is not None else max_batch * self.row_blocks
-            if n < self.row_blocks:
-                raise RuntimeUserError(
-                    f"a pool of {n} KV blocks cannot hold one sequence of max_context "
-                    f"{max_context} ({self.row_blocks} blocks of {BLOCK})")
+            n = max_batch * self.row_blocks if kv_tokens is None else kv_tokens // BLOCK
+            if n < 1:
+                raise RuntimeUserError(f"a KV budget of {kv_tokens} tokens holds no block of "
+                                       f"{BLOCK} positions; give at least {BLOCK}")
             self.cache = BlockCache(layout, n)
             self._fn = fn
+
+    # ---- the KV budget ---------------------------------------------------------------------
+
+    def kv_cost(self, tokens: int) -> int:
+        """KV positions a sequence of `tokens` positions (prompt + completion) holds at most:
+        its whole blocks, with one position more for a token fed ahead (batched mode), or a
+        slot's whole row (the other modes)."""
+        if self.mode == "batched":
+            return -(-(tokens + 1) // BLOCK) * BLOCK
+        return self.capacity
+
+    @property
+    def kv_budget(self) -> int:
+        """KV positions the cache holds, all slots together."""
+        if self.mode == "batched":
+            return len(self.cache.pool.refs) * BLOCK
+        return self.max_batch * self.capacity
+
+    @property
+    def kv_window(self) -> int:
+        """The longest sequence (prompt + completion) the whole budget holds: max_context, or
+        less when the block pool is smaller than one sequence of max_context."""
+        if self.mode == "batched":
+            return min(self.max_context, self.kv_budget - 1)
+        return self.max_context
+
+    def kv_held(self) -> int:
+        """KV positions held now: by running sequences and by finished ones' cached prefixes
+        (which give way when a new sequence needs the room)."""
+        if self.mode == "batched":
+            return (len(self.cache.pool.refs) - self.cache.pool.available) * BLOCK
+        return sum(self.capacity for s in self.slots if s.active or s.cached)
 
     # ---- slots ---------------------------------------------------------------------------
 
@@ -443,7 +486,8 @@ class BatchDecoder:
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {"mode": self.mode, "max_batch": self.max_batch,
-                                  "max_context": self.max_context, "active": len(self.active)}
+                                  "max_context": self.max_context, "active": len(self.active),
+                                  "kv_budget_tokens": self.kv_budget}
         if self.mode == "batched":
             pool = self.cache.pool
             out.update(kv_block=BLOCK, kv_blocks=len(pool.refs), kv_blocks_free=pool.available)

@@ -2,7 +2,9 @@
 
 Line editing and history come from Python's readline (through input()); Ctrl-C stops the
 current reply only; the KV cache of earlier turns is reused (runtime_metal/session.py), so a
-turn prefills only its new tokens.
+turn prefills only its new tokens. A conversation that outgrows the window (the model's context,
+or --max-kv-tokens / --memory-limit) loses its oldest turns (runtime_metal/chat_window.py: the
+system prompt and the last turns that fit are kept), said in one line on stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fuselm.converter.cli.run_cmd import (
 )
 from fuselm.runtime_metal.artifact import TOKENIZER_FILES
 from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.kv_budget import budget_tokens, kv_token_bytes
 
 HELP = """commands:
   /help          this list
@@ -58,10 +61,13 @@ def _has_bad_bytes(line: str) -> bool:
 
 
 class Chat:
-    """The conversation state: messages, system prompt, and the cached session."""
+    """The conversation state: messages, system prompt, and the cached session. `window`: the
+    tokens a prompt plus its reply may take (the conversation is cut to fit it)."""
 
-    def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any]) -> None:
+    def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any],
+                 window: int) -> None:
         self.tok, self.session, self.gen = tok, session, gen  # gen: max_new_tokens, sampling
+        self.window = window
         self.system = system
         self.turns: list[dict[str, str]] = []
 
@@ -95,10 +101,24 @@ class Chat:
                        "(start a message with a space to send a leading slash)")
         return True
 
-    def reply(self, line: str) -> None:
+    def prompt(self, line: str) -> list[int]:
+        """The conversation with `line` as token ids, its oldest turns dropped (for good) when
+        it and a full reply (-n) do not fit the window."""
+        from fuselm.runtime_metal.chat_window import fit
         from fuselm.runtime_metal.tokenizer import encode_prompt
 
-        ids = encode_prompt(self.tok, line, history=self.messages())
+        fitted = fit([*self.messages(), {"role": "user", "content": line}],
+                     lambda m: encode_prompt(self.tok, m[-1]["content"], history=m[:-1]),
+                     self.window, self.gen["max_new_tokens"])
+        if fitted.dropped_messages:
+            self.turns = self.turns[fitted.dropped_messages:]
+            click.echo(f"[context: dropped the oldest {fitted.dropped_turns} turn(s) "
+                       f"({fitted.dropped_messages} messages) to fit {self.window} tokens with "
+                       "the reply; the system prompt and the later turns are kept]", err=True)
+        return fitted.tokens
+
+    def reply(self, line: str) -> None:
+        ids = self.prompt(line)
         pieces: list[str] = []
         stream = self.session.stream(ids, **self.gen)
         try:
@@ -134,9 +154,15 @@ class Chat:
 @ACCURACY_OPTION
 @threads_option
 @click.option("--system", default=None, help="system prompt")
+@click.option("--max-kv-tokens", type=click.IntRange(2), default=None,
+              help="KV cache budget in tokens: the window the conversation (with the reply) is "
+              "cut to, oldest turns first  [default: the model's context]")
+@click.option("--memory-limit", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="GB", help="the KV cache budget in GB (10^9 bytes) instead of tokens")
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
          engine: str, accuracy_level: int, threads: int | None, system: str | None,
+         max_kv_tokens: int | None = None, memory_limit: float | None = None,
          min_p: float | None = None) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
@@ -151,11 +177,16 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
                              min_p)
     model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
     tok = model.tokenizer
-    gen = {"max_new_tokens": max_new_tokens, "sampling": sampling}
+    window = model.manifest.model.context_length
+    budget = budget_tokens(max_kv_tokens, memory_limit,
+                           kv_token_bytes(model.manifest, model.engine_name))
+    if budget is not None:
+        window = min(window, budget)
+    gen = {"max_new_tokens": max_new_tokens, "sampling": sampling, "context_length": window}
     with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream
         sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     _enable_line_editing()
-    state = Chat(tok, model.session(), system, gen)
+    state = Chat(tok, model.session(), system, gen, window)
     if sys.stdin.isatty():
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:

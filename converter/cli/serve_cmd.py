@@ -26,11 +26,12 @@ def _need_serve_extra() -> None:
 
 
 def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
-                 prefill_chunk: int | None):
+                 prefill_chunk: int | None, kv_tokens: int | None = None):
     """The batch decoder the scheduler drives for this engine."""
     from fuselm.converter.serve.decoder import ServeDecoder
 
-    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk)
+    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk,
+                        kv_tokens=kv_tokens)
 
 
 @click.command("serve")
@@ -52,6 +53,16 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--max-context", type=click.IntRange(2), default=None,
               help="tokens per sequence (prompt + completion); KV memory is reserved for "
               f"max-batch x max-context  [default: the model's context, at most {DEFAULT_CONTEXT}]")
+@click.option("--max-kv-tokens", type=click.IntRange(1), default=None,
+              help="KV cache budget in tokens, all requests together: a request reserves its "
+              "prompt + max_tokens when it starts, waits while that does not fit, and gets "
+              "HTTP 503 if it never can  [default: max-batch x max-context]")
+@click.option("--memory-limit", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="GB", help="the KV cache budget in GB (10^9 bytes) instead of tokens, "
+              "turned into tokens by this model's KV bytes per token")
+@click.option("--queue-timeout", type=click.FloatRange(0, min_open=True), default=None,
+              metavar="SECONDS", help="a request that waits longer than this to start gets "
+              "HTTP 503  [default: no limit]")
 @click.option("--default-max-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="completion length when a chat request gives no max_tokens")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
@@ -76,7 +87,8 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               default="info", show_default=True)
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
-          max_queue: int, max_context: int | None, default_max_tokens: int,
+          max_queue: int, max_context: int | None, max_kv_tokens: int | None,
+          memory_limit: float | None, queue_timeout: float | None, default_max_tokens: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
           allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
@@ -102,6 +114,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     from fuselm.converter.serve.app import ServeState, create_app
     from fuselm.converter.serve.scheduler import Scheduler
     from fuselm.runtime_metal.engine import resolve_engine
+    from fuselm.runtime_metal.kv_budget import budget_tokens, describe_budget, kv_token_bytes
     from fuselm.runtime_metal.loaded_model import open_model
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
@@ -117,10 +130,12 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
         raise RuntimeUserError(f"--max-context {max_context} is over the model's context "
                                f"({context}); give at most {context}")
     max_context = max_context or min(context, DEFAULT_CONTEXT)
+    token_bytes = kv_token_bytes(manifest, name)
+    kv_tokens = budget_tokens(max_kv_tokens, memory_limit, token_bytes)
     described: dict[str, object] = {}
 
     def build():  # noqa: ANN202 - on the engine thread
-        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk)
+        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens)
         described.update(model.engine.describe(), batch=decoder.describe())
         return decoder
 
@@ -128,17 +143,23 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     # streams decode with the model's (a fast tokenizer is not safe to share across threads).
     tok_handlers = model.new_tokenizer()
     scheduler = Scheduler(build, model.decoder(), model.eos_ids, max_batch=max_batch,
-                          max_queue=max_queue)
+                          max_queue=max_queue, queue_timeout=queue_timeout)
     scheduler.start()
+    assert scheduler.decoder is not None
     from fuselm.converter.model_path import model_name as shown_name
 
     state = ServeState(scheduler, tok_handlers, model_name or shown_name(Path(out_dir)),
                        max_context, manifest.model.vocab_size, default_max_tokens,
-                       max_body, described, sampling=model.sampling_defaults)
+                       max_body, described, sampling=model.sampling_defaults,
+                       kv_window=scheduler.decoder.kv_window)
     app = create_app(state, access)
     log = logging.getLogger("fuselm.serve")
     log.info("serving %r (%s engine, max batch %d, context %d) on http://%s:%d", state.model_id,
-             name, max_batch, state.max_context, host, port)
+             name, scheduler.max_batch, state.max_context, host, port)
+    log.info("KV budget: %s%s; chats are cut to %d tokens", describe_budget(
+        scheduler.decoder.kv_budget, token_bytes), "" if kv_tokens is not None else
+        " (max batch x context: --max-kv-tokens or --memory-limit sets it)",
+        scheduler.decoder.kv_window)
     log.info("sampling a request does not set: %s (%s)", state.sampling.describe(),
              "from generation_config.json" if model.generation_config else "greedy: the model "
              "has no generation_config.json")

@@ -30,7 +30,7 @@ from fuselm.converter.serve.access import AccessGuard, AccessRules
 from fuselm.converter.serve.delivery import deliver
 from fuselm.converter.serve.errors import ApiError
 from fuselm.converter.serve.request_body import read_json
-from fuselm.converter.serve.scheduler import Job, QueueFull, Scheduler
+from fuselm.converter.serve.scheduler import Job, OverBudget, QueueFull, Scheduler
 from fuselm.converter.serve.schema import (
     ChatRequest,
     CompletionRequest,
@@ -51,9 +51,11 @@ from fuselm.runtime_metal.chat_template import (
     chat_text,
     start_workers,
 )
+from fuselm.runtime_metal.chat_window import fit
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 log = logging.getLogger("fuselm.serve")
+DROPPED_HEADER = "x-fuselm-dropped-messages"  # the oldest messages a chat's cut dropped
 
 
 @dataclass
@@ -68,6 +70,9 @@ class ServeState:
     engine: dict[str, object]
     # A request's sampling where it sets none: the model's generation_config.json, else greedy.
     sampling: SamplingOptions = SamplingOptions()
+    # The longest prompt + completion the whole KV budget holds (at most max_context; 0: that):
+    # what a chat is cut to fit (chat_window.py) and a default max_tokens stops at.
+    kv_window: int = 0
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -117,8 +122,9 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
                             f"{state.max_context} tokens. Shorten the prompt.",
                        param=prompt_param, code="context_length_exceeded")
     room = state.max_context - n_prompt
-    if requested is None:
-        return min(room, state.default_max_tokens)
+    if requested is None:  # what the KV budget can hold, at least one (else a 503 says why)
+        fits = (state.kv_window or state.max_context) - n_prompt
+        return min(room, state.default_max_tokens, max(fits, 1))
     if requested > room:
         raise ApiError(400, f"this server's context is {state.max_context} tokens, but "
                             f"{n_prompt + requested} were requested ({n_prompt} in the prompt, "
@@ -127,21 +133,34 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
     return requested
 
 
-def _chat_ids(state: ServeState, req: ChatRequest) -> list[int]:
+def _chat_ids(state: ServeState, req: ChatRequest) -> tuple[list[int], int]:
+    """The prompt's token ids, and how many of the oldest messages were dropped to fit the
+    window (chat_window.py: the system messages and the last turn are kept; the reply's room
+    is max_tokens, or one token when the request sets none)."""
     try:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     if not getattr(state.tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions")
-    # Rendered in a worker process with a time limit, outside the tokenizer lock: a slow
-    # template holds this request only, never the others waiting to encode.
-    try:
-        text = chat_text(state.tokenizer, messages)
-    except ChatTemplateError as e:
-        code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
-        raise ApiError(400, str(e), param="messages", code=code) from None
-    return state.encode(lambda tok: chat_ids(tok, text))
+
+    def render(kept: list[dict[str, Any]]) -> list[int]:
+        # Rendered in a worker process with a time limit, outside the tokenizer lock: a slow
+        # template holds this request only, never the others waiting to encode.
+        try:
+            text = chat_text(state.tokenizer, kept)
+        except ChatTemplateError as e:
+            code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
+            raise ApiError(400, str(e), param="messages", code=code) from None
+        return state.encode(lambda tok: chat_ids(tok, text))
+
+    fitted = fit(messages, render, state.kv_window or state.max_context,
+                 req.token_limit() or 1)
+    if fitted.dropped_messages:
+        log.info("dropped the %d oldest message(s) (%d turn(s)) of %d to fit %d tokens",
+                 fitted.dropped_messages, fitted.dropped_turns, len(messages),
+                 state.kv_window or state.max_context)
+    return fitted.tokens, fitted.dropped_messages
 
 
 def _completion_ids(state: ServeState, req: CompletionRequest) -> list[int]:
@@ -164,7 +183,10 @@ async def _submit(request: Request, kind: str) -> Response:
     chat = kind == "chat"
     req = _parse(chat, data)
     _check_model(state, req)
-    ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req)
+    if chat:
+        ids, dropped = await run_in_threadpool(_chat_ids, state, req)
+    else:
+        ids, dropped = await run_in_threadpool(_completion_ids, state, req), 0
     max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
     sampling = req.sampling(state.sampling)
     job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
@@ -173,14 +195,19 @@ async def _submit(request: Request, kind: str) -> Response:
         state.scheduler.submit(job)
     except QueueFull as e:
         raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
+    except OverBudget as e:
+        raise ApiError(503, str(e), kind="server_error", code="kv_budget_exceeded") from None
+    # What the chat's cut dropped, in a header: the response body stays OpenAI's.
+    headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     if req.stream:
         return StreamingResponse(_stream(state, job, chat, req.include_usage()),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return await _collect(request, state, job, chat)
+                                 headers={"Cache-Control": "no-cache", **headers})
+    return await _collect(request, state, job, chat, headers)
 
 
-async def _collect(request: Request, state: ServeState, job: Job, chat: bool) -> Response:
+async def _collect(request: Request, state: ServeState, job: Job, chat: bool,
+                   headers: dict[str, str]) -> Response:
     async def read() -> tuple[str, Any]:
         parts: list[str] = []
         async for event in deliver(job, state.scheduler.decode):
@@ -204,7 +231,7 @@ async def _collect(request: Request, state: ServeState, job: Job, chat: bool) ->
         text, (_, finish, u) = task.result()
         use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
         make = chat_response if chat else completion_response
-        return JSONResponse(make(job.rid, state.model_id, text, finish, use))
+        return JSONResponse(make(job.rid, state.model_id, text, finish, use), headers=headers)
     finally:
         task.cancel()
         job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled

@@ -1,7 +1,7 @@
 """The batch decoder `fuselm serve` drives: the runtime's BatchDecoder (runtime_metal/batch.py:
 MLX decodes every active sequence in one batched step on the device; onnxruntime serves its
 slots one after another each step), plus what the server reports of it — how many prompt tokens
-of a request came from the prefix cache."""
+of a request came from the prefix cache — and the KV budget the scheduler admits against."""
 
 from __future__ import annotations
 
@@ -13,12 +13,29 @@ from fuselm.runtime_metal.sampling import SamplingOptions
 
 class ServeDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, kv_tokens: int | None = None) -> None:
         from fuselm.runtime_metal.batch import BatchDecoder
 
         self.dec = BatchDecoder(engine, max_batch=max_batch, max_context=max_context,
-                                prefill_chunk=prefill_chunk)
+                                prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
+        self.max_batch = self.dec.max_batch  # fewer than asked when the KV budget holds fewer
+        self.kv_budget = self.dec.kv_budget
+        self.kv_window = self.dec.kv_window
+        self.kv_cost = self.dec.kv_cost
+        self.kv_held = self.dec.kv_held
         self._cached: dict[int, int] = {}
+        if kv_tokens is not None and self.dec.mode == "batched":
+            # MLX keeps freed buffers for reuse, one per size met (every prompt length's
+            # prefill scratch): under a budget that cache is capped at the KV pool's own size,
+            # so the process stays at weights + pool + at most as much again.
+            import mlx.core as mx
+
+            mx.set_cache_limit(sum(a.nbytes for a in self.dec.cache.buffers()))
+
+    @property
+    def exhausted(self) -> set[int]:
+        """Slots that can take no more tokens (the context or the KV pool is full)."""
+        return self.dec.exhausted
 
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
         # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
@@ -40,6 +57,16 @@ class ServeDecoder:
     def reset(self) -> None:
         for slot in self.dec.active:
             self.remove(slot)
+
+    def memory(self) -> dict[str, int]:
+        """The engine's device memory in use, for /health: MLX's allocator's active buffers
+        (onnxruntime's arena shows in the process's RSS only)."""
+        if self.dec.engine.name != "mlx":
+            return {}
+        import mlx.core as mx
+
+        return {"mlx_active_bytes": int(mx.get_active_memory()),
+                "mlx_cache_bytes": int(mx.get_cache_memory())}
 
     def describe(self) -> dict[str, object]:
         return self.dec.describe()

@@ -8,7 +8,15 @@ row's token id to its Job and wakes the event loop once (only for jobs whose rea
 Detokenizing, stop strings, JSON and sockets happen on the event loop (delivery.py), which
 takes every token that arrived since it last looked: a slow client gets them as one larger
 chunk while the batch keeps its pace. A reader that saw a stop string or lost its client sets
-`cancelled`, and the engine removes that row before its next step."""
+`cancelled`, and the engine removes that row before its next step.
+
+Admission against the KV budget (the decoder's `kv_budget` positions, all rows together): a
+request reserves, when it joins, the KV positions its prompt plus max_tokens can ever hold
+(`kv_cost`), and gives them back when it leaves; it joins only while the reservations fit the
+budget. So a running row never finds the cache full mid-generation (no preemption is needed),
+and a request that does not fit now waits, first come first served, until running ones
+leave. One that could never fit (its cost alone is over the budget) is refused when submitted;
+one that waits longer than `queue_timeout` is refused then (both HTTP 503, with the numbers)."""
 
 from __future__ import annotations
 
@@ -17,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,6 +37,18 @@ log = logging.getLogger("fuselm.serve")
 
 
 class BatchDecoder(Protocol):
+    max_batch: int
+    kv_budget: int  # KV positions, all rows together
+
+    def kv_cost(self, tokens: int) -> int: ...
+
+    def kv_held(self) -> int: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+    @property
+    def exhausted(self) -> set[int]: ...
+
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
 
     def step(self) -> dict[int, int]: ...
@@ -41,6 +62,11 @@ class BatchDecoder(Protocol):
 
 class QueueFull(Exception):
     """More requests wait than --max-queue allows (HTTP 503)."""
+
+
+class OverBudget(Exception):
+    """The request's prompt plus max_tokens needs more KV cache than the whole budget (HTTP
+    503: it could never run on this server)."""
 
 
 @dataclass
@@ -109,7 +135,8 @@ class Scheduler:
 
     def __init__(self, make_decoder: Callable[[], BatchDecoder],
                  decode: Callable[[list[int]], str], eos_ids: Sequence[int],
-                 max_batch: int = 8, max_queue: int = 64) -> None:
+                 max_batch: int = 8, max_queue: int = 64,
+                 queue_timeout: float | None = None) -> None:
         self._make_decoder = make_decoder
         self.decoder: BatchDecoder | None = None
         self._ready = threading.Event()
@@ -120,8 +147,12 @@ class Scheduler:
         self.eos = set(int(e) for e in eos_ids)
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.queue_timeout = queue_timeout  # seconds a request may wait to join; None: no limit
         self._pending: queue.Queue[Job | None] = queue.Queue()
+        self._waiting: deque[Job] = deque()  # taken from _pending, waiting to join (in order)
         self._active: dict[int, Job] = {}
+        self._reserved: dict[int, int] = {}  # slot -> KV positions its job reserved
+        self._reserved_total = 0  # their sum (read by /health on the event loop: one int)
         self._touched: list[Job] = []  # jobs with news since the last wake-up call
         # Since start, for /health: what reached the engine (a refused request never does).
         self._admitted = self._generated = 0
@@ -147,18 +178,39 @@ class Scheduler:
         self._waker.join(timeout=10)
 
     def submit(self, job: Job) -> None:
-        if self._pending.qsize() >= self.max_queue:
-            raise QueueFull(f"{self._pending.qsize()} requests are waiting (--max-queue "
+        assert self.decoder is not None, "start() first"
+        need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
+        if need > self.decoder.kv_budget:
+            raise OverBudget(
+                f"this request needs {need} KV cache tokens ({len(job.prompt)} in the prompt + "
+                f"{job.max_tokens} max_tokens) but the server's whole KV budget is "
+                f"{self.decoder.kv_budget} tokens (--max-kv-tokens / --memory-limit); lower "
+                "max_tokens or shorten the prompt")
+        waiting = self._pending.qsize() + len(self._waiting)
+        if waiting >= self.max_queue:
+            raise QueueFull(f"{waiting} requests are waiting (--max-queue "
                             f"{self.max_queue}); retry later")
         self._pending.put(job)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stats(self) -> dict[str, int]:
-        return {"active": len(self._active), "queued": self._pending.qsize(),
+    def stats(self) -> dict[str, object]:
+        return {"active": len(self._active),
+                "queued": self._pending.qsize() + len(self._waiting),
                 "max_batch": self.max_batch, "admitted": self._admitted,
-                "generated_tokens": self._generated}
+                "generated_tokens": self._generated, "kv": self.kv_stats(),
+                "memory": self.decoder.memory() if self.decoder is not None else {}}
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV cache use in positions (tokens): `budget` in all; `reserved` by running requests
+        (prompt + max_tokens each, what admission counts); `free` = budget - reserved, what a
+        new request can have now; `held`: positions the cache holds now (running rows and
+        finished ones' cached prefixes, which give way to new requests)."""
+        assert self.decoder is not None
+        budget, reserved = self.decoder.kv_budget, self._reserved_total
+        return {"budget_tokens": budget, "reserved_tokens": reserved,
+                "free_tokens": budget - reserved, "held_tokens": self.decoder.kv_held()}
 
     # -- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -168,6 +220,8 @@ class Scheduler:
             self._failure = e
             return
         finally:
+            if self.decoder is not None:  # the KV budget may hold fewer rows than asked
+                self.max_batch = min(self.max_batch, self.decoder.max_batch)
             self._ready.set()
         while not self._stopping.is_set():
             self._admit()
@@ -184,26 +238,43 @@ class Scheduler:
                                                   "the server log)"))
                 self._notify()
                 self._active.clear()
+                self._reserved.clear()
+                self._reserved_total = 0
                 self.decoder.reset()
                 continue
             for slot, token in out.items():
                 job = self._active.get(slot)
                 if job is not None:
                     self._on_token(slot, job, token)
+            self._end_exhausted()
             self._notify()
-        for job in self._active.values():
+        for job in [*self._active.values(), *self._waiting]:
             self._end(job, "shutdown", (503, "the server is shutting down"))
         self._notify()
 
     def _admit(self) -> None:
+        """Take the submitted jobs into the wait line, refuse those that waited too long, and
+        let the first ones join while a slot is free and their KV reservation fits."""
         assert self.decoder is not None
-        while len(self._active) < self.max_batch:
+        idle = not self._active and not self._waiting
+        while True:
             try:
-                job = self._pending.get(block=not self._active, timeout=0.5)
+                job = self._pending.get(block=idle, timeout=0.5)
             except queue.Empty:
-                return
-            if job is None or job.cancelled.is_set():
+                break
+            idle = False
+            if job is not None:
+                self._waiting.append(job)
+        self._expire_waiting()
+        while self._waiting and len(self._active) < self.max_batch:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
                 continue
+            need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
+            if self._reserved_total + need > self.decoder.kv_budget:
+                return  # it waits (and those behind it) until running requests leave
+            self._waiting.popleft()
             try:
                 slot = self.decoder.add(job.prompt, job.sampling)
             except RuntimeUserError as e:
@@ -211,7 +282,38 @@ class Scheduler:
                 self._notify()
                 continue
             self._active[slot] = job
+            self._reserved[slot] = need
+            self._reserved_total += need
             self._admitted += 1
+
+    def _expire_waiting(self) -> None:
+        if self.queue_timeout is None or not self._waiting:
+            return
+        now = time.perf_counter()
+        kept: deque[Job] = deque()
+        for job in self._waiting:
+            if now - job.t_submit <= self.queue_timeout or job.cancelled.is_set():
+                kept.append(job)
+                continue
+            assert self.decoder is not None
+            self._end(job, "error", (503, (
+                f"waited {now - job.t_submit:.2f} s (--queue-timeout {self.queue_timeout:g}) "
+                f"for {self.decoder.kv_cost(len(job.prompt) + job.max_tokens)} KV cache tokens; "
+                f"{self._reserved_total} of {self.decoder.kv_budget} are reserved by "
+                f"{len(self._active)} running request(s); retry later")))
+        self._waiting = kept
+        self._notify()
+
+    def _end_exhausted(self) -> None:
+        """A row that can take no more tokens ends as "length" rather than never ending. Not
+        expected: admission reserves a row's whole KV, and max_tokens keeps it inside the
+        context."""
+        assert self.decoder is not None
+        for slot in list(self.decoder.exhausted & self._active.keys()):
+            job = self._active[slot]
+            log.warning("%s: no more KV cache room after %d tokens; ended as length",
+                        job.rid, job.generated)
+            self._finish(slot, job, "length")
 
     def _drop_cancelled(self) -> None:
         for slot, job in list(self._active.items()):
@@ -281,6 +383,7 @@ class Scheduler:
         assert self.decoder is not None
         self.decoder.remove(slot)
         del self._active[slot]
+        self._reserved_total -= self._reserved.pop(slot, 0)
         now = time.perf_counter()
         if reason == "cancelled":
             reason = job.ended_by

@@ -125,7 +125,7 @@ def test_a_full_pool_refuses_and_evicts_freed_prefixes(qwen3_artifact) -> None: 
     finished sequence's cached blocks are dropped (least recently used) when a new prompt
     needs them."""
     engine = make_engine(qwen3_artifact, "mlx")
-    dec = BatchDecoder(engine, max_batch=2, max_context=250, blocks=5)
+    dec = BatchDecoder(engine, max_batch=2, max_context=250, kv_tokens=5 * BLOCK)
     a = dec.add(_prompt(3 * BLOCK, 4))  # 3 blocks + 1 for its first decoded token
     _tokens(dec, [a], 2)
     with pytest.raises(RuntimeUserError, match="KV cache is full"):
@@ -135,3 +135,27 @@ def test_a_full_pool_refuses_and_evicts_freed_prefixes(qwen3_artifact) -> None: 
     b = dec.add(p)  # into the empty slot; a's cached prefix goes to make room
     assert b != a and dec.length(a) == 0 and not dec.slots[a].blocks
     assert _tokens(dec, [b], N)[b] == generate(engine, p, max_new_tokens=N).tokens
+
+
+def test_kv_token_bytes_is_what_the_caches_hold(qwen3_artifact) -> None:  # noqa: ANN001
+    """--memory-limit's conversion: the bytes per token it counts are the block pool's (MLX)
+    and a slot's row's (onnxruntime) real bytes per position."""
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.kv_budget import budget_tokens, kv_token_bytes
+
+    manifest = read_manifest(qwen3_artifact)
+    dec = BatchDecoder(make_engine(qwen3_artifact, "mlx"), max_batch=2, max_context=100,
+                       kv_tokens=3 * BLOCK)
+    assert dec.kv_budget == 3 * BLOCK and dec.kv_window == 100
+    pool = sum(a.nbytes for a in dec.cache.buffers())
+    assert pool == 3 * BLOCK * kv_token_bytes(manifest, "mlx")
+    ort = BatchDecoder(make_engine(qwen3_artifact, "onnxruntime"), max_batch=4, max_context=100,
+                       kv_tokens=2 * 256 + 100)
+    assert ort.max_batch == 2 and ort.kv_budget == 2 * ort.capacity == 512  # whole rows
+    ort.add(_prompt(20, 1))
+    kv, _ = ort.slots[0].state  # its K/V arrays: its row's views, or its own arrays
+    per_position = sum(a.nbytes // a.shape[0] // a.shape[2] for a in kv.values())
+    assert per_position == kv_token_bytes(manifest, "onnxruntime")
+    assert budget_tokens(None, 0.001, 1000) == 1000
+    with pytest.raises(RuntimeUserError, match="not both"):
+        budget_tokens(10, 1.0, 1000)

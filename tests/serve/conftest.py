@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -98,6 +99,19 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+@contextmanager
+def running_server(artifact: Path, log: Path, engine: str, args: Sequence[str] = ()
+                   ) -> Iterator[Server]:
+    """One more `fuselm serve` (extra `args` after the standard ones), up for the block;
+    stopped by PID."""
+    proc, srv = _start(artifact, log, engine, args)
+    try:
+        _wait_up(proc, srv, time.monotonic() + STARTUP_S)
+        yield srv
+    finally:
+        stop_server(proc)
 
 
 @pytest.fixture(scope="session")

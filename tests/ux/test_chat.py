@@ -174,3 +174,54 @@ def test_second_turn_reuses_the_cache_and_matches_a_fresh_run(artifact: Path,
     assert cont.prompt_tokens == len(second) - session.reused
     fresh = generate(make_engine(artifact, engine), second, max_new_tokens=6)
     assert cont.tokens == fresh.tokens
+
+
+def test_a_long_chat_drops_its_oldest_turns_by_the_rule(artifact: Path, capsys) -> None:  # noqa: ANN001
+    """Past the window (--max-kv-tokens), each reply's prompt is the system prompt and the
+    last turns that fit with a full reply (chat_window.py's rule, checked against trying every
+    cut in order); what was dropped is said on stderr, and replies go on."""
+    from fuselm.converter.cli.chat_cmd import Chat
+    from fuselm.runtime_metal.loaded_model import open_model
+    from fuselm.runtime_metal.sampling import SamplingOptions
+
+    window, n = 160, 4
+    model = open_model(artifact, "onnxruntime")
+    tok = model.tokenizer
+    gen = {"max_new_tokens": n, "sampling": SamplingOptions(), "context_length": window}
+    chat = Chat(tok, model.session(), "you are terse", gen, window)
+    dropped = 0
+    for i in range(8):
+        line = f"question {i}: the quick brown fox jumps over the lazy dog again"
+        before = chat.turns
+        # the rule, literally: drop 0, 1, 2, ... oldest turns until prompt + reply fits
+        for drop in range(len(before) // 2 + 1):
+            kept = before[2 * drop:]
+            ids = encode_prompt(tok, line, history=[{"role": "system",
+                                                     "content": "you are terse"}, *kept])
+            if len(ids) + n <= window:
+                break
+        chat.reply(line)
+        assert chat.turns[:-2] == kept and chat.turns[-2]["content"] == line
+        err = capsys.readouterr().err
+        if drop:
+            dropped += 1
+            assert f"[context: dropped the oldest {drop} turn(s) ({2 * drop} messages) to " \
+                   f"fit {window} tokens" in err
+        else:
+            assert "dropped" not in err
+    assert dropped >= 3  # the window was reached and the chat went on
+
+
+def test_chat_memory_limit_sets_the_window(artifact: Path) -> None:
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.kv_budget import kv_token_bytes
+
+    lines = "".join(f"tell me about fox number {i} and the lazy dog\n" for i in range(6))
+    r = cli("chat", str(artifact), "-n", "4", "--temp", "0", "--engine", "onnxruntime",
+            "--memory-limit", "0.0001", input=lines)
+    assert r.returncode == 0, r.stderr
+    window = int(0.0001e9 // kv_token_bytes(read_manifest(artifact), "onnxruntime"))
+    assert "[context: dropped the oldest" in r.stderr and f"to fit {window} tokens" in r.stderr
+    both = cli("chat", str(artifact), "--max-kv-tokens", "100", "--memory-limit", "1",
+               input="hi\n")
+    assert both.returncode == 2 and "not both" in both.stderr
