@@ -54,7 +54,12 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
-from fuselm.runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
+from fuselm.runtime_metal.sampling import (
+    SamplingOptions,
+    TokenLogprobs,
+    TokenSampler,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -63,8 +68,11 @@ class _Slot:
     pending: int | None = None  # sampled, not yet fed
     reported: bool = True  # `pending` was already handed to the caller
     active: bool = False
-    sampler: Sampler | None = None
-    greedy: bool = True
+    sampler: TokenSampler | None = None
+    greedy: bool = True  # picked on the device: temperature 0, no logits processor, no logprobs
+    top_logprobs: int | None = None  # None: no logprobs; else the alternatives reported
+    logprobs: TokenLogprobs | None = None  # of `pending`, when the sequence asked for them
+    prompt_logits: np.ndarray | None = None  # kept until its first token is reported (fork)
     state: object = None  # sequential mode: the slot's engine cache state
     epoch: int = 0  # bumped when the sequence leaves: a queued step's row of it is dropped
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
@@ -141,6 +149,7 @@ class BatchDecoder:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
+        s.logprobs = s.prompt_logits = None
         s.epoch += 1
         self.exhausted.discard(slot)
         if self.mode == "batched":  # blocks past its cached tokens (a token fed ahead) go
@@ -148,8 +157,13 @@ class BatchDecoder:
             self.cache.pool.release(s.blocks[keep:])
             del s.blocks[keep:]
 
-    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None) -> int:
-        """Prefill `prompt` into a free slot; its first token comes with the next step()."""
+    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None,
+            top_logprobs: int | None = None) -> int:
+        """Prefill `prompt` into a free slot; its first token comes with the next step().
+        top_logprobs: report each token's logprob and that many alternatives (`logprobs`)."""
+        opts = sampling or SamplingOptions()
+        opts.validate()
+        opts.check_vocab(self.engine.manifest.model.vocab_size)
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise RuntimeUserError("the prompt is empty; give at least one token")
@@ -167,16 +181,76 @@ class BatchDecoder:
             slot = max(free, key=lambda i: (_common(self.slots[i].cached, prompt), -i))
             keep = min(_common(self.slots[slot].cached, prompt), len(prompt) - 1)
             logits = self._prefill_sequential(slot, prompt, keep)
-        s = self.slots[slot]
-        opts = sampling or SamplingOptions()
         self.reused_tokens += keep
+        self._start(slot, prompt, keep, logits, opts, top_logprobs)
+        return slot
+
+    def fork(self, slot: int, sampling: SamplingOptions | None = None,
+             top_logprobs: int | None = None) -> int:
+        """Another sequence from the prompt `slot` was just added with (its first token not yet
+        reported): the prompt is not prefilled again, its first token is chosen from the same
+        logits by its own sampler (OpenAI's n > 1). Batched mode shares the prompt's blocks by
+        reference (the partly filled last one is copied when first written); the other modes
+        have a cache per slot, which the new slot fills by prefilling the prompt itself."""
+        src = self.slots[slot]
+        if not self.forkable(slot, src.cached):
+            raise RuntimeUserError("fork: the sequence has started decoding; add its prompt "
+                                   "instead")
+        if self.mode != "batched":
+            return self.add(src.cached, sampling, top_logprobs)
+        opts = sampling or SamplingOptions()
+        opts.validate()
+        opts.check_vocab(self.engine.manifest.model.vocab_size)
+        free = [i for i, s in enumerate(self.slots) if not s.active]
+        if not free:
+            raise RuntimeUserError(
+                f"all {self.max_batch} slots are busy; remove a finished sequence first")
+        new = min(free, key=lambda i: (bool(self.slots[i].blocks), self.slots[i].used, i))
+        s, pool = self.slots[new], self.cache.pool
+        pool.release(s.blocks)
+        s.blocks = [pool.share(b) for b in src.blocks]
+        s.epoch += 1
+        s.used = self._tick()
+        prompt = list(src.cached)
+        self.reused_tokens += len(prompt)
+        self._start(new, prompt, len(prompt), src.prompt_logits, opts, top_logprobs)
+        return new
+
+    def forkable(self, slot: int, prompt: Sequence[int]) -> bool:
+        """Whether `fork(slot)` starts a sequence from `prompt`: the slot's sequence was added
+        with it and has not reported its first token yet."""
+        s = self.slots[slot]
+        return (s.active and not s.reported and s.prompt_logits is not None
+                and s.cached == [int(t) for t in prompt])
+
+    def _start(self, slot: int, prompt: list[int], keep: int, logits: np.ndarray,
+               opts: SamplingOptions, top_logprobs: int | None) -> None:
+        s = self.slots[slot]
         s.reused = keep
         s.cached = list(prompt)
-        s.sampler = make_sampler(opts)
-        s.greedy = opts.temperature == 0 and opts.repetition_penalty == 1.0
-        s.pending = s.sampler(logits, s.cached)
+        s.sampler = TokenSampler(opts)
+        s.top_logprobs = top_logprobs
+        s.greedy = opts.temperature == 0 and not opts.processed and top_logprobs is None
+        s.prompt_logits = logits
+        self._sample(slot, logits)
         s.reported, s.active = False, True
-        return slot
+
+    def _sample(self, i: int, logits: np.ndarray) -> int:
+        """Slot i's next token (`pending`) chosen on the host from `logits`, its logprobs with
+        it when the sequence asked for them: the one per-row host step of every mode."""
+        s = self.slots[i]
+        assert s.sampler is not None
+        s.pending = s.sampler(logits, s.cached)
+        if s.top_logprobs is not None:
+            assert s.sampler.processed is not None
+            s.logprobs = token_logprobs(s.sampler.processed, s.pending, s.top_logprobs)
+        return s.pending
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """The logprobs of the token the last step() reported for `slot` (None unless its
+        sequence asked for them)."""
+        s = self.slots[slot]
+        return s.logprobs if s.top_logprobs is not None else None
 
     def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
         engine, s = self.engine, self.slots[slot]
@@ -287,6 +361,7 @@ class BatchDecoder:
             s = self.slots[i]
             if not s.reported:
                 out[i], s.reported = s.pending, True  # type: ignore[assignment]
+                s.prompt_logits = None
             elif len(s.cached) >= self.max_context:
                 self.exhausted.add(i)
             else:
@@ -298,10 +373,9 @@ class BatchDecoder:
     def _advance(self, i: int, logits: object) -> int:
         """Slot i's fed token joins its cache; its next token is sampled from `logits`."""
         s = self.slots[i]
-        assert s.pending is not None and s.sampler is not None
+        assert s.pending is not None
         s.cached.append(s.pending)
-        s.pending = s.sampler(np.asarray(logits, np.float32), s.cached)
-        return s.pending
+        return self._sample(i, np.asarray(logits, np.float32))
 
     def _sequential(self, feed: list[int]) -> dict[int, int]:
         engine = self.engine
@@ -340,6 +414,7 @@ class BatchDecoder:
             s = self.slots[i]
             if not s.reported:
                 out[i], s.reported = s.pending, True  # type: ignore[assignment]
+                s.prompt_logits = None
                 fresh.append(i)
         done = self._inflight
         self._inflight = None
@@ -436,8 +511,8 @@ class BatchDecoder:
             if s.greedy:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
             else:
-                assert done.logits is not None and s.sampler is not None
-                s.pending = s.sampler(np.array(done.logits[where[i]], np.float32), s.cached)
+                assert done.logits is not None
+                self._sample(i, np.array(done.logits[where[i]], np.float32))
             out[i] = s.pending
         return out
 

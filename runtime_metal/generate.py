@@ -215,8 +215,9 @@ def iter_generate(
     what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
-    on_logits(logits, token): each step's host logits and the token chosen from them, in order
-    (sampling then runs on the host; the Python API's logprobs)."""
+    on_logits(logits, token): each step's processed host logits (sampling.process_logits:
+    after the penalties and logit_bias, before temperature) and the token chosen from them, in
+    order (sampling then runs on the host; the logprobs of the Python API and `fuselm run`)."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -230,7 +231,8 @@ def iter_generate(
 
         def sampler(logits: np.ndarray, history: Sequence[int]) -> int:
             token = choose(logits, history)
-            on_logits(logits, token)
+            assert choose.processed is not None
+            on_logits(choose.processed, token)
             return token
 
         device_sampling = False

@@ -22,15 +22,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
 log = logging.getLogger("fuselm.serve")
 
 
 class BatchDecoder(Protocol):
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+            top_logprobs: int | None = None, fork_of: int | None = None) -> int: ...
 
     def step(self) -> dict[int, int]: ...
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None: ...
 
     def remove(self, slot: int) -> None: ...
 
@@ -48,7 +51,9 @@ class Job:
     """One request, shared by the engine thread (which writes `tokens`, then `finish`) and its
     reader on the event loop (`take`). `tokens` holds the generated ids but an EOS; `generated`
     counts the EOS too. `finish`: "stop" (EOS), "length", "error" (`error` says what) or
-    "shutdown"."""
+    "shutdown". `top_logprobs` (None: none) asks for each token's logprobs, appended to
+    `logprobs` before the token to `tokens`. `fork_of`: a request's earlier choice from the same
+    prompt (OpenAI's n > 1), whose prompt this one shares when both join the batch together."""
 
     rid: str
     prompt: list[int]
@@ -56,7 +61,11 @@ class Job:
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    top_logprobs: int | None = None
+    fork_of: Job | None = None
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    slot: int | None = None  # the engine thread's: the batch row it decodes in
     finish: str | None = None
     error: tuple[int, str] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -146,11 +155,13 @@ class Scheduler:
         self._wakeups.put(None)  # after the engine's last wake-ups
         self._waker.join(timeout=10)
 
-    def submit(self, job: Job) -> None:
-        if self._pending.qsize() >= self.max_queue:
+    def submit(self, *jobs: Job) -> None:
+        """Queue the jobs of one request together (its n choices), or none of them."""
+        if self._pending.qsize() + len(jobs) > self.max_queue:
             raise QueueFull(f"{self._pending.qsize()} requests are waiting (--max-queue "
                             f"{self.max_queue}); retry later")
-        self._pending.put(job)
+        for job in jobs:
+            self._pending.put(job)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -204,13 +215,17 @@ class Scheduler:
                 return
             if job is None or job.cancelled.is_set():
                 continue
+            parent = job.fork_of
+            like = parent.slot if parent is not None and parent.slot is not None and (
+                self._active.get(parent.slot) is parent) else None
             try:
-                slot = self.decoder.add(job.prompt, job.sampling)
+                slot = self.decoder.add(job.prompt, job.sampling, job.top_logprobs, like)
             except RuntimeUserError as e:
                 self._end(job, "error", (400, str(e)))
                 self._notify()
                 continue
             self._active[slot] = job
+            job.slot = slot
             self._admitted += 1
 
     def _drop_cancelled(self) -> None:
@@ -231,6 +246,10 @@ class Scheduler:
         if token in self.eos:
             self._finish(slot, job, "stop")
             return
+        if job.top_logprobs is not None:
+            info = self.decoder.logprobs(slot)
+            assert info is not None and info.token == token
+            job.logprobs.append(info)
         job.tokens.append(token)
         if job.generated >= job.max_tokens:
             self._finish(slot, job, "length")
