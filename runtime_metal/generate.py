@@ -206,6 +206,7 @@ def iter_generate(
     reset: bool = True,
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -217,7 +218,9 @@ def iter_generate(
     on device (MLX's generator: draws differ from the host's); False = always on the host.
     on_logits(logits, token): each step's processed host logits (sampling.process_logits:
     after the penalties and logit_bias, before temperature) and the token chosen from them, in
-    order (sampling then runs on the host; the logprobs of the Python API and `fuselm run`)."""
+    order (sampling then runs on the host; the logprobs of the Python API and `fuselm run`).
+    on_token(token): each token as the loop receives it (an EOS included), before its text;
+    sampling stays where it was."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -250,6 +253,8 @@ def iter_generate(
                            device_sampler=device_sampler)
     try:
         for token in steps:
+            if on_token is not None:
+                on_token(token)
             if token in eos:
                 stop_reason = "eos"
                 break
