@@ -256,10 +256,13 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
 def _logprobs_json(model: Any, records: list[Any]) -> list[dict[str, Any]]:
     """--logprobs: per reply token its id, text (as it decodes alone), logprob and the
     alternatives (sampling.TokenLogprobs)."""
-    decode = model.decoder() if model.has_tokenizer else (lambda ids: "")
+    from fuselm.runtime_metal.text_stream import token_text
+
+    decode = model.decoder() if model.has_tokenizer else None
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        return {"token": token, "text": decode([token]), "logprob": logprob}
+        text = token_text(decode, token) if decode is not None else ""
+        return {"token": token, "text": text, "logprob": logprob}
 
     return [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
             for r in records]

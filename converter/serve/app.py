@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -56,6 +57,7 @@ from fuselm.runtime_metal.chat_template import (
 )
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
+from fuselm.runtime_metal.text_stream import token_text
 
 log = logging.getLogger("fuselm.serve")
 
@@ -222,8 +224,7 @@ async def _events(state: ServeState, jobs: list[Job]) -> AsyncIterator[tuple[int
 
 
 def _token_text(state: ServeState) -> Callable[[int], str]:
-    decode = state.scheduler.decode
-    return lambda token: decode([token])
+    return partial(token_text, state.scheduler.decode)
 
 
 def _total(jobs_usage: list[dict[str, int]]) -> dict[str, Any]:
