@@ -208,15 +208,33 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+_TOP_BLOCK = 256  # token_logprobs' block of the vocabulary
+
+
 def token_logprobs(processed: np.ndarray, token: int, top: int) -> TokenLogprobs:
-    lp = log_softmax(processed)
-    ids: np.ndarray = np.zeros(0, np.int64)
+    """`token`'s logprob and the `top` likeliest, from the processed logits. The alternatives
+    come from blocks of 256 logits: each pick is the argmax of the blocks' maxima, then of its
+    block, whose maximum is then taken again without it. No partition or sort of the whole
+    vocabulary (a millisecond and more at 150k tokens on a CPU), no pass over it per pick; ties
+    go to the lower id."""
+    z = np.asarray(processed, np.float32)
+    peak = z.max()
+    work = np.subtract(z, peak)
+    lse = float(peak) + float(np.log(np.exp(work, out=work).sum(dtype=np.float64)))
+    alts = []
+    top = min(top, z.size)
     if top > 0:
-        k = min(top, lp.size)
-        ids = np.argpartition(-lp, k - 1)[:k]
-        ids = ids[np.lexsort((ids, -lp[ids]))]  # likeliest first, ties by id
-    return TokenLogprobs(int(token), float(lp[token]),
-                         tuple((int(i), float(lp[i])) for i in ids))
+        blocks = np.full(-(-z.size // _TOP_BLOCK) * _TOP_BLOCK, -np.inf, np.float32)
+        blocks[:z.size] = z
+        blocks = blocks.reshape(-1, _TOP_BLOCK)
+        maxima = blocks.max(axis=1)
+        for _ in range(top):
+            b = int(np.argmax(maxima))
+            j = int(np.argmax(blocks[b]))
+            alts.append((b * _TOP_BLOCK + j, float(blocks[b, j]) - lse))
+            blocks[b, j] = -np.inf
+            maxima[b] = blocks[b].max()
+    return TokenLogprobs(int(token), float(z[token]) - lse, tuple(alts))
 
 
 class TokenSampler:
