@@ -10,7 +10,9 @@ sequences join (prefill into a free slot) and leave between steps.
 `step()` reports a slot's first token (sampled from its prompt's logits) on the first step after
 `add`, then one token per step, the tokens `generate` yields for the same prompt. Sampling is the
 host sampler (sampling.make_sampler, seeded per slot), so temperature 0 gives generate's greedy
-tokens; greedy rows are picked on the device (one argmax for the batch).
+tokens; greedy rows are picked on the device (one argmax for the batch), and in batched mode a
+greedy row's logprobs come from the device too (a log-sum-exp and the top alternatives per
+row), so asking for them keeps the step pipelined.
 
 Two ways to run, chosen per engine (`mode`):
 - "batched" (MLX with the compiled program): the KV cache is a block cache (kv_cache.BlockCache:
@@ -69,7 +71,7 @@ class _Slot:
     reported: bool = True  # `pending` was already handed to the caller
     active: bool = False
     sampler: TokenSampler | None = None
-    greedy: bool = True  # picked on the device: temperature 0, no logits processor, no logprobs
+    greedy: bool = True  # picked on the device: temperature 0, no logits processor
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives reported
     logprobs: TokenLogprobs | None = None  # of `pending`, when the sequence asked for them
     prompt_logits: np.ndarray | None = None  # kept until its first token is reported (fork)
@@ -86,8 +88,19 @@ class _Step:
 
     rows: list[tuple[int, int]]  # (slot, epoch) of each row it fed, in its row order
     picks: mx.array | None  # argmax per row (uint32 [rows]) when a fed row is greedy
+    # when a fed greedy row wants logprobs: per row the log-sum-exp and the max logit [rows],
+    # the ids and logits of its likeliest [rows, k] (unordered)
+    top: tuple[mx.array, mx.array, mx.array, mx.array] | None
     logits: mx.array | None  # [rows, vocab] when a fed row samples on the host
     next_offsets: mx.array  # every row's length after it (int32 [rows], on the device)
+
+
+def _device_logprobs(top: list[np.ndarray], r: int, token: int, k: int) -> TokenLogprobs:
+    """Row r's TokenLogprobs from a step's device figures (_Step.top) for its argmax `token`:
+    its logprob is the max logit's; the alternatives likeliest first, ties by id."""
+    lse, peak, ids, vals = (float(top[0][r]), float(top[1][r]), top[2][r], top[3][r])
+    order = sorted(zip(vals.tolist(), ids.tolist(), strict=True), key=lambda p: (-p[0], p[1]))
+    return TokenLogprobs(token, peak - lse, tuple((int(t), v - lse) for v, t in order[:k]))
 
 
 class BatchDecoder:
@@ -230,7 +243,7 @@ class BatchDecoder:
         s.cached = list(prompt)
         s.sampler = TokenSampler(opts)
         s.top_logprobs = top_logprobs
-        s.greedy = opts.temperature == 0 and not opts.processed and top_logprobs is None
+        s.greedy = opts.temperature == 0 and not opts.processed
         s.prompt_logits = logits
         self._sample(slot, logits)
         s.reported, s.active = False, True
@@ -475,9 +488,19 @@ class BatchDecoder:
         greedy = any(self.slots[i].greedy for i in feed)
         picks = mx.argmax(logits, axis=-1) if greedy else None
         sampled = not all(self.slots[i].greedy for i in feed)
-        mx.async_eval(*(x for x in (picks, logits if sampled else None) if x is not None))
+        k = max((self.slots[i].top_logprobs for i in feed if self.slots[i].greedy
+                 and self.slots[i].top_logprobs is not None), default=None)
+        top = None
+        if k is not None:  # float32: a float16 model's logits would round the log-sum-exp
+            z = logits.astype(mx.float32)
+            k = min(max(k, 1), z.shape[-1])
+            ids = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]
+            top = (mx.logsumexp(z, axis=-1), z.max(axis=-1), ids,
+                   mx.take_along_axis(z, ids, axis=-1))
+        mx.async_eval(*(x for x in (picks, logits if sampled else None, *(top or ()))
+                        if x is not None))
         return _Step([(i, self.slots[i].epoch) for i in feed], picks,
-                     logits if sampled else None, nxt)
+                     top, logits if sampled else None, nxt)
 
     def _block_table(self, feed: list[int]) -> mx.array:
         """The fed rows' block tables, [rows, W] int32: W covers the longest fed row's next
@@ -506,10 +529,13 @@ class BatchDecoder:
             return out
         where = {i: r for r, (i, _) in enumerate(done.rows)}
         chosen = done.picks.tolist() if done.picks is not None else []
+        top = [np.array(x) for x in done.top] if done.top is not None else []
         for i in rows:
             s = self.slots[i]
             if s.greedy:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
+                if s.top_logprobs is not None:
+                    s.logprobs = _device_logprobs(top, where[i], s.pending, s.top_logprobs)
             else:
                 assert done.logits is not None
                 self._sample(i, np.array(done.logits[where[i]], np.float32))

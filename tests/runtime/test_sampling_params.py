@@ -117,15 +117,28 @@ def test_logprob_row_among_greedy_rows(engine_name: str, qwen3_artifact) -> None
 def test_forked_choices(engine_name: str, qwen3_artifact) -> None:  # noqa: ANN001
     """n choices from one prompt: greedy ones all equal the solo run; seeded ones are the same
     on a second decoder and differ from each other; MLX prefills the prompt once (the forks
-    take its blocks by reference)."""
+    take its blocks by reference). A greedy row with logprobs keeps MLX's step pipelined (its
+    logprobs come from the device: no row's logits go to the host) and agrees with a fork that
+    takes them on the host (a top-k 1 row)."""
     engine = make_engine(qwen3_artifact, engine_name)
     want = generate(engine, PROMPT, max_new_tokens=N).tokens
     dec = BatchDecoder(engine, max_batch=4, max_context=64)
-    first = dec.add(PROMPT)
-    forks = [dec.fork(first) for _ in range(2)]
+    first = dec.add(PROMPT, None, top_logprobs=3)
+    forks = [dec.fork(first), dec.fork(first, SamplingOptions(temperature=1.0, top_k=1),
+                                       top_logprobs=3)]
     got = _collect(dec, [first, *forks])
     assert list(got.values()) == [want] * 3
+    device, host = (dec.last_logprobs[s] for s in (first, forks[1]))  # type: ignore[attr-defined]
+    assert [d.token for d in device] == [h.token for h in host] == want
+    assert [d.logprob for d in device] == pytest.approx([h.logprob for h in host], abs=1e-4)
+    assert [[t for t, _ in d.top] for d in device] == [[t for t, _ in h.top] for h in host]
+    dec.remove(forks[1])
+    dec.step()
+    if engine_name == "mlx":
+        assert dec._inflight is not None and dec._inflight.logits is None  # noqa: SLF001
     assert dec.reused_tokens == (2 * len(PROMPT) if engine_name == "mlx" else 0)
+    for slot in (first, forks[0]):
+        dec.remove(slot)
     with pytest.raises(RuntimeUserError, match="fork"):
         dec.fork(first)
 
