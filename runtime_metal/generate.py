@@ -81,12 +81,15 @@ def prefill(engine: Engine, prompt: Sequence[int], chunk: int | None = None) -> 
 def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
                    sampler: Sampler, prefill_chunk: int | None = None,
                    timings: dict[str, float] | None = None,
-                   device_sampler: DeviceSampler | None = None) -> Iterator[int]:
+                   device_sampler: DeviceSampler | None = None,
+                   cached: Sequence[int] = ()) -> Iterator[int]:
     """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
 
     An engine with a device decode step (MLX) and a `device_sampler` runs the pipelined loop:
     token i+1 is queued (`mx.async_eval`) before token i is handed to the caller, so the device
-    never waits for Python. Otherwise each step returns host logits to `sampler`."""
+    never waits for Python. Otherwise each step returns host logits to `sampler`, whose history
+    is `cached` (the tokens before `prompt` that the engine's cache holds), the prompt and the
+    tokens so far."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
     # One capacity for the whole generation: growing the cache mid-decode would copy it and
@@ -96,7 +99,7 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
         return
-    history = list(prompt)
+    history = [*cached, *prompt]
     t0 = time.perf_counter()
     logits = prefill(engine, prompt, prefill_chunk)
     token = sampler(logits, history)
@@ -204,6 +207,7 @@ def iter_generate(
     prefill_chunk: int | None = None,
     context_length: int | None = None,
     reset: bool = True,
+    cached: Sequence[int] = (),
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
@@ -213,7 +217,8 @@ def iter_generate(
     GenerationResult. The text ends before the first of `stop_strings` it contains.
 
     reset=False continues after the engine's cached positions (the caller's prompt is only
-    what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
+    what follows them; `cached`: their tokens, which the repetition penalty counts).
+    device_sampling (engines with a device decode step, i.e. MLX): None =
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
     on_logits(logits, token): each step's processed host logits (sampling.process_logits:
@@ -250,7 +255,7 @@ def iter_generate(
     eos = set(int(e) for e in eos_ids)
     steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
                            prefill_chunk=prefill_chunk, timings=timings,
-                           device_sampler=device_sampler)
+                           device_sampler=device_sampler, cached=() if reset else cached)
     try:
         for token in steps:
             if on_token is not None:

@@ -181,3 +181,28 @@ def test_penalties_and_bias_end_to_end(engine_name: str, qwen3_artifact) -> None
     assert generate(engine, PROMPT, max_new_tokens=4, sampling=forced).tokens == [42] * 4
     with pytest.raises(RuntimeUserError, match="outside the model's vocabulary"):
         dec.add(PROMPT, SamplingOptions(logit_bias=((10**6, 1.0),)))
+
+
+def test_session_penalty_counts_the_cached_prefix(qwen3_artifact) -> None:  # noqa: ANN001
+    """A follow-up turn prefills only its new tokens, but the repetition penalty still counts
+    the whole conversation: the tokens of a fresh generation over it."""
+    from fuselm.runtime_metal.session import CachedSession
+
+    def finish(gen):  # noqa: ANN001, ANN202
+        while True:
+            try:
+                next(gen)
+            except StopIteration as done:
+                return done.value
+
+    engine = make_engine(qwen3_artifact, "onnxruntime")
+    opts = SamplingOptions(repetition_penalty=3.0)
+    session = CachedSession(engine)
+    finish(session.stream(PROMPT, max_new_tokens=1, sampling=opts))
+    longer = PROMPT + [30, 31]  # only [30, 31] is prefilled
+    again = finish(session.stream(longer, max_new_tokens=N, sampling=opts)).tokens
+    assert session.reused == len(PROMPT)
+    want = generate(engine, longer, max_new_tokens=N, sampling=opts).tokens
+    assert again == want
+    # the prompt's tokens are what the penalty moves here
+    assert want != generate(engine, longer, max_new_tokens=N).tokens
