@@ -94,6 +94,11 @@ def test_n_choices(any_server: Server) -> None:
     assert [c.message.content for c in three.choices] == [one.choices[0].message.content] * 3
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    if any_server.engine == "mlx":  # the prompt prefilled once: the other two share it whole
+        p = three.usage.prompt_tokens
+        lines = [ln for ln in any_server.log.read_text().splitlines() if three.id in ln]
+        assert len(lines) == 3
+        assert sum(f"prompt {p} tok (cached {p})" in ln for ln in lines) == 2, lines
     seeded = [[c.message.content for c in _chat(any_server, temperature=1.0, seed=5,
                                                  n=3).choices] for _ in range(2)]
     assert seeded[0] == seeded[1] and len(set(seeded[0])) > 1
