@@ -203,13 +203,14 @@ class BatchDecoder:
         """Another sequence from the prompt `slot` was just added with (its first token not yet
         reported): the prompt is not prefilled again, its first token is chosen from the same
         logits by its own sampler (OpenAI's n > 1). Batched mode shares the prompt's blocks by
-        reference (the partly filled last one is copied when first written); the other modes
-        have a cache per slot, which the new slot fills by prefilling the prompt itself."""
+        reference (the partly filled last one is copied when first written); rows mode copies
+        the prompt's K/V into the new row; sequential mode (a cache state per slot, the
+        engine's own) prefills the prompt again."""
         src = self.slots[slot]
         if not self.forkable(slot, src.cached):
             raise RuntimeUserError("fork: the sequence has started decoding; add its prompt "
                                    "instead")
-        if self.mode != "batched":
+        if self.mode == "sequential":
             return self.add(src.cached, sampling, top_logprobs)
         opts = sampling or SamplingOptions()
         opts.validate()
@@ -218,13 +219,18 @@ class BatchDecoder:
         if not free:
             raise RuntimeUserError(
                 f"all {self.max_batch} slots are busy; remove a finished sequence first")
-        new = min(free, key=lambda i: (bool(self.slots[i].blocks), self.slots[i].used, i))
-        s, pool = self.slots[new], self.cache.pool
-        pool.release(s.blocks)
-        s.blocks = [pool.share(b) for b in src.blocks]
-        s.epoch += 1
-        s.used = self._tick()
         prompt = list(src.cached)
+        if self.mode == "rows":
+            assert self._rows is not None
+            new = min(free, key=lambda i: (len(self.slots[i].cached), i))  # the least cached
+            self.slots[new].state = self._rows.copy_row(slot, new, len(prompt))
+        else:
+            new = min(free, key=lambda i: (bool(self.slots[i].blocks), self.slots[i].used, i))
+            s, pool = self.slots[new], self.cache.pool
+            pool.release(s.blocks)
+            s.blocks = [pool.share(b) for b in src.blocks]
+            s.epoch += 1
+            s.used = self._tick()
         self.reused_tokens += len(prompt)
         self._start(new, prompt, len(prompt), src.prompt_logits, opts, top_logprobs)
         return new

@@ -114,15 +114,17 @@ def test_logprob_row_among_greedy_rows(engine_name: str, qwen3_artifact) -> None
 
 
 @pytest.mark.parametrize("engine_name", ["mlx", "onnxruntime"])
-def test_forked_choices(engine_name: str, qwen3_artifact) -> None:  # noqa: ANN001
+def test_forked_choices(engine_name: str, family_models) -> None:  # noqa: ANN001
     """n choices from one prompt: greedy ones all equal the solo run; seeded ones are the same
-    on a second decoder and differ from each other; MLX prefills the prompt once (the forks
-    take its blocks by reference). A greedy row with logprobs keeps MLX's step pipelined (its
+    on a second decoder and differ from each other; the prompt is prefilled once (MLX: the
+    forks take its blocks by reference; onnxruntime's rows: a copy of its row; Llama's head_dim
+    16 is one the row lowering takes). A greedy row with logprobs keeps MLX's step pipelined (its
     logprobs come from the device: no row's logits go to the host) and agrees with a fork that
     takes them on the host (a top-k 1 row)."""
-    engine = make_engine(qwen3_artifact, engine_name)
+    engine = make_engine(family_models["llama"][1], engine_name)
     want = generate(engine, PROMPT, max_new_tokens=N).tokens
     dec = BatchDecoder(engine, max_batch=4, max_context=64)
+    assert dec.mode == ("batched" if engine_name == "mlx" else "rows")
     first = dec.add(PROMPT, None, top_logprobs=3)
     forks = [dec.fork(first), dec.fork(first, SamplingOptions(temperature=1.0, top_k=1),
                                        top_logprobs=3)]
@@ -136,7 +138,7 @@ def test_forked_choices(engine_name: str, qwen3_artifact) -> None:  # noqa: ANN0
     dec.step()
     if engine_name == "mlx":
         assert dec._inflight is not None and dec._inflight.logits is None  # noqa: SLF001
-    assert dec.reused_tokens == (2 * len(PROMPT) if engine_name == "mlx" else 0)
+    assert dec.reused_tokens == 2 * len(PROMPT)
     for slot in (first, forks[0]):
         dec.remove(slot)
     with pytest.raises(RuntimeUserError, match="fork"):
