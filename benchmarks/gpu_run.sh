@@ -15,6 +15,10 @@
 #                                               # KERNELS="auto off" picks), BATCHES="1 16"
 #                                               # picks b, PROFILE=1 adds each b's kernel
 #                                               # time a step by kernel name
+#   benchmarks/gpu_run.sh sampling SHAPE GROUP  # sampling_cost.py on the Q4 conversion, b = 8:
+#                                               # the batched step with rows asking for
+#                                               # logprobs / penalties against all greedy, then
+#                                               # the sampling tests (test_sampling_params.py)
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #                                               # (STREAMS="1 16" picks the stream counts)
@@ -117,6 +121,18 @@ case "$part" in
         [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
         "$OUT/batch_$2_g$3_kernels_$k.json"
     done
+    ;;
+  sampling)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
+      -n 4 > /dev/null  # build + convert once
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    python3 benchmarks/sampling_cost.py --artifact "$art" -b 8 -p 32 -n 64 -r 3 \
+      > "$OUT/sampling_$2_g$3.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
+      [(r['case'], round(r['step_ms'], 3), round(r['over_all_greedy'], 3)) for r in d['batch']])" \
+      "$OUT/sampling_$2_g$3.json"
+    NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
+      tests/runtime/test_sampling_params.py
     ;;
   ncu)
     s=(--shape "$2" --group-size "$3" --work "$WORK" -p 8)

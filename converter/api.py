@@ -56,8 +56,10 @@ class GenerationResponse:
     """One step of `stream_generate`, with mlx-lm's GenerationResponse fields.
 
     text: what this token added to the reply ("" while a character cut between tokens or a
-    possible stop string is held back); token: the id chosen; logprobs: log-softmax of that
-    step's logits over the vocabulary (before temperature and penalties); prompt_tps and
+    possible stop string is held back); token: the id chosen; logprobs (when asked for: None
+    otherwise, so that MLX keeps its device loop): log-softmax of that step's logits over the
+    vocabulary, after the penalties and logit_bias, before temperature (mlx-lm's and the
+    server's choice: runtime_metal/sampling.py); prompt_tps and
     generation_tps: tokens/s so far; peak_memory: GB (MLX's peak, else the process's max RSS);
     finish_reason: None until the last response, then "stop" (EOS or a stop string) or
     "length". As in mlx-lm, the last response repeats the last token (the EOS id when the
@@ -65,7 +67,7 @@ class GenerationResponse:
 
     text: str
     token: int
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None
     prompt_tokens: int
     prompt_tps: float
     generation_tokens: int
@@ -112,26 +114,37 @@ class Model:
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None,
-                 repetition_penalty: float | None = None, seed: int | None = None
-                 ) -> SamplingOptions:
+                 repetition_penalty: float | None = None, seed: int | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: dict[int, float] | None = None) -> SamplingOptions:
         """The options given over the model's generation_config.json (greedy without
-        do_sample), as in `fuselm run` and `serve`."""
+        do_sample), as in `fuselm run` and `serve`. logit_bias: {token id: -100..100}."""
+        from fuselm.runtime_metal.sampling import parse_logit_bias
+
         sampling = self.runtime.sampling_defaults.overridden(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed)
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, logit_bias=parse_logit_bias(logit_bias),
+            seed=seed)
         sampling.validate()
+        sampling.check_vocab(self.manifest.model.vocab_size)
         return sampling
 
     def stream(self, prompt: str | Messages | Sequence[int], *, max_tokens: int = 256,
                temperature: float | None = None, top_p: float | None = None,
                top_k: int | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None, seed: int | None = None,
+               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+               logit_bias: dict[int, float] | None = None,
                stop: Sequence[str] = (), raw: bool = False,
                result: list[Generation] | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
         `result` when given. A sampling option left None is the model's
-        generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`."""
-        sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+        generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`.
+        presence_penalty, frequency_penalty (-2..2) and logit_bias ({token id: -100..100})
+        are OpenAI's."""
+        sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed,
+                                 presence_penalty, frequency_penalty, logit_bias)
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
                                                stop_strings=tuple(stop))
@@ -146,45 +159,54 @@ class Model:
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: dict[int, float] | None = None,
                  stop: Sequence[str] = (), raw: bool = False) -> Generation:
         """The whole reply at once; options as `stream`'s."""
         out: list[Generation] = []
         for _ in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, min_p=min_p,
-                             repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                             raw=raw, result=out):
+                             repetition_penalty=repetition_penalty, seed=seed,
+                             presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                             stop=stop, raw=raw, result=out):
             pass
         return out[0]
 
     def responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
-                  sampling: SamplingOptions, stop: Sequence[str]
+                  sampling: SamplingOptions, stop: Sequence[str], logprobs: bool = False
                   ) -> Iterator[GenerationResponse]:
-        """`stream_generate`'s responses: one per token, then the closing one."""
+        """`stream_generate`'s responses: one per token, then the closing one. logprobs:
+        each response carries its step's (sampling then runs on the host)."""
         from fuselm.runtime_metal.bench import peak_memory
+        from fuselm.runtime_metal.sampling import log_softmax
 
         ids = self.encode(prompt)
-        steps: list[tuple[int, np.ndarray, float]] = []  # token, logprobs, when chosen
+        steps: list[tuple[int, float]] = []  # token, when it came
+        lps: list[np.ndarray] = []  # its logprobs (when asked for)
 
-        def record(logits: np.ndarray, token: int) -> None:
-            z = logits.astype(np.float32)
-            top = z.max()
-            steps.append((token, z - (top + np.log(np.exp(z - top).sum())),
-                          time.perf_counter()))
+        def record(token: int) -> None:
+            steps.append((token, time.perf_counter()))
+
+        def record_logprobs(processed: np.ndarray, token: int) -> None:
+            lps.append(log_softmax(processed))
 
         eos = set(self.eos_ids)
         t0 = time.perf_counter()
         sent = 0
 
         def response(k: int, text: str, finish: str | None = None) -> GenerationResponse:
-            token, logprobs, when = steps[k]
-            first = steps[0][2]
+            token, when = steps[k]
+            first = steps[0][1]
             return GenerationResponse(
-                text, token, logprobs, len(ids), len(ids) / max(first - t0, 1e-9), k + 1,
+                text, token, lps[k] if logprobs else None, len(ids),
+                len(ids) / max(first - t0, 1e-9), k + 1,
                 k / (when - first) if k and when > first else 0.0,
                 peak_memory(self.runtime.engine_name)[0] / 1e9, finish)
 
         pieces = self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                      stop_strings=tuple(stop), on_logits=record)
+                                      stop_strings=tuple(stop), on_token=record,
+                                      on_logits=record_logprobs if logprobs else None)
         held = ""
         while True:
             try:
@@ -224,22 +246,29 @@ def stream_generate(model: Model, tokenizer: Any, prompt: str | Messages | Seque
                     max_tokens: int = 256, temperature: float | None = None,
                     top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, repetition_penalty: float | None = None,
-                    seed: int | None = None, stop: Sequence[str] = ()
-                    ) -> Iterator[GenerationResponse]:
-    """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, logprobs,
-    timing), the last with finish_reason. `prompt`: a string (chat template applied when the
-    tokenizer has one), chat messages, or token ids as given. A sampling option left None is
-    the model's generation_config.json's (greedy without do_sample)."""
+                    seed: int | None = None, presence_penalty: float | None = None,
+                    frequency_penalty: float | None = None,
+                    logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
+                    logprobs: bool = False) -> Iterator[GenerationResponse]:
+    """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, timing; with
+    logprobs=True its logprobs over the vocabulary, else None: asking for them moves sampling
+    to the host), the last with finish_reason. `prompt`: a string (chat template applied when
+    the tokenizer has one), chat messages, or token ids as given. A sampling option left None
+    is the model's generation_config.json's (greedy without do_sample); presence_penalty,
+    frequency_penalty (-2..2) and logit_bias ({token id: -100..100}) are OpenAI's."""
     _own_tokenizer(model, tokenizer)
-    sampling = model.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
-    return model.responses(prompt, max_tokens, sampling, stop)
+    sampling = model.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed,
+                              presence_penalty, frequency_penalty, logit_bias)
+    return model.responses(prompt, max_tokens, sampling, stop, logprobs)
 
 
 def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int], *,
              max_tokens: int = 256, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int | None = None,
-             stop: Sequence[str] = (), verbose: bool = False) -> str:
+             presence_penalty: float | None = None, frequency_penalty: float | None = None,
+             logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
+             verbose: bool = False) -> str:
     """mlx-lm's `generate`: the reply's text. verbose: the text as it comes, then the prompt
     and generation tokens/s and peak memory, on stdout (as mlx-lm prints them)."""
     _own_tokenizer(model, tokenizer)
@@ -248,6 +277,8 @@ def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int
     for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                 temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
+                                presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, logit_bias=logit_bias,
                                 stop=stop):
         text.append(last.text)
         if verbose:

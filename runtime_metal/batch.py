@@ -10,7 +10,9 @@ sequences join (prefill into a free slot) and leave between steps.
 `step()` reports a slot's first token (sampled from its prompt's logits) on the first step after
 `add`, then one token per step, the tokens `generate` yields for the same prompt. Sampling is the
 host sampler (sampling.make_sampler, seeded per slot), so temperature 0 gives generate's greedy
-tokens; greedy rows are picked on the device (one argmax for the batch).
+tokens; greedy rows are picked on the device (one argmax for the batch), and in batched mode a
+greedy row's logprobs come from the device too (a log-sum-exp and the top alternatives per
+row), so asking for them keeps the step pipelined.
 
 Two ways to run, chosen per engine (`mode`):
 - "batched" (MLX with the compiled program): the KV cache is a block cache (kv_cache.BlockCache:
@@ -54,7 +56,12 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
-from fuselm.runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
+from fuselm.runtime_metal.sampling import (
+    SamplingOptions,
+    TokenLogprobs,
+    TokenSampler,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -63,8 +70,11 @@ class _Slot:
     pending: int | None = None  # sampled, not yet fed
     reported: bool = True  # `pending` was already handed to the caller
     active: bool = False
-    sampler: Sampler | None = None
-    greedy: bool = True
+    sampler: TokenSampler | None = None
+    greedy: bool = True  # picked on the device: temperature 0, no logits processor
+    top_logprobs: int | None = None  # None: no logprobs; else the alternatives reported
+    logprobs: TokenLogprobs | None = None  # of `pending`, when the sequence asked for them
+    prompt_logits: np.ndarray | None = None  # kept until its first token is reported (fork)
     state: object = None  # sequential mode: the slot's engine cache state
     epoch: int = 0  # bumped when the sequence leaves: a queued step's row of it is dropped
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
@@ -78,8 +88,19 @@ class _Step:
 
     rows: list[tuple[int, int]]  # (slot, epoch) of each row it fed, in its row order
     picks: mx.array | None  # argmax per row (uint32 [rows]) when a fed row is greedy
+    # when a fed greedy row wants logprobs: per row the log-sum-exp and the max logit [rows],
+    # the ids and logits of its likeliest [rows, k] (unordered)
+    top: tuple[mx.array, mx.array, mx.array, mx.array] | None
     logits: mx.array | None  # [rows, vocab] when a fed row samples on the host
     next_offsets: mx.array  # every row's length after it (int32 [rows], on the device)
+
+
+def _device_logprobs(top: list[np.ndarray], r: int, token: int, k: int) -> TokenLogprobs:
+    """Row r's TokenLogprobs from a step's device figures (_Step.top) for its argmax `token`:
+    its logprob is the max logit's; the alternatives likeliest first, ties by id."""
+    lse, peak, ids, vals = (float(top[0][r]), float(top[1][r]), top[2][r], top[3][r])
+    order = sorted(zip(vals.tolist(), ids.tolist(), strict=True), key=lambda p: (-p[0], p[1]))
+    return TokenLogprobs(token, peak - lse, tuple((int(t), v - lse) for v, t in order[:k]))
 
 
 class BatchDecoder:
@@ -184,6 +205,7 @@ class BatchDecoder:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
+        s.logprobs = s.prompt_logits = None
         s.epoch += 1
         self.exhausted.discard(slot)
         if self.mode == "batched":  # blocks past its cached tokens (a token fed ahead) go
@@ -191,8 +213,13 @@ class BatchDecoder:
             self.cache.pool.release(s.blocks[keep:])
             del s.blocks[keep:]
 
-    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None) -> int:
-        """Prefill `prompt` into a free slot; its first token comes with the next step()."""
+    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None,
+            top_logprobs: int | None = None) -> int:
+        """Prefill `prompt` into a free slot; its first token comes with the next step().
+        top_logprobs: report each token's logprob and that many alternatives (`logprobs`)."""
+        opts = sampling or SamplingOptions()
+        opts.validate()
+        opts.check_vocab(self.engine.manifest.model.vocab_size)
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise RuntimeUserError("the prompt is empty; give at least one token")
@@ -210,16 +237,82 @@ class BatchDecoder:
             slot = max(free, key=lambda i: (_common(self.slots[i].cached, prompt), -i))
             keep = min(_common(self.slots[slot].cached, prompt), len(prompt) - 1)
             logits = self._prefill_sequential(slot, prompt, keep)
-        s = self.slots[slot]
-        opts = sampling or SamplingOptions()
         self.reused_tokens += keep
+        self._start(slot, prompt, keep, logits, opts, top_logprobs)
+        return slot
+
+    def fork(self, slot: int, sampling: SamplingOptions | None = None,
+             top_logprobs: int | None = None) -> int:
+        """Another sequence from the prompt `slot` was just added with (its first token not yet
+        reported): the prompt is not prefilled again, its first token is chosen from the same
+        logits by its own sampler (OpenAI's n > 1). Batched mode shares the prompt's blocks by
+        reference (the partly filled last one is copied when first written); rows mode copies
+        the prompt's K/V into the new row; sequential mode (a cache state per slot, the
+        engine's own) prefills the prompt again."""
+        src = self.slots[slot]
+        if not self.forkable(slot, src.cached):
+            raise RuntimeUserError("fork: the sequence has started decoding; add its prompt "
+                                   "instead")
+        if self.mode == "sequential":
+            return self.add(src.cached, sampling, top_logprobs)
+        opts = sampling or SamplingOptions()
+        opts.validate()
+        opts.check_vocab(self.engine.manifest.model.vocab_size)
+        free = [i for i, s in enumerate(self.slots) if not s.active]
+        if not free:
+            raise RuntimeUserError(
+                f"all {self.max_batch} slots are busy; remove a finished sequence first")
+        prompt = list(src.cached)
+        if self.mode == "rows":
+            assert self._rows is not None
+            new = min(free, key=lambda i: (len(self.slots[i].cached), i))  # the least cached
+            self.slots[new].state = self._rows.copy_row(slot, new, len(prompt))
+        else:
+            new = min(free, key=lambda i: (bool(self.slots[i].blocks), self.slots[i].used, i))
+            s, pool = self.slots[new], self.cache.pool
+            pool.release(s.blocks)
+            s.blocks = [pool.share(b) for b in src.blocks]
+            s.epoch += 1
+            s.used = self._tick()
+        self.reused_tokens += len(prompt)
+        self._start(new, prompt, len(prompt), src.prompt_logits, opts, top_logprobs)
+        return new
+
+    def forkable(self, slot: int, prompt: Sequence[int]) -> bool:
+        """Whether `fork(slot)` starts a sequence from `prompt`: the slot's sequence was added
+        with it and has not reported its first token yet."""
+        s = self.slots[slot]
+        return (s.active and not s.reported and s.prompt_logits is not None
+                and s.cached == [int(t) for t in prompt])
+
+    def _start(self, slot: int, prompt: list[int], keep: int, logits: np.ndarray,
+               opts: SamplingOptions, top_logprobs: int | None) -> None:
+        s = self.slots[slot]
         s.reused = keep
         s.cached = list(prompt)
-        s.sampler = make_sampler(opts)
-        s.greedy = opts.temperature == 0 and opts.repetition_penalty == 1.0
-        s.pending = s.sampler(logits, s.cached)
+        s.sampler = TokenSampler(opts)
+        s.top_logprobs = top_logprobs
+        s.greedy = opts.temperature == 0 and not opts.processed
+        s.prompt_logits = logits
+        self._sample(slot, logits)
         s.reported, s.active = False, True
-        return slot
+
+    def _sample(self, i: int, logits: np.ndarray) -> int:
+        """Slot i's next token (`pending`) chosen on the host from `logits`, its logprobs with
+        it when the sequence asked for them: the one per-row host step of every mode."""
+        s = self.slots[i]
+        assert s.sampler is not None
+        s.pending = s.sampler(logits, s.cached)
+        if s.top_logprobs is not None:
+            assert s.sampler.processed is not None
+            s.logprobs = token_logprobs(s.sampler.processed, s.pending, s.top_logprobs)
+        return s.pending
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        """The logprobs of the token the last step() reported for `slot` (None unless its
+        sequence asked for them)."""
+        s = self.slots[slot]
+        return s.logprobs if s.top_logprobs is not None else None
 
     def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
         engine, s = self.engine, self.slots[slot]
@@ -330,6 +423,7 @@ class BatchDecoder:
             s = self.slots[i]
             if not s.reported:
                 out[i], s.reported = s.pending, True  # type: ignore[assignment]
+                s.prompt_logits = None
             elif len(s.cached) >= self.max_context:
                 self.exhausted.add(i)
             else:
@@ -341,10 +435,9 @@ class BatchDecoder:
     def _advance(self, i: int, logits: object) -> int:
         """Slot i's fed token joins its cache; its next token is sampled from `logits`."""
         s = self.slots[i]
-        assert s.pending is not None and s.sampler is not None
+        assert s.pending is not None
         s.cached.append(s.pending)
-        s.pending = s.sampler(np.asarray(logits, np.float32), s.cached)
-        return s.pending
+        return self._sample(i, np.asarray(logits, np.float32))
 
     def _sequential(self, feed: list[int]) -> dict[int, int]:
         engine = self.engine
@@ -383,6 +476,7 @@ class BatchDecoder:
             s = self.slots[i]
             if not s.reported:
                 out[i], s.reported = s.pending, True  # type: ignore[assignment]
+                s.prompt_logits = None
                 fresh.append(i)
         done = self._inflight
         self._inflight = None
@@ -443,9 +537,19 @@ class BatchDecoder:
         greedy = any(self.slots[i].greedy for i in feed)
         picks = mx.argmax(logits, axis=-1) if greedy else None
         sampled = not all(self.slots[i].greedy for i in feed)
-        mx.async_eval(*(x for x in (picks, logits if sampled else None) if x is not None))
+        k = max((self.slots[i].top_logprobs for i in feed if self.slots[i].greedy
+                 and self.slots[i].top_logprobs is not None), default=None)
+        top = None
+        if k is not None:  # float32: a float16 model's logits would round the log-sum-exp
+            z = logits.astype(mx.float32)
+            k = min(max(k, 1), z.shape[-1])
+            ids = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]
+            top = (mx.logsumexp(z, axis=-1), z.max(axis=-1), ids,
+                   mx.take_along_axis(z, ids, axis=-1))
+        mx.async_eval(*(x for x in (picks, logits if sampled else None, *(top or ()))
+                        if x is not None))
         return _Step([(i, self.slots[i].epoch) for i in feed], picks,
-                     logits if sampled else None, nxt)
+                     top, logits if sampled else None, nxt)
 
     def _block_table(self, feed: list[int]) -> mx.array:
         """The fed rows' block tables, [rows, W] int32: W covers the longest fed row's next
@@ -474,13 +578,16 @@ class BatchDecoder:
             return out
         where = {i: r for r, (i, _) in enumerate(done.rows)}
         chosen = done.picks.tolist() if done.picks is not None else []
+        top = [np.array(x) for x in done.top] if done.top is not None else []
         for i in rows:
             s = self.slots[i]
             if s.greedy:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
+                if s.top_logprobs is not None:
+                    s.logprobs = _device_logprobs(top, where[i], s.pending, s.top_logprobs)
             else:
-                assert done.logits is not None and s.sampler is not None
-                s.pending = s.sampler(np.array(done.logits[where[i]], np.float32), s.cached)
+                assert done.logits is not None
+                self._sample(i, np.array(done.logits[where[i]], np.float32))
             out[i] = s.pending
         return out
 

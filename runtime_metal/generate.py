@@ -81,12 +81,15 @@ def prefill(engine: Engine, prompt: Sequence[int], chunk: int | None = None) -> 
 def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
                    sampler: Sampler, prefill_chunk: int | None = None,
                    timings: dict[str, float] | None = None,
-                   device_sampler: DeviceSampler | None = None) -> Iterator[int]:
+                   device_sampler: DeviceSampler | None = None,
+                   cached: Sequence[int] = ()) -> Iterator[int]:
     """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
 
     An engine with a device decode step (MLX) and a `device_sampler` runs the pipelined loop:
     token i+1 is queued (`mx.async_eval`) before token i is handed to the caller, so the device
-    never waits for Python. Otherwise each step returns host logits to `sampler`."""
+    never waits for Python. Otherwise each step returns host logits to `sampler`, whose history
+    is `cached` (the tokens before `prompt` that the engine's cache holds), the prompt and the
+    tokens so far."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
     # One capacity for the whole generation: growing the cache mid-decode would copy it and
@@ -96,7 +99,7 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
         return
-    history = list(prompt)
+    history = [*cached, *prompt]
     t0 = time.perf_counter()
     logits = prefill(engine, prompt, prefill_chunk)
     token = sampler(logits, history)
@@ -204,19 +207,25 @@ def iter_generate(
     prefill_chunk: int | None = None,
     context_length: int | None = None,
     reset: bool = True,
+    cached: Sequence[int] = (),
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
+    on_token: Callable[[int], None] | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
     GenerationResult. The text ends before the first of `stop_strings` it contains.
 
     reset=False continues after the engine's cached positions (the caller's prompt is only
-    what follows them). device_sampling (engines with a device decode step, i.e. MLX): None =
+    what follows them; `cached`: their tokens, which the repetition penalty counts).
+    device_sampling (engines with a device decode step, i.e. MLX): None =
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
-    on_logits(logits, token): each step's host logits and the token chosen from them, in order
-    (sampling then runs on the host; the Python API's logprobs)."""
+    on_logits(logits, token): each step's processed host logits (sampling.process_logits:
+    after the penalties and logit_bias, before temperature) and the token chosen from them, in
+    order (sampling then runs on the host; the logprobs of the Python API and `fuselm run`).
+    on_token(token): each token as the loop receives it (an EOS included), before its text;
+    sampling stays where it was."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -230,7 +239,8 @@ def iter_generate(
 
         def sampler(logits: np.ndarray, history: Sequence[int]) -> int:
             token = choose(logits, history)
-            on_logits(logits, token)
+            assert choose.processed is not None
+            on_logits(choose.processed, token)
             return token
 
         device_sampling = False
@@ -245,9 +255,11 @@ def iter_generate(
     eos = set(int(e) for e in eos_ids)
     steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
                            prefill_chunk=prefill_chunk, timings=timings,
-                           device_sampler=device_sampler)
+                           device_sampler=device_sampler, cached=() if reset else cached)
     try:
         for token in steps:
+            if on_token is not None:
+                on_token(token)
             if token in eos:
                 stop_reason = "eos"
                 break

@@ -1,4 +1,14 @@
-"""Token selection on host logits (the same code for both engines, so their tokens compare)."""
+"""Token selection on host logits (the same code for both engines, so their tokens compare).
+
+A row's step on the host is two parts: `process_logits` (the logits processors: repetition
+penalty, OpenAI's presence and frequency penalties, logit_bias: they change what the model's
+distribution is taken to be) and the choice from the processed logits (greedy, or temperature,
+top-k, min-p and top-p, then a draw). Logprobs (`token_logprobs`) are the log-softmax of the
+processed logits: after the penalties and the bias, before temperature and truncation. That is
+the distribution OpenAI's logit_bias and penalties are defined on (its reported logprobs move
+with logit_bias, not with temperature), vLLM's "processed" choice and mlx-lm's (its logprobs
+come after its logits processors, before its sampler); every alternative stays finite (top-k
+or top-p would set them to -inf, which JSON cannot carry)."""
 
 from __future__ import annotations
 
@@ -21,6 +31,11 @@ class SamplingOptions:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off: tokens less likely than min_p x the likeliest are dropped
     repetition_penalty: float = 1.0  # 1 = off (HF's CTRL-style penalty)
+    # OpenAI's: minus presence_penalty for a token generated before, minus frequency_penalty
+    # times how often it was generated (the reply's tokens only, not the prompt's)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     seed: int | None = None
 
     def validate(self) -> None:
@@ -38,8 +53,31 @@ class SamplingOptions:
             raise RuntimeUserError(
                 f"repetition penalty must be a finite number > 0 (1 = off), got "
                 f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RuntimeUserError(f"{name.replace('_', ' ')} must be in [-2, 2] (0 = off), "
+                                       f"got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise RuntimeUserError(f"logit bias: token id {token} is negative")
+            if not -100 <= bias <= 100:
+                raise RuntimeUserError(f"logit bias of token {token} must be in [-100, 100], "
+                                       f"got {bias}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RuntimeUserError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every logit_bias id must index the model's vocabulary."""
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise RuntimeUserError(f"logit bias: token id {bad} is outside the model's "
+                                   f"vocabulary [0, {vocab_size})")
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logits processor is on (it needs the history on the host)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or bool(self.logit_bias))
 
     def overridden(self, **given: float | int | None) -> SamplingOptions:
         """These options (a model's defaults) with each value a caller gave (not None) in
@@ -47,10 +85,29 @@ class SamplingOptions:
         return replace(self, **{k: v for k, v in given.items() if v is not None})
 
     def describe(self) -> dict[str, Any]:
-        """The options as plain JSON values (the seed left out: it is per request)."""
+        """The options as plain JSON values (what only a request sets left out: the seed,
+        the OpenAI penalties and logit_bias, which no generation_config.json holds)."""
         out = asdict(self)
-        out.pop("seed")
+        for key in ("seed", "presence_penalty", "frequency_penalty", "logit_bias"):
+            out.pop(key)
         return out
+
+
+def parse_logit_bias(given: dict[str, float] | dict[int, float] | None
+                     ) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias ({"token id": bias}, ids as JSON strings) as SamplingOptions holds
+    it (None stays None: the default); an id that is not an integer is refused."""
+    if given is None:
+        return None
+    out = []
+    for key, bias in given.items():
+        text = str(key).strip()
+        if isinstance(key, bool) or not text.lstrip("-").isdigit():
+            raise RuntimeUserError(f"logit bias: {key!r} is not a token id (an integer)")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise RuntimeUserError(f"logit bias of token {text} must be a number, got {bias!r}")
+        out.append((int(text), float(bias)))
+    return tuple(sorted(out))
 
 
 # transformers' GenerationConfig values for what generation_config.json leaves out when it sets
@@ -112,17 +169,97 @@ def apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty
     return out
 
 
-def make_sampler(opts: SamplingOptions) -> Sampler:
-    opts.validate()
-    rng = np.random.default_rng(opts.seed)
+def process_logits(logits: np.ndarray, history: Sequence[int], generated: Sequence[int],
+                   opts: SamplingOptions) -> np.ndarray:
+    """The logits processors, in order: HF's repetition penalty over `history` (prompt and
+    reply), OpenAI's presence and frequency penalties over `generated` (the reply's tokens:
+    logit[j] -= presence * (count[j] > 0) + frequency * count[j]), then logit_bias added.
+    float32 in, float32 out (a new array when anything changed)."""
+    out = apply_repetition_penalty(logits, history, opts.repetition_penalty)
+    if (opts.presence_penalty or opts.frequency_penalty) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+        out = out.copy() if out is logits else out
+        out[ids] -= np.float32(opts.presence_penalty) + np.float32(
+            opts.frequency_penalty) * counts.astype(np.float32)
+    if opts.logit_bias:
+        ids = np.array([t for t, _ in opts.logit_bias], np.int64)
+        if ids.max() >= out.size:
+            SamplingOptions(logit_bias=opts.logit_bias).check_vocab(out.size)
+        out = out.copy() if out is logits else out
+        out[ids] += np.array([b for _, b in opts.logit_bias], np.float32)
+    return out
 
-    def sample(logits: np.ndarray, history: Sequence[int]) -> int:
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    top = z.max()
+    return (z - (top + np.log(np.exp(z - top).sum()))).astype(np.float32)
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One chosen token's logprob and the `top` likeliest alternatives (id, logprob), likeliest
+    first: of the processed logits (see the module's docstring)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+_TOP_BLOCK = 256  # token_logprobs' block of the vocabulary
+
+
+def token_logprobs(processed: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """`token`'s logprob and the `top` likeliest, from the processed logits. The alternatives
+    come from blocks of 256 logits: each pick is the argmax of the blocks' maxima, then of its
+    block, whose maximum is then taken again without it. No partition or sort of the whole
+    vocabulary (a millisecond and more at 150k tokens on a CPU), no pass over it per pick; ties
+    go to the lower id."""
+    z = np.asarray(processed, np.float32)
+    peak = z.max()
+    work = np.subtract(z, peak)
+    lse = float(peak) + float(np.log(np.exp(work, out=work).sum(dtype=np.float64)))
+    alts = []
+    top = min(top, z.size)
+    if top > 0:
+        blocks = np.full(-(-z.size // _TOP_BLOCK) * _TOP_BLOCK, -np.inf, np.float32)
+        blocks[:z.size] = z
+        blocks = blocks.reshape(-1, _TOP_BLOCK)
+        maxima = blocks.max(axis=1)
+        for _ in range(top):
+            b = int(np.argmax(maxima))
+            j = int(np.argmax(blocks[b]))
+            alts.append((b * _TOP_BLOCK + j, float(blocks[b, j]) - lse))
+            blocks[b, j] = -np.inf
+            maxima[b] = blocks[b].max()
+    return TokenLogprobs(int(token), float(z[token]) - lse, tuple(alts))
+
+
+class TokenSampler:
+    """The host sampler of one sequence: `sampler(logits, history)` -> token id. The first
+    call's history is the prompt; later calls' history is the prompt and the tokens this
+    sampler chose (the reply, which OpenAI's penalties count). `processed` holds the last
+    call's processed logits (what logprobs are taken from)."""
+
+    def __init__(self, opts: SamplingOptions) -> None:
+        opts.validate()
+        self.opts = opts
+        self.rng = np.random.default_rng(opts.seed)
+        self.prompt_len: int | None = None
+        self.processed: np.ndarray | None = None
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        opts = self.opts
         check_finite(logits)
-        logits = apply_repetition_penalty(logits.astype(np.float32), history,
-                                          opts.repetition_penalty)
+        if self.prompt_len is None:
+            self.prompt_len = len(history)
+        z = process_logits(logits.astype(np.float32), history, history[self.prompt_len:], opts)
+        self.processed = z
         if opts.temperature == 0:
-            return int(np.argmax(logits))
-        z = logits / np.float32(opts.temperature)
+            return int(np.argmax(z))
+        z = z / np.float32(opts.temperature)
         if opts.top_k and opts.top_k < z.size:
             kth = np.partition(z, -opts.top_k)[-opts.top_k]
             z = np.where(z < kth, -np.inf, z)
@@ -139,9 +276,11 @@ def make_sampler(opts: SamplingOptions) -> Sampler:
             mask[keep] = True
             p = np.where(mask, p, 0.0)
             p /= p.sum()
-        return int(rng.choice(p.size, p=p))
+        return int(self.rng.choice(p.size, p=p))
 
-    return sample
+
+def make_sampler(opts: SamplingOptions) -> TokenSampler:
+    return TokenSampler(opts)
 
 
 DeviceSampler = Callable[[object], object]  # mx.array logits [vocab] -> mx.array token id
@@ -152,11 +291,12 @@ def make_device_sampler(opts: SamplingOptions) -> DeviceSampler | None:
 
     Greedy picks the same token as the host sampler. Random draws come from MLX's generator
     (seeded by opts.seed), so sampled tokens differ from the host sampler's numpy draws. The
-    repetition penalty needs the history on the host: None is returned for it."""
+    logits processors (penalties, logit_bias) need the history on the host: None is returned
+    for them."""
     import mlx.core as mx
 
     opts.validate()
-    if opts.repetition_penalty != 1.0:
+    if opts.processed:
         return None
     if opts.temperature == 0:
         return lambda logits: mx.argmax(logits, axis=-1)

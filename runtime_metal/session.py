@@ -47,6 +47,7 @@ class CachedSession:
         fed_ok = False
         try:
             result = yield from iter_generate(self.engine, ids[keep:], reset=False,
+                                              cached=ids[:keep],
                                               **{**self.defaults, **options})
             fed_ok = True
         finally:

@@ -29,6 +29,12 @@ def detokenizer(tokenizer: Any) -> Decode:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def token_text(decode: Decode, token: int) -> str:
+    """One token's text as it decodes alone: what logprobs name a token by (OpenAI's `token`;
+    a token holding part of a UTF-8 character shows as U+FFFD)."""
+    return decode([int(token)])
+
+
 class StreamingDetokenizer:
     """Feed token ids one by one; `push` returns the text that became final.
 

@@ -163,7 +163,8 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
          engine: str, accuracy_level: int, threads: int | None, system: str | None,
          max_kv_tokens: int | None = None, memory_limit: float | None = None,
-         min_p: float | None = None) -> None:
+         min_p: float | None = None, presence_penalty: float | None = None,
+         frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = ()) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
@@ -174,8 +175,9 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
             "re-convert from a checkpoint folder that has tokenizer.json "
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
-                             min_p)
+                             min_p, presence_penalty, frequency_penalty, logit_bias)
     model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
+    sampling.check_vocab(model.manifest.model.vocab_size)
     tok = model.tokenizer
     window = model.manifest.model.context_length
     budget = budget_tokens(max_kv_tokens, memory_limit,

@@ -30,15 +30,29 @@ _CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
 
 def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p: float | None,
               repetition_penalty: float | None, seed: int | None,
-              min_p: float | None = None):  # noqa: ANN202
+              min_p: float | None = None, presence_penalty: float | None = None,
+              frequency_penalty: float | None = None,
+              logit_bias: tuple[str, ...] = ()):  # noqa: ANN202
     """The flags given over the model's generation_config.json defaults (greedy without one),
-    the defaults `fuselm serve` uses for a request that sets nothing."""
-    from fuselm.runtime_metal.sampling import sampling_defaults
+    the defaults `fuselm serve` uses for a request that sets nothing. logit_bias: the
+    --logit-bias ID=BIAS values."""
+    from fuselm.runtime_metal.sampling import parse_logit_bias, sampling_defaults
     from fuselm.runtime_metal.tokenizer import generation_config
 
+    bias: dict[str, float] = {}
+    for item in logit_bias:
+        key, sep, value = item.partition("=")
+        try:
+            bias[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise RuntimeUserError(f"--logit-bias wants ID=BIAS (e.g. 42=-100), got {item!r}")
     opts = sampling_defaults(generation_config(out_dir)).overridden(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        repetition_penalty=repetition_penalty, seed=seed)
+        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias=parse_logit_bias(bias) if bias else None, seed=seed)
     opts.validate()
     return opts
 
@@ -107,6 +121,14 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
                      f"0 = off  {_FROM_CONFIG}"),
         click.option("--repetition-penalty", type=float, default=None,
                      help=f"1 = off  {_FROM_CONFIG}"),
+        click.option("--presence-penalty", type=float, default=None,
+                     help="OpenAI's: minus this for a token already in the reply, -2..2 "
+                     "[default: 0]"),
+        click.option("--frequency-penalty", type=float, default=None,
+                     help="OpenAI's: minus this per time a token is in the reply, -2..2 "
+                     "[default: 0]"),
+        click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+                     help="add BIAS (-100..100) to token ID's logit (repeatable)"),
         click.option("--seed", type=int, default=None),
     ]):
         f = opt(f)
@@ -134,6 +156,9 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @threads_option
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
+@click.option("--logprobs", "top_logprobs", type=click.IntRange(0, 20), default=None,
+              metavar="N", help="each token's logprob and its N likeliest alternatives (stderr, "
+              "or \"logprobs\" in --json); samples on the host")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
 @click.option("--device-sampling", is_flag=True,
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
@@ -146,7 +171,9 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
-        ctx_size: int | None = None, min_p: float | None = None) -> None:
+        ctx_size: int | None = None, min_p: float | None = None,
+        presence_penalty: float | None = None, frequency_penalty: float | None = None,
+        logit_bias: tuple[str, ...] = (), top_logprobs: int | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -156,13 +183,15 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if system is not None and (prompt is None or raw):
         raise click.UsageError("--system goes into the chat template: give it with --prompt, "
                                "without --raw")
-    sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p)
+    sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p,
+                         presence_penalty, frequency_penalty, logit_bias)
     config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
+    sampling.check_vocab(model.manifest.model.vocab_size)
     if prompt is not None:
         check_text(prompt)
         history = None
@@ -188,15 +217,27 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if ctx_size is not None and ctx_size > context:
         raise RuntimeUserError(f"--ctx-size {ctx_size} is over the model's context ({context}); "
                                f"give at most {context}")
+    records: list[Any] = []
+    on_logits = None
+    if top_logprobs is not None:
+        from fuselm.runtime_metal.sampling import token_logprobs
+
+        def on_logits(processed: Any, token: int) -> None:
+            records.append(token_logprobs(processed, token, top_logprobs))
+
     result = model.generate(ids, on_text=on_text, max_new_tokens=max_new_tokens,
                             context_length=ctx_size or context,
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
-                            device_sampling=True if device_sampling else None)
+                            device_sampling=True if device_sampling else None,
+                            on_logits=on_logits)
     stream.write("\n")
+    logprobs = _logprobs_json(model, records[:len(result.tokens)]) if records else None
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,
                "prompt_tokens": result.prompt_tokens, "stop_reason": result.stop_reason,
                "engine": result.engine}
+        if logprobs is not None:
+            out["logprobs"] = logprobs
         if profiler is not None:
             out["profile"] = profiler.by_op()
         click.echo(json.dumps(out))
@@ -204,8 +245,27 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         click.echo(f"[{result.engine['engine']}] prompt {result.prompt_tokens} tok, "
                    f"pp {result.pp:.1f} tok/s, tg {result.tg:.1f} tok/s, "
                    f"stop: {result.stop_reason}", err=True)
+        for item in logprobs or []:
+            alts = ", ".join(f"{a['text']!r} {a['logprob']:.3f}" for a in item["top_logprobs"])
+            click.echo(f"{item['text']!r} {item['logprob']:.3f}" + (f"  | {alts}" if alts else ""),
+                       err=True)
     if profiler is not None and not as_json:
         click.echo(profiler.table(), err=True)
+
+
+def _logprobs_json(model: Any, records: list[Any]) -> list[dict[str, Any]]:
+    """--logprobs: per reply token its id, text (as it decodes alone), logprob and the
+    alternatives (sampling.TokenLogprobs)."""
+    from fuselm.runtime_metal.text_stream import token_text
+
+    decode = model.decoder() if model.has_tokenizer else None
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(decode, token) if decode is not None else ""
+        return {"token": token, "text": text, "logprob": logprob}
+
+    return [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+            for r in records]
 
 
 def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:

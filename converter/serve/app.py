@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from pydantic import ValidationError
@@ -33,10 +34,13 @@ from fuselm.converter.serve.request_body import read_json
 from fuselm.converter.serve.scheduler import Job, OverBudget, QueueFull, Scheduler
 from fuselm.converter.serve.schema import (
     ChatRequest,
+    Choice,
     CompletionRequest,
     chat_chunk,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
     error_body,
     new_id,
@@ -52,7 +56,9 @@ from fuselm.runtime_metal.chat_template import (
     start_workers,
 )
 from fuselm.runtime_metal.chat_window import fit
-from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
+from fuselm.runtime_metal.text_stream import token_text
 
 log = logging.getLogger("fuselm.serve")
 DROPPED_HEADER = "x-fuselm-dropped-messages"  # the oldest messages a chat's cut dropped
@@ -188,11 +194,19 @@ async def _submit(request: Request, kind: str) -> Response:
     else:
         ids, dropped = await run_in_threadpool(_completion_ids, state, req), 0
     max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
-    sampling = req.sampling(state.sampling)
-    job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
-              req.stop_list(), asyncio.get_running_loop())
+    sampling = [req.sampling(state.sampling, i) for i in range(req.n)]
     try:
-        state.scheduler.submit(job)
+        sampling[0].check_vocab(state.vocab_size)
+    except RuntimeUserError as e:
+        raise ApiError(400, str(e), param="logit_bias") from None
+    rid, loop = new_id("chatcmpl" if chat else "cmpl"), asyncio.get_running_loop()
+    # One job (a batch row) per choice; the later ones start from the first's prompt.
+    jobs: list[Job] = []
+    for opts in sampling:
+        jobs.append(Job(rid, ids, opts, max_tokens, req.stop_list(), loop,
+                        top_logprobs=req.alternatives(), fork_of=jobs[0] if jobs else None))
+    try:
+        state.scheduler.submit(*jobs)
     except QueueFull as e:
         raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
     except OverBudget as e:
@@ -200,24 +214,67 @@ async def _submit(request: Request, kind: str) -> Response:
     # What the chat's cut dropped, in a header: the response body stays OpenAI's.
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     if req.stream:
-        return StreamingResponse(_stream(state, job, chat, req.include_usage()),
+        return StreamingResponse(_stream(state, jobs, chat, req.include_usage()),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
-    return await _collect(request, state, job, chat, headers)
+    return await _collect(request, state, jobs, chat, headers)
 
 
-async def _collect(request: Request, state: ServeState, job: Job, chat: bool,
+async def _events(state: ServeState, jobs: list[Job]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, delivery event) of every job, as they come (n > 1: interleaved)."""
+    if len(jobs) == 1:
+        async for event in deliver(jobs[0], state.scheduler.decode):
+            yield 0, event
+        return
+    merged: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, job: Job) -> None:
+        try:
+            async for event in deliver(job, state.scheduler.decode):
+                await merged.put((i, event))
+        finally:
+            await merged.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            i, event = await merged.get()
+            if event is None:
+                left -= 1
+            else:
+                yield i, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _token_text(state: ServeState) -> Callable[[int], str]:
+    return partial(token_text, state.scheduler.decode)
+
+
+def _total(jobs_usage: list[dict[str, int]]) -> dict[str, Any]:
+    """One request's usage: its prompt once, every choice's completion tokens."""
+    first = jobs_usage[0]
+    return usage(first["prompt_tokens"], sum(u["completion_tokens"] for u in jobs_usage),
+                 first["cached_tokens"])
+
+
+async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: bool,
                    headers: dict[str, str]) -> Response:
-    async def read() -> tuple[str, Any]:
-        parts: list[str] = []
-        async for event in deliver(job, state.scheduler.decode):
+    async def read() -> list[tuple[str, list[TokenLogprobs], Any]]:
+        parts: list[list[str]] = [[] for _ in jobs]
+        records: list[list[TokenLogprobs]] = [[] for _ in jobs]
+        ends: list[Any] = [None] * len(jobs)
+        async for i, event in _events(state, jobs):
             if event[0] == "delta":
-                parts.append(event[1])
+                parts[i].append(event[1])
+                records[i] += event[2]
             elif event[0] == "error":
                 raise ApiError(event[1], event[2], kind="server_error")
             else:
-                return "".join(parts), event
-        raise AssertionError("a delivery ends with done or error")
+                ends[i] = event
+        return [("".join(p), r, e) for p, r, e in zip(parts, records, ends, strict=True)]
 
     task = asyncio.ensure_future(read())
     try:
@@ -226,50 +283,80 @@ async def _collect(request: Request, state: ServeState, job: Job, chat: bool,
             if done:
                 break
             if await request.is_disconnected():
-                job.cancelled.set()
+                for job in jobs:
+                    job.cancelled.set()
                 return Response(status_code=499)
-        text, (_, finish, u) = task.result()
-        use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+        results = task.result()
+        use = _total([end[2] for _, _, end in results])
+        token_text = _token_text(state)
+        choices: list[Choice] = []
+        for job, (text, records, (_, finish, _)) in zip(jobs, results, strict=True):
+            lp = None
+            if job.top_logprobs is not None:
+                lp = (chat_logprobs(records, token_text) if chat else
+                      completion_logprobs(records, token_text, 0))
+            choices.append((text, finish, lp))
         make = chat_response if chat else completion_response
-        return JSONResponse(make(job.rid, state.model_id, text, finish, use), headers=headers)
+        return JSONResponse(make(jobs[0].rid, state.model_id, choices, use), headers=headers)
     finally:
         task.cancel()
-        job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled
+        for job in jobs:
+            job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
+async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage: bool
                   ) -> AsyncIterator[str]:
-    """One SSE chunk per delivery turn: all the text that came since the last (delivery.py)."""
-    created, model = int(time.time()), state.model_id
+    """One SSE chunk per delivery turn of a choice: all the text that came since its last
+    (delivery.py), with those tokens' logprobs when asked for."""
+    rid, created, model = jobs[0].rid, int(time.time()), state.model_id
     obj = "chat.completion.chunk" if chat else "text_completion"
+    token_text = _token_text(state)
+    offsets = [0] * len(jobs)  # completions' text_offset: characters of token text sent
 
-    def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
+    def logprobs(i: int, records: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if jobs[i].top_logprobs is None:
+            return None
         if chat:
-            return chat_chunk(job.rid, model, created, {} if text is None else
-                              {"content": text}, finish)
-        return completion_chunk(job.rid, model, created, text or "", finish)
+            return chat_logprobs(records, token_text)
+        out = completion_logprobs(records, token_text, offsets[i])
+        offsets[i] += sum(len(t) for t in out["tokens"])
+        return out
 
+    def chunk(i: int, text: str | None, finish: str | None = None,
+              records: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        lp = logprobs(i, records) if records is not None else None
+        if chat:
+            return chat_chunk(rid, model, created, {} if text is None else {"content": text},
+                              finish, i, lp)
+        return completion_chunk(rid, model, created, text or "", finish, i, lp)
+
+    ended: dict[int, dict[str, int]] = {}
     try:
         if chat:
-            yield _sse(chat_chunk(job.rid, model, created, {"role": "assistant", "content": ""}))
-        async for event in deliver(job, state.scheduler.decode):
+            for i in range(len(jobs)):
+                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                      index=i))
+        async for i, event in _events(state, jobs):
             if event[0] == "delta":
-                yield _sse(chunk(event[1]))
+                yield _sse(chunk(i, event[1], records=event[2]))
             elif event[0] == "error":
                 yield _sse(error_body(event[2], "server_error"))
+                break
             else:
                 _, finish, u = event
-                yield _sse(chunk(None, finish))
-                if include_usage:
-                    use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
-                    yield _sse(usage_chunk(job.rid, model, created, obj, use))
+                ended[i] = u
+                yield _sse(chunk(i, None, finish))
+        if include_usage and len(ended) == len(jobs):
+            yield _sse(usage_chunk(rid, model, created, obj,
+                                   _total([ended[i] for i in range(len(jobs))])))
         yield "data: [DONE]\n\n"
     finally:
-        job.cancelled.set()  # the client left (or we are done): free the slot at once
+        for job in jobs:
+            job.cancelled.set()  # the client left (or we are done): free the slot at once
 
 
 async def chat_completions(request: Request) -> Response:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuselm.runtime_metal.engine import Engine
-from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
 
 class ServeDecoder:
@@ -37,12 +37,21 @@ class ServeDecoder:
         """Slots that can take no more tokens (the context or the KV pool is full)."""
         return self.dec.exhausted
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+            top_logprobs: int | None = None, fork_of: int | None = None) -> int:
+        """fork_of: the slot of another choice of the same request (n > 1): while its first
+        token is not out yet, the new row starts from its prompt (BatchDecoder.fork)."""
+        if fork_of is not None and self.dec.forkable(fork_of, prompt_ids):
+            slot = self.dec.fork(fork_of, sampling, top_logprobs)
+        else:
+            slot = self.dec.add(prompt_ids, sampling, top_logprobs)
         # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
-        # most): what is reported.
-        slot = self.dec.add(prompt_ids, sampling)
+        # most; a fork its whole prompt): what is reported.
         self._cached[slot] = self.dec.slots[slot].reused
         return slot
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None:
+        return self.dec.logprobs(slot)
 
     def cached_tokens(self, slot: int) -> int:
         return self._cached.get(slot, 0)

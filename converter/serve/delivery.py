@@ -10,7 +10,10 @@ between the engine's steps). The first text goes out at once (time to first toke
 string ends the request here: the job is cancelled and the engine drops its row before the
 next step.
 
-Events: ("delta", text), ("done", finish_reason, usage) or ("error", status, message)."""
+Events: ("delta", text, logprobs), ("done", finish_reason, usage) or ("error", status,
+message). A delta's logprobs are those of the tokens it took (sampling.TokenLogprobs; empty
+unless the job asked for them): a delta may carry tokens whose text is still held back (a
+character cut between tokens), and its text may end with the held text of earlier tokens."""
 
 from __future__ import annotations
 
@@ -39,17 +42,21 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
     loop = asyncio.get_running_loop()
     while True:
         tokens, finish = await job.take(not_before)
+        base = job.read - len(tokens)  # the first of them, in the job's tokens
         parts = []
+        used = 0
         for token in tokens:
             consumed += 1
+            used += 1
             parts.append(text.push(token))
             if text.stopped:
                 break
+        records = job.logprobs[base:base + used] if job.top_logprobs is not None else []
         if text.stopped:  # tokens the engine made past the stop string are dropped
             job.ended_by = "stop"
             job.cancelled.set()
-            if piece := "".join(parts):
-                yield ("delta", piece)
+            if (piece := "".join(parts)) or records:
+                yield ("delta", piece, records)
             yield ("done", "stop", _usage(job, consumed))
             return
         if finish in ("error", "shutdown"):
@@ -58,8 +65,8 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
             return
         if finish is not None:
             parts.append(text.finish())
-        if piece := "".join(parts):
-            yield ("delta", piece)
+        if (piece := "".join(parts)) or records:
+            yield ("delta", piece, records)
             not_before = loop.time() + interval
         if finish is not None:
             # completion_tokens: what the engine generated (an EOS included)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
 log = logging.getLogger("fuselm.serve")
 
@@ -49,9 +49,12 @@ class BatchDecoder(Protocol):
     @property
     def exhausted(self) -> set[int]: ...
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+            top_logprobs: int | None = None, fork_of: int | None = None) -> int: ...
 
     def step(self) -> dict[int, int]: ...
+
+    def logprobs(self, slot: int) -> TokenLogprobs | None: ...
 
     def remove(self, slot: int) -> None: ...
 
@@ -74,7 +77,9 @@ class Job:
     """One request, shared by the engine thread (which writes `tokens`, then `finish`) and its
     reader on the event loop (`take`). `tokens` holds the generated ids but an EOS; `generated`
     counts the EOS too. `finish`: "stop" (EOS), "length", "error" (`error` says what) or
-    "shutdown"."""
+    "shutdown". `top_logprobs` (None: none) asks for each token's logprobs, appended to
+    `logprobs` before the token to `tokens`. `fork_of`: a request's earlier choice from the same
+    prompt (OpenAI's n > 1), whose prompt this one shares when both join the batch together."""
 
     rid: str
     prompt: list[int]
@@ -82,7 +87,11 @@ class Job:
     max_tokens: int
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    top_logprobs: int | None = None
+    fork_of: Job | None = None
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    slot: int | None = None  # the engine thread's: the batch row it decodes in
     finish: str | None = None
     error: tuple[int, str] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -177,20 +186,23 @@ class Scheduler:
         self._wakeups.put(None)  # after the engine's last wake-ups
         self._waker.join(timeout=10)
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue the jobs of one request together (its n choices), or none of them."""
         assert self.decoder is not None, "start() first"
-        need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
-        if need > self.decoder.kv_budget:
-            raise OverBudget(
-                f"this request needs {need} KV cache tokens ({len(job.prompt)} in the prompt + "
-                f"{job.max_tokens} max_tokens) but the server's whole KV budget is "
-                f"{self.decoder.kv_budget} tokens (--max-kv-tokens / --memory-limit); lower "
-                "max_tokens or shorten the prompt")
+        for job in jobs:
+            need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
+            if need > self.decoder.kv_budget:
+                raise OverBudget(
+                    f"this request needs {need} KV cache tokens ({len(job.prompt)} in the "
+                    f"prompt + {job.max_tokens} max_tokens) but the server's whole KV budget "
+                    f"is {self.decoder.kv_budget} tokens (--max-kv-tokens / --memory-limit); "
+                    "lower max_tokens or shorten the prompt")
         waiting = self._pending.qsize() + len(self._waiting)
-        if waiting >= self.max_queue:
+        if waiting + len(jobs) > self.max_queue:
             raise QueueFull(f"{waiting} requests are waiting (--max-queue "
                             f"{self.max_queue}); retry later")
-        self._pending.put(job)
+        for job in jobs:
+            self._pending.put(job)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -275,8 +287,11 @@ class Scheduler:
             if self._reserved_total + need > self.decoder.kv_budget:
                 return  # it waits (and those behind it) until running requests leave
             self._waiting.popleft()
+            parent = job.fork_of
+            like = parent.slot if parent is not None and parent.slot is not None and (
+                self._active.get(parent.slot) is parent) else None
             try:
-                slot = self.decoder.add(job.prompt, job.sampling)
+                slot = self.decoder.add(job.prompt, job.sampling, job.top_logprobs, like)
             except RuntimeUserError as e:
                 self._end(job, "error", (400, str(e)))
                 self._notify()
@@ -284,6 +299,7 @@ class Scheduler:
             self._active[slot] = job
             self._reserved[slot] = need
             self._reserved_total += need
+            job.slot = slot
             self._admitted += 1
 
     def _expire_waiting(self) -> None:
@@ -333,6 +349,10 @@ class Scheduler:
         if token in self.eos:
             self._finish(slot, job, "stop")
             return
+        if job.top_logprobs is not None:
+            info = self.decoder.logprobs(slot)
+            assert info is not None and info.token == token
+            job.logprobs.append(info)
         job.tokens.append(token)
         if job.generated >= job.max_tokens:
             self._finish(slot, job, "length")

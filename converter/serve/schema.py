@@ -5,30 +5,45 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
-from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.sampling import (
+    MAX_TOP_LOGPROBS,
+    SamplingOptions,
+    TokenLogprobs,
+    parse_logit_bias,
+)
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Choices per request at most: each is a batch row (and a place in the queue) of its own.
+MAX_N = 16
 
 
 # OpenAI parameters fuselm does not implement, with the values that ask for nothing (clients
 # such as LangChain send n=1 or logprobs=false by default): any other value is refused by name
 # (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
 }
-NOT_IMPLEMENTED_CHAT = {**NOT_IMPLEMENTED, "logprobs": (False,), "top_logprobs": (0,)}
-NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "logprobs": (), "best_of": (1,),
-                              "echo": (False,), "suffix": ("",)}
+NOT_IMPLEMENTED_CHAT = NOT_IMPLEMENTED
+NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "best_of": (1,), "echo": (False,),
+                              "suffix": ("",)}
 
 
 def not_implemented(data: dict[str, Any], chat: bool) -> str | None:
@@ -62,6 +77,11 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, lt=float("inf"))
+    # OpenAI's (range -2..2); they count the reply's tokens (sampling.process_logits).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # {"token id": -100..100}
+    n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
     stop: str | list[str] | None = None
     stream: bool = False
@@ -72,11 +92,30 @@ class _Request(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
-    def sampling(self, defaults: SamplingOptions) -> SamplingOptions:
-        """The request's sampling over the server's defaults, parameter by parameter."""
+    def sampling(self, defaults: SamplingOptions, choice: int = 0) -> SamplingOptions:
+        """The request's sampling over the server's defaults, parameter by parameter. Choice i
+        of n draws with seed + i: a seeded request with n > 1 is reproducible, its choices
+        differ from one another."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**63
         return defaults.overridden(temperature=self.temperature, top_p=self.top_p,
                                    top_k=self.top_k, min_p=self.min_p,
-                                   repetition_penalty=self.repetition_penalty, seed=self.seed)
+                                   repetition_penalty=self.repetition_penalty,
+                                   presence_penalty=self.presence_penalty,
+                                   frequency_penalty=self.frequency_penalty,
+                                   logit_bias=parse_logit_bias(self.logit_bias), seed=seed)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        try:
+            SamplingOptions(logit_bias=parse_logit_bias(v) or ()).validate()
+        except RuntimeUserError as e:
+            raise ValueError(str(e).removeprefix("logit bias: ")) from None
+        return v
+
+    def alternatives(self) -> int | None:
+        """Alternatives per token to report with its logprob; None: no logprobs at all."""
+        raise NotImplementedError
 
     @field_validator("stop")
     @classmethod
@@ -133,6 +172,18 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):  # as OpenAI: an error, not ignored
+            raise ValueError("needs logprobs: true")
+        return v
+
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -142,6 +193,11 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
         description="text, token ids, or a list of one text")
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    # OpenAI allows 0..5 here; vLLM's 20 (the chat limit) is taken.
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -173,32 +229,71 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, Any]
+TokenText = Callable[[int], str]  # one token id's text
+
+
+def _entry(token_text: TokenText, token: int, logprob: float) -> dict[str, Any]:
+    text = token_text(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+    """A chat choice's `logprobs`: content[{token, logprob, bytes, top_logprobs}] (a token's
+    text as it decodes alone; its bytes that text's UTF-8)."""
+    return {"content": [{**_entry(token_text, r.token, r.logprob),
+                         "top_logprobs": [_entry(token_text, t, lp) for t, lp in r.top]}
+                        for r in records], "refusal": None}
+
+
+def completion_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
+                        offset: int) -> dict[str, Any]:
+    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob},
+    likeliest first) and text_offset (where each token's text starts in the reply, counting
+    from `offset`: the characters sent before)."""
+    tokens = [token_text(r.token) for r in records]
+    starts = []
+    for text in tokens:
+        starts.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{token_text(t): lp for t, lp in r.top} for r in records],
+            "text_offset": starts}
+
+
+Choice = tuple[str, str, dict[str, Any] | None]  # text, finish_reason, logprobs
+
+
+def chat_response(rid: str, model: str, choices: Sequence[Choice], use: dict[str, Any]
                   ) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": lp, "finish_reason": finish}
+                        for i, (text, finish, lp) in enumerate(choices)],
             "usage": use}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, use: dict[str, Any]
+def completion_response(rid: str, model: str, choices: Sequence[Choice], use: dict[str, Any]
                         ) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                        for i, (text, finish, lp) in enumerate(choices)],
             "usage": use}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
-               finish: str | None = None) -> dict[str, Any]:
+               finish: str | None = None, index: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish}]}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str,
-                     finish: str | None = None) -> dict[str, Any]:
+                     finish: str | None = None, index: int = 0,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict[str, Any]

@@ -47,6 +47,14 @@ class RowBatch:
         """Row `row`'s cache as an engine cache state (its views, no positions valid)."""
         return {n: b[row:row + 1] for n, b in self.buffers.items()}, 0
 
+    def copy_row(self, src: int, dst: int, n: int) -> tuple[dict[str, np.ndarray], int]:
+        """Row `dst` takes row `src`'s first n positions (a sequence forked from another's
+        prompt); returns dst's cache state holding them."""
+        for buf in self.buffers.values():
+            buf[dst, :, :n] = buf[src, :, :n]
+        views, _ = self.state(dst)
+        return views, n
+
     def _binding(self, rows: int) -> tuple[object, np.ndarray]:
         if rows not in self._bindings:
             import onnxruntime as ort

@@ -226,7 +226,7 @@ HOSTILE = {
     "no messages": (400, {"messages": []}),
     "content a number": (400, {"messages": [{"role": "user", "content": 5}]}),
     "unknown role": (400, {"messages": [{"role": "wizard", "content": "hi"}]}),
-    "n=2": (400, {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+    "n=17": (400, {"messages": [{"role": "user", "content": "hi"}], "n": 17}),
     "stop a number": (400, {"messages": [{"role": "user", "content": "hi"}], "stop": 3}),
     "five stops": (400, {"messages": [{"role": "user", "content": "hi"}],
                          "stop": ["a", "b", "c", "d", "e"]}),

@@ -25,15 +25,12 @@ N = 12
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # Each parameter fuselm does not implement, with a value that asks for something.
 CHAT_REFUSED = {
-    "n": 2, "logprobs": True, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "auto",
-    "response_format": {"type": "json_object"}, "logit_bias": {"5": 10},
-    "presence_penalty": 0.5, "frequency_penalty": -0.5,
+    "tools": [TOOL], "tool_choice": "auto", "response_format": {"type": "json_object"},
     "functions": [TOOL["function"]], "function_call": "auto", "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
 }
-COMPLETION_REFUSED = {"n": 2, "logprobs": 1, "best_of": 2, "echo": True, "suffix": "end",
-                      "logit_bias": {"5": 10}, "presence_penalty": 1.0}
+COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end"}
 
 
 def run_json(srv: Server, *args: str) -> dict:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fuselm
+from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 
 
@@ -44,15 +45,29 @@ def test_generate_returns_the_text_of_the_stream(loaded: tuple) -> None:
 
 
 def test_logprobs_are_the_log_softmax_of_the_step(loaded: tuple) -> None:
+    """Asked for (logprobs=True), each response carries its step's log-softmax; else None
+    (sampling stays on the device loop). With logit_bias the logprobs are of the biased
+    logits (what OpenAI's logprobs show), not of temperature's."""
     model, tokenizer = loaded
-    first = next(iter(fuselm.stream_generate(model, tokenizer, "Hello", max_tokens=3)))
+    plain = list(fuselm.stream_generate(model, tokenizer, "Hello", max_tokens=3))
+    assert all(r.logprobs is None for r in plain)
+    first = next(iter(fuselm.stream_generate(model, tokenizer, "Hello", max_tokens=3,
+                                             logprobs=True)))
     ids = model.encode("Hello")
     model.engine.reset()
     logits = np.asarray(prefill(model.engine, ids), np.float64)
     want = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert first.logprobs is not None
     assert first.logprobs.shape == (model.manifest.model.vocab_size,)
     np.testing.assert_allclose(first.logprobs, want, atol=1e-4)
-    assert first.token == int(np.argmax(first.logprobs))  # greedy: the likeliest
+    assert first.token == int(np.argmax(first.logprobs)) == plain[0].token  # greedy
+    biased = logits.copy()
+    biased[7] += 30.0
+    want = biased - np.log(np.exp(biased - biased.max()).sum()) - biased.max()
+    responses = list(fuselm.stream_generate(model, tokenizer, "Hello", max_tokens=2,
+                                            logprobs=True, temperature=0.7, seed=1,
+                                            logit_bias={7: 30.0}))
+    np.testing.assert_allclose(responses[0].logprobs, want, atol=1e-4)
 
 
 def test_stop_string_finishes_with_stop(loaded: tuple) -> None:
@@ -73,13 +88,21 @@ def test_sampling_keywords_are_explicit_and_honoured(loaded: tuple) -> None:
         params = inspect.signature(fn).parameters
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), fn
         assert {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                "seed", "stop"} <= set(params), fn
+                "presence_penalty", "frequency_penalty", "logit_bias", "seed",
+                "stop"} <= set(params), fn
     greedy = fuselm.generate(model, tokenizer, "Hello", max_tokens=8)
     assert fuselm.generate(model, tokenizer, "Hello", max_tokens=8, temperature=2.0,
                            min_p=1.0, seed=3) == greedy
     a, b = (fuselm.generate(model, tokenizer, "Hello", max_tokens=8, temperature=1.5, seed=s)
             for s in (1, 1))
     assert a == b
+    forced = model.generate("Hello", max_tokens=4, logit_bias={42: 100.0})
+    assert forced.tokens == [42] * 4
+    penalized = model.generate("Hello", max_tokens=8, frequency_penalty=2.0,
+                               presence_penalty=2.0)
+    assert len(set(penalized.tokens)) > len(set(model.generate("Hello", max_tokens=8).tokens))
+    with pytest.raises(RuntimeUserError, match="vocabulary"):
+        model.generate("Hello", max_tokens=2, logit_bias={10**6: 1.0})
 
 
 def test_another_tokenizer_is_refused(loaded: tuple) -> None:
