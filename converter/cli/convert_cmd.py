@@ -231,14 +231,35 @@ def demo(out_dir: Path | None, prompt: str, max_new_tokens: int, engine: str) ->
     click.echo(next_steps(gguf, artifact_dir), err=True)  # plain: rich wraps long paths
 
 
+def own_command() -> str:
+    """How the user can call this fuselm again: `fuselm` when that name on PATH is this
+    executable, else this executable's path (relative to the working folder when inside it).
+    The README's setup installs into .venv/bin, which is not on PATH, so a bare `fuselm` in the
+    demo's next steps would not be found."""
+    import shutil
+    import sys
+
+    me = Path(sys.argv[0])
+    if me.name != "fuselm":  # `python -m fuselm` or an embedding: no script path to give
+        return "fuselm"
+    found = shutil.which("fuselm")
+    if found is not None and Path(found).resolve() == me.resolve():
+        return "fuselm"
+    try:
+        return str(me.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(me.resolve())
+
+
 def next_steps(gguf: Path, artifact: Path) -> str:
     """What to try after the demo, with its own paths."""
+    f = own_command()
     return "\n".join([
         f"the model is in {artifact}; next, try:",
-        f"  fuselm chat {artifact}                      # talk to it",
-        f"  fuselm run {artifact} -p \"Tell me a joke\" -n 64",
-        f"  fuselm serve {artifact}                     # an OpenAI-compatible server",
-        f"  fuselm validate {gguf} {artifact}   # check it against the GGUF's own weights",
-        f"  fuselm bench {artifact}                     # prefill / decode tokens/s",
-        f"  fuselm run {gguf} -p Hello             # a GGUF runs directly (converted once)",
+        f"  {f} chat {artifact}                      # talk to it",
+        f"  {f} run {artifact} -p \"Tell me a joke\" -n 64",
+        f"  {f} serve {artifact}                     # an OpenAI-compatible server",
+        f"  {f} validate {gguf} {artifact}   # check it against the GGUF's own weights",
+        f"  {f} bench {artifact}                     # prefill / decode tokens/s",
+        f"  {f} run {gguf} -p Hello             # a GGUF runs directly (converted once)",
     ])
