@@ -162,7 +162,7 @@ class _Weights:
         for r in range(0, len(rows), step):
             data = np.ascontiguousarray(cast(np.ascontiguousarray(rows[r: r + step]),
                                              self.np_dtype))
-            self.f.write(memoryview(data).cast("B"))
+            self.f.write(memoryview(data.reshape(-1).view(np.uint8)))  # (bfloat16: no buffer)
             self.offset += data.nbytes
         del w, rows
         proto.data_location = TensorProto.EXTERNAL

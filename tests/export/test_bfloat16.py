@@ -16,6 +16,7 @@ from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.ort_engine.lowering import lower_for_cpu
 from fuselm.runtime_metal.validate import engine_logits, hf_greedy, hf_logits, hf_model, rel
 from tests.cli_run import cli
 
@@ -82,6 +83,14 @@ def test_bfloat16_with_q4(hf_dir: Path, reference: tuple[np.ndarray, list[int]],
     ref = reference[0]
     f32_rel = rel(engine_logits(make_engine(f32, "mlx"), PROMPT, 8), ref)
     got = {name: engine_logits(e, PROMPT, 8) for name, e in _engines(out).items()}
+    # lowered for onnxruntime, each projection reads its dequantize node (MatMulNBits then),
+    # not the Cast to bfloat16 (a no-op in float32, which would dequantize on every call)
+    lowered = lower_for_cpu(out / "model.onnx", manifest).model.graph.node
+    made_by = {o: n.op_type for n in lowered for o in n.output}
+    assert not [n for n in lowered if n.op_type == "Cast" and made_by.get(n.input[0], "")
+                .startswith("Dequantize")]
+    assert sum(made_by.get(n.input[1]) == "DequantizeLinear" for n in lowered
+               if n.op_type == "MatMul") >= 4
     for name, logits in got.items():
         assert rel(logits, got["mlx"]) <= 1e-4, name
         assert rel(logits, ref) <= max(1.5 * f32_rel, 0.2), (name, rel(logits, ref), f32_rel)
@@ -96,3 +105,36 @@ def test_cli_bfloat16(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixtur
                     "float8")
     assert code == 2 and "--dtype: 'float8' is not one of" in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("quant", [None, "none"])
+def test_gguf_to_bfloat16(tmp_path: Path, quant: str | None) -> None:
+    """A Q4_1 GGUF in a bfloat16 graph: its blocks kept by default (float32 scales and mins,
+    a Cast to bfloat16 after each), or (--quant none) its dequantized weights rounded to
+    bfloat16 as they stream to the data file; both engines within bfloat16's tolerance of
+    the file's own weights run in float32 by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.export.gguf_files import write_gguf
+
+    roles = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+             "token_embd", "output")
+    path, _ = write_gguf(tmp_path / "m.gguf", "llama", dict.fromkeys(roles, "Q4_1"), seed=2,
+                         hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         vocab_size=384, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=32)
+    out = _convert(path, tmp_path / "bf16", dtype="bfloat16", quant=quant)
+    manifest = read_manifest(out)
+    assert manifest.dtype == "bfloat16"
+    if quant is None:
+        q = manifest.quantization
+        assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
+    else:
+        assert manifest.quantization is None
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    for name, engine in _engines(out).items():  # the norms' weights are bfloat16 too
+        assert rel(engine_logits(engine, PROMPT, None), want) <= BF16_REL, name
