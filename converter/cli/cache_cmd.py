@@ -26,17 +26,21 @@ def list_command(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([e.to_dict() for e in found], indent=2))
         return
-    click.echo(f"{conversion_folder()}: {len(found)} entries, "
+    click.echo(f"{conversion_folder()}: {_count(len(found))}, "
                f"{sum(e.bytes for e in found) / 2**20:.1f} MiB")
     for e in found:
         click.echo(f"  {e.path.name}  {e.bytes / 2**20:.1f} MiB  used {age(e.last_used)}  "
                    f"{e.source or '?'} ({e.state})")
 
 
+def _count(n: int) -> str:
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
 def _report(removed: list, verb: str) -> None:
     for e, why in removed:
         click.echo(f"removed {e.path} ({why})")
-    click.echo(f"{verb}: {len(removed)} entries, "
+    click.echo(f"{verb}: {_count(len(removed))}, "
                f"{sum(e.bytes for e, _ in removed) / 2**20:.1f} MiB freed")
 
 
