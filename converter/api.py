@@ -26,12 +26,12 @@ Messages = Sequence[dict[str, str]]
 def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     """Convert an HF checkpoint folder (or hub id ORG/NAME) into a fused ONNX artifact at `out`.
 
-    Options as ConvertOptions.from_flags takes them: dtype ("auto" | "float32" | "float16"),
-    passes, optimize, keep_intermediate, allow_nonfinite, adapter (a PEFT LoRA folder merged
-    into the weights), and quant (None | "none" | "q4" | "q8" | "mixed", or a QuantOptions)
-    with its flags beside it (q_bits=8, block_size=64, symmetric=True, ...: the keywords of
-    passes/quant/options.py's `quant_options`). A quantized GGUF, AWQ or GPTQ checkpoint keeps
-    its blocks unless quant="none". Returns the artifact folder."""
+    Options as ConvertOptions.from_flags takes them: dtype ("auto" | "float32" | "float16" |
+    "bfloat16"), passes, optimize, keep_intermediate, allow_nonfinite, adapter (a PEFT LoRA
+    folder merged into the weights), and quant (None | "none" | "q4" | "q8" | "mixed", or a
+    QuantOptions) with its flags beside it (q_bits=8, block_size=64, symmetric=True, ...: the
+    keywords of passes/quant/options.py's `quant_options`). A quantized GGUF, AWQ or GPTQ
+    checkpoint keeps its blocks unless quant="none". Returns the artifact folder."""
     from fuselm.converter.models.hub import resolve_source
     from fuselm.converter.pipeline import ConvertOptions
     from fuselm.converter.pipeline import convert as run_convert

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -41,7 +42,8 @@ from fuselm.export.tensor_match import check_layer_count, check_tensor_names
 from fuselm.export.weight_screen import WeightScreen
 from fuselm.passes import ops
 
-DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
+DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16),
+          "bfloat16": (ml_dtypes.bfloat16, TensorProto.BFLOAT16)}
 _ALIGN = 64  # bytes, as the exporter aligns raw.onnx.data
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time
 _INLINE = 1024  # values: smaller weights are stored in the model itself (as the exporter does)
@@ -68,7 +70,8 @@ def resolve_dtype(requested: str | None, checkpoint_dtype: str) -> str:
     if requested in (None, "auto"):
         return "float16" if checkpoint_dtype in ("float16", "bfloat16") else "float32"
     if requested not in DTYPES:
-        raise ExportError(f"--dtype {requested} is not supported; choose float32 or float16")
+        raise ExportError(f"--dtype {requested} is not supported; choose float32, float16 "
+                          "or bfloat16")
     return requested
 
 
@@ -159,7 +162,7 @@ class _Weights:
         for r in range(0, len(rows), step):
             data = np.ascontiguousarray(cast(np.ascontiguousarray(rows[r: r + step]),
                                              self.np_dtype))
-            self.f.write(memoryview(data).cast("B"))
+            self.f.write(memoryview(data.reshape(-1).view(np.uint8)))  # (bfloat16: no buffer)
             self.offset += data.nbytes
         del w, rows
         proto.data_location = TensorProto.EXTERNAL

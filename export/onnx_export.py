@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import ml_dtypes
 import numpy as np
 import onnx
 import torch
@@ -34,9 +35,11 @@ from fuselm.passes import ops
 if TYPE_CHECKING:
     from fuselm.export.gguf.source import GGUFCheckpoint
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
+                torch.bfloat16: TensorProto.BFLOAT16}
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16,
+                 torch.bfloat16: ml_dtypes.bfloat16}
 _ALIGN = 64  # bytes; keeps every tensor aligned for memory-mapped readers
 SLAB_BYTES = 32 << 20  # bytes of rows cast and written at a time (see _write_cast)
 _INLINE = 1024  # values: smaller weights are stored in the model itself (computed_weights)
@@ -58,7 +61,8 @@ def resolve_dtype(requested: str | None, checkpoint_dtype: torch.dtype) -> torch
             torch.float16 if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.float32
         )
     if requested not in DTYPES:
-        raise ExportError(f"--dtype {requested} is not supported; choose float32 or float16")
+        raise ExportError(f"--dtype {requested} is not supported; choose float32, float16 "
+                          "or bfloat16")
     return DTYPES[requested]
 
 
@@ -182,7 +186,7 @@ def _write_cast(f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype) -> int:
     step = max(1, SLAB_BYTES // row)
     nbytes = 0
     for r in range(0, len(tensor), step):
-        part = tensor[r : r + step].to(dtype).contiguous().numpy()
+        part = _numpy(tensor[r : r + step].to(dtype).contiguous())
         f.write(memoryview(part).cast("B"))  # no extra copy of the bytes
         nbytes += part.nbytes
     return nbytes
@@ -205,6 +209,14 @@ def _prepared(ckpt: Checkpoint, src: Any, screen: WeightScreen | None) -> torch.
     return tensor
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as NumPy shares them (bfloat16 as ml_dtypes', which torch does not
+    hand to NumPy itself)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
 def _cast_array(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     """`tensor` cast to `dtype` as a NumPy array of the same shape, cast a slab of rows of its
     stored layout at a time (a transposed view comes back as the transpose of a C-order array:
@@ -212,9 +224,10 @@ def _cast_array(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
     base = tensor.t() if transposed else tensor.contiguous()
     if base.dim() < 2:
-        return base.to(dtype).numpy()
+        return _numpy(base.to(dtype))
     arr = np.empty(tuple(base.shape), _NUMPY_DTYPES[dtype])  # huge pages (export/checkpoint)
-    out = torch.from_numpy(arr)
+    out = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) \
+        if dtype == torch.bfloat16 else torch.from_numpy(arr)
     row = max(1, base[0].numel()) * max(base.element_size(), 4)
     step = max(1, SLAB_BYTES // row)
     for r in range(0, len(base), step):

@@ -19,7 +19,13 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from fuselm.passes.graph import PassResult, const, is_graph_output, replace_all_uses
+from fuselm.passes.graph import (
+    PassResult,
+    const,
+    is_graph_output,
+    replace_all_uses,
+    tensor_type,
+)
 from fuselm.passes.weights import stored
 
 SMALL = 1024  # elements: shape arithmetic is tiny, weights are not
@@ -51,21 +57,13 @@ def _lift_constants(graph: gs.Graph) -> int:
     return n
 
 
-def _np_dtype(to: int) -> np.dtype | None:
-    try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(to))
-    except Exception:  # noqa: BLE001 - bfloat16 etc.
-        return None
-
-
 def _is_noop(node: gs.Node) -> bool:
     if node.op == "Identity":
         return True
     if node.op == "Concat" and len(node.inputs) == 1:
         return True
     if node.op == "Cast" and node.inputs[0].dtype is not None:
-        want = _np_dtype(int(node.attrs.get("to", 0)))
-        return want is not None and np.dtype(node.inputs[0].dtype) == want
+        return tensor_type(node.inputs[0]) == int(node.attrs.get("to", 0))
     return False
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 
 @dataclass
@@ -176,6 +177,16 @@ class Namer:
             if name not in self.taken:
                 self.taken.add(name)
                 return name
+
+
+def tensor_type(t: gs.Tensor) -> int | None:
+    """A tensor's ONNX element type (None: unknown). onnx-graphsurgeon gives a NumPy type, or
+    the ONNX type itself where NumPy has none (bfloat16), so comparisons go through this."""
+    if t.dtype is None:
+        return None
+    if isinstance(t.dtype, int):
+        return t.dtype
+    return helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype))
 
 
 def variable(namer: Namer, hint: str, dtype: object = None, shape: object = None) -> gs.Variable:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from fuselm.passes.graph import (
     NoMatch,
@@ -20,6 +21,7 @@ from fuselm.passes.graph import (
     maybe_producer,
     producer,
     scalar,
+    tensor_type,
 )
 
 
@@ -145,7 +147,8 @@ def freqs_of(f: gs.Tensor) -> Freqs:
                 if axes not in ([2], [-1]):
                     raise NoMatch
             pos = node.inputs[0]
-        if pos.dtype is not None and np.dtype(pos.dtype).kind not in "iu":
+        pos_type = tensor_type(pos)
+        if pos_type is not None and helper.tensor_dtype_to_np_dtype(pos_type).kind not in "iu":
             raise NoMatch
         if long is None:
             return Freqs(pos, v.reshape(-1).astype(np.float32))

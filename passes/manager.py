@@ -32,7 +32,7 @@ from fuselm.passes.cleanup import Cleanup
 from fuselm.passes.dead_shape import RemoveDeadShapeOp
 from fuselm.passes.errors import PassesError
 from fuselm.passes.graph import PassResult, histogram
-from fuselm.passes.model_io import to_graph, to_model
+from fuselm.passes.model_io import quiet_graphsurgeon, to_graph, to_model
 from fuselm.passes.pair_gate_up import GateUpPairing
 from fuselm.passes.pair_qkv import QKVPairing
 from fuselm.passes.quant.quantize import QuantizeQ4
@@ -159,19 +159,20 @@ def run_pipeline(
     """Run the chosen passes (and `quantize`); `base_dir`, `sources` and `deferred` as in
     model_io.to_graph / to_model."""
     chosen = select(passes, quantize)
-    graph = to_graph(model, base_dir=base_dir, sources=sources)  # upgrades to opset 23 first
-    report = Report(opset_upgraded_from=graph.upgraded_from,
-                    layer_before=layer_nodes(list(model.graph.node)))
-    for p in chosen:
-        before = histogram(graph)
-        n_before = len(graph.nodes)
-        t0 = time.perf_counter()
-        result = p.run(graph)
-        seconds = time.perf_counter() - t0
-        after = histogram(graph)
-        delta = {k: after[k] - before[k] for k in sorted(set(before) | set(after))
-                 if after[k] != before[k]}
-        report.entries.append(PassEntry(p.name, result.count, n_before, len(graph.nodes), delta,
-                                        round(seconds, 4), list(result.refused),
-                                        dict(result.extra)))
-    return to_model(graph, template=model, deferred=deferred), report
+    with quiet_graphsurgeon():
+        graph = to_graph(model, base_dir=base_dir, sources=sources)  # upgrades to opset 23
+        report = Report(opset_upgraded_from=graph.upgraded_from,
+                        layer_before=layer_nodes(list(model.graph.node)))
+        for p in chosen:
+            before = histogram(graph)
+            n_before = len(graph.nodes)
+            t0 = time.perf_counter()
+            result = p.run(graph)
+            seconds = time.perf_counter() - t0
+            after = histogram(graph)
+            delta = {k: after[k] - before[k] for k in sorted(set(before) | set(after))
+                     if after[k] != before[k]}
+            report.entries.append(PassEntry(p.name, result.count, n_before, len(graph.nodes),
+                                            delta, round(seconds, 4), list(result.refused),
+                                            dict(result.extra)))
+        return to_model(graph, template=model, deferred=deferred), report

@@ -12,7 +12,8 @@ passes/writer.py to stream into the data file.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx_graphsurgeon.logger import G_LOGGER
 
 from fuselm.passes import ops
 from fuselm.passes.weights import (
@@ -90,6 +92,20 @@ def upgrade(light: onnx.ModelProto) -> tuple[onnx.ModelProto, int | None]:
     from onnx import version_converter
 
     return version_converter.convert_version(light, ops.ONNX_OPSET), version
+
+
+@contextlib.contextmanager
+def quiet_graphsurgeon() -> Iterator[None]:
+    """onnx-graphsurgeon's warnings off stdout: for a bfloat16 graph it says, for every small
+    tensor a pass reads, that NumPy has no bfloat16 and the values it gives are float32. The
+    passes read values from a copy (passes/weights.py `source`), so the graph keeps its
+    types, and the exported model is bfloat16 as written."""
+    severity = G_LOGGER.severity
+    G_LOGGER.severity = G_LOGGER.ERROR
+    try:
+        yield
+    finally:
+        G_LOGGER.severity = severity
 
 
 def to_graph(

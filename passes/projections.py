@@ -12,7 +12,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from fuselm.passes import weights
-from fuselm.passes.graph import is_graph_output, maybe_producer
+from fuselm.passes.graph import is_graph_output, maybe_producer, tensor_type
 from fuselm.passes.weights import PackedValues, Weight
 
 
@@ -46,8 +46,8 @@ class Projection:
     @property
     def kind(self) -> tuple:
         """What must agree for two projections to share one packed weight."""
-        wdt = np.dtype(self.weight.dtype).str
-        sdt = np.dtype(self.scales.dtype).str if self.scales is not None else None
+        wdt = tensor_type(self.weight)
+        sdt = tensor_type(self.scales) if self.scales is not None else None
         return (wdt, sdt, self.block_size if self.scales is not None else 0)
 
 

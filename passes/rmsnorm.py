@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from fuselm.passes.graph import (
     Namer,
@@ -31,6 +32,7 @@ from fuselm.passes.graph import (
     other_input,
     replace_all_uses,
     scalar,
+    tensor_type,
     variable,
 )
 
@@ -116,7 +118,8 @@ class RMSNormFusion:
                 if not isinstance(dim, int):
                     result.refuse(mean, "no scale weight and the normalized size is not static")
                     continue
-                dtype = np.dtype(x.dtype) if x.dtype is not None else np.float32
+                x_type = tensor_type(x)
+                dtype = helper.tensor_dtype_to_np_dtype(x_type) if x_type else np.float32
                 weight = gs.Constant(namer("ones"), np.ones(dim, dtype))
             # Any Cast before the squares is a float32 upcast that RMSNormalization does itself
             # (stash_type=1); the output dtype follows the weight, as in HF.
@@ -130,13 +133,12 @@ class RMSNormFusion:
                            outputs=[new], attrs={"axis": -1, "epsilon": float(eps),
                                                  "stash_type": 1})
             insert_before(graph, last, node)
-            if out.dtype is not None and src.dtype is not None and weight.dtype is not None \
-                    and np.dtype(weight.dtype) != np.dtype(out.dtype):
+            out_type, weight_type = tensor_type(out), tensor_type(weight)
+            if None not in (out_type, weight_type, src.dtype) and weight_type != out_type:
                 # weight and output dtypes differ: keep the exporter's final cast
                 cast = gs.Node("Cast", name=namer("cast"), inputs=[new],
                                outputs=[variable(namer, "yc", out.dtype, out.shape)],
-                               attrs={"to": onnx.helper.np_dtype_to_tensor_dtype(
-                                   np.dtype(out.dtype))})
+                               attrs={"to": out_type})
                 insert_before(graph, last, cast)
                 new = cast.outputs[0]
             replace_all_uses(graph, out, new)

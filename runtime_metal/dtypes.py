@@ -52,14 +52,16 @@ _NP_TO_MX = {np.dtype(k): v for k, v in (
     (np.uint8, mx.uint8), (np.bool_, mx.bool_),
 )}
 _MX_TO_NP = {v: k for k, v in _NP_TO_MX.items() if k != np.dtype(np.float64)}
+_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
-def half() -> mx.Dtype:
-    """The MLX dtype float16 values compute in: float16, but float32 where MLX runs on the CPU.
-    MLX's CPU backend has no fast float16 arithmetic on x86: a float16 Q4 matmul there is ~30x
-    slower than the same in float32 (BENCHMARKS.md, "MLX on a CPU"), and a float16 graph
-    decoded at 0.1 tokens/s. float32 also holds every float16 value exactly."""
-    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+def half(dtype: mx.Dtype = mx.float16) -> mx.Dtype:
+    """The MLX dtype 16-bit float values (float16, or bfloat16 given `dtype`) compute in: their
+    own, but float32 where MLX runs on the CPU. MLX's CPU backend has no fast 16-bit float
+    arithmetic on x86: a float16 Q4 matmul there is ~30x slower than the same in float32
+    (BENCHMARKS.md, "MLX on a CPU"), and a float16 graph decoded at 0.1 tokens/s. float32 also
+    holds every float16 and bfloat16 value exactly."""
+    return mx.float32 if mx.default_device() == mx.cpu else dtype
 
 
 def onnx_dtype(xp: ModuleType, elem_type: int):  # noqa: ANN201 - np.dtype or mx.Dtype
@@ -67,8 +69,8 @@ def onnx_dtype(xp: ModuleType, elem_type: int):  # noqa: ANN201 - np.dtype or mx
     if elem_type not in table:
         name = TensorProto.DataType.Name(elem_type)
         raise RuntimeUserError(f"element type {name} is not supported by fuselm's runtime")
-    if xp is not np and elem_type == TensorProto.FLOAT16:
-        return half()
+    if xp is not np and elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        return half(table[elem_type])
     return table[elem_type]
 
 
@@ -78,16 +80,25 @@ def like_dtype(xp: ModuleType, like: object):  # noqa: ANN201
     if xp is np:
         return d if isinstance(d, np.dtype) else _MX_TO_NP[d]
     if isinstance(d, np.dtype):
-        return half() if d == np.float16 else _NP_TO_MX[d]
+        return half(_NP_TO_MX[d]) if d in _HALF else _NP_TO_MX[d]
     return d
 
 
+def bfloat16_to_float32(arr: np.ndarray) -> np.ndarray:
+    """bfloat16 (ml_dtypes') → float32, exactly: its bits are a float32's upper half (a shift,
+    where ml_dtypes' astype converts value by value)."""
+    bits = np.ascontiguousarray(arr).view(np.uint16).astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
 def to_device(value: object) -> object:
-    """NumPy -> MLX (other values unchanged). bfloat16 goes through float32 (no buffer support)."""
+    """NumPy -> MLX (other values unchanged). bfloat16 goes through float32 (MLX takes no
+    ml_dtypes buffer), and stays float32 where bfloat16 computes in it (`half`)."""
     if isinstance(value, np.ndarray | np.generic):
         arr = np.asarray(value)
         if arr.dtype == ml_dtypes.bfloat16:
-            return mx.array(arr.astype(np.float32)).astype(mx.bfloat16)
+            wide = mx.array(bfloat16_to_float32(arr))
+            return wide if half(mx.bfloat16) == mx.float32 else wide.astype(mx.bfloat16)
         if arr.dtype == np.float64 or (arr.dtype == np.float16 and half() == mx.float32):
             arr = arr.astype(np.float32)
         elif arr.dtype in FOUR_BIT:

@@ -37,7 +37,7 @@ from fuselm.runtime_metal.manifest_types import (
     RopeInfo,
 )
 
-DTYPES = ("float32", "float16")
+DTYPES = ("float32", "float16", "bfloat16")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # Counts that must be >= 1; everything else numeric is only type-checked (or checked below).
@@ -203,9 +203,10 @@ def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: 
                    past_dtype: str | None = None,
                    outputs: Mapping[str, Shape] | None = None) -> None:
     """The manifest's layers, KV heads, head_dim and dtype must match model.onnx's
-    past_key_values inputs (`past_dtype`: their element type, float32 | float16, if known),
-    and its vocab_size the graph's logits (`outputs`, when given): every token id the runtime
-    accepts is checked against vocab_size, so a larger one would reach the embedding Gather."""
+    past_key_values inputs (`past_dtype`: their element type, float32 | float16 | bfloat16,
+    if known), and its vocab_size the graph's logits (`outputs`, when given): every token id
+    the runtime accepts is checked against vocab_size, so a larger one would reach the
+    embedding Gather."""
     m = manifest.model
     logits = (outputs or {}).get("logits") or []
     vocab = logits[-1] if logits else None
@@ -239,15 +240,17 @@ def check_graph_io(manifest: Manifest, inputs: Mapping[str, Shape], model_file: 
 
 
 def onnx_past_dtype(model: Any) -> str | None:
-    """float32 | float16: the element type of an onnx.ModelProto's past_key_values inputs."""
-    names = {1: "float32", 10: "float16"}
+    """float32 | float16 | bfloat16: the element type of an onnx.ModelProto's past_key_values
+    inputs."""
+    names = {1: "float32", 10: "float16", 16: "bfloat16"}
     return next((names.get(vi.type.tensor_type.elem_type) for vi in model.graph.input
                  if PAST.match(vi.name)), None)
 
 
 def ort_past_dtype(inputs: Sequence[Any]) -> str | None:
     """The same, from onnxruntime's NodeArg list (types written 'tensor(float16)')."""
-    names = {"tensor(float)": "float32", "tensor(float16)": "float16"}
+    names = {"tensor(float)": "float32", "tensor(float16)": "float16",
+             "tensor(bfloat16)": "bfloat16"}
     return next((names.get(i.type) for i in inputs if PAST.match(i.name)), None)
 
 

@@ -48,7 +48,7 @@ class RopeInfo:
 class Manifest:
     model: ModelInfo
     rope: RopeInfo
-    dtype: str  # float activations/weights of the graph: float32 | float16
+    dtype: str  # float activations/weights of the graph: float32 | float16 | bfloat16
     special_tokens: dict[str, Any]  # bos: int|None, eos: [int], pad: int|None
     source: dict[str, Any]  # path, checkpoint dtype, shards
     versions: dict[str, str]

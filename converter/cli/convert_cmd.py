@@ -12,17 +12,10 @@ import click
 # without them.
 
 
-DTYPES = ("auto", "float32", "float16")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def _dtype(dtype: str) -> str:
-    """--dtype; bfloat16, which users bring from mlx-lm, is refused with the reason and the
-    way (a bfloat16 checkpoint converts to float16)."""
-    if dtype == "bfloat16":
-        raise click.BadParameter(
-            "bfloat16 graphs are not supported (onnxruntime has no bfloat16 kernels on CPU "
-            "for them); a bfloat16 checkpoint converts to float16 with --dtype auto, or use "
-            "float32", param_hint="--dtype")
     if dtype not in DTYPES:
         raise click.BadParameter(f"{dtype!r} is not one of {', '.join(map(repr, DTYPES))}",
                                  param_hint="--dtype")
@@ -45,11 +38,12 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--dtype",
-    metavar="[auto|float32|float16]",
+    metavar="[auto|float32|float16|bfloat16]",
     default="auto",
     show_default=True,
     callback=lambda _ctx, _param, v: _dtype(v),
-    help="Graph dtype; auto keeps the checkpoint's (bf16 → float16).",
+    help="Graph dtype; auto keeps the checkpoint's (bf16 → float16). bfloat16 runs in "
+    "float32 on a CPU (onnxruntime upcasts its weights at load).",
 )
 @click.option(
     "--quant",

@@ -19,6 +19,7 @@ def cli() -> None:
 def _register() -> None:
     # Each command lives in the module named for its job.
     from fuselm.converter.cli.bench_cmd import bench
+    from fuselm.converter.cli.cache_cmd import cache
     from fuselm.converter.cli.chat_cmd import chat
     from fuselm.converter.cli.convert_cmd import convert, demo
     from fuselm.converter.cli.inspect_cmd import inspect
@@ -33,7 +34,7 @@ def _register() -> None:
 
     for command in (
         convert, inspect, optimize, demo, run, chat, validate, bench, verify, perplexity, report,
-        serve,
+        serve, cache,
     ):
         cli.add_command(command)
     cli.add_command(quant_report)

@@ -106,6 +106,7 @@ def collect(
         raise ValueError(
             f"the calibration text has {len(tokens)} tokens, fewer than {MIN_CHUNK}; "
             "pass a longer text")
+    model, load = q4_segments.float32_view(model, load)
     count = sum(c.shape[1] for c in chunks)
     sq: dict[str, np.ndarray] = {}
     gr: dict[str, np.ndarray] = {}

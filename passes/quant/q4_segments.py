@@ -138,6 +138,50 @@ def plan(
     return segments
 
 
+def float32_view(model: onnx.ModelProto, load: Callable[[TensorProto], np.ndarray]
+                 ) -> tuple[onnx.ModelProto, Callable[[TensorProto], np.ndarray]]:
+    """A bfloat16 graph as a float32 one, and the `load` that reads its weights upcast (exact):
+    onnxruntime's CPU provider has no bfloat16 kernels for MatMul, Attention, ... (the fuselm
+    runtimes compute bfloat16 in float32 on a CPU too). Other graphs come back as they are."""
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+    typed = [*model.graph.input, *model.graph.output, *model.graph.value_info]
+    if not (any(t.data_type == bf16 for t in model.graph.initializer)
+            or any(v.type.tensor_type.elem_type == bf16 for v in typed)):
+        return model, load
+    wide = onnx.ModelProto()
+    wide.CopyFrom(model)  # the structure only: the large weights are data-less stand-ins
+    g = wide.graph
+    stand_ins: dict[str, TensorProto] = {}
+    for t in g.initializer:
+        if t.data_type != bf16:
+            continue
+        if _has_values(t):
+            t.CopyFrom(numpy_helper.from_array(
+                numpy_helper.to_array(t).astype(np.float32), t.name))
+        else:
+            stand_ins[t.name] = TensorProto()
+            stand_ins[t.name].CopyFrom(t)
+            t.data_type = f32
+    for v in [*g.input, *g.output]:
+        if v.type.tensor_type.elem_type == bf16:
+            v.type.tensor_type.elem_type = f32
+    del g.value_info[:]
+    for n in g.node:
+        for a in n.attribute:
+            if n.op_type == "Cast" and a.name == "to" and a.i == bf16:
+                a.i = f32
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == bf16:
+                a.t.CopyFrom(numpy_helper.from_array(
+                    numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
+
+    def load_wide(t: TensorProto) -> np.ndarray:
+        if t.name not in stand_ins:
+            return load(t)
+        return load(stand_ins[t.name]).astype(np.float32)
+
+    return wide, load_wide
+
+
 def run(
     model: onnx.ModelProto,
     load: Callable[[TensorProto], np.ndarray],

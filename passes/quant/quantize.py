@@ -164,45 +164,26 @@ class QuantizeQ4:
         tables, gathers = _gathers(graph)
         jobs = _find_jobs(graph, tables, gathers, opts, result)
         calib = self.calibration
-        block_size, budget = opts.blocks()
-        calib_seconds = 0.0
-        model = load = None
-        moments: dict[str, Moments] | None = None
-        prior = False  # every activation's mean squares collected before the rounds
-        if calib is not None:
-            t0 = time.perf_counter()
-            model, load = runnable(graph)  # the fused float graph, before any weight changes
-            if budget is not None or opts.mixed:  # the choice needs every importance first
-                moments = calib.moments(model, load, _activations(jobs), gram=False)
-                prior = True
-            calib_seconds = time.perf_counter() - t0
-        elif opts.norm_importance:
-            moments = _norm_moments(jobs)
-        eight = set(_eight_bit(jobs, block_size, opts, moments)) if opts.mixed else set()
-        # Which jobs get their statistics from which forward (see _rounds).
-        rounds = _rounds(jobs, calib, eight)
-        total = sum(int(np.prod(j.weight.shape)) for j in jobs)
-        with self._spill() as spill, q4_search.for_model(total):
+        # the fused float graph, before any weight changes (_apply rewires as it goes)
+        model, load = runnable(graph) if calib is not None else (None, None)
+        with self._spill() as spill:
             w = _Writer(graph, opts, spill)
-            w.fused_via_node = self.given is not None or opts.bits != 4 or bool(eight)
-            for n, (part, gram) in enumerate(rounds):
-                if calib is not None and (gram or not prior):  # else `moments` has them
-                    t0 = time.perf_counter()
-                    assert model is not None and load is not None
-                    moments = {**(moments or {}),
-                               **calib.moments(model, load, _activations(part), gram)}
-                    calib_seconds += time.perf_counter() - t0
-                if n == 0:
-                    blocks = _block_sizes(jobs, block_size, budget, opts, moments)
-                for job in part:
-                    stats = (None if moments is None or job.activation is None
-                             else moments.get(job.activation.name))
-                    given = None if self.given is None else _given_of(job.weight, self.given)
-                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers, given,
-                           8 if job.weight.name in eight else None)
-                if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
-                    moments = {k: v for k, v in moments.items() if v.gram is None}
-            del model
+            w.fused_via_node = self.given is not None or opts.bits != 4
+            # The checkpoint's own blocks first: kept as they are, they need no statistics, so
+            # only the weights left to quantize are calibrated, and a GGUF whose every tensor
+            # is kept runs no calibration forward (SmolLM2's --quant q4: 59 s and ~70 MB)
+            todo = []
+            for job in jobs:
+                given = None if self.given is None else _given_of(job.weight, self.given)
+                if given is None:
+                    todo.append(job)
+                else:
+                    _apply(w, job, given.block_size, None, tables, gathers, given)
+                del given
+            calib_seconds, eight = self._quantize(w, todo, model, load, tables, gathers) \
+                if todo else (0.0, set())
+            del model, load
+        budget = opts.blocks()[1]
         order = {j.weight.name: i for i, j in enumerate(jobs)}
         w.tensors.sort(key=lambda t: order[t["name"]])  # the record in graph order
         _rewrite(graph, w)
@@ -217,7 +198,8 @@ class QuantizeQ4:
             "mixed": None if not opts.mixed else {
                 "share": MIXED_SHARE, "eight_bit": sorted(eight),
                 "measure": "relative importance-weighted error drop, 4 to 8 bits"},
-            "calibration": None if self.calibration is None else {
+            # (None too when every weight kept its given blocks: no forward ran, none needed)
+            "calibration": None if self.calibration is None or not todo else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
             "norm_importance": opts.norm_importance and self.calibration is None,
             "symmetric": opts.symmetric,
@@ -240,6 +222,47 @@ class QuantizeQ4:
             "bytes_after": w.quantized_bytes,
         }
         return result
+
+    def _quantize(self, w: _Writer, jobs: list[_Job], model: Any, load: Any,
+                  tables: dict[str, gs.Constant], gathers: dict[str, list[gs.Node]]
+                  ) -> tuple[float, set[str]]:
+        """Quantize `jobs` (the weights without given blocks), with the calibration forward(s)
+        through `model` / `load` when there is a calibration; the seconds those took, and the
+        weights stored at 8 bits by `--quant mixed`."""
+        opts, calib = self.options, self.calibration
+        block_size, budget = opts.blocks()
+        calib_seconds = 0.0
+        moments: dict[str, Moments] | None = None
+        prior = False  # every activation's mean squares collected before the rounds
+        if calib is not None and (budget is not None or opts.mixed):
+            t0 = time.perf_counter()  # the choice needs every importance first
+            moments = calib.moments(model, load, _activations(jobs), gram=False)
+            prior = True
+            calib_seconds = time.perf_counter() - t0
+        elif calib is None and opts.norm_importance:
+            moments = _norm_moments(jobs)
+        eight = set(_eight_bit(jobs, block_size, opts, moments)) if opts.mixed else set()
+        w.fused_via_node = w.fused_via_node or bool(eight)
+        # Which jobs get their statistics from which forward (see _rounds).
+        rounds = _rounds(jobs, calib, eight)
+        total = sum(int(np.prod(j.weight.shape)) for j in jobs)
+        with q4_search.for_model(total):
+            for n, (part, gram) in enumerate(rounds):
+                if calib is not None and (gram or not prior):  # else `moments` has them
+                    t0 = time.perf_counter()
+                    moments = {**(moments or {}),
+                               **calib.moments(model, load, _activations(part), gram)}
+                    calib_seconds += time.perf_counter() - t0
+                if n == 0:
+                    blocks = _block_sizes(jobs, block_size, budget, opts, moments)
+                for job in part:
+                    stats = (None if moments is None or job.activation is None
+                             else moments.get(job.activation.name))
+                    _apply(w, job, blocks[job.weight.name], stats, tables, gathers, None,
+                           8 if job.weight.name in eight else None)
+                if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
+                    moments = {k: v for k, v in moments.items() if v.gram is None}
+        return calib_seconds, eight
 
     @contextlib.contextmanager
     def _spill(self) -> Iterator[Spill | None]:

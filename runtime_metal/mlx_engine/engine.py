@@ -63,7 +63,8 @@ class MLXEngine:
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
-        act = half() if manifest.dtype == "float16" else mx.float32
+        act = {"float16": half(mx.float16), "bfloat16": half(mx.bfloat16)}.get(
+            manifest.dtype, mx.float32)
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
         settle_affine(packed, act)
         self.dense_from_rows = kernels.dense_prefill_rows(self.config.prefill_dense)

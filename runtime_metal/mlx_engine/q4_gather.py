@@ -76,6 +76,8 @@ def _exact_cast(a: object, b: object) -> bool:
     value (compared when small: what this is for, scale tables, is 1/block of the codes)."""
     if a is None or b is None or getattr(a, "shape", None) != getattr(b, "shape", None):
         return False
+    if isinstance(a, qweight.QWeight):  # a packed weight cast to its MatMul's type (bfloat16)
+        return False
     ra, rb = _int_range(like_dtype(np, a)), _int_range(like_dtype(np, b))
     if ra is not None:
         return rb is not None and rb[0] <= ra[0] and ra[1] <= rb[1]

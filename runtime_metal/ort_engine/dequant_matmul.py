@@ -3,7 +3,7 @@
 onnxruntime fuses `DequantizeLinear` + `MatMul` into `MatMulNBits` (4- and 8-bit codes) only
 when the MatMul reads the DequantizeLinear directly; it does not fold a constant
 DequantizeLinear, so any other form dequantizes the whole weight on every call. Two forms in
-fuselm's artifacts need help (passes/quant/quantize.py):
+fuselm's artifacts need help (passes/quant/quantize.py), and a third form's Cast is dropped:
 
 - FusedQKV / FusedGateUp fed a float weight by a dequantize node (conversions with given
   blocks or 8-bit weights): their function body puts a CastLike between the two. Here they
@@ -13,6 +13,8 @@ fuselm's artifacts need help (passes/quant/quantize.py):
   x @ W = x @ DQ(q, s, zero points 0) + BlockSum(x) @ b, where BlockSum(x) [.., K/B] sums each
   block of B inputs: the first term fuses into MatMulNBits, the second is a small [K/B, N]
   MatMul. Equal in exact arithmetic; in float32 the sums round in another order (~1e-7).
+- a Cast to bfloat16 after the dequantize node (a bfloat16 graph's Q4/Q8 weights): a no-op
+  in the float32 lowered graph, dropped.
 """
 
 from __future__ import annotations
@@ -31,8 +33,31 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
 
 def rewrite(g: onnx.GraphProto) -> int:
     """Rewrite the graph in place (see the module doc); the number of nodes rewritten."""
-    count = _expand_fused(g)
+    count = _skip_half_casts(g)
+    count += _expand_fused(g)
     return count + _split_affine(g)
+
+
+def _skip_half_casts(g: onnx.GraphProto) -> int:
+    """A bfloat16 graph's quantized weights are dequantized with float32 scales and Cast to
+    bfloat16 (passes/quant/quantize.py): the projection then reads the Cast, not the dequantize
+    node. The lowered graph is float32 throughout, so the Cast is a no-op: its readers read
+    the dequantize node instead."""
+    producer = {o: n for n in g.node for o in n.output}
+    skip = {n.output[0]: n.input[0] for n in g.node
+            if n.op_type == "Cast" and not n.domain
+            and _attr(n, "to", 0) in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+            and getattr(producer.get(n.input[0]), "op_type", "") in _DEQUANT}
+    outputs = {o.name for o in g.output}
+    skip = {k: v for k, v in skip.items() if k not in outputs}
+    for n in g.node:
+        for i, name in enumerate(n.input):
+            if name in skip:
+                n.input[i] = skip[name]
+    kept = [n for n in g.node if not (n.op_type == "Cast" and n.output[0] in skip)]
+    del g.node[:]
+    g.node.extend(kept)
+    return len(skip)
 
 
 def _expand_fused(g: onnx.GraphProto) -> int:

@@ -21,7 +21,7 @@ from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.graph_io import PAST, present_for
 from fuselm.runtime_metal.manifest_schema import check_graph_io, ort_past_dtype
-from fuselm.runtime_metal.ort_engine.lowering import Lowered, lower_for_cpu
+from fuselm.runtime_metal.ort_engine.lowering import Lowered, float32_plain, lower_for_cpu
 from fuselm.runtime_metal.ort_engine.row_batch import RowBatch
 from fuselm.runtime_metal.ort_engine.session import OPTIMIZATION_LEVELS, make_session
 from fuselm.runtime_metal.ort_engine.shared_kv import GROW, SharedKV
@@ -48,13 +48,25 @@ class OrtEngine:
             "onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization), "
             "float32 activations" + (f", {lowered.int4_count} symmetric Q4 tensors as int4"
                                      if lowered.int4_count else "") if lowered else "off")
+        # onnxruntime's CPU provider has no bfloat16 kernels for most ops: a bfloat16 artifact
+        # runs in float32, its weights upcast when the session is made (exact: every bfloat16
+        # value is a float32 value), lowered or not
+        plain, plain_past = None, None
+        if manifest.dtype == "bfloat16":
+            self.lowering += "; bfloat16 weights upcast to float32 at load"
+            if not isinstance(lowered, Lowered):
+                try:
+                    plain, plain_past = float32_plain(path)
+                except Exception as e:  # unreadable, or a 16-bit tensor attribute
+                    raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
+        model = lowered.model if isinstance(lowered, Lowered) else plain
         try:
             self.session, self.session_info = make_session(
-                lowered.model.SerializeToString() if isinstance(lowered, Lowered) else path,
+                model.SerializeToString() if model is not None else path,
                 accuracy_level=accuracy_level, optimization=optimization,
                 threads=threads or None,
                 profile_prefix=str(Path(profile_dir) / "ort_profile") if profile_dir else None,
-                external_data_dir=path.parent if isinstance(lowered, Lowered) else None,
+                external_data_dir=path.parent if model is not None else None,
                 initializers=lowered.int4_values if isinstance(lowered, Lowered) else None)
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
@@ -65,6 +77,7 @@ class OrtEngine:
                            outputs)
         else:
             check_graph_io(manifest, {n: i.shape for n, i in self._inputs.items()}, path,
+                           plain_past if plain is not None else
                            ort_past_dtype(self.session.get_inputs()), outputs)
         self._outputs = [o.name for o in self.session.get_outputs()]
         self._past_names = sorted((n for n in self._inputs if PAST.match(n)),

@@ -49,7 +49,8 @@ from fuselm.runtime_metal.ort_engine.gather_q4 import packed_gathers
 from fuselm.runtime_metal.ort_engine.int4 import symmetric_to_int4
 
 MS = "com.microsoft"
-F16, F32 = TensorProto.FLOAT16, TensorProto.FLOAT
+F16, BF16, F32 = TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT
+HALF = (F16, BF16)  # 16-bit floats, computed in float32 on the CPU
 
 
 @dataclass
@@ -81,8 +82,7 @@ def lower_for_cpu(model_file: Path, manifest: Manifest) -> Lowered | str:
     except Exception as e:  # onnxruntime reports an unreadable file when the plain path loads it
         return f"unreadable model ({type(e).__name__})"
     inputs = onnx_inputs(model)
-    kv_types = {i.type.tensor_type.elem_type for i in model.graph.input if PAST.match(i.name)}
-    past_dtype = {F16: "float16", F32: "float32"}.get(next(iter(kv_types), 0))
+    past_dtype = _past_dtype(model)
     try:
         model, positions = _lower(model, manifest)
     except NotLowered as e:
@@ -91,6 +91,22 @@ def lower_for_cpu(model_file: Path, manifest: Manifest) -> Lowered | str:
     if values:
         _prune(model)  # the uint4 codes and zero points nothing reads any more
     return Lowered(model, positions, inputs, past_dtype, values)
+
+
+def float32_plain(model_file: Path) -> tuple[onnx.ModelProto, str | None]:
+    """The artifact's own graph with float32 activations and nothing else changed, and its KV
+    dtype: how a bfloat16 artifact runs where the lowering does not cover it (onnxruntime's
+    CPU provider has no bfloat16 MatMul, Attention, ... and, unlike for float16, inserts no
+    Casts around them)."""
+    model = onnx.load(str(model_file), load_external_data=False)
+    past_dtype = _past_dtype(model)
+    _to_float32(model)
+    return model, past_dtype
+
+
+def _past_dtype(model: onnx.ModelProto) -> str | None:
+    kv_types = {i.type.tensor_type.elem_type for i in model.graph.input if PAST.match(i.name)}
+    return {F16: "float16", BF16: "bfloat16", F32: "float32"}.get(next(iter(kv_types), 0))
 
 
 def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto, int]:
@@ -189,13 +205,14 @@ def _logits_from(g: onnx.GraphProto) -> None:
 
 
 def _to_float32(model: onnx.ModelProto) -> None:
-    """float32 activations: float16 initializers read through a Cast (folded by onnxruntime at
-    session creation), float16 casts, constants and graph I/O made float32."""
+    """float32 activations: float16 and bfloat16 initializers read through a Cast (folded by
+    onnxruntime at session creation: bfloat16 weights are held as float32, twice their size),
+    16-bit casts, constants and graph I/O made float32."""
     g = model.graph
     renamed: dict[str, str] = {}
     casts = []
     for t in g.initializer:
-        if t.data_type == F16:
+        if t.data_type in HALF:
             renamed[t.name] = f"{t.name}__f32"
             casts.append(helper.make_node("Cast", [t.name], [renamed[t.name]], to=F32))
     for n in g.node:
@@ -204,18 +221,18 @@ def _to_float32(model: onnx.ModelProto) -> None:
                 n.input[i] = renamed[name]
         if n.op_type == "Cast":
             for a in n.attribute:
-                if a.name == "to" and a.i == F16:
+                if a.name == "to" and a.i in HALF:
                     a.i = F32
         if n.op_type == "Constant":
             for a in n.attribute:
-                if a.name == "value" and a.t.data_type == F16:
+                if a.name == "value" and a.t.data_type in HALF:
                     a.t.CopyFrom(numpy_helper.from_array(
                         numpy_helper.to_array(a.t).astype(np.float32), a.t.name))
-        elif any(a.type == onnx.AttributeProto.TENSOR and a.t.data_type == F16
+        elif any(a.type == onnx.AttributeProto.TENSOR and a.t.data_type in HALF
                  for a in n.attribute):
-            raise NotLowered(f"a float16 {n.op_type} attribute")
+            raise NotLowered(f"a 16-bit float {n.op_type} attribute")
     for out in [*g.output, *g.input]:
-        if out.type.tensor_type.elem_type == F16:
+        if out.type.tensor_type.elem_type in HALF:
             out.type.tensor_type.elem_type = F32
     del g.value_info[:]
     old = list(g.node)

@@ -109,6 +109,25 @@ def test_cli_keeps_blocks_by_default_and_refuses_bad_eight_bit_flags(
     assert "contradict" in line
 
 
+def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]],
+                                               tmp_path: Path) -> None:
+    """--quant q4 keeps a GGUF's exact blocks and quantizes the rest: the calibration forward
+    runs for the rest only, and for none when every tensor is kept."""
+    path, _ = exact["llama-Q4_1"]
+    out = tmp_path / "q4"
+    convert(path, out, ConvertOptions.from_flags(quant="q4", dtype="float32"))
+    q = read_manifest(out).quantization
+    assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
+    assert q["calibration"] is None
+    head_q6k = {**dict.fromkeys(ROLES, "Q4_1"), "output": "Q6_K"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_q6k, seed=1, **SHAPE,
+                          **CASES["llama-Q4_1"][1])
+    convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
+    q = read_manifest(tmp_path / "mixed").quantization
+    assert q["given"]["quantized"] == 1 and q["calibration"]["tokens"] > 0
+    assert [t["calibration"] for t in q["tensors"] if "given" not in t] == ["gptq"]
+
+
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
     """Q5_K / Q6_K / float matrices beside exact ones: 8-bit blocks, the loss in the record

@@ -145,10 +145,11 @@ def test_plain_graph_equals_the_trace(family_checkpoints: dict[str, Path], famil
                                       tmp_path: Path) -> None:
     """The builder's graph is the trace's, node for node: the same ops, attributes, inputs
     (graph inputs, the decoder's parameters by name, small constants by value, earlier nodes
-    by position), the same parameters in the same order, the same functions; float16 for the
-    families whose graph holds float constants (scales, caps)."""
+    by position), the same parameters in the same order, the same functions; float16 and
+    bfloat16 for the families whose graph holds float constants (scales, caps)."""
     src = family_checkpoints[family]
-    dtypes = ["float32", "float16"] if family in ("gemma2", "granite") else ["float32"]
+    dtypes = ["float32", "float16", "bfloat16"] if family in ("gemma2", "granite") \
+        else ["float32"]
     for dtype in dtypes:
         traced = export_model(src, tmp_path / "raw.onnx", dtype, in_memory=True)
         built = build_model(src, tmp_path / "raw.onnx", dtype, in_memory=True)

@@ -156,11 +156,9 @@ def test_serve_and_perplexity_take_dash_m(artifact: Path, tmp_path: Path) -> Non
     assert json.loads(a.stdout)["ppl"] == json.loads(b.stdout)["ppl"]
 
 
-def test_convert_q_and_bfloat16(hf_dir: Path, tmp_path: Path) -> None:
+def test_convert_q(hf_dir: Path, tmp_path: Path) -> None:
+    """-q is --quant q4 (--dtype bfloat16: tests/export/test_bfloat16.py)."""
     r = cli("convert", str(hf_dir), "-o", str(tmp_path / "q"), "-q", "--quiet")
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "q" / "fuselm.json").read_text())
     assert manifest["quantization"]["bits"] == 4
-    bf = cli("convert", str(hf_dir), "-o", str(tmp_path / "bf"), "--dtype", "bfloat16")
-    assert bf.returncode == 2 and "bfloat16 graphs are not supported" in bf.stderr
-    assert not (tmp_path / "bf").exists()

@@ -70,8 +70,64 @@ def test_gguf_converted_once_then_reused(tiny_gguf: Path, cache: Path, tmp_path:
     os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched: stat differs
     touched = _run(str(changed))
     assert "converting" in touched.stderr, touched.stderr
-    assert len(_entries(cache)) == 3 and all((e / "fuselm.json").is_file()
+    # the entry of the file before it was touched is stale: removed after the new conversion
+    assert "from the cache (source changed)" in touched.stderr, touched.stderr
+    assert len(_entries(cache)) == 2 and all((e / "fuselm.json").is_file()
                                               for e in _entries(cache))
+
+
+def test_cache_evicts_stale_and_least_recently_used(tiny_gguf: Path, cache: Path,
+                                                    tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """After a conversion: entries whose source is gone or changed are removed, then all but
+    the KEEP most recently used; `fuselm cache list / prune / clear` show and apply it."""
+    import shutil
+
+    from fuselm.converter.model_cache import KEEP, cache_entry, mark_used
+    from fuselm.converter.model_path import resolve_model
+
+    first = resolve_model(tiny_gguf, progress=False)
+    sources = []
+    for i in range(KEEP + 1):  # entries of copies of the file (each path its own entry)
+        src = tmp_path / f"copy{i}.gguf"
+        shutil.copy(tiny_gguf, src)
+        entry = cache_entry(src)
+        shutil.copytree(first, entry)
+        mark_used(entry, src)
+        os.utime(entry.parent / f".{entry.name}.source", (i + 10, i + 10))  # oldest first
+        sources.append((src, entry))
+    sources[0][0].unlink()  # gone
+    os.utime(sources[1][0], ns=(time.time_ns(), time.time_ns() + 10**9))  # changed
+    listed = json.loads(cli("cache", "list", "--json").stdout)
+    assert [e["path"] for e in listed][0] == str(first)  # most recently used first
+    states = {e["path"]: e["state"] for e in listed}
+    assert states[str(sources[0][1])] == "source missing"
+    assert states[str(sources[1][1])] == "source changed"
+    assert states[str(sources[2][1])] == "current"
+    text = cli("cache", "list").stdout
+    assert text.startswith(f"{cache}: {KEEP + 2} entries") and "(source missing)" in text
+
+    # a new conversion: the two stale entries go, then the least recently used beyond KEEP
+    new = tmp_path / "new.gguf"
+    shutil.copy(tiny_gguf, new)
+    capsys.readouterr()
+    resolve_model(new, progress=False)
+    err = capsys.readouterr().err
+    assert f"removed {sources[0][1]} from the cache (source missing)" in err
+    assert f"removed {sources[1][1]} from the cache (source changed)" in err
+    assert f"removed {sources[2][1]} from the cache (beyond the {KEEP} most recently used)" \
+        in err
+    kept = {cache_entry(new), first, *(e for _, e in sources[3:])}
+    assert set(_entries(cache)) == kept and len(kept) == KEEP
+    for _, gone in sources[:3]:  # its record and lock file with it
+        assert not list(cache.glob(f".{gone.name}.*"))
+    assert resolve_model(sources[3][0], progress=False) == sources[3][1]  # used, not converted
+    assert "removed" not in capsys.readouterr().err
+
+    assert cli("cache", "prune").stdout.strip() == "pruned: 0 entries, 0.0 MiB freed"
+    cleared = cli("cache", "clear")
+    assert cleared.returncode == 0 and f"cleared: {KEEP} entries" in cleared.stdout
+    assert _entries(cache) == [] and not list(cache.glob(".*.source"))
 
 
 def test_every_command_takes_a_gguf(tiny_gguf: Path, cache: Path) -> None:

@@ -62,6 +62,9 @@ def test_thresholds_per_precision() -> None:
     assert judge([5e-4], [False], "float32").status == "WARN"
     assert judge([5e-4], [False], "float16").status == "PASS"
     assert judge([0.1], [False], "float16").status == "FAIL"
+    assert precision("bfloat16", None) == "bfloat16"  # 8x float16's step: its own bound
+    assert judge([1.5e-2], [False], "bfloat16").status == "PASS"
+    assert judge([1.5e-2], [False], "float16").status == "WARN"
     assert judge([0.1], [False], "q4").status == "PASS"
     assert judge([1e-9], [True], "q4").status == "FAIL"  # NaN/Inf anywhere fails
     assert judge([float("nan")], [False], "float32").status == "FAIL"
