@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal.constraint import TokenConstraint, constrained
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
@@ -148,8 +149,11 @@ class BatchDecoder:
             self.cache.pool.release(s.blocks[keep:])
             del s.blocks[keep:]
 
-    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None) -> int:
-        """Prefill `prompt` into a free slot; its first token comes with the next step()."""
+    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None,
+            constraint: TokenConstraint | None = None) -> int:
+        """Prefill `prompt` into a free slot; its first token comes with the next step().
+        `constraint`: this sequence's grammar (runtime_metal/constraint.py); its row samples
+        on the host from masked logits, the other rows as before."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise RuntimeUserError("the prompt is empty; give at least one token")
@@ -173,7 +177,10 @@ class BatchDecoder:
         s.reused = keep
         s.cached = list(prompt)
         s.sampler = make_sampler(opts)
-        s.greedy = opts.temperature == 0 and opts.repetition_penalty == 1.0
+        if constraint is not None:
+            s.sampler = constrained(s.sampler, constraint)
+        s.greedy = (opts.temperature == 0 and opts.repetition_penalty == 1.0
+                    and constraint is None)
         s.pending = s.sampler(logits, s.cached)
         s.reported, s.active = False, True
         return slot

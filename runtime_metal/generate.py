@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from fuselm.runtime_metal.constraint import TokenConstraint, constrained
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import (
@@ -206,6 +207,7 @@ def iter_generate(
     reset: bool = True,
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -216,7 +218,9 @@ def iter_generate(
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
     on_logits(logits, token): each step's host logits and the token chosen from them, in order
-    (sampling then runs on the host; the Python API's logprobs)."""
+    (sampling then runs on the host; the Python API's logprobs). constraint: a grammar the
+    tokens follow (runtime_metal/constraint.py; sampling then runs on the host, on masked
+    logits)."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -225,6 +229,9 @@ def iter_generate(
                                        context_length)
     opts = sampling or SamplingOptions()
     sampler = make_sampler(opts)
+    if constraint is not None:
+        sampler = constrained(sampler, constraint)
+        device_sampling = False
     if on_logits is not None:
         choose = sampler
 

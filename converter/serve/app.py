@@ -45,13 +45,24 @@ from fuselm.converter.serve.schema import (
     usage_chunk,
     without_no_ops,
 )
+from fuselm.converter.serve.structured import (
+    Structure,
+    ToolStream,
+    call_deltas,
+    openai_calls,
+    request_structure,
+    template_messages,
+)
 from fuselm.runtime_metal.chat_template import (
     ChatTemplateError,
     chat_ids,
     chat_text,
     start_workers,
+    tokenizer_template,
 )
+from fuselm.runtime_metal.constraint import TokenConstraint, constraint_vocab
 from fuselm.runtime_metal.sampling import SamplingOptions
+from fuselm.runtime_metal.tool_calls import parse_reply
 
 log = logging.getLogger("fuselm.serve")
 
@@ -78,6 +89,26 @@ class ServeState:
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
         with self._tok_lock:
             return fn(self.tokenizer)
+
+    def structure(self, req: ChatRequest | CompletionRequest) -> Structure:
+        """The request's response_format / tools, checked (structured.py)."""
+        template = None
+        if isinstance(req, ChatRequest) and req.tools:
+            try:
+                template = tokenizer_template(self.tokenizer)
+            except ChatTemplateError as e:
+                raise ApiError(400, str(e), param="messages", code="chat_template_error"
+                               ) from None
+        special = {t: i for t, i in zip(self.tokenizer.all_special_tokens,
+                                        self.tokenizer.all_special_ids, strict=False)}
+        return request_structure(req, template, special)
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A request's own grammar state over this model's vocabulary."""
+        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
+            vocab = constraint_vocab(self.tokenizer, self.vocab_size,
+                                     sorted(self.scheduler.eos))
+        return TokenConstraint(vocab, grammar)
 
 
 def _parse(chat: bool, data: dict[str, Any]) -> Any:
@@ -127,9 +158,9 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
     return requested
 
 
-def _chat_ids(state: ServeState, req: ChatRequest) -> list[int]:
+def _chat_ids(state: ServeState, req: ChatRequest, structure: Structure) -> list[int]:
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req)
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     if not getattr(state.tokenizer, "chat_template", None):
@@ -137,14 +168,15 @@ def _chat_ids(state: ServeState, req: ChatRequest) -> list[int]:
     # Rendered in a worker process with a time limit, outside the tokenizer lock: a slow
     # template holds this request only, never the others waiting to encode.
     try:
-        text = chat_text(state.tokenizer, messages)
+        text = chat_text(state.tokenizer, messages, tools=structure.tools)
     except ChatTemplateError as e:
         code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
         raise ApiError(400, str(e), param="messages", code=code) from None
     return state.encode(lambda tok: chat_ids(tok, text))
 
 
-def _completion_ids(state: ServeState, req: CompletionRequest) -> list[int]:
+def _completion_ids(state: ServeState, req: CompletionRequest, structure: Structure
+                    ) -> list[int]:
     if isinstance(req.prompt, list):
         ids = [int(i) for i in req.prompt]
         if any(i < 0 or i >= state.vocab_size for i in ids):
@@ -164,23 +196,29 @@ async def _submit(request: Request, kind: str) -> Response:
     chat = kind == "chat"
     req = _parse(chat, data)
     _check_model(state, req)
-    ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req)
+    structure = state.structure(req)
+    ids = await run_in_threadpool(_chat_ids if chat else _completion_ids, state, req,
+                                  structure)
     max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
     sampling = req.sampling(state.sampling)
+    constraint = None
+    if structure.grammar is not None:
+        constraint = await run_in_threadpool(state.constraint, structure.grammar)
     job = Job(new_id("chatcmpl" if chat else "cmpl"), ids, sampling, max_tokens,
-              req.stop_list(), asyncio.get_running_loop())
+              req.stop_list(), asyncio.get_running_loop(), constraint=constraint)
     try:
         state.scheduler.submit(job)
     except QueueFull as e:
         raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
     if req.stream:
-        return StreamingResponse(_stream(state, job, chat, req.include_usage()),
+        return StreamingResponse(_stream(state, job, chat, req.include_usage(), structure),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(request, state, job, chat)
+    return await _collect(request, state, job, chat, structure)
 
 
-async def _collect(request: Request, state: ServeState, job: Job, chat: bool) -> Response:
+async def _collect(request: Request, state: ServeState, job: Job, chat: bool,
+                   structure: Structure) -> Response:
     async def read() -> tuple[str, Any]:
         parts: list[str] = []
         async for event in deliver(job, state.scheduler.decode):
@@ -203,6 +241,12 @@ async def _collect(request: Request, state: ServeState, job: Job, chat: bool) ->
                 return Response(status_code=499)
         text, (_, finish, u) = task.result()
         use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+        if chat and structure.fmt is not None:
+            parsed = parse_reply(text, structure.fmt, structure.names)
+            if parsed.calls:
+                return JSONResponse(chat_response(job.rid, state.model_id, parsed.content,
+                                                  "tool_calls", use,
+                                                  openai_calls(parsed.calls)))
         make = chat_response if chat else completion_response
         return JSONResponse(make(job.rid, state.model_id, text, finish, use))
     finally:
@@ -214,10 +258,14 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
-                  ) -> AsyncIterator[str]:
-    """One SSE chunk per delivery turn: all the text that came since the last (delivery.py)."""
+async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool,
+                  structure: Structure) -> AsyncIterator[str]:
+    """One SSE chunk per delivery turn: all the text that came since the last (delivery.py).
+    With tools, text that may be a tool call is held back (structured.ToolStream) and a call
+    goes out as OpenAI's tool_calls deltas at the end."""
     created, model = int(time.time()), state.model_id
+    tools = ToolStream(structure.fmt, structure.names) if (
+        chat and structure.fmt is not None) else None
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
@@ -231,11 +279,20 @@ async def _stream(state: ServeState, job: Job, chat: bool, include_usage: bool
             yield _sse(chat_chunk(job.rid, model, created, {"role": "assistant", "content": ""}))
         async for event in deliver(job, state.scheduler.decode):
             if event[0] == "delta":
-                yield _sse(chunk(event[1]))
+                text = tools.push(event[1]) if tools is not None else event[1]
+                if text:
+                    yield _sse(chunk(text))
             elif event[0] == "error":
                 yield _sse(error_body(event[2], "server_error"))
             else:
                 _, finish, u = event
+                if tools is not None:
+                    rest, calls = tools.finish()
+                    if rest:
+                        yield _sse(chunk(rest))
+                    for delta in call_deltas(calls):
+                        yield _sse(chat_chunk(job.rid, model, created, delta))
+                    finish = "tool_calls" if calls else finish
                 yield _sse(chunk(None, finish))
                 if include_usage:
                     use = usage(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])

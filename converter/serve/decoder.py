@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.sampling import SamplingOptions
 
@@ -20,10 +21,11 @@ class ServeDecoder:
                                 prefill_chunk=prefill_chunk)
         self._cached: dict[int, int] = {}
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+            constraint: TokenConstraint | None = None) -> int:
         # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
         # most): what is reported.
-        slot = self.dec.add(prompt_ids, sampling)
+        slot = self.dec.add(prompt_ids, sampling, constraint)
         self._cached[slot] = self.dec.slots[slot].reused
         return slot
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions
 
@@ -28,7 +29,8 @@ log = logging.getLogger("fuselm.serve")
 
 
 class BatchDecoder(Protocol):
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+            constraint: TokenConstraint | None = None) -> int: ...
 
     def step(self) -> dict[int, int]: ...
 
@@ -70,6 +72,7 @@ class Job:
     # "token" (anything new) or "finish" (only the end: it is waiting out its chunk interval).
     waiting: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    constraint: TokenConstraint | None = None  # the reply's grammar (its row's own mask)
 
     async def take(self, not_before: float = 0.0) -> tuple[list[int], str | None]:
         """The tokens that arrived since the last call, and the finish reason once the engine
@@ -205,7 +208,7 @@ class Scheduler:
             if job is None or job.cancelled.is_set():
                 continue
             try:
-                slot = self.decoder.add(job.prompt, job.sampling)
+                slot = self.decoder.add(job.prompt, job.sampling, job.constraint)
             except RuntimeUserError as e:
                 self._end(job, "error", (400, str(e)))
                 self._notify()

@@ -20,8 +20,7 @@ MAX_STOP = 4  # OpenAI's limit on stop sequences
 # (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "n": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
@@ -71,6 +70,8 @@ class _Request(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
+    response_format: dict[str, Any] | None = None
 
     def sampling(self, defaults: SamplingOptions) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter."""
@@ -96,15 +97,17 @@ class _Request(BaseModel):
 # Message fields fuselm does not implement. A client that sends an earlier reply back (the
 # openai client's message.model_dump()) sends them empty (null, [] or ""), which asks for
 # nothing; with a value they are refused, never dropped.
-MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "tool_calls", "tool_call_id", "function_call",
-                           "audio", "annotations")
+MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "function_call", "audio", "annotations")
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
+    # An assistant's earlier calls (OpenAI's shape), and a tool message's answer to one.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -120,6 +123,8 @@ class Message(BaseModel):
 
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         out = []
@@ -133,6 +138,9 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # OpenAI function tools and the choice among them: checked by structured.py
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -173,10 +181,13 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, use: dict[str, Any]
-                  ) -> dict[str, Any]:
+def chat_response(rid: str, model: str, text: str | None, finish: str, use: dict[str, Any],
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish}],
             "usage": use}
 

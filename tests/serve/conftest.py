@@ -26,6 +26,7 @@ MODEL = "tiny-qwen3"
 STARTUP_S = 180  # imports + model load on a loaded 2-core CI box took 36 s
 # Room for the 16-stream test (4 decoding + up to 16 waiting); a larger burst gets 503.
 MAX_BATCH, MAX_QUEUE, MAX_CONTEXT = 4, 16, 256
+SMOL_BATCH = 8  # the real model's server: 8 concurrent requests decode together
 
 
 @dataclass
@@ -178,3 +179,41 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         for p in pages:
             p.shutdown()
             p.server_close()
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`fuselm serve` on the real SmolLM2-135M Q4 (onnxruntime, lowered: batched rows), at
+    accuracy level 0: at level 4 a several-row matmul quantizes its activations unlike a
+    one-row one (tests/runtime/test_ort_row_batch.py), so a batched row may pick another token
+    at a near-tie, as prefill and decode may. Shared by the delivery and structured-output
+    tests (one conversion per session)."""
+    from fuselm.converter.models.smollm2 import bundled_gguf
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("smol_serve")
+    out = root / "smol"
+    convert(bundled_gguf(), out, ConvertOptions.from_flags(quant="q4"))
+    port = free_port()
+    log = root / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(out), "--port",
+             str(port), "--engine", "onnxruntime", "--max-batch", str(SMOL_BATCH),
+             "--max-context", "512", "--model-name", MODEL, "--accuracy-level", "0"],
+            stdout=f, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{port}", proc.pid, out, log, "onnxruntime")
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        yield srv
+    finally:
+        stop_server(proc)

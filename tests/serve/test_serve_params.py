@@ -25,8 +25,7 @@ N = 12
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # Each parameter fuselm does not implement, with a value that asks for something.
 CHAT_REFUSED = {
-    "n": 2, "logprobs": True, "top_logprobs": 2, "tools": [TOOL], "tool_choice": "auto",
-    "response_format": {"type": "json_object"}, "logit_bias": {"5": 10},
+    "n": 2, "logprobs": True, "top_logprobs": 2, "logit_bias": {"5": 10},
     "presence_penalty": 0.5, "frequency_penalty": -0.5,
     "functions": [TOOL["function"]], "function_call": "auto", "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
