@@ -1,7 +1,8 @@
 """Structured output on the real SmolLM2-135M (`fuselm serve`, onnxruntime rows, 8 slots):
 twenty JSON schemas, each reply parsed and validated with `jsonschema`, every other one
-streamed, all sent at once; and eight concurrent requests of which four are constrained, where the four
-unconstrained ones get exactly their solo greedy text (a row's mask touches only its row)."""
+streamed, all sent at once; and eight concurrent requests of which four are constrained, where
+the four unconstrained ones get exactly their solo greedy text (a row's mask touches only its
+row)."""
 
 from __future__ import annotations
 
