@@ -127,14 +127,18 @@ class Model:
                top_k: int | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None, seed: int | None = None,
                stop: Sequence[str] = (), raw: bool = False,
-               result: list[Generation] | None = None) -> Iterator[str]:
+               result: list[Generation] | None = None,
+               json_schema: dict[str, Any] | str | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
         `result` when given. A sampling option left None is the model's
-        generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`."""
+        generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`.
+        json_schema (a dict or its JSON text): the reply is JSON valid against it (constrained
+        decoding)."""
         sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
+        shape = self._shape(json_schema)
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                               stop_strings=tuple(stop))
+                                               stop_strings=tuple(stop), **shape)
         if result is not None:
             result.append(Generation(done.text, done.tokens, done.stop_reason, {
                 "prompt_tokens": len(ids), "prefilled_tokens": done.prompt_tokens,
@@ -146,22 +150,33 @@ class Model:
                  temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, seed: int | None = None,
-                 stop: Sequence[str] = (), raw: bool = False) -> Generation:
+                 stop: Sequence[str] = (), raw: bool = False,
+                 json_schema: dict[str, Any] | str | None = None) -> Generation:
         """The whole reply at once; options as `stream`'s."""
         out: list[Generation] = []
         for _ in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                             raw=raw, result=out):
+                             raw=raw, result=out, json_schema=json_schema):
             pass
         return out[0]
 
+    def _shape(self, json_schema: dict[str, Any] | str | None) -> dict[str, Any]:
+        """The generation option that makes the reply follow `json_schema` (none without)."""
+        if json_schema is None:
+            return {}
+        from fuselm.runtime_metal.constraint import json_schema_grammar
+
+        return {"constraint": self.runtime.constraint(json_schema_grammar(json_schema))}
+
     def responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
-                  sampling: SamplingOptions, stop: Sequence[str]
+                  sampling: SamplingOptions, stop: Sequence[str],
+                  json_schema: dict[str, Any] | str | None = None
                   ) -> Iterator[GenerationResponse]:
         """`stream_generate`'s responses: one per token, then the closing one."""
         from fuselm.runtime_metal.bench import peak_memory
 
+        shape = self._shape(json_schema)
         ids = self.encode(prompt)
         steps: list[tuple[int, np.ndarray, float]] = []  # token, logprobs, when chosen
 
@@ -184,7 +199,7 @@ class Model:
                 peak_memory(self.runtime.engine_name)[0] / 1e9, finish)
 
         pieces = self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                      stop_strings=tuple(stop), on_logits=record)
+                                      stop_strings=tuple(stop), on_logits=record, **shape)
         held = ""
         while True:
             try:
@@ -224,22 +239,25 @@ def stream_generate(model: Model, tokenizer: Any, prompt: str | Messages | Seque
                     max_tokens: int = 256, temperature: float | None = None,
                     top_p: float | None = None, top_k: int | None = None,
                     min_p: float | None = None, repetition_penalty: float | None = None,
-                    seed: int | None = None, stop: Sequence[str] = ()
+                    seed: int | None = None, stop: Sequence[str] = (),
+                    json_schema: dict[str, Any] | str | None = None
                     ) -> Iterator[GenerationResponse]:
     """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, logprobs,
     timing), the last with finish_reason. `prompt`: a string (chat template applied when the
     tokenizer has one), chat messages, or token ids as given. A sampling option left None is
-    the model's generation_config.json's (greedy without do_sample)."""
+    the model's generation_config.json's (greedy without do_sample). json_schema: the reply is
+    JSON valid against it (constrained decoding)."""
     _own_tokenizer(model, tokenizer)
     sampling = model.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed)
-    return model.responses(prompt, max_tokens, sampling, stop)
+    return model.responses(prompt, max_tokens, sampling, stop, json_schema)
 
 
 def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int], *,
              max_tokens: int = 256, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int | None = None,
-             stop: Sequence[str] = (), verbose: bool = False) -> str:
+             stop: Sequence[str] = (), verbose: bool = False,
+             json_schema: dict[str, Any] | str | None = None) -> str:
     """mlx-lm's `generate`: the reply's text. verbose: the text as it comes, then the prompt
     and generation tokens/s and peak memory, on stdout (as mlx-lm prints them)."""
     _own_tokenizer(model, tokenizer)
@@ -248,7 +266,7 @@ def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int
     for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                 temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
-                                stop=stop):
+                                stop=stop, json_schema=json_schema):
         text.append(last.text)
         if verbose:
             print(last.text, end="", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from fuselm.converter.cli.options import model_argument, threads_option
 from fuselm.converter.cli.run_cmd import (
     ACCURACY_OPTION,
     ENGINE_OPTION,
+    JSON_SCHEMA_OPTION,
     open_artifact,
+    reply_grammar,
     sampling_from,
     sampling_options,
 )
@@ -60,10 +63,12 @@ def _has_bad_bytes(line: str) -> bool:
 class Chat:
     """The conversation state: messages, system prompt, and the cached session."""
 
-    def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any]) -> None:
+    def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any],
+                 constraint: Callable[[], Any] | None = None) -> None:
         self.tok, self.session, self.gen = tok, session, gen  # gen: max_new_tokens, sampling
         self.system = system
         self.turns: list[dict[str, str]] = []
+        self.constraint = constraint  # a fresh grammar state per reply (--json-schema)
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -100,7 +105,8 @@ class Chat:
 
         ids = encode_prompt(self.tok, line, history=self.messages())
         pieces: list[str] = []
-        stream = self.session.stream(ids, **self.gen)
+        shape = {"constraint": self.constraint()} if self.constraint else {}
+        stream = self.session.stream(ids, **self.gen, **shape)
         try:
             while True:
                 try:
@@ -134,10 +140,11 @@ class Chat:
 @ACCURACY_OPTION
 @threads_option
 @click.option("--system", default=None, help="system prompt")
+@JSON_SCHEMA_OPTION
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
          engine: str, accuracy_level: int, threads: int | None, system: str | None,
-         min_p: float | None = None) -> None:
+         min_p: float | None = None, json_schema: str | None = None) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
@@ -149,13 +156,15 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
                              min_p)
+    grammar = reply_grammar(json_schema, False)
     model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
     tok = model.tokenizer
     gen = {"max_new_tokens": max_new_tokens, "sampling": sampling}
     with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream
         sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     _enable_line_editing()
-    state = Chat(tok, model.session(), system, gen)
+    state = Chat(tok, model.session(), system, gen,
+                 (lambda: model.constraint(grammar)) if grammar else None)
     if sys.stdin.isatty():
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:

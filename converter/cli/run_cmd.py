@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -134,6 +135,10 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @threads_option
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+              help="the reply is JSON valid against the JSON schema in this file (constrained "
+              "decoding)")
+@click.option("--json-object", is_flag=True, help="the reply is a JSON object (any)")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
 @click.option("--device-sampling", is_flag=True,
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
@@ -146,7 +151,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
-        ctx_size: int | None = None, min_p: float | None = None) -> None:
+        ctx_size: int | None = None, min_p: float | None = None,
+        json_schema: str | None = None, json_object: bool = False) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -157,6 +163,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         raise click.UsageError("--system goes into the chat template: give it with --prompt, "
                                "without --raw")
     sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p)
+    grammar = reply_grammar(json_schema, json_object)
     config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact
@@ -191,7 +198,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     result = model.generate(ids, on_text=on_text, max_new_tokens=max_new_tokens,
                             context_length=ctx_size or context,
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
-                            device_sampling=True if device_sampling else None)
+                            device_sampling=True if device_sampling else None,
+                            constraint=model.constraint(grammar) if grammar else None)
     stream.write("\n")
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,
@@ -206,6 +214,24 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
                    f"stop: {result.stop_reason}", err=True)
     if profiler is not None and not as_json:
         click.echo(profiler.table(), err=True)
+
+
+def reply_grammar(json_schema: str | None, json_object: bool) -> str | None:
+    """The grammar --json-schema FILE / --json-object ask the reply to follow (checked before
+    the model loads: a bad schema is one error line)."""
+    from fuselm.runtime_metal.constraint import json_object_grammar, json_schema_grammar
+
+    if json_schema is not None and json_object:
+        raise click.UsageError("give --json-schema or --json-object, not both")
+    if json_object:
+        return json_object_grammar()
+    if json_schema is None:
+        return None
+    try:
+        text = Path(json_schema).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RuntimeUserError(f"--json-schema {json_schema}: cannot read it ({e})") from None
+    return json_schema_grammar(text, f"--json-schema {json_schema}")
 
 
 def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:
@@ -223,6 +249,9 @@ def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:
 sampling_from = _sampling
 open_artifact = _open
 sampling_options = _sampling_options
+JSON_SCHEMA_OPTION = click.option(
+    "--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+    help="each reply is JSON valid against the JSON schema in this file")
 ENGINE_OPTION = _ENGINE
 ACCURACY_OPTION = _ACC
 CHUNK_OPTION = _CHUNK

@@ -64,7 +64,7 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _start(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
+def start_server(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(artifact),
@@ -76,7 +76,7 @@ def _start(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
     return proc, Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
 
 
-def _wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
+def wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
     while True:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{srv.log.read_text()}")
@@ -108,11 +108,11 @@ def servers(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
     on MLX (sequences decode together in one batched step), started together, each in its own
     process; stopped by PID (SIGTERM, then SIGKILL)."""
     logs = tmp_path_factory.mktemp("serve_log")
-    started = [_start(serve_artifact, logs / f"{e}.log", e) for e in ("onnxruntime", "mlx")]
+    started = [start_server(serve_artifact, logs / f"{e}.log", e) for e in ("onnxruntime", "mlx")]
     try:
         deadline = time.monotonic() + STARTUP_S
         for proc, srv in started:
-            _wait_up(proc, srv, deadline)
+            wait_up(proc, srv, deadline)
         yield {srv.engine: srv for _, srv in started}
     finally:
         for proc, _ in started:
@@ -164,14 +164,15 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
     allowed, foreign = (f"http://127.0.0.1:{p.server_address[1]}" for p in pages)
     logs = tmp_path_factory.mktemp("guarded_log")
     started = [
-        _start(serve_artifact, logs / "open.log", "onnxruntime",
-               ["--cors-origin", allowed, "--allowed-host", ALLOWED_HOST]),
-        _start(serve_artifact, logs / "keyed.log", "onnxruntime", env={"FUSELM_API_KEY": API_KEY}),
+        start_server(serve_artifact, logs / "open.log", "onnxruntime",
+                     ["--cors-origin", allowed, "--allowed-host", ALLOWED_HOST]),
+        start_server(serve_artifact, logs / "keyed.log", "onnxruntime",
+                     env={"FUSELM_API_KEY": API_KEY}),
     ]
     try:
         deadline = time.monotonic() + STARTUP_S
         for proc, srv in started:
-            _wait_up(proc, srv, deadline)
+            wait_up(proc, srv, deadline)
         yield Guarded(started[0][1], started[1][1], allowed, foreign)
     finally:
         for proc, _ in started:
