@@ -6,8 +6,8 @@ One table, FORMATS, one row per format a family's template teaches its model:
 - hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (Qwen 2.5 / Qwen3,
   SmolLM3, Hermes);
 - llama3_json: a bare `{"name": ..., "parameters": {...}}` (Llama 3.1 / 3.2's JSON tool calling);
-- granite: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3);
-- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
+- granite_json: `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3);
+- mistral_json: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
 
 A format is chosen by the marker its template writes (`tool_format`). A marker that is a special
 token is dropped by the text stream (special tokens are skipped when decoding), so the parse
@@ -34,8 +34,8 @@ class ToolFormat:
 
 
 FORMATS = (
-    ToolFormat("mistral", ("[TOOL_CALLS]",), "[TOOL_CALLS]", "", "arguments", True),
-    ToolFormat("granite", ("<|tool_call|>",), "<|tool_call|>", "", "arguments", True),
+    ToolFormat("mistral_json", ("[TOOL_CALLS]",), "[TOOL_CALLS]", "", "arguments", True),
+    ToolFormat("granite_json", ("<|tool_call|>",), "<|tool_call|>", "", "arguments", True),
     ToolFormat("hermes", ("<tool_call>",), "<tool_call>\n", "\n</tool_call>", "arguments", False),
     ToolFormat("llama3_json", ('"parameters": dictionary of argument name',
                                '{"name": function name, "parameters"'), "", "", "parameters",
@@ -148,14 +148,19 @@ def parse_reply(text: str, fmt: ToolFormat, names: list[str]) -> ParsedReply:
     return ParsedReply(head.strip() or None, calls)
 
 
-def may_start_call(text: str, fmt: ToolFormat) -> bool:
-    """Whether `text` (a reply so far) may be, or become, a tool call: a stream holds it back
-    until it knows (the marker's prefix, or a reply that opens with JSON)."""
+def call_start(text: str, fmt: ToolFormat) -> int | None:
+    """Where in `text` (a reply so far) a tool call may begin: 0 when the reply opens with JSON,
+    else at its marker or at a tail that may grow into the marker; None when no part may. A
+    stream holds the text from there back until it knows."""
+    if text.lstrip()[:1] in ("{", "["):
+        return 0
     marker = fmt.start.strip()
-    stripped = text.lstrip()
-    if stripped[:1] in ("{", "["):
-        return True
-    if marker and (marker in text or any(text.endswith(marker[:k])
-                                         for k in range(1, len(marker)))):
-        return True
-    return False
+    if not marker:
+        return None
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return len(text) - k
+    return None

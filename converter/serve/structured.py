@@ -22,8 +22,8 @@ from fuselm.runtime_metal.constraint import (
 from fuselm.runtime_metal.tool_calls import (
     ToolFormat,
     call_grammar,
+    call_start,
     function_names,
-    may_start_call,
     parse_reply,
     tool_format,
 )
@@ -165,9 +165,9 @@ class ToolStream:
     def push(self, piece: str) -> str:
         """The content safe to send now."""
         self.text += piece
-        if may_start_call(self.text[self.sent:], self.fmt):
-            return ""
-        out, self.sent = self.text[self.sent:], len(self.text)
+        start = call_start(self.text, self.fmt)
+        upto = len(self.text) if start is None else max(start, self.sent)
+        out, self.sent = self.text[self.sent:upto], upto
         return out
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
