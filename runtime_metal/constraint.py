@@ -121,8 +121,11 @@ class TokenConstraint:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one row's logits [vocab] with every token the grammar refuses at MASKED."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:logits.shape[-1]]
-        return np.where(allowed.astype(bool), logits, MASKED)
+        n = logits.shape[-1]
+        allowed = np.unpackbits(self._bits.view(np.uint8), count=n, bitorder="little")
+        out = np.full(n, MASKED, np.float32)
+        np.copyto(out, logits, where=allowed.view(np.bool_))  # 0/1 bytes read as bools
+        return out
 
     def advance(self, token: int) -> None:
         if self._matcher.is_stopped():  # the end of sequence after a complete document
