@@ -114,8 +114,12 @@ class Message(BaseModel):
     def _no_ops(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name in MESSAGE_NOT_IMPLEMENTED:
-            if data.get(name) not in (None, [], ""):
+        # a tool call's id belongs to a tool message, calls to an assistant's: elsewhere no
+        # template reads them
+        misplaced = {"tool_call_id": "tool", "tool_calls": "assistant"}
+        for name in (*MESSAGE_NOT_IMPLEMENTED, *misplaced):
+            given = data.get(name) not in (None, [], "")
+            if given and (name not in misplaced or data.get("role") != misplaced[name]):
                 raise PydanticCustomError(
                     "not_implemented", "{name}: fuselm does not implement this message field",
                     {"name": name})
