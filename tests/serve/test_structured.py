@@ -97,9 +97,6 @@ def test_twenty_schemas_validate_streamed_and_not(smol_server: Server) -> None:
     for (i, stream), (text, finish) in zip(jobs, replies, strict=True):
         assert finish == "stop", (SCHEMAS[i][0], stream, text)
         jsonschema.validate(json.loads(text), SCHEMAS[i][1])
-    # greedy: streamed, a reply is the same text
-    assert _schema_request(smol_server, 1, True)[0] == replies[1][0]
-    assert _schema_request(smol_server, 0, True)[0] == replies[0][0]
 
 
 def test_constrained_rows_leave_the_others_alone(smol_server: Server) -> None:
