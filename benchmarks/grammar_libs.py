@@ -6,7 +6,8 @@ SmolLM2-135M's tokenizer (49,152 tokens), one JSON.
 For each library and each schema below: the compile time (schema -> matcher, tokenizer work
 excluded), then a walk through a valid document's tokens where every token costs one mask
 computation (into an int32 bitmask row), the mask applied to a float32 logits row (the allowed
-token kept, every other -inf) and the token committed; the median per token of -r walks. Batch
+token kept, every other the lowest float32) and the token committed; the median per token of
+-r walks, and of the mask's computation alone (`fill`). Batch
 8: eight matchers (the schemas in turn, each at its own position) advanced together, one mask
 per row per step, the eight masks applied to eight logits rows: with each library's batch call
 where it has one (llguidance's LLExecutor, xgrammar's BatchGrammarMatcher: threads) and row by
@@ -249,28 +250,34 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-def apply_mask(logits: np.ndarray, bitmask: np.ndarray) -> None:
-    """The mask on logits rows as fuselm applies it (runtime_metal/constraint.py's shape):
-    unpack the bits, -inf where a bit is 0."""
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")
-    logits[bits[:, :logits.shape[-1]] == 0] = -np.inf
+def apply_mask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+    """The mask on logits rows as fuselm applies it (runtime_metal/constraint.py): the bits
+    unpacked, a masked copy of each row."""
+    out = np.full_like(logits, np.finfo(np.float32).min)
+    for r in range(logits.shape[0]):
+        allowed = np.unpackbits(bitmask[r].view(np.uint8), count=logits.shape[1],
+                                bitorder="little")
+        np.copyto(out[r], logits[r], where=allowed.view(np.bool_))
+    return out
 
 
-def walk(lib: Lib, compiled: Any, tokens: list[int], vocab: int) -> float:
-    """Seconds per token of one walk (mask, apply, accept)."""
+def walk(lib: Lib, compiled: Any, tokens: list[int], vocab: int) -> tuple[float, float]:
+    """Seconds per token of one walk (mask, apply, accept), and of the mask's fill alone."""
     m = lib.matcher(compiled)
     bitmask = np.full((1, (vocab + 31) // 32), -1, np.int32)
     logits = np.zeros((1, vocab), np.float32)
+    filling = 0.0
     t0 = time.perf_counter()
     for t in tokens:
+        t1 = time.perf_counter()
         lib.fill(m, bitmask, 0)
-        row = logits.copy()
-        apply_mask(row, bitmask)
-        if not np.isfinite(row[0, t]):
+        filling += time.perf_counter() - t1
+        row = apply_mask(logits, bitmask)
+        if row[0, t] != 0:
             raise ValueError(f"the mask refused token {t} of a valid document")
         if not lib.accept(m, t):
             raise ValueError(f"token {t} of a valid document was rejected")
-    return (time.perf_counter() - t0) / len(tokens)
+    return (time.perf_counter() - t0) / len(tokens), filling / len(tokens)
 
 
 def walk_batch(lib: Lib, compiled: list[Any], docs: list[list[int]], vocab: int,
@@ -286,7 +293,7 @@ def walk_batch(lib: Lib, compiled: list[Any], docs: list[list[int]], vocab: int,
             lib.fill_batch(ms, bitmask)
         else:
             Lib.fill_batch(lib, ms, bitmask)
-        apply_mask(logits.copy(), bitmask)
+        apply_mask(logits, bitmask)
         for r, m in enumerate(ms):
             if pos[r] == len(docs[r]):
                 ms[r], pos[r] = lib.matcher(compiled[r]), 0
@@ -354,7 +361,9 @@ def main() -> None:
                 compiled, entry["compile_ms"] = timed(lambda s=schema, lib=lib: lib.compile(s))
                 entry["compile_ms"] = round(entry["compile_ms"] * 1e3, 2)
                 walks = [walk(lib, compiled, docs[key], vocab) for _ in range(args.r + 1)][1:]
-                entry["us_per_token"] = round(statistics.median(walks) * 1e6, 1)
+                entry["us_per_token"] = round(statistics.median(w[0] for w in walks) * 1e6, 1)
+                entry["fill_us_per_token"] = round(statistics.median(w[1] for w in walks) * 1e6,
+                                                   1)
                 ok[key] = compiled
             except Exception as e:  # noqa: BLE001 - a refusal is the result
                 entry["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -363,6 +372,8 @@ def main() -> None:
         per_token = [e["us_per_token"] for e in row["schemas"].values() if "us_per_token" in e]
         row["covered"] = f"{len(ok)}/{len(SCHEMAS)}"
         row["median_us_per_token_b1"] = statistics.median(per_token) if per_token else None
+        fills = [e["fill_us_per_token"] for e in row["schemas"].values() if "us_per_token" in e]
+        row["median_fill_us_per_token_b1"] = statistics.median(fills) if fills else None
         if ok:
             keys = [list(ok)[i % len(ok)] for i in range(8)]
             for together in (True, False):
