@@ -10,7 +10,9 @@ sequences join (prefill into a free slot) and leave between steps.
 `step()` reports a slot's first token (sampled from its prompt's logits) on the first step after
 `add`, then one token per step, the tokens `generate` yields for the same prompt. Sampling is the
 host sampler (sampling.make_sampler, seeded per slot), so temperature 0 gives generate's greedy
-tokens; greedy rows are picked on the device (one argmax for the batch).
+tokens; greedy rows are picked on the device (one argmax for the batch). A row under a grammar
+(runtime_metal/constraint.py) is masked: on the host from its logits in the modes that read
+them, and in batched mode, when greedy, on the device (below).
 
 Two ways to run, chosen per engine (`mode`):
 - "batched" (MLX with the compiled program): the KV cache is a block cache (kv_cache.BlockCache:
@@ -66,6 +68,7 @@ class _Slot:
     active: bool = False
     sampler: Sampler | None = None
     greedy: bool = True
+    constraint: TokenConstraint | None = None  # its grammar (batched mode: masked on device)
     state: object = None  # sequential mode: the slot's engine cache state
     epoch: int = 0  # bumped when the sequence leaves: a queued step's row of it is dropped
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
@@ -142,6 +145,7 @@ class BatchDecoder:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
+        s.constraint = None
         s.epoch += 1
         self.exhausted.discard(slot)
         if self.mode == "batched":  # blocks past its cached tokens (a token fed ahead) go
@@ -179,8 +183,11 @@ class BatchDecoder:
         s.sampler = make_sampler(opts)
         if constraint is not None:
             s.sampler = constrained(s.sampler, constraint)
+        # a greedy row under a grammar keeps the device argmax only where it can be masked on
+        # the device (batched mode); elsewhere it samples on the host from masked logits
         s.greedy = (opts.temperature == 0 and opts.repetition_penalty == 1.0
-                    and constraint is None)
+                    and (constraint is None or self.mode == "batched"))
+        s.constraint = constraint
         s.pending = s.sampler(logits, s.cached)
         s.reported, s.active = False, True
         return slot
@@ -358,6 +365,8 @@ class BatchDecoder:
                     s.cached.append(s.pending)  # type: ignore[arg-type]
                     rows.append(i)
         overlap = done is not None and all(self.slots[i].greedy for i in rows)
+        if done is not None:
+            self._mask_picks(done, rows)
         if done is not None and not overlap:
             out.update(self._read(done, rows))
         feed = []
@@ -406,10 +415,30 @@ class BatchDecoder:
         del new_kv
         greedy = any(self.slots[i].greedy for i in feed)
         picks = mx.argmax(logits, axis=-1) if greedy else None
-        sampled = not all(self.slots[i].greedy for i in feed)
-        mx.async_eval(*(x for x in (picks, logits if sampled else None) if x is not None))
+        # logits stay for rows sampled on the host and for greedy rows masked on the device
+        keep = any(not self.slots[i].greedy or self.slots[i].constraint for i in feed)
+        mx.async_eval(*(x for x in (picks, logits if keep else None) if x is not None))
         return _Step([(i, self.slots[i].epoch) for i in feed], picks,
-                     logits if sampled else None, nxt)
+                     logits if keep else None, nxt)
+
+    def _mask_picks(self, done: _Step, rows: list[int]) -> None:
+        """The argmax of `done`'s greedy rows under a grammar, over the logits each allows:
+        their masks (from their grammar state, current up to the token `done` was fed) made on
+        the host while the device runs `done`, then one masked argmax there. Other rows' picks
+        are unchanged (every token allowed)."""
+        masked = [i for i in rows if self.slots[i].greedy and self.slots[i].constraint]
+        if not masked:
+            return
+        assert done.logits is not None and done.picks is not None
+        where = {i: r for r, (i, _) in enumerate(done.rows)}
+        vocab = done.logits.shape[-1]
+        bits = np.full((len(done.rows), (vocab + 31) // 32), -1, np.int32)
+        for i in masked:
+            self.slots[i].constraint.fill(bits[where[i]])  # type: ignore[union-attr]
+        shifts = mx.arange(32, dtype=mx.int32)
+        allowed = ((mx.array(bits)[:, :, None] >> shifts) & 1).reshape(len(done.rows), -1)
+        done.picks = mx.argmax(mx.where(allowed[:, :vocab].astype(mx.bool_), done.logits,
+                                        -mx.inf), axis=-1)
 
     def _block_table(self, feed: list[int]) -> mx.array:
         """The fed rows' block tables, [rows, W] int32: W covers the longest fed row's next
@@ -442,6 +471,8 @@ class BatchDecoder:
             s = self.slots[i]
             if s.greedy:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
+                if s.constraint is not None:  # masked on the device: the grammar moves on
+                    s.constraint.advance(s.pending)
             else:
                 assert done.logits is not None and s.sampler is not None
                 s.pending = s.sampler(np.array(done.logits[where[i]], np.float32), s.cached)

@@ -118,9 +118,15 @@ class TokenConstraint:
         self._words = (vocab.vocab_size + 31) // 32
         self._bits = np.empty(self._words, np.int32)
 
+    def fill(self, bits: np.ndarray) -> None:
+        """Write the next token's mask into `bits`, int32 [ceil(vocab / 32)], C-contiguous:
+        bit t % 32 of word t // 32 set when token t is allowed."""
+        assert bits.dtype == np.int32 and bits.size == self._words and bits.flags.c_contiguous
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """A copy of one row's logits [vocab] with every token the grammar refuses at MASKED."""
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self.fill(self._bits)
         n = logits.shape[-1]
         allowed = np.unpackbits(self._bits.view(np.uint8), count=n, bitorder="little")
         out = np.full(n, MASKED, np.float32)
