@@ -173,10 +173,15 @@ class Model:
                   sampling: SamplingOptions, stop: Sequence[str],
                   json_schema: dict[str, Any] | str | None = None
                   ) -> Iterator[GenerationResponse]:
-        """`stream_generate`'s responses: one per token, then the closing one."""
+        """`stream_generate`'s responses: one per token, then the closing one. A bad
+        json_schema fails here, at the call, not at the first response."""
+        return self._responses(prompt, max_tokens, sampling, stop, self._shape(json_schema))
+
+    def _responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
+                   sampling: SamplingOptions, stop: Sequence[str], shape: dict[str, Any]
+                   ) -> Iterator[GenerationResponse]:
         from fuselm.runtime_metal.bench import peak_memory
 
-        shape = self._shape(json_schema)
         ids = self.encode(prompt)
         steps: list[tuple[int, np.ndarray, float]] = []  # token, logprobs, when chosen
 

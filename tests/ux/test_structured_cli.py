@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import fuselm
 from fuselm.converter.cli.main import cli as click_cli
+from fuselm.runtime_metal.constraint import ConstraintError
 from tests.cli_run import one_error, run_cli
 
 SCHEMA = {"type": "object", "properties": {
@@ -79,6 +80,8 @@ def test_api_json_schema(artifact: Path) -> None:
     last = list(fuselm.stream_generate(model, tok, "What time is it?", max_tokens=120,
                                        temperature=0, json_schema=json.dumps(SCHEMA)))
     assert "".join(r.text for r in last) == text and last[-1].finish_reason == "stop"
+    with pytest.raises(ConstraintError, match="strin"):
+        fuselm.stream_generate(model, tok, "Hi", json_schema={"type": "strin"})
     reply = model.generate("Hi", max_tokens=120, temperature=0, json_schema=SCHEMA)
     assert reply.stop_reason == "eos"
     jsonschema.validate(json.loads(reply.text), SCHEMA)
