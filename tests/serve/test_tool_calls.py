@@ -193,11 +193,23 @@ def test_invalid_schemas_are_400(server: Server) -> None:
     assert err.param == "tools" and "tool-call format" in err.message
 
 
-def test_json_object_on_completions(server: Server) -> None:
-    r = server.client().completions.create(model=MODEL, prompt="Data:", max_tokens=200,
-                                           temperature=0,
-                                           extra_body={"response_format": {
-                                               "type": "json_schema", "json_schema": {
-                                                   "name": "c", "schema": CLOCK}}})
+def test_json_schema_on_completions_both_engines(any_server: Server) -> None:
+    """On onnxruntime's rows and MLX's pipelined batched step (its mask applied on the device),
+    beside a free request decoded in the same steps."""
+    import threading
+
+    client = any_server.client()
+    free = client.completions.create(model=MODEL, prompt="Data:", max_tokens=24, temperature=0)
+    got: list[str] = []
+    other = threading.Thread(target=lambda: got.append(client.completions.create(
+        model=MODEL, prompt="Data:", max_tokens=24, temperature=0).choices[0].text))
+    other.start()
+    r = client.completions.create(model=MODEL, prompt="Data:", max_tokens=200, temperature=0,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {
+                                                                      "name": "c",
+                                                                      "schema": CLOCK}}})
+    other.join(timeout=60)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].text), CLOCK)
+    assert got == [free.choices[0].text]
