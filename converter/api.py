@@ -137,17 +137,20 @@ class Model:
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None,
                stop: Sequence[str] = (), raw: bool = False,
-               result: list[Generation] | None = None) -> Iterator[str]:
+               result: list[Generation] | None = None,
+               json_schema: dict[str, Any] | str | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
         `result` when given. A sampling option left None is the model's
         generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`.
         presence_penalty, frequency_penalty (-2..2) and logit_bias ({token id: -100..100})
-        are OpenAI's."""
+        are OpenAI's. json_schema (a dict or its JSON text): the reply is JSON valid against it
+        (constrained decoding)."""
         sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed,
                                  presence_penalty, frequency_penalty, logit_bias)
+        shape = self._shape(json_schema)
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                               stop_strings=tuple(stop))
+                                               stop_strings=tuple(stop), **shape)
         if result is not None:
             result.append(Generation(done.text, done.tokens, done.stop_reason, {
                 "prompt_tokens": len(ids), "prefilled_tokens": done.prompt_tokens,
@@ -161,7 +164,8 @@ class Model:
                  repetition_penalty: float | None = None, seed: int | None = None,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  logit_bias: dict[int, float] | None = None,
-                 stop: Sequence[str] = (), raw: bool = False) -> Generation:
+                 stop: Sequence[str] = (), raw: bool = False,
+                 json_schema: dict[str, Any] | str | None = None) -> Generation:
         """The whole reply at once; options as `stream`'s."""
         out: list[Generation] = []
         for _ in self.stream(prompt, max_tokens=max_tokens, temperature=temperature,
@@ -169,15 +173,31 @@ class Model:
                              repetition_penalty=repetition_penalty, seed=seed,
                              presence_penalty=presence_penalty,
                              frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                             stop=stop, raw=raw, result=out):
+                             stop=stop, raw=raw, result=out, json_schema=json_schema):
             pass
         return out[0]
 
+    def _shape(self, json_schema: dict[str, Any] | str | None) -> dict[str, Any]:
+        """The generation option that makes the reply follow `json_schema` (none without)."""
+        if json_schema is None:
+            return {}
+        from fuselm.runtime_metal.constraint import json_schema_grammar
+
+        return {"constraint": self.runtime.constraint(json_schema_grammar(json_schema))}
+
     def responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
-                  sampling: SamplingOptions, stop: Sequence[str], logprobs: bool = False
+                  sampling: SamplingOptions, stop: Sequence[str], logprobs: bool = False,
+                  json_schema: dict[str, Any] | str | None = None
                   ) -> Iterator[GenerationResponse]:
         """`stream_generate`'s responses: one per token, then the closing one. logprobs:
-        each response carries its step's (sampling then runs on the host)."""
+        each response carries its step's (sampling then runs on the host). A bad json_schema
+        fails here, at the call, not at the first response."""
+        return self._responses(prompt, max_tokens, sampling, stop, logprobs,
+                               self._shape(json_schema))
+
+    def _responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
+                   sampling: SamplingOptions, stop: Sequence[str], logprobs: bool,
+                   shape: dict[str, Any]) -> Iterator[GenerationResponse]:
         from fuselm.runtime_metal.bench import peak_memory
         from fuselm.runtime_metal.sampling import log_softmax
 
@@ -206,7 +226,8 @@ class Model:
 
         pieces = self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
                                       stop_strings=tuple(stop), on_token=record,
-                                      on_logits=record_logprobs if logprobs else None)
+                                      on_logits=record_logprobs if logprobs else None,
+                                      **shape)
         held = ""
         while True:
             try:
@@ -249,17 +270,19 @@ def stream_generate(model: Model, tokenizer: Any, prompt: str | Messages | Seque
                     seed: int | None = None, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None,
                     logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
-                    logprobs: bool = False) -> Iterator[GenerationResponse]:
+                    logprobs: bool = False, json_schema: dict[str, Any] | str | None = None
+                    ) -> Iterator[GenerationResponse]:
     """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, timing; with
     logprobs=True its logprobs over the vocabulary, else None: asking for them moves sampling
     to the host), the last with finish_reason. `prompt`: a string (chat template applied when
     the tokenizer has one), chat messages, or token ids as given. A sampling option left None
     is the model's generation_config.json's (greedy without do_sample); presence_penalty,
-    frequency_penalty (-2..2) and logit_bias ({token id: -100..100}) are OpenAI's."""
+    frequency_penalty (-2..2) and logit_bias ({token id: -100..100}) are OpenAI's. json_schema:
+    the reply is JSON valid against it (constrained decoding)."""
     _own_tokenizer(model, tokenizer)
     sampling = model.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed,
                               presence_penalty, frequency_penalty, logit_bias)
-    return model.responses(prompt, max_tokens, sampling, stop, logprobs)
+    return model.responses(prompt, max_tokens, sampling, stop, logprobs, json_schema)
 
 
 def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int], *,
@@ -268,7 +291,7 @@ def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int
              repetition_penalty: float | None = None, seed: int | None = None,
              presence_penalty: float | None = None, frequency_penalty: float | None = None,
              logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
-             verbose: bool = False) -> str:
+             verbose: bool = False, json_schema: dict[str, Any] | str | None = None) -> str:
     """mlx-lm's `generate`: the reply's text. verbose: the text as it comes, then the prompt
     and generation tokens/s and peak memory, on stdout (as mlx-lm prints them)."""
     _own_tokenizer(model, tokenizer)
@@ -279,7 +302,7 @@ def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int
                                 min_p=min_p, repetition_penalty=repetition_penalty, seed=seed,
                                 presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                                stop=stop):
+                                stop=stop, json_schema=json_schema):
         text.append(last.text)
         if verbose:
             print(last.text, end="", flush=True)

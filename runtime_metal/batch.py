@@ -12,7 +12,9 @@ sequences join (prefill into a free slot) and leave between steps.
 host sampler (sampling.make_sampler, seeded per slot), so temperature 0 gives generate's greedy
 tokens; greedy rows are picked on the device (one argmax for the batch), and in batched mode a
 greedy row's logprobs come from the device too (a log-sum-exp and the top alternatives per
-row), so asking for them keeps the step pipelined.
+row), so asking for them keeps the step pipelined. A row under a grammar
+(runtime_metal/constraint.py) is masked: on the host from its logits in the modes that read
+them, and in batched mode, when greedy (and without logprobs), on the device (below).
 
 Two ways to run, chosen per engine (`mode`):
 - "batched" (MLX with the compiled program): the KV cache is a block cache (kv_cache.BlockCache:
@@ -51,6 +53,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
@@ -60,6 +63,7 @@ from fuselm.runtime_metal.sampling import (
     SamplingOptions,
     TokenLogprobs,
     TokenSampler,
+    check_finite,
     token_logprobs,
 )
 
@@ -75,6 +79,7 @@ class _Slot:
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives reported
     logprobs: TokenLogprobs | None = None  # of `pending`, when the sequence asked for them
     prompt_logits: np.ndarray | None = None  # kept until its first token is reported (fork)
+    constraint: TokenConstraint | None = None  # its grammar (batched mode: masked on device)
     state: object = None  # sequential mode: the slot's engine cache state
     epoch: int = 0  # bumped when the sequence leaves: a queued step's row of it is dropped
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
@@ -91,7 +96,7 @@ class _Step:
     # when a fed greedy row wants logprobs: per row the log-sum-exp and the max logit [rows],
     # the ids and logits of its likeliest [rows, k] (unordered)
     top: tuple[mx.array, mx.array, mx.array, mx.array] | None
-    logits: mx.array | None  # [rows, vocab] when a fed row samples on the host
+    logits: mx.array | None  # [rows, vocab] when a fed row samples on the host or is masked
     next_offsets: mx.array  # every row's length after it (int32 [rows], on the device)
 
 
@@ -206,6 +211,7 @@ class BatchDecoder:
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
         s.logprobs = s.prompt_logits = None
+        s.constraint = None
         s.epoch += 1
         self.exhausted.discard(slot)
         if self.mode == "batched":  # blocks past its cached tokens (a token fed ahead) go
@@ -214,9 +220,12 @@ class BatchDecoder:
             del s.blocks[keep:]
 
     def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None,
-            top_logprobs: int | None = None) -> int:
+            top_logprobs: int | None = None, constraint: TokenConstraint | None = None
+            ) -> int:
         """Prefill `prompt` into a free slot; its first token comes with the next step().
-        top_logprobs: report each token's logprob and that many alternatives (`logprobs`)."""
+        top_logprobs: report each token's logprob and that many alternatives (`logprobs`).
+        `constraint`: this sequence's grammar (runtime_metal/constraint.py); its row samples
+        from masked logits, the other rows as before."""
         opts = sampling or SamplingOptions()
         opts.validate()
         opts.check_vocab(self.engine.manifest.model.vocab_size)
@@ -238,11 +247,12 @@ class BatchDecoder:
             keep = min(_common(self.slots[slot].cached, prompt), len(prompt) - 1)
             logits = self._prefill_sequential(slot, prompt, keep)
         self.reused_tokens += keep
-        self._start(slot, prompt, keep, logits, opts, top_logprobs)
+        self._start(slot, prompt, keep, logits, opts, top_logprobs, constraint)
         return slot
 
     def fork(self, slot: int, sampling: SamplingOptions | None = None,
-             top_logprobs: int | None = None) -> int:
+             top_logprobs: int | None = None, constraint: TokenConstraint | None = None
+             ) -> int:
         """Another sequence from the prompt `slot` was just added with (its first token not yet
         reported): the prompt is not prefilled again, its first token is chosen from the same
         logits by its own sampler (OpenAI's n > 1). Batched mode shares the prompt's blocks by
@@ -254,7 +264,7 @@ class BatchDecoder:
             raise RuntimeUserError("fork: the sequence has started decoding; add its prompt "
                                    "instead")
         if self.mode == "sequential":
-            return self.add(src.cached, sampling, top_logprobs)
+            return self.add(src.cached, sampling, top_logprobs, constraint)
         opts = sampling or SamplingOptions()
         opts.validate()
         opts.check_vocab(self.engine.manifest.model.vocab_size)
@@ -275,7 +285,7 @@ class BatchDecoder:
             s.epoch += 1
             s.used = self._tick()
         self.reused_tokens += len(prompt)
-        self._start(new, prompt, len(prompt), src.prompt_logits, opts, top_logprobs)
+        self._start(new, prompt, len(prompt), src.prompt_logits, opts, top_logprobs, constraint)
         return new
 
     def forkable(self, slot: int, prompt: Sequence[int]) -> bool:
@@ -286,13 +296,19 @@ class BatchDecoder:
                 and s.cached == [int(t) for t in prompt])
 
     def _start(self, slot: int, prompt: list[int], keep: int, logits: np.ndarray,
-               opts: SamplingOptions, top_logprobs: int | None) -> None:
+               opts: SamplingOptions, top_logprobs: int | None,
+               constraint: TokenConstraint | None = None) -> None:
         s = self.slots[slot]
         s.reused = keep
         s.cached = list(prompt)
         s.sampler = TokenSampler(opts)
         s.top_logprobs = top_logprobs
-        s.greedy = opts.temperature == 0 and not opts.processed
+        # a greedy row under a grammar keeps the device argmax only where it can be masked on
+        # the device (batched mode, its logprobs not asked: those come from unmasked logits
+        # there); elsewhere it samples on the host from masked logits
+        s.greedy = (opts.temperature == 0 and not opts.processed
+                    and (constraint is None or (self.mode == "batched" and top_logprobs is None)))
+        s.constraint = constraint
         s.prompt_logits = logits
         self._sample(slot, logits)
         s.reported, s.active = False, True
@@ -302,7 +318,12 @@ class BatchDecoder:
         it when the sequence asked for them: the one per-row host step of every mode."""
         s = self.slots[i]
         assert s.sampler is not None
+        if s.constraint is not None:  # the tokens its grammar refuses masked out first
+            check_finite(logits)  # the model's own values, before the mask hides any
+            logits = s.constraint.mask(np.asarray(logits, np.float32))
         s.pending = s.sampler(logits, s.cached)
+        if s.constraint is not None:
+            s.constraint.advance(s.pending)
         if s.top_logprobs is not None:
             assert s.sampler.processed is not None
             s.logprobs = token_logprobs(s.sampler.processed, s.pending, s.top_logprobs)
@@ -488,6 +509,8 @@ class BatchDecoder:
                     s.cached.append(s.pending)  # type: ignore[arg-type]
                     rows.append(i)
         overlap = done is not None and all(self.slots[i].greedy for i in rows)
+        if done is not None:
+            self._mask_picks(done, rows)
         if done is not None and not overlap:
             out.update(self._read(done, rows))
         feed = []
@@ -536,7 +559,8 @@ class BatchDecoder:
         del new_kv
         greedy = any(self.slots[i].greedy for i in feed)
         picks = mx.argmax(logits, axis=-1) if greedy else None
-        sampled = not all(self.slots[i].greedy for i in feed)
+        # logits stay for rows sampled on the host and for greedy rows masked on the device
+        keep = any(not self.slots[i].greedy or self.slots[i].constraint for i in feed)
         k = max((self.slots[i].top_logprobs for i in feed if self.slots[i].greedy
                  and self.slots[i].top_logprobs is not None), default=None)
         top = None
@@ -546,10 +570,29 @@ class BatchDecoder:
             ids = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]
             top = (mx.logsumexp(z, axis=-1), z.max(axis=-1), ids,
                    mx.take_along_axis(z, ids, axis=-1))
-        mx.async_eval(*(x for x in (picks, logits if sampled else None, *(top or ()))
+        mx.async_eval(*(x for x in (picks, logits if keep else None, *(top or ()))
                         if x is not None))
         return _Step([(i, self.slots[i].epoch) for i in feed], picks,
-                     top, logits if sampled else None, nxt)
+                     top, logits if keep else None, nxt)
+
+    def _mask_picks(self, done: _Step, rows: list[int]) -> None:
+        """The argmax of `done`'s greedy rows under a grammar, over the logits each allows:
+        their masks (from their grammar state, current up to the token `done` was fed) made on
+        the host while the device runs `done`, then one masked argmax there. Other rows' picks
+        are unchanged (every token allowed)."""
+        masked = [i for i in rows if self.slots[i].greedy and self.slots[i].constraint]
+        if not masked:
+            return
+        assert done.logits is not None and done.picks is not None
+        where = {i: r for r, (i, _) in enumerate(done.rows)}
+        vocab = done.logits.shape[-1]
+        bits = np.full((len(done.rows), (vocab + 31) // 32), -1, np.int32)
+        for i in masked:
+            self.slots[i].constraint.fill(bits[where[i]])  # type: ignore[union-attr]
+        shifts = mx.arange(32, dtype=mx.int32)
+        allowed = ((mx.array(bits)[:, :, None] >> shifts) & 1).reshape(len(done.rows), -1)
+        done.picks = mx.argmax(mx.where(allowed[:, :vocab].astype(mx.bool_), done.logits,
+                                        -mx.inf), axis=-1)
 
     def _block_table(self, feed: list[int]) -> mx.array:
         """The fed rows' block tables, [rows, W] int32: W covers the longest fed row's next
@@ -585,6 +628,8 @@ class BatchDecoder:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
                 if s.top_logprobs is not None:
                     s.logprobs = _device_logprobs(top, where[i], s.pending, s.top_logprobs)
+                if s.constraint is not None:  # masked on the device: the grammar moves on
+                    s.constraint.advance(s.pending)
             else:
                 assert done.logits is not None
                 self._sample(i, np.array(done.logits[where[i]], np.float32))

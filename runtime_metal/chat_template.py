@@ -71,13 +71,15 @@ class ChatTemplateError(RuntimeUserError):
 
 def render_chat(template: str, messages: Sequence[Mapping[str, Any]], *,
                 add_generation_prompt: bool = True, variables: Mapping[str, Any] | None = None,
-                limits: TemplateLimits = DEFAULT_LIMITS) -> str:
+                limits: TemplateLimits = DEFAULT_LIMITS,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The text `template` renders for `messages`, as transformers' apply_chat_template renders
-    it (`variables`: the tokenizer's special tokens); ChatTemplateError if it fails or exceeds
-    `limits`."""
+    it (`variables`: the tokenizer's special tokens; `tools`: OpenAI function tools, which the
+    template lays out for the model); ChatTemplateError if it fails or exceeds `limits`."""
     try:
         chat = [_message(m) for m in messages]
-        context = {**_plain(dict(variables or {})), "messages": chat, "tools": None,
+        context = {**_plain(dict(variables or {})), "messages": chat,
+                   "tools": _plain(list(tools)) if tools else None,
                    "documents": None, "add_generation_prompt": add_generation_prompt}
         payload = json.dumps({"template": template, "context": context,
                               "max_chars": limits.output_chars(_text_size(context)),
@@ -109,12 +111,15 @@ def tokenizer_template(tokenizer: Any) -> str | None:
 
 
 def chat_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-              limits: TemplateLimits = DEFAULT_LIMITS) -> str:
-    """The tokenizer's chat template rendered for `messages`, with a generation prompt."""
+              limits: TemplateLimits = DEFAULT_LIMITS,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """The tokenizer's chat template rendered for `messages` (and `tools`), with a generation
+    prompt."""
     template = tokenizer_template(tokenizer)
     if template is None:
         raise ChatTemplateError("this model has no chat template", "template")
-    return render_chat(template, messages, variables=tokenizer.special_tokens_map, limits=limits)
+    return render_chat(template, messages, variables=tokenizer.special_tokens_map, limits=limits,
+                       tools=tools)
 
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:

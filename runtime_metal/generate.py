@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from fuselm.runtime_metal.constraint import TokenConstraint, constrained
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import (
@@ -211,6 +212,7 @@ def iter_generate(
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -222,10 +224,12 @@ def iter_generate(
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
     on_logits(logits, token): each step's processed host logits (sampling.process_logits:
-    after the penalties and logit_bias, before temperature) and the token chosen from them, in
-    order (sampling then runs on the host; the logprobs of the Python API and `fuselm run`).
+    after the penalties and logit_bias, before temperature; with a constraint, masked) and the
+    token chosen from them, in order (sampling then runs on the host; the logprobs of the
+    Python API and `fuselm run`).
     on_token(token): each token as the loop receives it (an EOS included), before its text;
-    sampling stays where it was."""
+    sampling stays where it was. constraint: a grammar the tokens follow
+    (runtime_metal/constraint.py; sampling then runs on the host, on masked logits)."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -233,14 +237,18 @@ def iter_generate(
         max_new_tokens = check_context(engine.offset + len(prompt), max_new_tokens,
                                        context_length)
     opts = sampling or SamplingOptions()
-    sampler = make_sampler(opts)
+    token_sampler = make_sampler(opts)
+    sampler: Callable[[np.ndarray, Sequence[int]], int] = token_sampler
+    if constraint is not None:
+        sampler = constrained(token_sampler, constraint)
+        device_sampling = False
     if on_logits is not None:
         choose = sampler
 
         def sampler(logits: np.ndarray, history: Sequence[int]) -> int:
             token = choose(logits, history)
-            assert choose.processed is not None
-            on_logits(choose.processed, token)
+            assert token_sampler.processed is not None
+            on_logits(token_sampler.processed, token)
             return token
 
         device_sampling = False

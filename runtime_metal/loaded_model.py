@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fuselm.runtime_metal.artifact import Manifest, read_manifest
+from fuselm.runtime_metal.constraint import TokenConstraint, constraint_vocab
 from fuselm.runtime_metal.engine import Engine, make_engine, resolve_engine
 from fuselm.runtime_metal.generate import GenerationResult, generate, iter_generate
 from fuselm.runtime_metal.sampling import SamplingOptions, sampling_defaults
@@ -95,6 +96,12 @@ class LoadedModel:
         """The whole generation; text pieces go to `on_text` as they become final."""
         return generate(self.engine, prompt, on_text=on_text,
                         **{**self.generation_options(), **options})
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A fresh grammar state (runtime_metal/constraint.py) over this model's vocabulary,
+        for one generation."""
+        vocab = constraint_vocab(self.tokenizer, self.manifest.model.vocab_size, self.eos_ids)
+        return TokenConstraint(vocab, grammar)
 
     def session(self) -> CachedSession:
         """Generations that keep the KV cache between calls (a conversation)."""

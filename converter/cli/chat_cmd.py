@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ from fuselm.converter.cli.options import model_argument, threads_option
 from fuselm.converter.cli.run_cmd import (
     ACCURACY_OPTION,
     ENGINE_OPTION,
+    JSON_SCHEMA_OPTION,
     open_artifact,
+    reply_grammar,
     sampling_from,
     sampling_options,
 )
@@ -65,11 +68,12 @@ class Chat:
     tokens a prompt plus its reply may take (the conversation is cut to fit it)."""
 
     def __init__(self, tok: Any, session: Any, system: str | None, gen: dict[str, Any],
-                 window: int) -> None:
+                 window: int, constraint: Callable[[], Any] | None = None) -> None:
         self.tok, self.session, self.gen = tok, session, gen  # gen: max_new_tokens, sampling
         self.window = window
         self.system = system
         self.turns: list[dict[str, str]] = []
+        self.constraint = constraint  # a fresh grammar state per reply (--json-schema)
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -120,7 +124,8 @@ class Chat:
     def reply(self, line: str) -> None:
         ids = self.prompt(line)
         pieces: list[str] = []
-        stream = self.session.stream(ids, **self.gen)
+        shape = {"constraint": self.constraint()} if self.constraint else {}
+        stream = self.session.stream(ids, **self.gen, **shape)
         try:
             while True:
                 try:
@@ -159,12 +164,14 @@ class Chat:
               "cut to, oldest turns first  [default: the model's context]")
 @click.option("--memory-limit", type=click.FloatRange(0, min_open=True), default=None,
               metavar="GB", help="the KV cache budget in GB (10^9 bytes) instead of tokens")
+@JSON_SCHEMA_OPTION
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
          engine: str, accuracy_level: int, threads: int | None, system: str | None,
          max_kv_tokens: int | None = None, memory_limit: float | None = None,
          min_p: float | None = None, presence_penalty: float | None = None,
-         frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = ()) -> None:
+         frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = (),
+         json_schema: str | None = None) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
@@ -176,6 +183,7 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
                              min_p, presence_penalty, frequency_penalty, logit_bias)
+    grammar = reply_grammar(json_schema, False)
     model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
     sampling.check_vocab(model.manifest.model.vocab_size)
     tok = model.tokenizer
@@ -188,7 +196,8 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream
         sys.stdin.reconfigure(errors="surrogateescape")  # type: ignore[union-attr]
     _enable_line_editing()
-    state = Chat(tok, model.session(), system, gen, window)
+    state = Chat(tok, model.session(), system, gen, window,
+                 (lambda: model.constraint(grammar)) if grammar else None)
     if sys.stdin.isatty():
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -159,6 +160,10 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @click.option("--logprobs", "top_logprobs", type=click.IntRange(0, 20), default=None,
               metavar="N", help="each token's logprob and its N likeliest alternatives (stderr, "
               "or \"logprobs\" in --json); samples on the host")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+              help="the reply is JSON valid against the JSON schema in this file (constrained "
+              "decoding)")
+@click.option("--json-object", is_flag=True, help="the reply is a JSON object (any)")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
 @click.option("--device-sampling", is_flag=True,
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
@@ -173,7 +178,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
         ctx_size: int | None = None, min_p: float | None = None,
         presence_penalty: float | None = None, frequency_penalty: float | None = None,
-        logit_bias: tuple[str, ...] = (), top_logprobs: int | None = None) -> None:
+        logit_bias: tuple[str, ...] = (), top_logprobs: int | None = None,
+        json_schema: str | None = None, json_object: bool = False) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -185,6 +191,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
                                "without --raw")
     sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p,
                          presence_penalty, frequency_penalty, logit_bias)
+    grammar = reply_grammar(json_schema, json_object)
     config = runtime_config(verbose, engine=engine, threads=threads)
     if verify_files:
         from fuselm.converter.cli.verify_cmd import verify_artifact
@@ -229,7 +236,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
                             context_length=ctx_size or context,
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
                             device_sampling=True if device_sampling else None,
-                            on_logits=on_logits)
+                            on_logits=on_logits,
+                            constraint=model.constraint(grammar) if grammar else None)
     stream.write("\n")
     logprobs = _logprobs_json(model, records[:len(result.tokens)]) if records else None
     if as_json:
@@ -268,6 +276,24 @@ def _logprobs_json(model: Any, records: list[Any]) -> list[dict[str, Any]]:
             for r in records]
 
 
+def reply_grammar(json_schema: str | None, json_object: bool) -> str | None:
+    """The grammar --json-schema FILE / --json-object ask the reply to follow (checked before
+    the model loads: a bad schema is one error line)."""
+    from fuselm.runtime_metal.constraint import json_object_grammar, json_schema_grammar
+
+    if json_schema is not None and json_object:
+        raise click.UsageError("give --json-schema or --json-object, not both")
+    if json_object:
+        return json_object_grammar()
+    if json_schema is None:
+        return None
+    try:
+        text = Path(json_schema).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RuntimeUserError(f"--json-schema {json_schema}: cannot read it ({e})") from None
+    return json_schema_grammar(text, f"--json-schema {json_schema}")
+
+
 def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:
     """The prompt: `-p TEXT`; `-p -` reads stdin; no prompt at all reads stdin when it is not
     a terminal (`echo hi | fuselm run M`), as llama.cpp and mlx-lm do."""
@@ -283,6 +309,9 @@ def prompt_text(prompt: str | None, prompt_ids: str | None) -> str | None:
 sampling_from = _sampling
 open_artifact = _open
 sampling_options = _sampling_options
+JSON_SCHEMA_OPTION = click.option(
+    "--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+    help="each reply is JSON valid against the JSON schema in this file")
 ENGINE_OPTION = _ENGINE
 ACCURACY_OPTION = _ACC
 CHUNK_OPTION = _CHUNK

@@ -49,16 +49,27 @@ from fuselm.converter.serve.schema import (
     usage_chunk,
     without_no_ops,
 )
+from fuselm.converter.serve.structured import (
+    Structure,
+    ToolStream,
+    call_deltas,
+    openai_calls,
+    request_structure,
+    template_messages,
+)
 from fuselm.runtime_metal.chat_template import (
     ChatTemplateError,
     chat_ids,
     chat_text,
     start_workers,
+    tokenizer_template,
 )
 from fuselm.runtime_metal.chat_window import fit
+from fuselm.runtime_metal.constraint import TokenConstraint, constraint_vocab
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 from fuselm.runtime_metal.text_stream import token_text
+from fuselm.runtime_metal.tool_calls import parse_reply
 
 log = logging.getLogger("fuselm.serve")
 DROPPED_HEADER = "x-fuselm-dropped-messages"  # the oldest messages a chat's cut dropped
@@ -89,6 +100,26 @@ class ServeState:
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
         with self._tok_lock:
             return fn(self.tokenizer)
+
+    def structure(self, req: ChatRequest | CompletionRequest) -> Structure:
+        """The request's response_format / tools, checked (structured.py)."""
+        template = None
+        if isinstance(req, ChatRequest) and req.tools:
+            try:
+                template = tokenizer_template(self.tokenizer)
+            except ChatTemplateError as e:
+                raise ApiError(400, str(e), param="messages", code="chat_template_error"
+                               ) from None
+        special = {t: i for t, i in zip(self.tokenizer.all_special_tokens,
+                                        self.tokenizer.all_special_ids, strict=False)}
+        return request_structure(req, template, special)
+
+    def constraint(self, grammar: str) -> TokenConstraint:
+        """A request's own grammar state over this model's vocabulary."""
+        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
+            vocab = constraint_vocab(self.tokenizer, self.vocab_size,
+                                     sorted(self.scheduler.eos))
+        return TokenConstraint(vocab, grammar)
 
 
 def _parse(chat: bool, data: dict[str, Any]) -> Any:
@@ -139,12 +170,14 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
     return requested
 
 
-def _chat_ids(state: ServeState, req: ChatRequest) -> tuple[list[int], int]:
-    """The prompt's token ids, and how many of the oldest messages were dropped to fit the
-    window (chat_window.py: the system messages and the last turn are kept; the reply's room
-    is max_tokens, or one token when the request sets none)."""
+def _chat_ids(state: ServeState, req: ChatRequest, structure: Structure
+              ) -> tuple[list[int], int]:
+    """The prompt's token ids (the request's tools rendered by the template), and how many of
+    the oldest messages were dropped to fit the window (chat_window.py: the system messages and
+    the last turn are kept; the reply's room is max_tokens, or one token when the request sets
+    none)."""
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req)
     except ValueError as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     if not getattr(state.tokenizer, "chat_template", None):
@@ -154,7 +187,7 @@ def _chat_ids(state: ServeState, req: ChatRequest) -> tuple[list[int], int]:
         # Rendered in a worker process with a time limit, outside the tokenizer lock: a slow
         # template holds this request only, never the others waiting to encode.
         try:
-            text = chat_text(state.tokenizer, kept)
+            text = chat_text(state.tokenizer, kept, tools=structure.tools)
         except ChatTemplateError as e:
             code = "chat_template_limit" if e.kind == "limit" else "chat_template_error"
             raise ApiError(400, str(e), param="messages", code=code) from None
@@ -189,8 +222,9 @@ async def _submit(request: Request, kind: str) -> Response:
     chat = kind == "chat"
     req = _parse(chat, data)
     _check_model(state, req)
+    structure = state.structure(req)
     if chat:
-        ids, dropped = await run_in_threadpool(_chat_ids, state, req)
+        ids, dropped = await run_in_threadpool(_chat_ids, state, req, structure)
     else:
         ids, dropped = await run_in_threadpool(_completion_ids, state, req), 0
     max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
@@ -199,12 +233,17 @@ async def _submit(request: Request, kind: str) -> Response:
         sampling[0].check_vocab(state.vocab_size)
     except RuntimeUserError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
+    constraints: list[TokenConstraint | None] = [None] * req.n
+    if structure.grammar is not None:  # each choice follows the grammar with its own state
+        grammar = structure.grammar
+        constraints = [await run_in_threadpool(state.constraint, grammar) for _ in sampling]
     rid, loop = new_id("chatcmpl" if chat else "cmpl"), asyncio.get_running_loop()
     # One job (a batch row) per choice; the later ones start from the first's prompt.
     jobs: list[Job] = []
-    for opts in sampling:
+    for opts, constraint in zip(sampling, constraints, strict=True):
         jobs.append(Job(rid, ids, opts, max_tokens, req.stop_list(), loop,
-                        top_logprobs=req.alternatives(), fork_of=jobs[0] if jobs else None))
+                        top_logprobs=req.alternatives(), fork_of=jobs[0] if jobs else None,
+                        constraint=constraint))
     try:
         state.scheduler.submit(*jobs)
     except QueueFull as e:
@@ -214,10 +253,10 @@ async def _submit(request: Request, kind: str) -> Response:
     # What the chat's cut dropped, in a header: the response body stays OpenAI's.
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     if req.stream:
-        return StreamingResponse(_stream(state, jobs, chat, req.include_usage()),
+        return StreamingResponse(_stream(state, jobs, chat, req.include_usage(), structure),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **headers})
-    return await _collect(request, state, jobs, chat, headers)
+    return await _collect(request, state, jobs, chat, headers, structure)
 
 
 async def _events(state: ServeState, jobs: list[Job]) -> AsyncIterator[tuple[int, Any]]:
@@ -261,7 +300,7 @@ def _total(jobs_usage: list[dict[str, int]]) -> dict[str, Any]:
 
 
 async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: bool,
-                   headers: dict[str, str]) -> Response:
+                   headers: dict[str, str], structure: Structure) -> Response:
     async def read() -> list[tuple[str, list[TokenLogprobs], Any]]:
         parts: list[list[str]] = [[] for _ in jobs]
         records: list[list[TokenLogprobs]] = [[] for _ in jobs]
@@ -290,14 +329,26 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
         use = _total([end[2] for _, _, end in results])
         token_text = _token_text(state)
         choices: list[Choice] = []
+        calls: list[list[dict[str, Any]] | None] = []
         for job, (text, records, (_, finish, _)) in zip(jobs, results, strict=True):
             lp = None
             if job.top_logprobs is not None:
                 lp = (chat_logprobs(records, token_text) if chat else
                       completion_logprobs(records, token_text, 0))
-            choices.append((text, finish, lp))
-        make = chat_response if chat else completion_response
-        return JSONResponse(make(jobs[0].rid, state.model_id, choices, use), headers=headers)
+            content: str | None = text
+            found = None
+            if chat and structure.fmt is not None:
+                parsed = parse_reply(text, structure.fmt, structure.names)
+                if parsed.calls:
+                    content, finish, found = parsed.content, "tool_calls", openai_calls(
+                        parsed.calls)
+            choices.append((content, finish, lp))
+            calls.append(found)
+        if chat:
+            body = chat_response(jobs[0].rid, state.model_id, choices, use, calls)
+        else:
+            body = completion_response(jobs[0].rid, state.model_id, choices, use)
+        return JSONResponse(body, headers=headers)
     finally:
         task.cancel()
         for job in jobs:
@@ -308,14 +359,19 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage: bool
-                  ) -> AsyncIterator[str]:
+async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage: bool,
+                  structure: Structure) -> AsyncIterator[str]:
     """One SSE chunk per delivery turn of a choice: all the text that came since its last
-    (delivery.py), with those tokens' logprobs when asked for."""
+    (delivery.py), with those tokens' logprobs when asked for. With tools, text that may be a
+    tool call is held back (structured.ToolStream; the held tokens' logprobs go with the next
+    text sent) and a call goes out as OpenAI's tool_calls deltas at the end."""
     rid, created, model = jobs[0].rid, int(time.time()), state.model_id
     obj = "chat.completion.chunk" if chat else "text_completion"
     token_text = _token_text(state)
     offsets = [0] * len(jobs)  # completions' text_offset: characters of token text sent
+    tools = [ToolStream(structure.fmt, structure.names) for _ in jobs] if (
+        chat and structure.fmt is not None) else None
+    held: list[list[TokenLogprobs]] = [[] for _ in jobs]  # logprobs of text held back
 
     def logprobs(i: int, records: list[TokenLogprobs]) -> dict[str, Any] | None:
         if jobs[i].top_logprobs is None:
@@ -328,7 +384,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
 
     def chunk(i: int, text: str | None, finish: str | None = None,
               records: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        lp = logprobs(i, records) if records is not None else None
+        lp = logprobs(i, records) if records else None
         if chat:
             return chat_chunk(rid, model, created, {} if text is None else {"content": text},
                               finish, i, lp)
@@ -342,13 +398,28 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                                       index=i))
         async for i, event in _events(state, jobs):
             if event[0] == "delta":
-                yield _sse(chunk(i, event[1], records=event[2]))
+                if tools is None:
+                    yield _sse(chunk(i, event[1], records=event[2]))
+                    continue
+                held[i] += event[2]
+                text = tools[i].push(event[1])
+                if text:
+                    yield _sse(chunk(i, text, records=held[i]))
+                    held[i] = []
             elif event[0] == "error":
                 yield _sse(error_body(event[2], "server_error"))
                 break
             else:
                 _, finish, u = event
                 ended[i] = u
+                if tools is not None:
+                    rest, calls = tools[i].finish()
+                    if rest or held[i]:
+                        yield _sse(chunk(i, rest, records=held[i]))
+                        held[i] = []
+                    for delta in call_deltas(calls):
+                        yield _sse(chat_chunk(rid, model, created, delta, index=i))
+                    finish = "tool_calls" if calls else finish
                 yield _sse(chunk(i, None, finish))
         if include_usage and len(ended) == len(jobs):
             yield _sse(usage_chunk(rid, model, created, obj,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
@@ -38,13 +39,15 @@ class ServeDecoder:
         return self.dec.exhausted
 
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
-            top_logprobs: int | None = None, fork_of: int | None = None) -> int:
+            top_logprobs: int | None = None, fork_of: int | None = None,
+            constraint: TokenConstraint | None = None) -> int:
         """fork_of: the slot of another choice of the same request (n > 1): while its first
-        token is not out yet, the new row starts from its prompt (BatchDecoder.fork)."""
+        token is not out yet, the new row starts from its prompt (BatchDecoder.fork).
+        constraint: the row's grammar (its own; runtime_metal/constraint.py)."""
         if fork_of is not None and self.dec.forkable(fork_of, prompt_ids):
-            slot = self.dec.fork(fork_of, sampling, top_logprobs)
+            slot = self.dec.fork(fork_of, sampling, top_logprobs, constraint)
         else:
-            slot = self.dec.add(prompt_ids, sampling, top_logprobs)
+            slot = self.dec.add(prompt_ids, sampling, top_logprobs, constraint)
         # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
         # most; a fork its whole prompt): what is reported.
         self._cached[slot] = self.dec.slots[slot].reused

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
@@ -50,7 +51,8 @@ class BatchDecoder(Protocol):
     def exhausted(self) -> set[int]: ...
 
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
-            top_logprobs: int | None = None, fork_of: int | None = None) -> int: ...
+            top_logprobs: int | None = None, fork_of: int | None = None,
+            constraint: TokenConstraint | None = None) -> int: ...
 
     def step(self) -> dict[int, int]: ...
 
@@ -105,6 +107,7 @@ class Job:
     # "token" (anything new) or "finish" (only the end: it is waiting out its chunk interval).
     waiting: str | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    constraint: TokenConstraint | None = None  # the reply's grammar (its row's own mask)
 
     async def take(self, not_before: float = 0.0) -> tuple[list[int], str | None]:
         """The tokens that arrived since the last call, and the finish reason once the engine
@@ -291,7 +294,8 @@ class Scheduler:
             like = parent.slot if parent is not None and parent.slot is not None and (
                 self._active.get(parent.slot) is parent) else None
             try:
-                slot = self.decoder.add(job.prompt, job.sampling, job.top_logprobs, like)
+                slot = self.decoder.add(job.prompt, job.sampling, job.top_logprobs, like,
+                                        job.constraint)
             except RuntimeUserError as e:
                 self._end(job, "error", (400, str(e)))
                 self._notify()

@@ -35,8 +35,7 @@ MAX_N = 16
 # such as LangChain send n=1 or logprobs=false by default): any other value is refused by name
 # (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
@@ -91,6 +90,8 @@ class _Request(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
+    response_format: dict[str, Any] | None = None
 
     def sampling(self, defaults: SamplingOptions, choice: int = 0) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter. Choice i
@@ -135,23 +136,29 @@ class _Request(BaseModel):
 # Message fields fuselm does not implement. A client that sends an earlier reply back (the
 # openai client's message.model_dump()) sends them empty (null, [] or ""), which asks for
 # nothing; with a value they are refused, never dropped.
-MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "tool_calls", "tool_call_id", "function_call",
-                           "audio", "annotations")
+MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "function_call", "audio", "annotations")
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
+    # An assistant's earlier calls (OpenAI's shape), and a tool message's answer to one.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _no_ops(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name in MESSAGE_NOT_IMPLEMENTED:
-            if data.get(name) not in (None, [], ""):
+        # a tool call's id belongs to a tool message, calls to an assistant's: elsewhere no
+        # template reads them
+        misplaced = {"tool_call_id": "tool", "tool_calls": "assistant"}
+        for name in (*MESSAGE_NOT_IMPLEMENTED, *misplaced):
+            given = data.get(name) not in (None, [], "")
+            if given and (name not in misplaced or data.get("role") != misplaced[name]):
                 raise PydanticCustomError(
                     "not_implemented", "{name}: fuselm does not implement this message field",
                     {"name": name})
@@ -159,6 +166,8 @@ class Message(BaseModel):
 
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         out = []
@@ -184,6 +193,10 @@ class ChatRequest(_Request):
 
     def alternatives(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    # OpenAI function tools and the choice among them: checked by structured.py
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -260,13 +273,23 @@ def completion_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
             "text_offset": starts}
 
 
-Choice = tuple[str, str, dict[str, Any] | None]  # text, finish_reason, logprobs
+Choice = tuple[str | None, str, dict[str, Any] | None]  # text, finish_reason, logprobs
 
 
-def chat_response(rid: str, model: str, choices: Sequence[Choice], use: dict[str, Any]
+def chat_message(text: str | None, tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def chat_response(rid: str, model: str, choices: Sequence[Choice], use: dict[str, Any],
+                  tool_calls: Sequence[list[dict[str, Any]] | None] | None = None
                   ) -> dict[str, Any]:
+    """tool_calls: each choice's parsed calls (None: none), when the request had tools."""
+    calls = list(tool_calls) if tool_calls is not None else [None] * len(choices)
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+            "choices": [{"index": i, "message": chat_message(text, calls[i]),
                          "logprobs": lp, "finish_reason": finish}
                         for i, (text, finish, lp) in enumerate(choices)],
             "usage": use}

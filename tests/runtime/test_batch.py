@@ -177,3 +177,40 @@ def test_rows_sharing_a_cached_prefix_equal_their_solo_runs(family: str, engine_
     assert got == want
     # the system prompt from the running first row (MLX only), the follow-up's shared turn
     assert dec.reused_tokens == (70 if engine_name == "mlx" else 0) + len(prompts[0]) + 4
+
+
+@pytest.mark.parametrize("engine_name", ["mlx", "onnxruntime"])
+def test_a_constrained_row_beside_free_ones(engine_name: str, qwen3_artifact) -> None:  # noqa: ANN001
+    """A row constrained by a JSON schema decodes a valid document and ends (EOS) while the
+    greedy rows beside it decode their solo tokens; the same through `generate`."""
+    import json
+
+    from fuselm.runtime_metal.constraint import (
+        TokenConstraint,
+        constraint_vocab,
+        json_schema_grammar,
+    )
+    from fuselm.runtime_metal.tokenizer import load_tokenizer
+
+    engine = make_engine(qwen3_artifact, engine_name)
+    tok = load_tokenizer(qwen3_artifact)
+    vocab = constraint_vocab(tok, engine.manifest.model.vocab_size, [2])
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    grammar = json_schema_grammar(schema)
+    prompts = _prompts()
+    want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
+    dec = BatchDecoder(engine, max_batch=4, max_context=96)
+    free = [dec.add(p) for p in prompts]
+    shaped = dec.add(prompts[0], SamplingOptions(), TokenConstraint(vocab, grammar))
+    got: dict[int, list[int]] = {s: [] for s in [*free, shaped]}
+    for _ in range(N):
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s] for s in free] == want
+    ids = got[shaped][:got[shaped].index(2)]
+    assert json.loads(tok.decode(ids))["n"] in range(10)
+    alone = generate(engine, prompts[0], max_new_tokens=N, eos_ids=[2],
+                     constraint=TokenConstraint(vocab, grammar))
+    assert alone.tokens == ids and alone.stop_reason == "eos"

@@ -27,6 +27,7 @@ MODEL = "tiny-qwen3"
 STARTUP_S = 180  # imports + model load on a loaded 2-core CI box took 36 s
 # Room for the 16-stream test (4 decoding + up to 16 waiting); a larger burst gets 503.
 MAX_BATCH, MAX_QUEUE, MAX_CONTEXT = 4, 16, 256
+SMOL_BATCH = 8  # the real model's server: 8 concurrent requests decode together
 
 
 @dataclass
@@ -64,7 +65,7 @@ def serve_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _start(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
+def start_server(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Server]:
     port = free_port()
     cmd = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(artifact),
@@ -76,7 +77,7 @@ def _start(artifact: Path, log: Path, engine: str, args: Sequence[str] = (),
     return proc, Server(f"http://127.0.0.1:{port}", proc.pid, artifact, log, engine)
 
 
-def _wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
+def wait_up(proc: subprocess.Popen, srv: Server, deadline: float) -> None:
     while True:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{srv.log.read_text()}")
@@ -121,11 +122,11 @@ def servers(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
     on MLX (sequences decode together in one batched step), started together, each in its own
     process; stopped by PID (SIGTERM, then SIGKILL)."""
     logs = tmp_path_factory.mktemp("serve_log")
-    started = [_start(serve_artifact, logs / f"{e}.log", e) for e in ("onnxruntime", "mlx")]
+    started = [start_server(serve_artifact, logs / f"{e}.log", e) for e in ("onnxruntime", "mlx")]
     try:
         deadline = time.monotonic() + STARTUP_S
         for proc, srv in started:
-            _wait_up(proc, srv, deadline)
+            wait_up(proc, srv, deadline)
         yield {srv.engine: srv for _, srv in started}
     finally:
         for proc, _ in started:
@@ -177,14 +178,15 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
     allowed, foreign = (f"http://127.0.0.1:{p.server_address[1]}" for p in pages)
     logs = tmp_path_factory.mktemp("guarded_log")
     started = [
-        _start(serve_artifact, logs / "open.log", "onnxruntime",
-               ["--cors-origin", allowed, "--allowed-host", ALLOWED_HOST]),
-        _start(serve_artifact, logs / "keyed.log", "onnxruntime", env={"FUSELM_API_KEY": API_KEY}),
+        start_server(serve_artifact, logs / "open.log", "onnxruntime",
+                     ["--cors-origin", allowed, "--allowed-host", ALLOWED_HOST]),
+        start_server(serve_artifact, logs / "keyed.log", "onnxruntime",
+                     env={"FUSELM_API_KEY": API_KEY}),
     ]
     try:
         deadline = time.monotonic() + STARTUP_S
         for proc, srv in started:
-            _wait_up(proc, srv, deadline)
+            wait_up(proc, srv, deadline)
         yield Guarded(started[0][1], started[1][1], allowed, foreign)
     finally:
         for proc, _ in started:
@@ -192,3 +194,41 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         for p in pages:
             p.shutdown()
             p.server_close()
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`fuselm serve` on the real SmolLM2-135M Q4 (onnxruntime, lowered: batched rows), at
+    accuracy level 0: at level 4 a several-row matmul quantizes its activations unlike a
+    one-row one (tests/runtime/test_ort_row_batch.py), so a batched row may pick another token
+    at a near-tie, as prefill and decode may. Shared by the delivery and structured-output
+    tests (one conversion per session)."""
+    from fuselm.converter.models.smollm2 import bundled_gguf
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("smol_serve")
+    out = root / "smol"
+    convert(bundled_gguf(), out, ConvertOptions.from_flags(quant="q4"))
+    port = free_port()
+    log = root / "server.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(out), "--port",
+             str(port), "--engine", "onnxruntime", "--max-batch", str(SMOL_BATCH),
+             "--max-context", "512", "--model-name", MODEL, "--accuracy-level", "0"],
+            stdout=f, stderr=subprocess.STDOUT)
+    srv = Server(f"http://127.0.0.1:{port}", proc.pid, out, log, "onnxruntime")
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        yield srv
+    finally:
+        stop_server(proc)

@@ -12,15 +12,12 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-import pytest
 from click.testing import CliRunner
 
 from fuselm.converter.cli.main import cli
-from tests.serve.conftest import MODEL, STARTUP_S, Server, free_port, stop_server
+from tests.serve.conftest import MODEL, Server
 
 N = 120
 
@@ -91,42 +88,6 @@ def test_a_slow_reader_does_not_slow_another_stream(server: Server) -> None:
     chunks = _texts(bytes(got))
     assert "".join(chunks) == slow_solo
     assert len(chunks) < N  # coalesced: the tokens that waited went out together
-
-
-@pytest.fixture(scope="session")
-def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """`fuselm serve` on the real SmolLM2-135M Q4 (onnxruntime, lowered: batched rows), at
-    accuracy level 0: at level 4 a several-row matmul quantizes its activations unlike a
-    one-row one (tests/runtime/test_ort_row_batch.py), so a batched row may pick another token
-    at a near-tie, as prefill and decode may."""
-    from fuselm.converter.models.smollm2 import bundled_gguf
-    from fuselm.converter.pipeline import ConvertOptions, convert
-
-    root = tmp_path_factory.mktemp("smol_serve")
-    out = root / "smol"
-    convert(bundled_gguf(), out, ConvertOptions.from_flags(quant="q4"))
-    port = free_port()
-    log = root / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(out), "--port",
-             str(port), "--engine", "onnxruntime", "--max-batch", "4", "--max-context", "512",
-             "--model-name", MODEL, "--accuracy-level", "0"], stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", proc.pid, out, log, "onnxruntime")
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
-        yield srv
-    finally:
-        stop_server(proc)
 
 
 def test_smollm2_run_and_serve_stream_the_same_text(smol_server: Server) -> None:

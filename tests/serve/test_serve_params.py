@@ -25,7 +25,6 @@ N = 12
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # Each parameter fuselm does not implement, with a value that asks for something.
 CHAT_REFUSED = {
-    "tools": [TOOL], "tool_choice": "auto", "response_format": {"type": "json_object"},
     "functions": [TOOL["function"]], "function_call": "auto", "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
