@@ -107,9 +107,9 @@ def running_server(artifact: Path, log: Path, engine: str, args: Sequence[str] =
                    ) -> Iterator[Server]:
     """One more `fuselm serve` (extra `args` after the standard ones), up for the block;
     stopped by PID."""
-    proc, srv = _start(artifact, log, engine, args)
+    proc, srv = start_server(artifact, log, engine, args)
     try:
-        _wait_up(proc, srv, time.monotonic() + STARTUP_S)
+        wait_up(proc, srv, time.monotonic() + STARTUP_S)
         yield srv
     finally:
         stop_server(proc)
