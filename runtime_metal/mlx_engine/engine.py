@@ -18,13 +18,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from onnx import TensorProto
 
 from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import half
+from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import KVCache
-from fuselm.runtime_metal.loader import load_graph
+from fuselm.runtime_metal.loader import LoadedGraph, read_model, read_weights
 from fuselm.runtime_metal.manifest_schema import (
     check_graph_io,
     onnx_inputs,
@@ -42,6 +44,8 @@ from fuselm.runtime_metal.mlx_engine.qweight import (
     settle_affine,
     warm_dense,
 )
+from fuselm.runtime_metal.mlx_engine.shard import ShardError, shard_graph
+from fuselm.runtime_metal.parallel import Parallel, join
 
 
 class MLXEngine:
@@ -51,13 +55,15 @@ class MLXEngine:
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool = True,
                  compiled: bool = True, fast_prefill: bool = True,
-                 config: RuntimeConfig | None = None) -> None:
+                 config: RuntimeConfig | None = None, parallel: str | None = None) -> None:
         self.config = config if config is not None else resolve()
         kernels.configure(self.config)  # before the first GPU evaluation of the process
         self.manifest = manifest
-        graph = load_graph(model_path(out_dir))
-        check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
-                       onnx_past_dtype(graph.model), onnx_outputs(graph.model))
+        # several ranks: this one's share of the graph and weights (mlx_engine/shard.py)
+        self.parallel: Parallel | None = join(parallel) if parallel else None
+        graph = self._load(model_path(out_dir))
+        # the weight bytes this process read: its share of model.onnx.data
+        self.weight_bytes = sum(w.nbytes for w in graph.weights.values())
         self.plan = build_plan(graph)
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
@@ -92,6 +98,26 @@ class MLXEngine:
             self.prefill_reason = "executor ({})".format(
                 self.fast.program.prefill_refused or "fast_prefill=False")
 
+    def _load(self, path: Path) -> LoadedGraph:
+        """The graph and weights, checked against the manifest before any sharding."""
+        model = read_model(path)
+        check_graph_io(self.manifest, onnx_inputs(model), path, onnx_past_dtype(model),
+                       onnx_outputs(model))
+        cuts = None
+        if self.parallel is not None:
+            info = self.manifest.model
+            elem = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}.get(
+                self.manifest.dtype, TensorProto.FLOAT)
+            try:
+                cuts = shard_graph(model, self.parallel.mode, self.parallel.rank,
+                                   self.parallel.size, hidden=info.hidden_size,
+                                   vocab=info.vocab_size, elem_type=elem)
+            except ShardError as e:
+                raise RuntimeUserError(
+                    f"--parallel {self.parallel.mode} over {self.parallel.size} ranks: {e}"
+                ) from None
+        return LoadedGraph(model, read_weights(model, path.parent, cuts), path)
+
     @property
     def offset(self) -> int:
         return self.caches[0].offset if self.caches else 0
@@ -125,8 +151,8 @@ class MLXEngine:
         is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
         (no sliding window), attention already stops at each row's length: one span, one
         trace per row count."""
-        if self.fast is None or self.fast.program.kv_layout is None:
-            return None
+        if self.fast is None or self.fast.program.kv_layout is None or self.parallel:
+            return None  # ranks step together through the one-sequence path only
         program = self.fast.program
         if self._batch_fn is None:  # one compiled function for every decoder of the engine
             self._batch_fn = mx.compile(program.paged) if self.fast.compiled else program.paged
@@ -180,6 +206,8 @@ class MLXEngine:
         return {
             "engine": self.name,
             "device": str(mx.default_device()),
+            **({"parallel": self.parallel.describe()} if self.parallel else {}),
+            "weight_bytes": self.weight_bytes,
             "steps": len(self.plan.steps),
             "graph_nodes": self.plan.stats.get("nodes"),
             "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
