@@ -163,9 +163,10 @@ def read_weights(model: onnx.ModelProto, root: Path, cuts: Mapping[str, Cut] | N
                 buf = memoryview(maps[file])[offset:offset + length]
                 weights[t.name] = _from_bytes(buf, t) if cut is None else _cut_from_bytes(
                     buf, t, cut)
-            else:
-                value = numpy_helper.to_array(t)
-                weights[t.name] = value if cut is None else _take(value, cut)
+            elif cut is None:
+                weights[t.name] = numpy_helper.to_array(t)
+            else:  # stored inside model.onnx: read with its stored dims, then cut
+                weights[t.name] = _take(numpy_helper.to_array(_with_dims(t, cut.dims)), cut)
             # Drop the payload from the proto: the graph keeps only names and shapes.
             t.ClearField("raw_data")
     finally:
@@ -188,6 +189,14 @@ def _take(value: np.ndarray, cut: Cut) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts, axis=cut.axis))
 
 
+def _with_dims(t: TensorProto, dims: tuple[int, ...]) -> TensorProto:
+    out = TensorProto()
+    out.CopyFrom(t)
+    del out.dims[:]
+    out.dims.extend(dims)
+    return out
+
+
 def _cut_from_bytes(buf: memoryview, t: TensorProto, cut: Cut) -> np.ndarray:
     """The cut's part of a stored tensor, touching only its bytes where the layout allows:
     4-bit codes two to a byte along the last axis, so a row range or an even column range of
@@ -198,11 +207,7 @@ def _cut_from_bytes(buf: memoryview, t: TensorProto, cut: Cut) -> np.ndarray:
         even = len(dims) == 2 and dims[1] % 2 == 0 and (
             cut.axis == 0 or all(a % 2 == 0 and b % 2 == 0 for a, b in cut.spans))
         if not even:
-            full = TensorProto()
-            full.CopyFrom(t)
-            del full.dims[:]
-            full.dims.extend(dims)
-            return _take(_from_bytes(buf, full), cut)
+            return _take(_from_bytes(buf, _with_dims(t, dims)), cut)
         raw = np.frombuffer(buf, dtype=np.uint8, count=n // 2).reshape(dims[0], dims[1] // 2)
         half = cut if cut.axis == 0 else Cut(cut.dims, 1, tuple((a // 2, b // 2)
                                                                  for a, b in cut.spans))
