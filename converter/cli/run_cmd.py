@@ -10,8 +10,10 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    join_parallel,
     model_argument,
     ort_options,
+    parallel_option,
     runtime_config,
     threads_option,
     verbose_option,
@@ -44,13 +46,14 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
-          threads: int | None = None, config: RuntimeConfig | None = None):
+          threads: int | None = None, config: RuntimeConfig | None = None,
+          parallel: str | None = None):
     """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
-    name = resolve_engine(engine)
+    name = resolve_engine(engine, parallel)
     options = ort_options(name, accuracy_level, threads)
     if name == "onnxruntime":
         if profile:
@@ -58,7 +61,7 @@ def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,
         return open_model(out_dir, name, config=config, **options), None
     profiler = Profiler() if profile else None
     model = open_model(out_dir, name, defer_engine=True, config=config,
-                       profiler=profiler)
+                       profiler=profiler, **join_parallel(parallel))
     warn_mlx_on_cpu(model.manifest, engine)  # before the slow part: building the engine
     model.engine  # noqa: B018
     return model, profiler
@@ -139,6 +142,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
 @click.option("--verify", "verify_files", is_flag=True,
               help="hash the artifact's files against fuselm.json before loading")
+@parallel_option
 @verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float | None, top_k: int | None, top_p: float | None,
@@ -146,7 +150,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
-        ctx_size: int | None = None, min_p: float | None = None) -> None:
+        ctx_size: int | None = None, min_p: float | None = None,
+        parallel: str | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -162,7 +167,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
+    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel)
     if prompt is not None:
         check_text(prompt)
         history = None
