@@ -10,9 +10,11 @@ alone prints.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 from fuselm.runtime_metal.errors import RuntimeUserError
 
@@ -67,3 +69,16 @@ def peer_lost_message(error: BaseException) -> str:
     rank = os.environ.get("MLX_RANK", "?")
     return (f"rank {rank}: another rank of the distributed job stopped ({error}); the job "
             "ends here")
+
+
+def broadcast_json(value: Any, rank: int) -> Any:
+    """Rank 0's JSON value on every rank (the others pass None): two sums over the group, its
+    length and its bytes, where only rank 0 adds non-zeros."""
+    import mlx.core as mx
+    import numpy as np
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8) if rank == 0 else None
+    n = mx.distributed.all_sum(mx.array([0 if data is None else data.size], mx.int32)).item()
+    mine = mx.zeros((n,), mx.int32) if data is None else mx.array(data.astype(np.int32))
+    out = np.array(mx.distributed.all_sum(mine)).astype(np.uint8)
+    return json.loads(out.tobytes())

@@ -30,7 +30,7 @@ from fuselm.converter.serve.access import AccessGuard, AccessRules
 from fuselm.converter.serve.delivery import deliver
 from fuselm.converter.serve.errors import ApiError
 from fuselm.converter.serve.request_body import read_json
-from fuselm.converter.serve.scheduler import Job, QueueFull, Scheduler
+from fuselm.converter.serve.scheduler import EngineLost, Job, QueueFull, Scheduler
 from fuselm.converter.serve.schema import (
     ChatRequest,
     CompletionRequest,
@@ -173,6 +173,8 @@ async def _submit(request: Request, kind: str) -> Response:
         state.scheduler.submit(job)
     except QueueFull as e:
         raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
+    except EngineLost as e:
+        raise ApiError(503, str(e), kind="server_error", code="engine_lost") from None
     if req.stream:
         return StreamingResponse(_stream(state, job, chat, req.include_usage()),
                                  media_type="text/event-stream",
@@ -265,8 +267,9 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state: ServeState = request.app.state.serve
     ok = state.scheduler.alive()
+    lost = {"error": state.scheduler.lost} if state.scheduler.lost else {}
     return JSONResponse({"status": "ok" if ok else "error", "model": state.model_id,
-                         "engine": state.engine, **state.scheduler.stats()},
+                         "engine": state.engine, **lost, **state.scheduler.stats()},
                         status_code=200 if ok else 503)
 
 

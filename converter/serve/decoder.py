@@ -41,5 +41,8 @@ class ServeDecoder:
         for slot in self.dec.active:
             self.remove(slot)
 
+    def idle(self) -> None:
+        """Nothing to do between requests (the scheduler's hook)."""
+
     def describe(self) -> dict[str, object]:
         return self.dec.describe()
