@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -94,7 +95,10 @@ def _launch(args: argparse.Namespace, system: str, mode: str) -> dict:
         if args.mlx_lm:
             cmd += ["--mlx-lm", args.mlx_lm]
         if mode != "single":
-            launcher = str(Path(sys.executable).with_name("mlx.launch"))
+            beside = Path(sys.executable).with_name("mlx.launch")
+            launcher = str(beside) if beside.is_file() else shutil.which("mlx.launch")
+            if launcher is None:
+                raise SystemExit("mlx.launch not found (beside python or on PATH)")
             cmd = [launcher, "-n", str(args.ranks), "--backend", args.backend, "--", *cmd]
         subprocess.run(cmd, check=True, timeout=args.timeout)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]

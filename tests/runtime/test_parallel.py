@@ -145,3 +145,67 @@ def test_dead_rank_ends_the_job(artifacts: dict[str, Path], tmp_path: Path) -> N
     assert "Traceback" not in text
     last = text.strip().splitlines()[-1]
     assert last.startswith("error: rank 0: another rank of the distributed job stopped"), text
+
+
+def _wait_health(url: str, procs: list[subprocess.Popen], deadline: float) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a server process exited"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not come up")
+
+
+def test_server_on_rank_0(artifacts: dict[str, Path], tmp_path: Path) -> None:
+    """`fuselm serve --parallel tensor` over two ranks answers the openai client with the text
+    of a single-rank server; a rank killed afterwards shows on rank 0's /health (503, the
+    reason) within 30 s, and a request then gets 503."""
+    import httpx
+    import openai
+
+    art = artifacts["qwen3-float"]
+    base = [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(art),
+            "--max-context", "128", "--max-batch", "2", "--log-level", "warning"]
+    one_port, job_port = _ports(), _ports() + 100
+    log = (tmp_path / "serve.log").open("wb")
+    procs = [subprocess.Popen([*base, "--port", str(one_port), "--engine", "mlx"],
+                              stdout=log, stderr=subprocess.STDOUT)]
+    procs += launch([*base, "--port", str(job_port), "--parallel", "tensor"], tmp_path,
+                    stdout=log, stderr=subprocess.STDOUT)
+    urls = [f"http://127.0.0.1:{one_port}", f"http://127.0.0.1:{job_port}"]
+    try:
+        deadline = time.monotonic() + JOB_S
+        for url in urls:
+            _wait_health(url, procs, deadline)
+        texts = []
+        for url in urls:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                   timeout=60)
+            chat = client.chat.completions.create(
+                model=art.name, messages=[{"role": "user", "content": "hello world"}],
+                max_tokens=NEW_TOKENS, temperature=0)
+            done = client.completions.create(model=art.name, prompt="The quick brown fox",
+                                             max_tokens=NEW_TOKENS, temperature=0)
+            texts.append((chat.choices[0].message.content, done.choices[0].text))
+        assert texts[0] == texts[1] and all(texts[0])
+        procs[2].send_signal(signal.SIGKILL)  # rank 1 of the job
+        t0 = time.monotonic()
+        while (health := httpx.get(urls[1] + "/health", timeout=5)).status_code == 200:
+            assert time.monotonic() - t0 < 30, "the lost rank did not show on /health"
+            time.sleep(0.5)
+        assert health.status_code == 503
+        assert health.json()["error"].startswith("rank 0: another rank of the distributed job")
+        late = httpx.post(urls[1] + "/v1/completions", timeout=10,
+                          json={"model": art.name, "prompt": "hi", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_lost"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        log.close()
