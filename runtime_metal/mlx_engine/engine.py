@@ -151,8 +151,8 @@ class MLXEngine:
         is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
         (no sliding window), attention already stops at each row's length: one span, one
         trace per row count."""
-        if self.fast is None or self.fast.program.kv_layout is None or self.parallel:
-            return None  # ranks step together through the one-sequence path only
+        if self.fast is None or self.fast.program.kv_layout is None:
+            return None
         program = self.fast.program
         if self._batch_fn is None:  # one compiled function for every decoder of the engine
             self._batch_fn = mx.compile(program.paged) if self.fast.compiled else program.paged
