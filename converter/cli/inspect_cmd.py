@@ -144,9 +144,8 @@ def _split(out_dir: Path, mode: str, ranks: int, as_json: bool) -> None:
     total = sum(t.ByteSize() if not t.external_data else int(
         {e.key: e.value for e in t.external_data}.get("length", 0))
         for t in graph.graph.initializer)
-    elem = {"float16": 10, "bfloat16": 16}.get(manifest.dtype, 1)  # onnx.TensorProto types
     report = split_report(graph, mode, ranks, hidden=manifest.model.hidden_size,
-                          vocab=manifest.model.vocab_size, elem_type=elem)
+                          vocab=manifest.model.vocab_size, dtype=manifest.dtype)
     info = manifest.model
     facts = {"mode": mode, "ranks": ranks, "splits": not report.error, "reason": report.error,
              "query_heads": info.num_heads, "kv_heads": info.num_kv_heads,

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from onnx import TensorProto
 
 from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.artifact import Manifest, model_path
@@ -69,7 +68,7 @@ class MLXEngine:
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
-        act = half() if manifest.dtype == "float16" else mx.float32
+        act = self._activations()
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
         settle_affine(packed, act)
         self.dense_from_rows = kernels.dense_prefill_rows(self.config.prefill_dense)
@@ -98,6 +97,10 @@ class MLXEngine:
             self.prefill_reason = "executor ({})".format(
                 self.fast.program.prefill_refused or "fast_prefill=False")
 
+    def _activations(self) -> mx.Dtype:
+        """What the engine computes in (dtypes.half: float32 on a CPU)."""
+        return half() if self.manifest.dtype == "float16" else mx.float32
+
     def _load(self, path: Path) -> LoadedGraph:
         """The graph and weights, checked against the manifest before any sharding."""
         model = read_model(path)
@@ -106,12 +109,11 @@ class MLXEngine:
         cuts = None
         if self.parallel is not None:
             info = self.manifest.model
-            elem = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}.get(
-                self.manifest.dtype, TensorProto.FLOAT)
+            act = "float16" if self._activations() == mx.float16 else "float32"
             try:
                 cuts = shard_graph(model, self.parallel.mode, self.parallel.rank,
                                    self.parallel.size, hidden=info.hidden_size,
-                                   vocab=info.vocab_size, elem_type=elem)
+                                   vocab=info.vocab_size, dtype=act)
             except ShardError as e:
                 raise RuntimeUserError(
                     f"--parallel {self.parallel.mode} over {self.parallel.size} ranks: {e}"

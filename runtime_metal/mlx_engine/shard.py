@@ -40,6 +40,8 @@ MODES = ("tensor", "pipeline")
 _PASS_THROUGH = ("Cast",)
 _DEQUANT = ("DequantizeLinear", "DequantizeAffine")
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+# the hidden state pipeline ranks pass on, by the engine's activation dtype (else float32)
+_HIDDEN_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
 class ShardError(ValueError):
@@ -380,7 +382,7 @@ def _descendants(g: _Graph, tensors: Iterable[str]) -> set[int]:
     return out
 
 
-def _split_layers(g: _Graph, rank: int, size: int, hidden: int, elem_type: int) -> None:
+def _split_layers(g: _Graph, rank: int, size: int, hidden: int, dtype: str) -> None:
     model = g.model
     nodes = list(model.graph.node)
     attn = {}
@@ -452,17 +454,19 @@ def _split_layers(g: _Graph, rank: int, size: int, hidden: int, elem_type: int) 
         stack.extend(i for i in node.input if i)
     kept = [n for n in nodes if id(n) in keep]
     new: list[onnx.NodeProto] = []
+    hidden_type = _HIDDEN_TYPES.get(dtype, TensorProto.FLOAT)
     for t in incoming:
         new.append(helper.make_node("PipeRecv", ["input_ids"], [t], domain=DOMAIN,
                                     name=f"PipeRecv:{t}", src=rank - 1, width=hidden,
-                                    elem_type=elem_type))
+                                    elem_type=hidden_type))
     new.extend(kept)
     if rank < size - 1:
         sent = []
         for t in outgoing:
             sent.append(f"{t}.sent")
             new.append(helper.make_node("PipeSend", [t], [f"{t}.sent"], domain=DOMAIN,
-                                        name=f"PipeSend:{t}", dst=rank + 1))
+                                        name=f"PipeSend:{t}", dst=rank + 1,
+                                        elem_type=hidden_type))
         vocab = _vocab_size(model)
         new.append(helper.make_node("PipeLogits", sent, [LOGITS], domain=DOMAIN,
                                     name="PipeLogits", vocab=vocab, own=0))
@@ -517,9 +521,10 @@ def _renumber_kv(model: onnx.ModelProto, lo: int, hi: int) -> None:
 # ---- entry points --------------------------------------------------------------------------
 
 def shard_graph(model: onnx.ModelProto, mode: str, rank: int, size: int, *, hidden: int,
-                vocab: int, elem_type: int) -> dict[str, Cut]:
+                vocab: int, dtype: str) -> dict[str, Cut]:
     """Rewrite `model` (initializers without data) into rank `rank`'s graph; return the cut
-    of every initializer it keeps (others are removed from the graph)."""
+    of every initializer it keeps (others are removed from the graph). hidden and vocab are
+    the manifest's; dtype names the engine's activation dtype (a pipeline's hidden state)."""
     if mode not in MODES:
         raise ShardError(f"unknown parallel mode {mode!r}; choose from {', '.join(MODES)}")
     g = _Graph.of(model)
@@ -531,7 +536,7 @@ def shard_graph(model: onnx.ModelProto, mode: str, rank: int, size: int, *, hidd
         _split_vocab(g, cuts, rank, size, vocab)
         _retype_kv(model, kv)
     else:
-        _split_layers(g, rank, size, hidden, elem_type)
+        _split_layers(g, rank, size, hidden, dtype)
     used = {i for n in model.graph.node for i in n.input if i}
     keep = [t for t in model.graph.initializer if t.name in used]
     out: dict[str, Cut] = {}
@@ -564,7 +569,7 @@ class SplitReport:
 
 
 def split_report(model: onnx.ModelProto, mode: str, size: int, *, hidden: int, vocab: int,
-                 elem_type: int) -> SplitReport:
+                 dtype: str) -> SplitReport:
     """Whether `model` splits over `size` ranks in `mode`, and each rank's weight bytes."""
     report = SplitReport(mode, size)
     types = {t.name: t.data_type for t in model.graph.initializer}
@@ -572,8 +577,7 @@ def split_report(model: onnx.ModelProto, mode: str, size: int, *, hidden: int, v
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         try:
-            cuts = shard_graph(copy, mode, rank, size, hidden=hidden, vocab=vocab,
-                               elem_type=elem_type)
+            cuts = shard_graph(copy, mode, rank, size, hidden=hidden, vocab=vocab, dtype=dtype)
         except ShardError as e:
             report.error = str(e)
             return report

@@ -51,10 +51,10 @@ def pipe_recv(xp: ModuleType, ids, *, src: int, width: int, elem_type: int):  # 
 
 
 @op(D, "PipeSend")
-def pipe_send(xp: ModuleType, h, *, dst: int):  # noqa: ANN001, ANN201
-    """The hidden state to the next pipeline rank; the result is the sent array, which the
-    logits step depends on (so evaluating the logits sends it)."""
-    return mx.distributed.send(h, dst)
+def pipe_send(xp: ModuleType, h, *, dst: int, elem_type: int):  # noqa: ANN001, ANN201
+    """The hidden state to the next pipeline rank, in the dtype it receives; the result is
+    the sent array, which the logits step depends on (so evaluating the logits sends it)."""
+    return mx.distributed.send(h.astype(onnx_dtype(mx, elem_type)), dst)
 
 
 @op(D, "PipeLogits")
