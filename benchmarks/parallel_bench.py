@@ -9,6 +9,8 @@ plain process): greedy generation of n tokens after a seeded random p-token prom
 then r runs, medians; the figures are rank 0's, the memory every rank's (peak RSS, the weight
 bytes it read, MLX's peak device memory). `--mlx-lm DIR` adds mlx-lm's own sharded generation
 of the same weights (`mlx_lm.utils.sharded_load`, tensor and pipeline) and its single rank.
+`--allreduce` times only one all_sum of a decode step's hidden row over the ranks (e.g. two
+processes on one GPU, where a second GPU is not at hand).
 Ports: the ring backend takes mlx.launch's defaults on 127.0.0.1.
 """
 
@@ -78,8 +80,31 @@ def _mlx_lm(args: argparse.Namespace, parallel: str | None) -> dict:
             "device_peak_bytes": mx.get_peak_memory(), "rank": rank}
 
 
+def _allreduce(args: argparse.Namespace) -> dict:
+    """One all_sum of a decode step's hidden row ([1, 1, width], float32), the collective a
+    tensor-parallel layer runs twice: median of 7 rounds of 200, microseconds."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    x = mx.ones((1, 1, args.width))
+    for _ in range(20):
+        mx.eval(mx.distributed.all_sum(x))
+    rounds = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            mx.eval(mx.distributed.all_sum(x))
+        rounds.append((time.perf_counter() - t0) / 200 * 1e6)
+    return {"allreduce_us": statistics.median(rounds), "rounds_us": rounds,
+            "rank": group.rank(), "pp": 0.0, "tg": 0.0}
+
+
 def worker(args: argparse.Namespace) -> None:
     parallel = None if args.worker_mode == "single" else args.worker_mode
+    if args.worker_system == "allreduce":
+        res = _allreduce(args)
+        Path(args.worker_out, f"rank{res['rank']}.json").write_text(json.dumps(res))
+        return
     t0 = time.perf_counter()
     res = (_mlx_lm if args.worker_system == "mlx-lm" else _fuselm)(args, parallel)
     res.update(seconds=time.perf_counter() - t0, rss_now_bytes=_rss_now(),
@@ -91,7 +116,7 @@ def _launch(args: argparse.Namespace, system: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(HERE), "--worker-system", system, "--worker-mode", mode,
                "--worker-out", tmp, "--artifact", args.artifact, "-p", str(args.p),
-               "-n", str(args.n), "-r", str(args.r)]
+               "-n", str(args.n), "-r", str(args.r), "--width", str(args.width)]
         if args.mlx_lm:
             cmd += ["--mlx-lm", args.mlx_lm]
         if mode != "single":
@@ -110,7 +135,7 @@ def _launch(args: argparse.Namespace, system: str, mode: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--artifact", default="", help="the fuselm artifact (all but --allreduce)")
     ap.add_argument("--mlx-lm", help="an mlx-lm folder of the same weights: its peer rows")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--backend", default="ring", choices=("ring", "jaccl", "nccl"))
@@ -119,6 +144,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("-r", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--allreduce", action="store_true",
+                    help="only time one all_sum of a [1, 1, --width] float32 row over the ranks")
+    ap.add_argument("--width", type=int, default=1024, help="hidden size for --allreduce")
     ap.add_argument("--json-out")
     ap.add_argument("--worker-system", help=argparse.SUPPRESS)
     ap.add_argument("--worker-mode", help=argparse.SUPPRESS)
@@ -126,6 +154,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker_system:
         worker(args)
+        return
+    if args.allreduce:
+        res = _launch(args, "allreduce", "tensor")
+        print(json.dumps(res, indent=2))
         return
     systems = ["fuselm"] + (["mlx-lm"] if args.mlx_lm else [])
     rows = []
