@@ -97,6 +97,8 @@ class _Cuts:
 
     def add(self, name: str, axis: int, spans: Iterable[tuple[int, int]]) -> None:
         t = self.g.inits[name]
+        if not t.dims:  # one value for the whole tensor: every rank keeps it
+            return
         cut = Cut(tuple(t.dims), axis, tuple(spans))
         old = self.cuts.get(name)
         if old is not None and old != cut:
@@ -130,16 +132,19 @@ class _Cuts:
 
     def blocked(self, names: list[str], axis: int, spans: list[tuple[int, int]], qaxis: int,
                 block: int, what: str) -> None:
-        """codes [K, N] with scales / zero points blocked along `qaxis` (block 0: one per
-        channel of the other axis)."""
+        """codes [K, N] with scales / zero points along `qaxis`: in blocks of `block` there
+        (their other dims the codes'), or one per channel of it (block 0: 1-D)."""
         codes, *params = [n for n in names if n]
         self.weight(codes, axis, spans, what)
+        if not block:  # per channel: cut with the codes only along their own axis
+            if axis == qaxis:
+                for p in params:
+                    self.weight(p, 0, spans, what)
+            return
         if axis != qaxis:  # the split runs across the blocks: parameters split the same way
             for p in params:
-                self.weight(p, axis if block else 0, spans, what)
+                self.weight(p, axis, spans, what)
             return
-        if not block:
-            return  # per-channel parameters of the other axis stay whole
         if any(a % block or b % block for a, b in spans):
             raise ShardError(f"{what}: a split at {spans} would cut its {block}-wide "
                              "quantization blocks")
