@@ -219,3 +219,25 @@ def test_server_on_rank_0(artifacts: dict[str, Path], tmp_path: Path) -> None:
                 p.kill()
             p.wait()
         log.close()
+
+
+def test_inspect_says_how_an_artifact_splits(artifacts: dict[str, Path], q4_artifact: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """`fuselm inspect OUT --parallel MODE -n N`: each rank's weight bytes where the split
+    works (exit 0), the reason where it does not (exit 1): KV heads that do not divide, Q4
+    blocks a row split would cut (head_dim 24: a rank's 48 rows of o_proj are 1.5 blocks)."""
+    from tests.cli_run import run_cli
+
+    art = artifacts["llama-q4"]
+    code, out, _ = run_cli(capsys, "inspect", str(art), "--parallel", "tensor", "-n", "2",
+                           "--json")
+    facts = json.loads(out)
+    assert code == 0 and facts["splits"] and len(facts["rank_weight_bytes"]) == 2
+    for share in facts["rank_weight_bytes"]:
+        assert 0.45 <= share / facts["weight_bytes"] <= 0.56
+    code, out, _ = run_cli(capsys, "inspect", str(art), "--parallel", "pipeline", "-n", "2")
+    assert code == 0 and "layers 0-0" in out and "layers 1-1" in out
+    code, out, _ = run_cli(capsys, "inspect", str(art), "--parallel", "tensor", "-n", "4")
+    assert code == 1 and "2 KV heads do not divide over 4 ranks" in out
+    code, out, _ = run_cli(capsys, "inspect", str(q4_artifact), "--parallel", "tensor")
+    assert code == 1 and "quantization blocks" in out
