@@ -115,8 +115,10 @@ class MLXEngine:
                                    self.parallel.size, hidden=info.hidden_size,
                                    vocab=info.vocab_size, dtype=act)
             except ShardError as e:
+                hint = ("; --parallel pipeline splits it by layers instead"
+                        if self.parallel.mode == "tensor" else "")
                 raise RuntimeUserError(
-                    f"--parallel {self.parallel.mode} over {self.parallel.size} ranks: {e}"
+                    f"--parallel {self.parallel.mode} over {self.parallel.size} ranks: {e}{hint}"
                 ) from None
         return LoadedGraph(model, read_weights(model, path.parent, cuts), path)
 
