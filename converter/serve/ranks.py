@@ -13,6 +13,7 @@ it, and new requests get 503.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -54,8 +55,11 @@ class LeaderDecoder:
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
         if sampling.seed is None:  # one seed for every rank's sampler
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(62))
-        self._send({"op": "add", "prompt": list(prompt_ids),
-                    "sampling": dataclasses.asdict(sampling)})
+        wire = json.loads(json.dumps(dataclasses.asdict(sampling)))
+        if SamplingOptions(**wire) != sampling:  # the ranks would sample differently
+            raise RuntimeUserError("these sampling options do not reach the other ranks of a "
+                                   "--parallel server unchanged; leave out the extended ones")
+        self._send({"op": "add", "prompt": list(prompt_ids), "sampling": wire})
         return _guarded(lambda: self.inner.add(prompt_ids, sampling))
 
     def step(self) -> dict[int, int]:
