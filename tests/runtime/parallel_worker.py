@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from fuselm.runtime_metal.batch import BatchDecoder
+from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.loaded_model import open_model
 from fuselm.runtime_metal.sampling import SamplingOptions
 
@@ -38,7 +39,8 @@ def main() -> None:
         rank = model.engine.parallel.rank  # type: ignore[attr-defined]
         logits = model.engine.forward(np.array(spec["prompt"]), all_logits=True)
         model.engine.reset()
-        tokens = model.generate(spec["prompt"], max_new_tokens=spec["new_tokens"]).tokens
+        # the engine's own loop: no tokenizer to load (no text, no EOS: every token counts)
+        tokens = generate(model.engine, spec["prompt"], max_new_tokens=spec["new_tokens"]).tokens
         if rank == 0:
             np.save(out / f"{case['name']}.npy", logits)
         results[case["name"]] = {"tokens": tokens,

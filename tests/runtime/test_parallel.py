@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from fuselm.converter.models.builtin import build_model
+from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.loaded_model import open_model
 from tests.families import TEST_CONFIGS
 from tests.runtime.conftest import convert, quantized_copy
@@ -85,7 +86,7 @@ def single(artifacts: dict[str, Path]) -> dict[str, dict]:
         logits = model.engine.forward(np.array(PROMPT), all_logits=True)
         model.engine.reset()
         out[name] = {"logits": logits, "weight_bytes": model.engine.weight_bytes,
-                     "tokens": model.generate(PROMPT, max_new_tokens=NEW_TOKENS).tokens}
+                     "tokens": generate(model.engine, PROMPT, max_new_tokens=NEW_TOKENS).tokens}
         if name == BATCHED:
             out[name]["batch"] = batch_tokens(model.engine, BATCH_PROMPTS, NEW_TOKENS)
     return out
