@@ -52,6 +52,12 @@
 #                                               # fixed cost shows at 16), then one launch under
 #                                               # ncu's full set with per-SASS-line stall
 #                                               # samples -> $OUT/attn_*.{json,txt}
+#   benchmarks/gpu_run.sh dist GROUP            # parallel_bench.py on a host of 2 GPUs (NCCL via
+#                                               # mlx.launch): the Llama-3.1-8B shape's fuselm Q4,
+#                                               # one GPU vs --parallel tensor and pipeline, and
+#                                               # mlx-lm's sharded_load of its own Q4 (needs
+#                                               # `prep 8b:GROUP`) -> $OUT/dist_8b_gGROUP.json;
+#                                               # then one all_sum of a 4096 row (NCCL)
 #   benchmarks/gpu_run.sh crossover             # probes/q4_dense_crossover.py (quantized vs dense)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
 #                                               # by inputs, outputs, text; graphs on and off
@@ -246,6 +252,14 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); \
       print({k: round(v['total_us'], 2) for k, v in d['kernels'].items() if 'attend' in k})" \
       "$OUT/attn_$2_g$3.json"
+    ;;
+  dist)
+    tag="hf_g$2_float16"
+    python3 benchmarks/parallel_bench.py --artifact "$WORK/fuselm_$tag" \
+      --mlx-lm "$WORK/mlxlm_$tag" --ranks "${RANKS:-2}" --backend nccl -p 512 -n 128 -r 3 \
+      --json-out "$OUT/dist_8b_g$2.json"
+    python3 benchmarks/parallel_bench.py --allreduce --width 4096 --backend nccl \
+      > "$OUT/dist_allreduce.json"
     ;;
   crossover)
     python3 benchmarks/probes/q4_dense_crossover.py | tail -1 > "$OUT/crossover.json"

@@ -83,9 +83,15 @@ def mlx_has_gpu() -> bool:
         return False
 
 
-def resolve_engine(name: str) -> str:
+def resolve_engine(name: str, parallel: str | None = None) -> str:
+    """The engine `name` means here; `parallel` (a model over several ranks) runs on MLX."""
     if name not in ENGINES:
         raise RuntimeUserError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    if parallel:
+        if name == "onnxruntime":
+            raise RuntimeUserError(f"--parallel {parallel} runs on the MLX engine (its "
+                                   "mx.distributed layer); drop --engine onnxruntime")
+        return "mlx"
     if name == "auto":
         return "mlx" if mlx_has_gpu() else "onnxruntime"
     return name
@@ -103,7 +109,7 @@ def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig |
     manifest = read_manifest(out_dir)
     check_sizes(out_dir, manifest)
     check_graph(out_dir, manifest)
-    resolved = resolve_engine(name)
+    resolved = resolve_engine(name, options.get("parallel"))  # type: ignore[arg-type]
     if resolved == "mlx":
         from fuselm.runtime_metal.mlx_engine.engine import MLXEngine
 

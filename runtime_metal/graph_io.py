@@ -10,3 +10,8 @@ PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
 def present_for(past_name: str) -> str:
     return past_name.replace("past_key_values.", "present.", 1)
+
+LOGITS = "logits"
+# The LM head's own output when a collective of a sharded graph (mlx_engine/shard.py) makes
+# `logits` from it: still the LM head (step.Step.is_lm_head).
+LOGITS_PART = "logits.part"

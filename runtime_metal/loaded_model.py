@@ -35,7 +35,7 @@ class LoadedModel:
                  ) -> None:
         self.path = Path(out_dir)
         self.manifest: Manifest = read_manifest(out_dir)
-        self.engine_name = resolve_engine(engine)
+        self.engine_name = resolve_engine(engine, engine_options.get("parallel"))
         self._engine_options = engine_options
         self._engine: Engine | None = None
 

@@ -7,6 +7,7 @@ the whole file), so loading a 0.6B model costs its size once.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,25 @@ from fuselm.runtime_metal.dtypes import onnx_dtype
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The part of a stored tensor to read (a rank's share of a sharded graph: mlx_engine/
+    shard.py): index spans along one axis, joined in order (the whole tensor when spans is
+    empty), of a tensor stored with `dims`."""
+
+    dims: tuple[int, ...]
+    axis: int = 0
+    spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if not self.spans:
+            return self.dims
+        out = list(self.dims)
+        out[self.axis] = sum(b - a for a, b in self.spans)
+        return tuple(out)
 
 
 @dataclass
@@ -99,9 +119,9 @@ def _from_bytes(buf: memoryview | bytes, t: TensorProto) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape).copy()
 
 
-def load_graph(model_file: str | Path) -> LoadedGraph:
+def read_model(model_file: str | Path) -> onnx.ModelProto:
+    """The graph, initializers without their data (load_graph / read_weights read those)."""
     path = Path(model_file)
-    root = path.parent
     if not path.is_file():
         raise RuntimeUserError(f"{path} not found; pass the folder `fuselm convert` wrote")
     try:
@@ -110,10 +130,25 @@ def load_graph(model_file: str | Path) -> LoadedGraph:
         raise RuntimeUserError(f"{path} is not a readable ONNX model ({e}); re-convert") from e
     if not model.graph.node:
         raise RuntimeUserError(f"{path} has an empty graph; it is not a fuselm model")
+    return model
+
+
+def load_graph(model_file: str | Path) -> LoadedGraph:
+    path = Path(model_file)
+    model = read_model(path)
+    return LoadedGraph(model, read_weights(model, path.parent), path)
+
+
+def read_weights(model: onnx.ModelProto, root: Path, cuts: Mapping[str, Cut] | None = None
+                 ) -> dict[str, np.ndarray]:
+    """Every initializer's values, read from its external data file by one slice each. With
+    `cuts` (a sharded graph: mlx_engine/shard.py), an initializer's dims are its cut's shape
+    and only the cut's part of the stored tensor is read."""
     weights: dict[str, np.ndarray] = {}
     maps: dict[Path, mmap.mmap] = {}
     try:
         for t in model.graph.initializer:
+            cut = cuts.get(t.name) if cuts is not None else None
             if t.data_location == TensorProto.EXTERNAL:
                 info = _external_info(t)
                 file = _confined(root, info.get("location", ""), t.name)
@@ -125,9 +160,13 @@ def load_graph(model_file: str | Path) -> LoadedGraph:
                     raise RuntimeUserError(
                         f"tensor {t.name!r}: external data {file.name} is shorter than the "
                         "model says (truncated copy?); re-convert or copy it again")
-                weights[t.name] = _from_bytes(memoryview(maps[file])[offset:offset + length], t)
-            else:
+                buf = memoryview(maps[file])[offset:offset + length]
+                weights[t.name] = _from_bytes(buf, t) if cut is None else _cut_from_bytes(
+                    buf, t, cut)
+            elif cut is None:
                 weights[t.name] = numpy_helper.to_array(t)
+            else:  # stored inside model.onnx: read with its stored dims, then cut
+                weights[t.name] = _take(numpy_helper.to_array(_with_dims(t, cut.dims)), cut)
             # Drop the payload from the proto: the graph keeps only names and shapes.
             t.ClearField("raw_data")
     finally:
@@ -136,4 +175,48 @@ def load_graph(model_file: str | Path) -> LoadedGraph:
                 m.close()
             except BufferError:  # a view is still alive; the OS frees it with the process
                 pass
-    return LoadedGraph(model, weights, path)
+    return weights
+
+
+def _take(value: np.ndarray, cut: Cut) -> np.ndarray:
+    if not cut.spans:
+        return value
+    index = [slice(None)] * value.ndim
+    parts = []
+    for a, b in cut.spans:
+        index[cut.axis] = slice(a, b)
+        parts.append(value[tuple(index)])
+    return np.ascontiguousarray(np.concatenate(parts, axis=cut.axis))
+
+
+def _with_dims(t: TensorProto, dims: tuple[int, ...]) -> TensorProto:
+    out = TensorProto()
+    out.CopyFrom(t)
+    del out.dims[:]
+    out.dims.extend(dims)
+    return out
+
+
+def _cut_from_bytes(buf: memoryview, t: TensorProto, cut: Cut) -> np.ndarray:
+    """The cut's part of a stored tensor, touching only its bytes where the layout allows:
+    4-bit codes two to a byte along the last axis, so a row range or an even column range of
+    an even-width matrix is a range of whole bytes."""
+    dims = cut.dims
+    n = int(np.prod(dims)) if dims else 1
+    if t.data_type in _FOUR_BIT:
+        even = len(dims) == 2 and dims[1] % 2 == 0 and (
+            cut.axis == 0 or all(a % 2 == 0 and b % 2 == 0 for a, b in cut.spans))
+        if not even:
+            return _take(_from_bytes(buf, _with_dims(t, dims)), cut)
+        raw = np.frombuffer(buf, dtype=np.uint8, count=n // 2).reshape(dims[0], dims[1] // 2)
+        half = cut if cut.axis == 0 else Cut(cut.dims, 1, tuple((a // 2, b // 2)
+                                                                 for a, b in cut.spans))
+        packed = _take(raw, half)
+        codes = np.empty(packed.shape[:1] + (packed.shape[1] * 2,), np.uint8)
+        codes[:, 0::2] = packed & 0x0F
+        codes[:, 1::2] = packed >> 4
+        return codes.view(onnx_dtype(np, t.data_type))
+    dtype = onnx_dtype(np, t.data_type)
+    if len(buf) < n * dtype.itemsize:
+        raise RuntimeUserError(f"tensor {t.name!r}: external data is truncated")
+    return _take(np.frombuffer(buf, dtype=dtype, count=n).reshape(dims), cut).copy()

@@ -10,8 +10,10 @@ import click
 
 from fuselm.converter.cli.bench_grid import Row, int_list, model_columns, progress_bar, run_grid
 from fuselm.converter.cli.options import (
+    join_parallel,
     model_argument,
     ort_options,
+    parallel_option,
     runtime_config,
     threads_option,
     verbose_option,
@@ -37,10 +39,11 @@ from fuselm.runtime_metal.errors import RuntimeUserError
               help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="also a per-op time table (MLX executor)")
+@parallel_option
 @verbose_option
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
-          profile: bool, verbose: bool = False) -> None:
+          profile: bool, verbose: bool = False, parallel: str | None = None) -> None:
     """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.cli.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
@@ -49,12 +52,12 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
 
     config = runtime_config(verbose, engine=engine, threads=threads)
     manifest = read_manifest(out_dir)
-    name = resolve_engine(engine)
+    name = resolve_engine(engine, parallel)
     if profile and name != "mlx":
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
     warn_mlx_on_cpu(manifest, engine)
     options = {**(ort_options(name, accuracy_level, threads) or {"fast": not no_compile}),
-               "config": config}
+               "config": config, **join_parallel(parallel)}
     cols = model_columns(out_dir, manifest)
     grid = len(p) > 1 or len(n) > 1
     if grid and profile:

@@ -77,10 +77,20 @@ def describe(path: Path) -> dict[str, Any]:
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @click.option("--full", is_flag=True, help="Every I/O row (KV rows are collapsed otherwise).")
-def inspect(model: Path, as_json: bool, full: bool) -> None:
+@click.option("--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
+              help="say instead whether the artifact splits this way over -n ranks (`run "
+              "--parallel`), and the weight bytes each rank reads; exit 1 when it does not")
+@click.option("-n", "--ranks", type=click.IntRange(2), default=2, show_default=True,
+              help="ranks for --parallel")
+def inspect(model: Path, as_json: bool, full: bool, parallel: str | None = None,
+            ranks: int = 2) -> None:
     """Show MODEL's (a .onnx file or an output directory) summary, I/O signature and op
     histogram."""
     import onnx
+
+    if parallel:
+        _split(model, parallel, ranks, as_json)
+        return
 
     from fuselm.config import resolve
     from fuselm.converter.cli.inspect_summary import collapse_io, summary
@@ -121,3 +131,41 @@ def inspect(model: Path, as_json: bool, full: bool) -> None:
     console.print(io)
     console.print(ops)
     console.print(config)
+
+
+def _split(out_dir: Path, mode: str, ranks: int, as_json: bool) -> None:
+    """`inspect --parallel MODE -n N`: whether the artifact splits, and each rank's share."""
+    from fuselm.runtime_metal.artifact import model_path, read_manifest
+    from fuselm.runtime_metal.loader import read_model
+    from fuselm.runtime_metal.mlx_engine.shard import split_report
+
+    manifest = read_manifest(out_dir)
+    graph = read_model(model_path(out_dir))
+    total = sum(t.ByteSize() if not t.external_data else int(
+        {e.key: e.value for e in t.external_data}.get("length", 0))
+        for t in graph.graph.initializer)
+    report = split_report(graph, mode, ranks, hidden=manifest.model.hidden_size,
+                          vocab=manifest.model.vocab_size, dtype=manifest.dtype)
+    info = manifest.model
+    facts = {"mode": mode, "ranks": ranks, "splits": not report.error, "reason": report.error,
+             "query_heads": info.num_heads, "kv_heads": info.num_kv_heads,
+             "vocab": info.vocab_size, "layers": info.num_layers,
+             "weight_bytes": total, "rank_weight_bytes": report.rank_bytes,
+             "rank_layers": report.layers}
+    if as_json:
+        click.echo(json.dumps(facts))
+    elif report.error:
+        click.echo(f"{out_dir} does not split {mode}-parallel over {ranks} ranks: "
+                   f"{report.error}")
+    else:
+        click.echo(f"{out_dir} splits {mode}-parallel over {ranks} ranks "
+                   f"({info.num_heads} query / {info.num_kv_heads} KV heads, "
+                   f"vocabulary {info.vocab_size}, "
+                   f"{info.num_layers} layers); weights {total / 2**20:.1f} MiB")
+        for r, b in enumerate(report.rank_bytes):
+            layers = (f", layers {report.layers[r][0]}-{report.layers[r][1] - 1}"
+                      if report.layers else "")
+            click.echo(f"  rank {r}: {b / 2**20:.1f} MiB ({100 * b / max(total, 1):.0f} %)"
+                       f"{layers}")
+    if report.error:
+        raise SystemExit(1)

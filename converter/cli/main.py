@@ -56,6 +56,13 @@ def main() -> None:
     except user_errors() as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except RuntimeError as e:  # a collective of a --parallel run lost its partner
+        from fuselm.runtime_metal.parallel import peer_lost, peer_lost_message
+
+        if not peer_lost(e):
+            raise
+        click.echo(f"error: {peer_lost_message(e)}", err=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

@@ -79,3 +79,24 @@ def runtime_config(verbose: bool = False, **options: object) -> RuntimeConfig:
         for line in config.lines():
             click.echo(f"  {line}", err=True)
     return config
+
+
+def parallel_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--parallel: one model over the ranks mlx.launch started (MLX engine)."""
+    return click.option(
+        "--parallel", type=click.Choice(["tensor", "pipeline"]), default=None,
+        help="run over the processes `mlx.launch -n N --backend ring|jaccl|nccl -- fuselm ...` "
+        "started, each holding its share of the weights: tensor (heads and MLP columns split, "
+        "one all-reduce after o_proj / down_proj) or pipeline (contiguous layer ranges); MLX "
+        "engine; rank 0 prints")(f)
+
+
+def join_parallel(parallel: str | None) -> dict[str, object]:
+    """The engine option --parallel gives; joins the process group first and silences stdout
+    on ranks other than 0."""
+    if not parallel:
+        return {}
+    from fuselm.runtime_metal.parallel import join, quiet_followers
+
+    quiet_followers(join(parallel))
+    return {"parallel": parallel}

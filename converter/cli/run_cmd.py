@@ -11,8 +11,10 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    join_parallel,
     model_argument,
     ort_options,
+    parallel_option,
     runtime_config,
     threads_option,
     verbose_option,
@@ -59,13 +61,14 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
-          threads: int | None = None, config: RuntimeConfig | None = None):
+          threads: int | None = None, config: RuntimeConfig | None = None,
+          parallel: str | None = None):
     """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
-    name = resolve_engine(engine)
+    name = resolve_engine(engine, parallel)
     options = ort_options(name, accuracy_level, threads)
     if name == "onnxruntime":
         if profile:
@@ -73,7 +76,7 @@ def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,
         return open_model(out_dir, name, config=config, **options), None
     profiler = Profiler() if profile else None
     model = open_model(out_dir, name, defer_engine=True, config=config,
-                       profiler=profiler)
+                       profiler=profiler, **join_parallel(parallel))
     warn_mlx_on_cpu(model.manifest, engine)  # before the slow part: building the engine
     model.engine  # noqa: B018
     return model, profiler
@@ -169,6 +172,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
 @click.option("--verify", "verify_files", is_flag=True,
               help="hash the artifact's files against fuselm.json before loading")
+@parallel_option
 @verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float | None, top_k: int | None, top_p: float | None,
@@ -179,7 +183,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         ctx_size: int | None = None, min_p: float | None = None,
         presence_penalty: float | None = None, frequency_penalty: float | None = None,
         logit_bias: tuple[str, ...] = (), top_logprobs: int | None = None,
-        json_schema: str | None = None, json_object: bool = False) -> None:
+        json_schema: str | None = None, json_object: bool = False,
+        parallel: str | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -197,7 +202,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
+    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel)
     sampling.check_vocab(model.manifest.model.vocab_size)
     if prompt is not None:
         check_text(prompt)

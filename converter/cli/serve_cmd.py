@@ -7,7 +7,13 @@ from pathlib import Path
 
 import click
 
-from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.converter.cli.options import (
+    join_parallel,
+    model_argument,
+    ort_options,
+    parallel_option,
+    threads_option,
+)
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
@@ -85,13 +91,15 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               "(repeatable); requests from other origins get HTTP 403  [default: none]")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
+@parallel_option
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, max_kv_tokens: int | None,
           memory_limit: float | None, queue_timeout: float | None, default_max_tokens: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
-          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
+          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str,
+          parallel: str | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -104,7 +112,10 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     parameter.
 
     Only this machine, and no web page from another origin, can use it by default; /health
-    stays open without the API key."""
+    stays open without the API key.
+
+    With --parallel (ranks started by mlx.launch) rank 0 listens and the other ranks follow
+    its batch schedule; a rank that dies stops the job: /health answers 503 naming it."""
     _need_serve_extra()
     import uvicorn
 
@@ -121,8 +132,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    name = resolve_engine(engine)
-    options = ort_options(name, accuracy_level, threads)
+    name = resolve_engine(engine, parallel)
+    options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams
     # to the thread that makes them.
     model = open_model(out_dir, name, defer_engine=True, **options)
@@ -135,10 +146,28 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     token_bytes = kv_token_bytes(manifest, name)
     kv_tokens = budget_tokens(max_kv_tokens, memory_limit, token_bytes)
     described: dict[str, object] = {}
+    if parallel:
+        from fuselm.runtime_metal.parallel import join
+
+        rank = join(parallel).rank
+    else:
+        rank = 0
+    if rank:  # a follower: no HTTP, rank 0's schedule until it stops
+        from fuselm.converter.serve.ranks import follow
+
+        follow(make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens),
+               rank)
+        return
+    leader = None
 
     def build():  # noqa: ANN202 - on the engine thread
+        nonlocal leader
         decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens)
         described.update(model.engine.describe(), batch=decoder.describe())
+        if parallel:
+            from fuselm.converter.serve.ranks import LeaderDecoder
+
+            decoder = leader = LeaderDecoder(decoder)
         return decoder
 
     # Two tokenizers: the handlers encode with their own while the engine thread's text
@@ -174,3 +203,5 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
                     timeout_graceful_shutdown=5)
     finally:
         scheduler.stop()
+        if leader is not None:
+            leader.stop()

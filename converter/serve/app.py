@@ -31,7 +31,7 @@ from fuselm.converter.serve.access import AccessGuard, AccessRules
 from fuselm.converter.serve.delivery import deliver
 from fuselm.converter.serve.errors import ApiError
 from fuselm.converter.serve.request_body import read_json
-from fuselm.converter.serve.scheduler import Job, OverBudget, QueueFull, Scheduler
+from fuselm.converter.serve.scheduler import EngineLost, Job, OverBudget, QueueFull, Scheduler
 from fuselm.converter.serve.schema import (
     ChatRequest,
     Choice,
@@ -250,6 +250,8 @@ async def _submit(request: Request, kind: str) -> Response:
         raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
     except OverBudget as e:
         raise ApiError(503, str(e), kind="server_error", code="kv_budget_exceeded") from None
+    except EngineLost as e:
+        raise ApiError(503, str(e), kind="server_error", code="engine_lost") from None
     # What the chat's cut dropped, in a header: the response body stays OpenAI's.
     headers = {DROPPED_HEADER: str(dropped)} if dropped else {}
     if req.stream:
@@ -450,8 +452,9 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     state: ServeState = request.app.state.serve
     ok = state.scheduler.alive()
+    lost = {"error": state.scheduler.lost} if state.scheduler.lost else {}
     return JSONResponse({"status": "ok" if ok else "error", "model": state.model_id,
-                         "engine": state.engine, **state.scheduler.stats()},
+                         "engine": state.engine, **lost, **state.scheduler.stats()},
                         status_code=200 if ok else 503)
 
 

@@ -80,5 +80,8 @@ class ServeDecoder:
         return {"mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory())}
 
+    def idle(self) -> None:
+        """Nothing to do between requests (the scheduler's hook)."""
+
     def describe(self) -> dict[str, object]:
         return self.dec.describe()

@@ -64,6 +64,10 @@ class BatchDecoder(Protocol):
 
     def reset(self) -> None: ...
 
+    def idle(self) -> None:
+        """Called while no request runs (about every half second)."""
+        ...
+
 
 class QueueFull(Exception):
     """More requests wait than --max-queue allows (HTTP 503)."""
@@ -72,6 +76,11 @@ class QueueFull(Exception):
 class OverBudget(Exception):
     """The request's prompt plus max_tokens needs more KV cache than the whole budget (HTTP
     503: it could never run on this server)."""
+
+
+class EngineLost(Exception):
+    """The engine cannot go on (a rank of a `--parallel` job is gone): the scheduler stops,
+    its requests and later ones get HTTP 503 with this message, /health reports it."""
 
 
 @dataclass
@@ -168,6 +177,7 @@ class Scheduler:
         self._touched: list[Job] = []  # jobs with news since the last wake-up call
         # Since start, for /health: what reached the engine (a refused request never does).
         self._admitted = self._generated = 0
+        self.lost: str | None = None  # why the engine stopped for good (EngineLost)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fuselm-engine", daemon=True)
         self._wakeups: queue.SimpleQueue[list[Job] | None] = queue.SimpleQueue()
@@ -191,6 +201,8 @@ class Scheduler:
 
     def submit(self, *jobs: Job) -> None:
         """Queue the jobs of one request together (its n choices), or none of them."""
+        if self.lost is not None:
+            raise EngineLost(self.lost)
         assert self.decoder is not None, "start() first"
         for job in jobs:
             need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
@@ -238,14 +250,32 @@ class Scheduler:
             if self.decoder is not None:  # the KV budget may hold fewer rows than asked
                 self.max_batch = min(self.max_batch, self.decoder.max_batch)
             self._ready.set()
+        try:
+            self._loop()
+        except EngineLost as e:
+            self.lost = str(e)
+            log.error("%s", e)
+            for job in self._active.values():
+                self._end(job, "error", (503, self.lost))
+            self._active.clear()
+            while not self._pending.empty():
+                job = self._pending.get()
+                if job is not None:
+                    self._end(job, "error", (503, self.lost))
+            self._notify()
+
+    def _loop(self) -> None:
         while not self._stopping.is_set():
             self._admit()
             self._drop_cancelled()
             if not self._active:
+                self.decoder.idle()  # type: ignore[union-attr]
                 continue
             assert self.decoder is not None
             try:
                 out = self.decoder.step()
+            except EngineLost:
+                raise
             except Exception:  # an engine bug must not kill the server: fail these requests
                 log.exception("engine step failed; failing %d request(s)", len(self._active))
                 for job in self._active.values():
@@ -300,6 +330,9 @@ class Scheduler:
                 self._end(job, "error", (400, str(e)))
                 self._notify()
                 continue
+            except EngineLost as e:
+                self._end(job, "error", (503, str(e)))
+                raise
             self._active[slot] = job
             self._reserved[slot] = need
             self._reserved_total += need

@@ -23,8 +23,9 @@ from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import half
+from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import KVCache
-from fuselm.runtime_metal.loader import load_graph
+from fuselm.runtime_metal.loader import LoadedGraph, read_model, read_weights
 from fuselm.runtime_metal.manifest_schema import (
     check_graph_io,
     onnx_inputs,
@@ -42,6 +43,8 @@ from fuselm.runtime_metal.mlx_engine.qweight import (
     settle_affine,
     warm_dense,
 )
+from fuselm.runtime_metal.mlx_engine.shard import ShardError, shard_graph
+from fuselm.runtime_metal.parallel import Parallel, join
 
 
 class MLXEngine:
@@ -51,20 +54,21 @@ class MLXEngine:
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool = True,
                  compiled: bool = True, fast_prefill: bool = True,
-                 config: RuntimeConfig | None = None) -> None:
+                 config: RuntimeConfig | None = None, parallel: str | None = None) -> None:
         self.config = config if config is not None else resolve()
         kernels.configure(self.config)  # before the first GPU evaluation of the process
         self.manifest = manifest
-        graph = load_graph(model_path(out_dir))
-        check_graph_io(manifest, onnx_inputs(graph.model), graph.path,
-                       onnx_past_dtype(graph.model), onnx_outputs(graph.model))
+        # several ranks: this one's share of the graph and weights (mlx_engine/shard.py)
+        self.parallel: Parallel | None = join(parallel) if parallel else None
+        graph = self._load(model_path(out_dir))
+        # the weight bytes this process read: its share of model.onnx.data
+        self.weight_bytes = sum(w.nbytes for w in graph.weights.values())
         self.plan = build_plan(graph)
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
         self.caches = [KVCache() for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
-        act = {"float16": half(mx.float16), "bfloat16": half(mx.bfloat16)}.get(
-            manifest.dtype, mx.float32)
+        act = self._activations()
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
         settle_affine(packed, act)
         self.dense_from_rows = kernels.dense_prefill_rows(self.config.prefill_dense)
@@ -92,6 +96,33 @@ class MLXEngine:
         else:
             self.prefill_reason = "executor ({})".format(
                 self.fast.program.prefill_refused or "fast_prefill=False")
+
+    def _activations(self) -> mx.Dtype:
+        """What the engine computes in (dtypes.half: float32 on a CPU)."""
+        return {"float16": half(mx.float16), "bfloat16": half(mx.bfloat16)}.get(
+            self.manifest.dtype, mx.float32)
+
+    def _load(self, path: Path) -> LoadedGraph:
+        """The graph and weights, checked against the manifest before any sharding."""
+        model = read_model(path)
+        check_graph_io(self.manifest, onnx_inputs(model), path, onnx_past_dtype(model),
+                       onnx_outputs(model))
+        cuts = None
+        if self.parallel is not None:
+            info = self.manifest.model
+            act = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self._activations(),
+                                                                      "float32")
+            try:
+                cuts = shard_graph(model, self.parallel.mode, self.parallel.rank,
+                                   self.parallel.size, hidden=info.hidden_size,
+                                   vocab=info.vocab_size, dtype=act)
+            except ShardError as e:
+                hint = ("; --parallel pipeline splits it by layers instead"
+                        if self.parallel.mode == "tensor" else "")
+                raise RuntimeUserError(
+                    f"--parallel {self.parallel.mode} over {self.parallel.size} ranks: {e}{hint}"
+                ) from None
+        return LoadedGraph(model, read_weights(model, path.parent, cuts), path)
 
     @property
     def offset(self) -> int:
@@ -181,6 +212,8 @@ class MLXEngine:
         return {
             "engine": self.name,
             "device": str(mx.default_device()),
+            **({"parallel": self.parallel.describe()} if self.parallel else {}),
+            "weight_bytes": self.weight_bytes,
             "steps": len(self.plan.steps),
             "graph_nodes": self.plan.stats.get("nodes"),
             "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",

@@ -13,14 +13,12 @@ import onnx
 
 from fuselm.runtime_metal.dtypes import onnx_dtype, to_device, to_host
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.graph_io import PAST
+from fuselm.runtime_metal.graph_io import LOGITS, LOGITS_PART, PAST
 from fuselm.runtime_metal.mlx_engine.ops import OpImpl
 from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 
 # Per layer: (kv_heads, key head_dim, value head_dim, dtype) of the KV cache
 KVLayout = list[tuple[int, int, int, mx.Dtype]]
-
-LOGITS = "logits"
 
 
 @dataclass
@@ -39,8 +37,11 @@ class Step:
     @property
     def is_lm_head(self) -> bool:
         """The MatMul that produces the logits: its rows are independent, so a chunk of prompt
-        needs it on the last position only."""
-        return self.op_type == "MatMul" and LOGITS in self.outputs
+        needs it on the last position only. In a pipeline rank without the head, the step
+        that receives the logits (mlx_engine/shard.py) stands in for it."""
+        if self.op_type == "PipeLogits":
+            return not self.attrs.get("own")
+        return self.op_type == "MatMul" and (LOGITS in self.outputs or LOGITS_PART in self.outputs)
 
 
 @dataclass
