@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from fuselm.runtime_metal.sampling import (
     make_sampler,
 )
 from fuselm.runtime_metal.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from fuselm.runtime_metal.drafting import Drafter
 
 
 @dataclass
@@ -50,6 +53,9 @@ DEFAULT_PREFILL_CHUNK = 512
 # tokens/s of 512-token chunks on an H200, at about twice the peak memory (BENCHMARKS.md
 # 'Long prompts'); mlx-lm's prefill step is 2,048 tokens too.
 CUDA_PREFILL_CHUNK = 2048
+# Speculative decoding: tokens drafted a step (HF's prompt lookup default is 10; a step of
+# 1 + 8 tokens costs the CPU engine about what a few single-token steps do).
+DEFAULT_NUM_DRAFT = 8
 
 
 def prefill_chunk_for(engine: Engine, chunk: int | None) -> int:
@@ -81,17 +87,25 @@ def prefill(engine: Engine, prompt: Sequence[int], chunk: int | None = None) -> 
 def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int,
                    sampler: Sampler, prefill_chunk: int | None = None,
                    timings: dict[str, float] | None = None,
-                   device_sampler: DeviceSampler | None = None) -> Iterator[int]:
+                   device_sampler: DeviceSampler | None = None,
+                   drafter: Drafter | None = None, num_draft: int = DEFAULT_NUM_DRAFT
+                   ) -> Iterator[int]:
     """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
 
     An engine with a device decode step (MLX) and a `device_sampler` runs the pipelined loop:
     token i+1 is queued (`mx.async_eval`) before token i is handed to the caller, so the device
-    never waits for Python. Otherwise each step returns host logits to `sampler`."""
+    never waits for Python. Otherwise each step returns host logits to `sampler`. With a
+    `drafter` (greedy `sampler` only: the caller's choice), speculative decoding: each step
+    checks up to `num_draft` drafted tokens at once (`_speculative_steps`)."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
     # One capacity for the whole generation: growing the cache mid-decode would copy it and
     # trace a new shape, and the next generation's prefill would meet yet another capacity.
     engine.reserve(engine.offset + len(prompt) + max_new_tokens)
+    if drafter is not None:
+        yield from _speculative_steps(engine, prompt, max_new_tokens, sampler, drafter,
+                                      num_draft, prefill_chunk, timings)
+        return
     if device_sampler is not None and engine.device_loop:
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
@@ -154,6 +168,63 @@ def _pipelined_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
             engine.trim(fed_ahead)
 
 
+def accept_drafts(drafts: Sequence[int], picks: Sequence[int]) -> int:
+    """How many drafted tokens greedy decoding confirms: picks[j] is the model's token after
+    the fed token and drafts[:j], and drafts are taken while they equal it. The step's tokens
+    are then drafts[:m] + [picks[m]]: exactly greedy decoding's."""
+    m = 0
+    while m < len(drafts) and m < len(picks) and drafts[m] == picks[m]:
+        m += 1
+    return m
+
+
+def _speculative_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
+                       sampler: Sampler, drafter: Drafter, num_draft: int, chunk: int | None,
+                       timings: dict[str, float] | None) -> Iterator[int]:
+    """Speculative decoding for one sequence: the token to feed and up to `num_draft` drafted
+    tokens go through the model in one step (Engine.verify: the logits of every position);
+    the drafts are accepted while they equal the model's greedy pick (accept_drafts), the
+    rejected positions are trimmed from the cache, and the pick after the last accepted draft
+    is the next token to feed. A draft never reaches past max_new_tokens, so the cache stays
+    inside what generate_steps reserved."""
+    if num_draft < 1:
+        raise RuntimeUserError(f"the number of drafted tokens must be >= 1, got {num_draft}")
+    history = list(prompt)
+    t0 = time.perf_counter()
+    token = sampler(prefill(engine, prompt, chunk), history)
+    t1 = time.perf_counter()
+    if timings is not None:
+        timings["prefill"] = t1 - t0
+    queue = [token]  # tokens chosen, not yet handed to the caller; all but the last are fed
+    produced = 0
+    try:
+        while True:
+            while queue:
+                token = queue.pop(0)
+                if timings is not None and produced:
+                    timings["decode"] = time.perf_counter() - t1
+                yield token
+                history.append(token)
+                produced += 1
+                if produced == max_new_tokens:
+                    return
+            room = max_new_tokens - produced - 1  # tokens wanted after the one fed now
+            drafts = drafter.propose(history, min(num_draft, room)) if room else []
+            rows = engine.verify(np.array([[token, *drafts]], np.int64))
+            picks: list[int] = []
+            for row in rows:  # greedy: a pick past the first refusal is never used
+                picks.append(sampler(row, history + picks))
+                if len(picks) > len(drafts) or picks[-1] != drafts[len(picks) - 1]:
+                    break
+            m = accept_drafts(drafts, picks)
+            engine.trim(len(drafts) - m)
+            queue = picks[:m + 1]
+    finally:
+        # the caller stopped early: forget the accepted drafts it never saw (they are fed)
+        if queue:
+            engine.trim(len(queue) - 1)
+
+
 def check_token_ids(prompt: Sequence[int], vocab_size: int) -> None:
     """Every prompt id must index the model's vocabulary (a tokenizer from another model does
     not; MLX's gather would read row 0 and onnxruntime would fail deep inside)."""
@@ -206,6 +277,8 @@ def iter_generate(
     reset: bool = True,
     device_sampling: bool | None = None,
     on_logits: Callable[[np.ndarray, int], None] | None = None,
+    drafter: Drafter | None = None,
+    num_draft: int = DEFAULT_NUM_DRAFT,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -216,7 +289,9 @@ def iter_generate(
     on device when greedy (the same tokens as the host, pipelined); True = also random sampling
     on device (MLX's generator: draws differ from the host's); False = always on the host.
     on_logits(logits, token): each step's host logits and the token chosen from them, in order
-    (sampling then runs on the host; the Python API's logprobs)."""
+    (sampling then runs on the host; the Python API's logprobs).
+    drafter: speculative decoding (drafting.py) with up to `num_draft` tokens a step, for
+    greedy sampling (temperature 0, no penalty); a sampled generation decodes plainly."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -234,8 +309,10 @@ def iter_generate(
             return token
 
         device_sampling = False
+    if not opts.greedy:
+        drafter = None  # speculation is greedy only: the tokens stay greedy decoding's
     device_sampler = None
-    if engine.device_loop and device_sampling is not False and (
+    if drafter is None and engine.device_loop and device_sampling is not False and (
             device_sampling or opts.temperature == 0):
         device_sampler = make_device_sampler(opts)
     timings: dict[str, float] = {}
@@ -245,7 +322,8 @@ def iter_generate(
     eos = set(int(e) for e in eos_ids)
     steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
                            prefill_chunk=prefill_chunk, timings=timings,
-                           device_sampler=device_sampler)
+                           device_sampler=device_sampler, drafter=drafter,
+                           num_draft=num_draft)
     try:
         for token in steps:
             if token in eos:

@@ -23,6 +23,12 @@ class SamplingOptions:
     repetition_penalty: float = 1.0  # 1 = off (HF's CTRL-style penalty)
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """The argmax of the raw logits (temperature 0, no penalty): what the device argmax
+        and speculative decoding reproduce exactly."""
+        return self.temperature == 0 and self.repetition_penalty == 1.0
+
     def validate(self) -> None:
         # Written so that NaN fails every check (every comparison with NaN is False).
         if not (0 <= self.temperature < math.inf):
