@@ -67,7 +67,12 @@ import numpy as np
 
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.generate import DEFAULT_NUM_DRAFT, accept_drafts, prefill
+from fuselm.runtime_metal.generate import (
+    DEFAULT_NUM_DRAFT,
+    DraftBudget,
+    accept_drafts,
+    prefill,
+)
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
@@ -89,6 +94,7 @@ class _Slot:
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
     used: int = 0  # when it last decoded or joined (a freed slot's blocks go LRU first)
     reused: int = 0  # prompt tokens of its sequence taken from the prefix cache
+    budget: DraftBudget | None = None  # speculative decoding: its drafts' count
 
 
 @dataclass
@@ -207,6 +213,7 @@ class BatchDecoder:
         s.greedy = opts.greedy
         s.pending = s.sampler(logits, s.cached)
         s.reported, s.active = False, True
+        s.budget = DraftBudget(self.num_draft) if self.drafter is not None else None
         return slot
 
     def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
@@ -358,7 +365,8 @@ class BatchDecoder:
         given: dict[int, list[int]] = {}
         for i in feed:
             s = self.slots[i]
-            k = min(self.num_draft, self.max_context - 1 - len(s.cached)) if s.greedy else 0
+            assert s.budget is not None
+            k = min(s.budget.next(), self.max_context - 1 - len(s.cached)) if s.greedy else 0
             seq = [*s.cached, s.pending]
             given[i] = [s.pending, *self.drafter.propose(seq, k, key=i)] if k > 0 else [
                 s.pending]  # type: ignore[list-item]
@@ -379,6 +387,8 @@ class BatchDecoder:
                 if len(picks) > len(drafts) or picks[-1] != drafts[len(picks) - 1]:
                     break
             m = accept_drafts(drafts, picks)
+            assert s.budget is not None
+            s.budget.record(len(drafts), m)
             self.drafted += len(drafts)
             self.accepted += m
             s.cached += tokens[:m + 1]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -33,7 +33,9 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.prefix import common_prefix
 
-DEFAULT_NUM_DRAFT = 8  # tokens drafted a step (HF's prompt lookup default is 10)
+if TYPE_CHECKING:
+    from fuselm.runtime_metal.loaded_model import LoadedModel
+
 DEFAULT_MAX_NGRAM = 3  # longest n-gram prompt lookup matches (HF's default is 2)
 
 
@@ -147,3 +149,43 @@ def check_same_tokenizer(target: Path, draft: Path, target_vocab: int, draft_voc
         raise RuntimeUserError(
             f"the draft model {draft} has another tokenizer than {target} (vocabulary "
             f"{draft_vocab} vs {target_vocab} ids); give a draft model of the same tokenizer")
+
+
+def speculative_options(target: LoadedModel, *, draft: str | Path | None = None,
+                        lookup: bool = False, num_draft: int | None = None,
+                        max_ngram: int | None = None, **engine_options: Any
+                        ) -> dict[str, Any]:
+    """The generation options (drafter, num_draft) of speculative decoding as the CLI's flags
+    and the API's keywords ask for it, or {} for none: prompt lookup (`lookup`), or a draft
+    artifact `draft` opened on the target's engine kind with `engine_options`, its tokenizer
+    checked against the target's. A setting without a drafter, or both drafters, is one
+    error line."""
+    from fuselm.runtime_metal.generate import DEFAULT_NUM_DRAFT
+    from fuselm.runtime_metal.loaded_model import open_model
+
+    if lookup and draft is not None:
+        raise RuntimeUserError("give one drafter: --draft-lookup or --draft, not both")
+    if not lookup and draft is None:
+        for flag, value in (("--num-draft", num_draft), ("--draft-ngram", max_ngram)):
+            if value is not None:
+                raise RuntimeUserError(f"{flag} sets speculative decoding; add --draft-lookup "
+                                       "or --draft OUT_DIR")
+        return {}
+    if num_draft is not None and num_draft < 1:
+        raise RuntimeUserError(f"--num-draft must be >= 1, got {num_draft}")
+    drafter: Drafter
+    if lookup:
+        drafter = PromptLookup(max_ngram or DEFAULT_MAX_NGRAM)
+    else:
+        if max_ngram is not None:
+            raise RuntimeUserError("--draft-ngram sets --draft-lookup's n-grams; a --draft "
+                                   "model takes none")
+        folder = Path(draft)  # type: ignore[arg-type]
+        if not (folder / "fuselm.json").is_file():
+            raise RuntimeUserError(f"--draft {folder}: not a fuselm artifact (no fuselm.json); "
+                                   "convert the draft model first")
+        small = open_model(folder, target.engine_name, defer_engine=True, **engine_options)
+        check_same_tokenizer(target.path, folder, target.manifest.model.vocab_size,
+                             small.manifest.model.vocab_size)
+        drafter = DraftModel(small.engine, target.manifest.model.vocab_size)
+    return {"drafter": drafter, "num_draft": num_draft or DEFAULT_NUM_DRAFT}

@@ -79,3 +79,23 @@ def runtime_config(verbose: bool = False, **options: object) -> RuntimeConfig:
         for line in config.lines():
             click.echo(f"  {line}", err=True)
     return config
+
+
+def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Speculative decoding (runtime_metal/drafting.py): --draft-lookup (llama.cpp's lookup
+    decoding, HF's prompt lookup) or --draft OUT_DIR (a smaller artifact of the same
+    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N."""
+    for opt in reversed([
+        click.option("--draft-lookup", is_flag=True,
+                     help="speculative decoding, drafts from the prompt and the reply so far "
+                     "(n-gram lookup; no second model); greedy requests only"),
+        click.option("--draft", "draft", default=None, metavar="OUT_DIR", type=click.Path(),
+                     help="speculative decoding with a smaller fuselm artifact of the same "
+                     "tokenizer as the draft model; greedy requests only"),
+        click.option("--num-draft", "--draft-max", "num_draft", type=click.IntRange(1, 64),
+                     default=None, help="most tokens drafted a step  [default: 8]"),
+        click.option("--draft-ngram", type=click.IntRange(1, 16), default=None,
+                     help="--draft-lookup: longest n-gram matched  [default: 3]"),
+    ]):
+        f = opt(f)
+    return f

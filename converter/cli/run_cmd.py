@@ -10,6 +10,7 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    draft_options,
     model_argument,
     ort_options,
     runtime_config,
@@ -139,6 +140,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
               help="MLX: sample on device with MLX's generator (greedy always runs on device)")
 @click.option("--verify", "verify_files", is_flag=True,
               help="hash the artifact's files against fuselm.json before loading")
+@draft_options
 @verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float | None, top_k: int | None, top_p: float | None,
@@ -146,7 +148,9 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
-        ctx_size: int | None = None, min_p: float | None = None) -> None:
+        ctx_size: int | None = None, min_p: float | None = None, draft_lookup: bool = False,
+        draft: str | None = None, num_draft: int | None = None,
+        draft_ngram: int | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -163,6 +167,11 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
 
         verify_artifact(out_dir)
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
+    from fuselm.runtime_metal.drafting import speculative_options
+
+    speculative = speculative_options(
+        model, draft=draft, lookup=draft_lookup, num_draft=num_draft, max_ngram=draft_ngram,
+        **ort_options(model.engine_name, accuracy_level, threads), config=config)
     if prompt is not None:
         check_text(prompt)
         history = None
@@ -191,12 +200,14 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     result = model.generate(ids, on_text=on_text, max_new_tokens=max_new_tokens,
                             context_length=ctx_size or context,
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
-                            device_sampling=True if device_sampling else None)
+                            device_sampling=True if device_sampling else None, **speculative)
     stream.write("\n")
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,
                "prompt_tokens": result.prompt_tokens, "stop_reason": result.stop_reason,
-               "engine": result.engine}
+               "engine": result.engine,
+               **({"drafted": result.drafted, "accepted": result.accepted}
+                  if speculative else {})}
         if profiler is not None:
             out["profile"] = profiler.by_op()
         click.echo(json.dumps(out))

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import click
 
-from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.converter.cli.options import (
+    draft_options,
+    model_argument,
+    ort_options,
+    threads_option,
+)
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
@@ -26,11 +31,13 @@ def _need_serve_extra() -> None:
 
 
 def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
-                 prefill_chunk: int | None):
-    """The batch decoder the scheduler drives for this engine."""
+                 prefill_chunk: int | None, **speculative: object):
+    """The batch decoder the scheduler drives for this engine (speculative: its drafter and
+    num_draft)."""
     from fuselm.converter.serve.decoder import ServeDecoder
 
-    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk)
+    return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk,
+                        **speculative)
 
 
 @click.command("serve")
@@ -74,12 +81,15 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               "(repeatable); requests from other origins get HTTP 403  [default: none]")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
+@draft_options
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, default_max_tokens: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
-          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
+          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str,
+          draft_lookup: bool = False, draft: str | None = None, num_draft: int | None = None,
+          draft_ngram: int | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -90,7 +100,10 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     logit_bias, penalties, ...) get HTTP 400 naming the parameter.
 
     Only this machine, and no web page from another origin, can use it by default; /health
-    stays open without the API key."""
+    stays open without the API key.
+
+    --draft-lookup or --draft: speculative decoding with batching kept on; greedy requests
+    verify their drafts in the batch's step, sampled ones decode plainly beside them."""
     _need_serve_extra()
     import uvicorn
 
@@ -119,8 +132,14 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     max_context = max_context or min(context, DEFAULT_CONTEXT)
     described: dict[str, object] = {}
 
-    def build():  # noqa: ANN202 - on the engine thread
-        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk)
+    def build():  # noqa: ANN202 - on the engine thread (the draft model's engine too)
+        from fuselm.runtime_metal.drafting import speculative_options
+
+        speculative = speculative_options(model, draft=draft, lookup=draft_lookup,
+                                          num_draft=num_draft, max_ngram=draft_ngram,
+                                          **options)
+        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk,
+                               **speculative)
         described.update(model.engine.describe(), batch=decoder.describe())
         return decoder
 

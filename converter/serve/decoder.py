@@ -6,6 +6,7 @@ of a request came from the prefix cache."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.sampling import SamplingOptions
@@ -13,11 +14,12 @@ from fuselm.runtime_metal.sampling import SamplingOptions
 
 class ServeDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, **speculative: Any) -> None:
+        """speculative: the batch decoder's drafter and num_draft (speculative decoding)."""
         from fuselm.runtime_metal.batch import BatchDecoder
 
         self.dec = BatchDecoder(engine, max_batch=max_batch, max_context=max_context,
-                                prefill_chunk=prefill_chunk)
+                                prefill_chunk=prefill_chunk, **speculative)
         self._cached: dict[int, int] = {}
 
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int:
@@ -30,8 +32,8 @@ class ServeDecoder:
     def cached_tokens(self, slot: int) -> int:
         return self._cached.get(slot, 0)
 
-    def step(self) -> dict[int, int]:
-        return self.dec.step()
+    def step(self) -> dict[int, list[int]]:
+        return self.dec.step_tokens()
 
     def remove(self, slot: int) -> None:
         self._cached.pop(slot, None)
@@ -42,4 +44,7 @@ class ServeDecoder:
             self.remove(slot)
 
     def describe(self) -> dict[str, object]:
-        return self.dec.describe()
+        out = self.dec.describe()
+        if self.dec.drafter is not None:
+            out.update(drafter=self.dec.drafter.name, num_draft=self.dec.num_draft)
+        return out

@@ -30,7 +30,10 @@ log = logging.getLogger("fuselm.serve")
 class BatchDecoder(Protocol):
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions) -> int: ...
 
-    def step(self) -> dict[int, int]: ...
+    def step(self) -> dict[int, list[int]]:
+        """Each active slot's new tokens of one step, in order (several with speculative
+        decoding)."""
+        ...
 
     def remove(self, slot: int) -> None: ...
 
@@ -186,9 +189,11 @@ class Scheduler:
                 self._active.clear()
                 self.decoder.reset()
                 continue
-            for slot, token in out.items():
-                job = self._active.get(slot)
-                if job is not None:
+            for slot, tokens in out.items():
+                for token in tokens:  # a request that ends drops the tokens after its last
+                    job = self._active.get(slot)
+                    if job is None:
+                        break
                     self._on_token(slot, job, token)
             self._notify()
         for job in self._active.values():
