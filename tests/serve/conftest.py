@@ -178,3 +178,16 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
         for p in pages:
             p.shutdown()
             p.server_close()
+
+
+@pytest.fixture(scope="session")
+def speculative_server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> Iterator[Server]:
+    """`fuselm serve --draft-lookup` on onnxruntime: speculative decoding with batching on."""
+    log = tmp_path_factory.mktemp("serve_spec_log") / "spec.log"
+    proc, srv = _start(serve_artifact, log, "onnxruntime", ["--draft-lookup", "--num-draft", "4"])
+    try:
+        _wait_up(proc, srv, time.monotonic() + STARTUP_S)
+        yield srv
+    finally:
+        stop_server(proc)
