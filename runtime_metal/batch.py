@@ -60,7 +60,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -70,15 +69,13 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import (
     DEFAULT_NUM_DRAFT,
     DraftBudget,
+    Drafter,
     accept_drafts,
     prefill,
 )
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import Sampler, SamplingOptions, make_sampler
-
-if TYPE_CHECKING:
-    from fuselm.runtime_metal.drafting import Drafter
 
 
 @dataclass

@@ -24,27 +24,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.generate import prefill
+from fuselm.runtime_metal.generate import Drafter, prefill
 from fuselm.runtime_metal.prefix import common_prefix
 
 if TYPE_CHECKING:
     from fuselm.runtime_metal.loaded_model import LoadedModel
 
 DEFAULT_MAX_NGRAM = 3  # longest n-gram prompt lookup matches (HF's default is 2)
-
-
-class Drafter(Protocol):
-    name: str
-
-    def propose(self, tokens: Sequence[int], k: int, key: int = 0) -> list[int]:
-        """Up to k token ids expected after `tokens` (possibly none)."""
-        ...
 
 
 class PromptLookup:

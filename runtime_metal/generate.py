@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,9 +20,6 @@ from fuselm.runtime_metal.sampling import (
     make_sampler,
 )
 from fuselm.runtime_metal.text_stream import TextStream
-
-if TYPE_CHECKING:
-    from fuselm.runtime_metal.drafting import Drafter
 
 
 @dataclass
@@ -168,6 +165,16 @@ def _pipelined_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
     finally:
         if fed_ahead:  # the caller stopped early: forget the token it never saw
             engine.trim(fed_ahead)
+
+
+class Drafter(Protocol):
+    """Speculative decoding's guesser (drafting.py has the drafters): up to k token ids
+    expected after `tokens` (everything the sequence holds, the token about to be fed last),
+    for the sequence named `key` (a batch slot; 0 for one generation)."""
+
+    name: str
+
+    def propose(self, tokens: Sequence[int], k: int, key: int = 0) -> list[int]: ...
 
 
 def accept_drafts(drafts: Sequence[int], picks: Sequence[int]) -> int:
