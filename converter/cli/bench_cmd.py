@@ -110,6 +110,11 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
                f"{res.peak_memory_bytes / 2**20:.1f} MiB ({res.peak_memory_source}); "
                f"{e.get('decode', e.get('engine'))} on "
                f"{d.get('gpu') or d.get('device_name') or d.get('mlx_device')}")
+    if res.speculative:
+        sp = res.speculative
+        click.echo(f"speculative decoding ({sp['drafter']}, up to {sp['num_draft']} drafts a "
+                   f"step): {sp.get('accepted', 0)} of {sp.get('drafted', 0)} drafted tokens "
+                   "kept over the timed runs")
     if res.profile:
         click.echo(f"\n{'op':<28}{'calls':>8}{'total ms':>12}{'%':>8}")
         for row in res.profile:
