@@ -71,7 +71,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
         from fuselm.runtime_metal.drafting import speculative_options
         from fuselm.runtime_metal.loaded_model import open_model
 
-    speculative = speculative_options(
+        speculative = speculative_options(
             open_model(out_dir, name, defer_engine=True), draft=draft, lookup=draft_lookup,
             num_draft=num_draft, max_ngram=draft_ngram, **options)
     if grid and profile:

@@ -232,3 +232,11 @@ def test_python_api_speculative_equals_plain(models: dict[str, Path]) -> None:
     assert got.tokens == want.tokens
     with pytest.raises(RuntimeUserError, match="--draft-ngram"):
         fuselm.load(models["target"], "onnxruntime", draft_ngram=2)
+
+
+def test_bench_speculative_json(models: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = run_cli(capsys, "bench", str(models["target"]), "-p", "16", "-n", "8", "-r",
+                           "1", "--engine", "onnxruntime", "--draft-lookup", "--json")
+    assert code == 0
+    spec = json.loads(out)["speculative"]
+    assert spec["drafter"] == "prompt-lookup" and spec["num_draft"] == 8
