@@ -119,7 +119,9 @@ def test_batch_equals_plain_greedy(engines: dict[str, object], plain: list[list[
                        drafter=_drafter(kind, engines), num_draft=4)
     assert dec.mode == ("batched" if engine.name == "mlx" else "rows")  # type: ignore[attr-defined]
     assert _serve(dec, _prompts()) == plain
-    assert dec.drafted > 0 and (dec.accepted > 0 or kind == "draft")
+    # onnxruntime drafts while one row decodes (a drafted row runs alone there): fewer drafts
+    few = kind == "draft" or (dec.mode == "rows" and batch > 1)
+    assert dec.drafted > 0 and (dec.accepted > 0 or few)
     if kind == "self":
         assert dec.accepted == dec.drafted
     if dec.mode == "batched":  # every block is free or held by a slot's table, once
