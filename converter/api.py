@@ -74,7 +74,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
-    from_draft: bool = False  # mlx-lm's speculative decoding; fuselm has none
+    from_draft: bool = False  # mlx-lm's field; fuselm does not mark a drafted token
 
 
 class Model:
@@ -83,11 +83,19 @@ class Model:
 
     Unpacks as `model, tokenizer = fuselm.load(path)`, the shape mlx-lm's `load` returns."""
 
-    def __init__(self, out_dir: str | Path, engine: str = "auto", **engine_options: Any) -> None:
+    def __init__(self, out_dir: str | Path, engine: str = "auto", *,
+                 draft: str | Path | None = None, draft_lookup: bool = False,
+                 num_draft: int | None = None, draft_ngram: int | None = None,
+                 **engine_options: Any) -> None:
         from fuselm.converter.model_path import resolve_model
+        from fuselm.runtime_metal.drafting import speculative_options
         from fuselm.runtime_metal.loaded_model import open_model
 
         self.runtime = open_model(resolve_model(out_dir), engine, **engine_options)
+        # speculative decoding's generation options (greedy generations use them)
+        self._speculative = speculative_options(
+            self.runtime, draft=draft, lookup=draft_lookup, num_draft=num_draft,
+            max_ngram=draft_ngram, **engine_options)
         self.path = self.runtime.path
         self.manifest = self.runtime.manifest
         self.engine = self.runtime.engine
@@ -95,6 +103,7 @@ class Model:
         self.eos_ids = self.runtime.eos_ids
         # Successive calls that share a prefix (a growing conversation) reuse the KV cache.
         self._session = self.runtime.session()
+        self._session.defaults.update(self._speculative)
 
     def __iter__(self) -> Iterator[Any]:
         """`model, tokenizer = fuselm.load(...)`: this model and its tokenizer."""
@@ -249,12 +258,15 @@ class Model:
                        "length" if result.stop_reason == "length" else "stop")
 
 
-def load(path: str | Path, engine: str = "auto", **engine_options: Any) -> Model:
+def load(path: str | Path, engine: str = "auto", **options: Any) -> Model:
     """Open a model: an artifact folder, or a .gguf file or HF checkpoint folder (converted
     once into fuselm's cache, the folder printed on stderr). engine: "auto" (MLX on a GPU,
-    onnxruntime otherwise), "mlx" or "onnxruntime"; engine_options go to the engine (e.g.
-    accuracy_level=0). `model, tokenizer = load(path)` unpacks as mlx-lm's does."""
-    return Model(path, engine, **engine_options)
+    onnxruntime otherwise), "mlx" or "onnxruntime"; the other options go to the engine (e.g.
+    accuracy_level=0), but speculative decoding's, which every greedy generation then uses:
+    draft_lookup=True (prompt lookup) or draft=OUT_DIR (a smaller artifact of the same
+    tokenizer), num_draft, draft_ngram (as the CLI's flags). `model, tokenizer = load(path)`
+    unpacks as mlx-lm's does."""
+    return Model(path, engine, **options)
 
 
 def _own_tokenizer(model: Model, tokenizer: Any) -> None:

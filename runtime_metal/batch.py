@@ -43,6 +43,21 @@ Two ways to run, chosen per engine (`mode`):
   a cache state (Engine.swap_cache) and a step feeds the slots one after another.
 In both of these a freed slot keeps its tokens, and `add` picks the free slot sharing the
 longest prefix with the prompt.
+
+Speculative decoding (`drafter`, drafting.py; `step_tokens`): every greedy row is given up to
+`num_draft` drafted tokens and feeds its pending token and its drafts in ONE step with the
+others: batched mode through DecodeProgram.paged_rows (s tokens a row over the block cache,
+the logits of every position), rows mode through RowBatch.step_rows, sequential mode through
+Engine.verify per slot. Rows with fewer drafts (a sampled row has none: speculation keeps
+greedy tokens exact, so it is greedy only) are padded with dummy tokens after their own, at
+positions causal attention hides from them. A row keeps its drafts while they equal the
+model's greedy pick (generate.accept_drafts), so its tokens are greedy decoding's; the
+rejected positions are rolled back: its length drops to the accepted tokens (the dummies and
+rejected drafts past it are overwritten by later writes) and, in batched mode, the blocks past
+it go back to the pool. These steps are not pipelined: the next drafts need this step's
+tokens on the host. On onnxruntime (rows mode) a row with drafts runs alone (its
+GroupQueryAttention takes several new tokens a row only in a batch of one), so there drafts
+are made only while one row decodes; several rows share the plain row-batch run.
 """
 
 from __future__ import annotations
@@ -56,7 +71,13 @@ import numpy as np
 from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.generate import prefill
+from fuselm.runtime_metal.generate import (
+    DEFAULT_NUM_DRAFT,
+    DraftBudget,
+    Drafter,
+    accept_drafts,
+    prefill,
+)
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import (
@@ -85,6 +106,7 @@ class _Slot:
     blocks: list[int] = field(default_factory=list)  # batched mode: its block table
     used: int = 0  # when it last decoded or joined (a freed slot's blocks go LRU first)
     reused: int = 0  # prompt tokens of its sequence taken from the prefix cache
+    budget: DraftBudget | None = None  # speculative decoding: its drafts' count
 
 
 @dataclass
@@ -111,23 +133,33 @@ def _device_logprobs(top: list[np.ndarray], r: int, token: int, k: int) -> Token
 class BatchDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
                  prefill_chunk: int | None = None, batched: bool | None = None,
-                 kv_tokens: int | None = None) -> None:
+                 kv_tokens: int | None = None, drafter: Drafter | None = None,
+                 num_draft: int = DEFAULT_NUM_DRAFT) -> None:
         """batched: None = the batched program when the engine has it; False = sequential.
         kv_tokens: the KV cache's size in positions, all slots together (default: every slot
         at max_context). Batched mode: a pool of kv_tokens // BLOCK blocks, which may hold
         less than one sequence of max_context (the caller then admits only what fits:
         `kv_cost`). Rows and sequential modes: a slot holds a whole row of `capacity`
-        positions, so kv_tokens // capacity slots at most."""
+        positions, so kv_tokens // capacity slots at most.
+        drafter: speculative decoding with up to num_draft drafted tokens a row a step (then
+        step_tokens, not step)."""
         if max_batch < 1 or max_context < 2:
             raise RuntimeUserError("max_batch must be >= 1 and max_context >= 2")
+        if drafter is not None and num_draft < 1:
+            raise RuntimeUserError(f"the number of drafted tokens must be >= 1, got {num_draft}")
+        self.drafter = drafter
+        self.num_draft = num_draft if drafter is not None else 0
+        self.drafted = self.accepted = 0  # drafted tokens checked, and those kept
         self.engine = engine
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.exhausted: set[int] = set()  # slots that reached max_context (no more tokens)
         self.reused_tokens = 0  # prompt tokens not prefilled again (prefix reuse)
-        # Room for max_context positions plus the write of a token fed ahead at max_context.
-        self.capacity = -(-(max_context + 1) // KVCache.step) * KVCache.step
-        self.row_blocks = -(-(max_context + 1) // BLOCK)  # the most blocks one table holds
+        # Room for max_context positions plus the write of a token fed ahead at max_context,
+        # and a speculative step's drafts and dummies past a row's length.
+        room = max_context + 1 + self.num_draft
+        self.capacity = -(-room // KVCache.step) * KVCache.step
+        self.row_blocks = -(-room // BLOCK)  # the most blocks one table holds
         program = engine.batch_program()
         if batched and program is None:
             raise RuntimeUserError(
@@ -163,6 +195,8 @@ class BatchDecoder:
                                        f"{BLOCK} positions; give at least {BLOCK}")
             self.cache = BlockCache(layout, n)
             self._fn = fn
+            verify = getattr(engine, "batch_verify", None)
+            self._verify = verify() if verify is not None and drafter is not None else None
 
     # ---- the KV budget ---------------------------------------------------------------------
 
@@ -170,8 +204,8 @@ class BatchDecoder:
         """KV positions a sequence of `tokens` positions (prompt + completion) holds at most:
         its whole blocks, with one position more for a token fed ahead (batched mode), or a
         slot's whole row (the other modes)."""
-        if self.mode == "batched":
-            return -(-(tokens + 1) // BLOCK) * BLOCK
+        if self.mode == "batched":  # a speculative step writes its drafts past the length
+            return -(-(tokens + 1 + self.num_draft) // BLOCK) * BLOCK
         return self.capacity
 
     @property
@@ -312,6 +346,7 @@ class BatchDecoder:
         s.prompt_logits = logits
         self._sample(slot, logits)
         s.reported, s.active = False, True
+        s.budget = DraftBudget(self.num_draft) if self.drafter is not None else None
 
     def _sample(self, i: int, logits: np.ndarray) -> int:
         """Slot i's next token (`pending`) chosen on the host from `logits`, its logprobs with
@@ -436,6 +471,9 @@ class BatchDecoder:
 
     def step(self) -> dict[int, int]:
         """One token for every active slot: a slot's first (from its prompt) or the next."""
+        if self.drafter is not None:
+            raise RuntimeUserError("a speculative batch decoder gives several tokens a step; "
+                                   "call step_tokens()")
         if self.mode == "batched":
             return dict(sorted(self._step_batched().items()))
         out: dict[int, int] = {}
@@ -452,6 +490,159 @@ class BatchDecoder:
         if feed:
             out.update(self._rows_step(feed) if self.mode == "rows" else self._sequential(feed))
         return dict(sorted(out.items()))
+
+    def step_tokens(self) -> dict[int, list[int]]:
+        """Every active slot's tokens of one step, in order: one each (`step`), or with a
+        drafter a slot's first token, its accepted drafts and the model's next token."""
+        if self.drafter is None:
+            return {i: [t] for i, t in self.step().items()}
+        out: dict[int, list[int]] = {}
+        feed: list[int] = []
+        for i in self.active:
+            s = self.slots[i]
+            out[i] = []
+            if not s.reported:
+                out[i].append(s.pending)  # type: ignore[arg-type]
+                s.reported = True
+            if len(s.cached) >= self.max_context or (
+                    self.mode == "batched" and not self._writable_block(i)):
+                self.exhausted.add(i)
+            else:
+                feed.append(i)
+        if feed:
+            for i, tokens in self._speculate(feed).items():
+                out[i] += tokens
+        return {i: t for i, t in sorted(out.items()) if t}
+
+    def _speculate(self, feed: list[int]) -> dict[int, list[int]]:
+        """One speculative step for the `feed` rows: drafts, one run, acceptance, rollback."""
+        assert self.drafter is not None
+        # rows mode: a drafted row runs alone (below), which costs more than the shared run of
+        # several rows saves (measured on SmolLM2 at batch 4: 0.85x an edit workload's tokens/s,
+        # 0.38x a chat's), so drafts are made only when one row decodes
+        alone = self.mode != "rows" or len(feed) == 1
+        given: dict[int, list[int]] = {}
+        for i in feed:
+            s = self.slots[i]
+            assert s.budget is not None
+            # only a plain greedy row drafts (its tokens stay greedy decoding's); a row under
+            # a grammar or asking for logprobs takes the one host sampling step (_sample)
+            plain = s.greedy and s.constraint is None and s.top_logprobs is None
+            k = min(s.budget.next(), self.max_context - 1 - len(s.cached)) if (
+                plain and alone) else 0
+            seq = [*s.cached, s.pending]
+            given[i] = [s.pending, *self.drafter.propose(seq, k, key=i)] if k > 0 else [
+                s.pending]  # type: ignore[list-item]
+        if self.mode == "batched":
+            logits = self._verify_blocks(given)
+        elif self.mode == "rows":
+            logits = self._verify_rows(given)
+        else:
+            logits = self._verify_sequential(given)
+        out = {}
+        for i, tokens in given.items():
+            s = self.slots[i]
+            assert s.sampler is not None
+            if len(tokens) == 1:  # no drafts: the row's plain step, its host sampling step
+                out[i] = [self._advance(i, logits[i][0])]
+                s.used = self._tick()
+                self._roll_back(i)
+                continue
+            drafts, picks = tokens[1:], []
+            for row in logits[i]:  # a pick past the first refused draft is never used
+                picks.append(s.sampler(np.asarray(row, np.float32), [*s.cached, *tokens[:1],
+                                                                     *picks]))
+                if len(picks) > len(drafts) or picks[-1] != drafts[len(picks) - 1]:
+                    break
+            m = accept_drafts(drafts, picks)
+            assert s.budget is not None
+            s.budget.record(len(drafts), m)
+            self.drafted += len(drafts)
+            self.accepted += m
+            s.cached += tokens[:m + 1]
+            s.pending = picks[m]
+            s.used = self._tick()
+            out[i] = picks[:m + 1]
+            self._roll_back(i)
+        return out
+
+    def _roll_back(self, i: int) -> None:
+        """Slot i's cache back to its accepted tokens: the state's length (rows, sequential)
+        or the blocks past them (batched: back to the pool)."""
+        s = self.slots[i]
+        if self.mode == "batched":
+            keep = -(-len(s.cached) // BLOCK)
+            self.cache.pool.release(s.blocks[keep:])
+            del s.blocks[keep:]
+        elif self.mode == "rows":
+            s.state = (s.state[0], len(s.cached))  # type: ignore[index]
+        else:
+            engine = self.engine
+            saved = engine.swap_cache(s.state)
+            try:
+                engine.trim(engine.offset - len(s.cached))
+            finally:
+                s.state = engine.swap_cache(saved)
+
+    def _verify_sequential(self, given: dict[int, list[int]]) -> dict[int, np.ndarray]:
+        engine, out = self.engine, {}
+        for i, tokens in given.items():
+            s = self.slots[i]
+            saved = engine.swap_cache(s.state)
+            try:
+                out[i] = engine.verify(np.array([tokens], np.int64))
+            finally:
+                s.state = engine.swap_cache(saved)
+        return out
+
+    def _verify_rows(self, given: dict[int, list[int]]) -> dict[int, np.ndarray]:
+        """The rows without drafts in one run of the lowered graph (RowBatch.step); each row
+        with drafts in a run of its own through the single-sequence path on its row's views:
+        onnxruntime's GroupQueryAttention refuses several new tokens a row in a batch with a
+        past ("batch_size must be 1 when sequence_length > 1 and past context is given").
+        The shared run goes first: its dummy writes land at the drafted rows' lengths, which
+        their own runs then write."""
+        assert self._rows is not None
+        last = self._rows.last_position
+        single = {i: t[0] for i, t in given.items() if len(t) == 1}
+        out: dict[int, np.ndarray] = {}
+        if single:
+            logits = self._rows.step(single, [min(len(s.cached), last) for s in self.slots])
+            out.update({i: row[None] for i, row in logits.items()})
+        drafted = {i: t for i, t in given.items() if len(t) > 1}
+        if drafted:
+            out.update(self._verify_sequential(drafted))
+        return out
+
+    def _verify_blocks(self, given: dict[int, list[int]]) -> dict[int, mx.array]:
+        """One run of the batched program over the block cache, s tokens a row (dummies after
+        a row's own), each row first given writable blocks for its s positions (a row whose
+        blocks run out gets fewer drafts)."""
+        feed = list(given)
+        s_len = max(len(t) for t in given.values())
+        for i in feed:  # the blocks for positions len .. len + s_len - 1
+            s = self.slots[i]
+            end = len(s.cached) + s_len
+            while len(s.blocks) * BLOCK < end:
+                self._make_room(1, spare=i)
+                try:
+                    s.blocks.append(self.cache.pool.alloc())
+                except IndexError:
+                    break
+            if len(s.blocks) * BLOCK < end:  # the pool is full: this step's tokens shrink
+                s_len = len(s.blocks) * BLOCK - len(s.cached)
+        given = {i: t[:s_len] for i, t in given.items()}
+        ids = np.zeros((len(feed), s_len), np.uint32)
+        for r, i in enumerate(feed):
+            ids[r, :len(given[i])] = given[i]
+        offsets = mx.array(np.array([len(self.slots[i].cached) for i in feed], np.int32))
+        logits, _, *new_kv = self._verify(mx.array(ids), offsets,  # type: ignore[misc]
+                                          self._block_table(feed, s_len),
+                                          *self.cache.buffers())
+        self.cache.adopt(new_kv)
+        del new_kv
+        host = np.array(logits)
+        return {i: host[r, :len(given[i])] for r, i in enumerate(feed)}
 
     def _advance(self, i: int, logits: object) -> int:
         """Slot i's fed token joins its cache; its next token is sampled from `logits`."""
@@ -594,7 +785,7 @@ class BatchDecoder:
         done.picks = mx.argmax(mx.where(allowed[:, :vocab].astype(mx.bool_), done.logits,
                                         -mx.inf), axis=-1)
 
-    def _block_table(self, feed: list[int]) -> mx.array:
+    def _block_table(self, feed: list[int], ahead: int = 1) -> mx.array:
         """The fed rows' block tables, [rows, W] int32: W covers the longest fed row's next
         position rounded up to the span step (a few compiled traces in all, not one per
         token), or every row's most blocks (span step 0: the attention kernel reads each row's
@@ -602,7 +793,7 @@ class BatchDecoder:
         changed (a row took a block, or the rows changed)."""
         w = self.row_blocks
         if self._span_step:
-            need = max(len(self.slots[i].cached) for i in feed) + 1
+            need = max(len(self.slots[i].cached) for i in feed) + ahead
             span = -(-need // self._span_step) * self._span_step
             w = min(w, -(-span // BLOCK))
         table = np.zeros((len(feed), w), np.int32)

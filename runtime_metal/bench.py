@@ -58,6 +58,7 @@ class BenchResult:
     ms_per_token: float
     profile: list[dict[str, Any]] | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    speculative: dict[str, Any] | None = None  # drafter, num_draft, drafted, accepted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,15 +97,19 @@ def peak_memory(engine_name: str) -> tuple[int, str]:
 
 
 def timed_generation(engine: Any, prompt: list[int], n: int, chunk: int | None,
-                     on_token: Callable[[int], None] | None = None) -> tuple[float, float]:
+                     on_token: Callable[[int], None] | None = None,
+                     timings: dict[str, float] | None = None,
+                     **speculative: Any) -> tuple[float, float]:
     """One greedy generation of n tokens; returns (pp, tg) in tokens/s. `on_token(count)`
-    after each token (progress)."""
+    after each token (progress); `speculative`: generate_steps' drafter and num_draft (its
+    drafted / accepted counts go into `timings`)."""
     opts = SamplingOptions()
-    timings: dict[str, float] = {}
+    timings = timings if timings is not None else {}
     device = make_device_sampler(opts) if engine.device_loop else None
     count = 0
     for _ in generate_steps(engine, prompt, max_new_tokens=n, sampler=make_sampler(opts),
-                            prefill_chunk=chunk, timings=timings, device_sampler=device):
+                            prefill_chunk=chunk, timings=timings, device_sampler=device,
+                            **speculative):
         count += 1
         if on_token is not None:
             on_token(count)
@@ -127,8 +132,11 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
               engine: str = "auto", warmup: int = 1, profile: bool = False,
               prefill_chunk: int | None = None, seed: int = 0,
               on_run: Callable[[int, int], None] | None = None,
+              speculative: dict[str, Any] | None = None,
               **engine_options: Any) -> BenchResult:
-    """on_run(done, total) after each run, warm-up included (progress)."""
+    """on_run(done, total) after each run, warm-up included (progress). speculative: the
+    generation options of speculative decoding (drafter, num_draft), for every run."""
+    speculative = speculative or {}
     if p < 1 or n < 2 or r < 1:
         raise ValueError("bench needs -p >= 1, -n >= 2, -r >= 1")
     name = resolve_engine(engine)
@@ -141,13 +149,18 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
     prompt = [int(i) for i in np.random.default_rng(seed).integers(0, vocab, size=p)]
     for i in range(warmup):
         eng.reset()
-        timed_generation(eng, prompt, n, prefill_chunk)
+        timed_generation(eng, prompt, n, prefill_chunk, **speculative)
         if on_run is not None:
             on_run(i + 1, warmup + r)
     pps, tgs = [], []
+    counts: dict[str, float] = {}
     for i in range(r):
         eng.reset()
-        pp, tg = timed_generation(eng, prompt, n, prefill_chunk)
+        timings: dict[str, float] = {}
+        pp, tg = timed_generation(eng, prompt, n, prefill_chunk, timings=timings,
+                                  **speculative)
+        for key in ("drafted", "accepted"):
+            counts[key] = counts.get(key, 0) + timings.get(key, 0)
         pps.append(pp)
         tgs.append(tg)
         if on_run is not None:
@@ -162,7 +175,10 @@ def run_bench(out_dir: str | Path, p: int = 512, n: int = 128, r: int = 5,
         prompt_tokens=p, new_tokens=n, runs=r, engine=eng.describe(), device=device_info(),
         peak_memory_bytes=mem, peak_memory_source=source,
         ms_per_token=1e3 / tg_s.median if tg_s.median else 0.0, profile=rows,
-        seconds={"load": load_s, "total": time.perf_counter() - t0})
+        seconds={"load": load_s, "total": time.perf_counter() - t0},
+        speculative={"drafter": speculative["drafter"].name,
+                     "num_draft": speculative["num_draft"],
+                     **{k: int(v) for k, v in counts.items()}} if speculative else None)
 
 
 def profile_rows(out_dir: str | Path, name: str, prompt: list[int], n: int, chunk: int | None,

@@ -51,6 +51,12 @@ class Engine(Protocol):
         device (MLX), the host array otherwise."""
         ...
 
+    def verify(self, ids: np.ndarray) -> np.ndarray:
+        """Feed ids [1, s] after the cached positions in one step; return the host float32
+        logits of every position [s, vocab]: speculative decoding's check of drafted tokens
+        (the caller trims the positions it rejects)."""
+        ...
+
     def decode_step(self, token: Any) -> Any:
         """Feed one token (an int, or a device scalar that may still be lazy); return its
         logits [vocab] (device array for a device_loop engine, else host float32)."""

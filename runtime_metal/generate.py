@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -33,6 +33,8 @@ class GenerationResult:
     decode_seconds: float
     engine: dict[str, object] = field(default_factory=dict)
     stop: str | None = None  # the stop string that ended the text (stop_reason stop_string)
+    drafted: int = 0  # speculative decoding: drafted tokens checked
+    accepted: int = 0  # and those kept
 
     @property
     def pp(self) -> float:
@@ -51,6 +53,9 @@ DEFAULT_PREFILL_CHUNK = 512
 # tokens/s of 512-token chunks on an H200, at about twice the peak memory (BENCHMARKS.md
 # 'Long prompts'); mlx-lm's prefill step is 2,048 tokens too.
 CUDA_PREFILL_CHUNK = 2048
+# Speculative decoding: tokens drafted a step (HF's prompt lookup default is 10; a step of
+# 1 + 8 tokens costs the CPU engine about what a few single-token steps do).
+DEFAULT_NUM_DRAFT = 8
 
 
 def prefill_chunk_for(engine: Engine, chunk: int | None) -> int:
@@ -83,19 +88,26 @@ def generate_steps(engine: Engine, prompt: Sequence[int], *, max_new_tokens: int
                    sampler: Sampler, prefill_chunk: int | None = None,
                    timings: dict[str, float] | None = None,
                    device_sampler: DeviceSampler | None = None,
-                   cached: Sequence[int] = ()) -> Iterator[int]:
+                   cached: Sequence[int] = (), drafter: Drafter | None = None,
+                   num_draft: int = DEFAULT_NUM_DRAFT) -> Iterator[int]:
     """Yield new token ids (mlx-lm's generate_step shape). The caller stops when it likes.
 
     An engine with a device decode step (MLX) and a `device_sampler` runs the pipelined loop:
     token i+1 is queued (`mx.async_eval`) before token i is handed to the caller, so the device
     never waits for Python. Otherwise each step returns host logits to `sampler`, whose history
     is `cached` (the tokens before `prompt` that the engine's cache holds), the prompt and the
-    tokens so far."""
+    tokens so far. With a `drafter` (greedy `sampler` only: the caller's choice), speculative
+    decoding: each step checks up to `num_draft` drafted tokens at once
+    (`_speculative_steps`)."""
     if not len(prompt):
         raise RuntimeUserError("the prompt is empty; give at least one token")
     # One capacity for the whole generation: growing the cache mid-decode would copy it and
     # trace a new shape, and the next generation's prefill would meet yet another capacity.
     engine.reserve(engine.offset + len(prompt) + max_new_tokens)
+    if drafter is not None:
+        yield from _speculative_steps(engine, prompt, max_new_tokens, sampler, drafter,
+                                      num_draft, prefill_chunk, timings)
+        return
     if device_sampler is not None and engine.device_loop:
         yield from _pipelined_steps(engine, prompt, max_new_tokens, device_sampler,
                                     prefill_chunk, timings)
@@ -158,6 +170,105 @@ def _pipelined_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
             engine.trim(fed_ahead)
 
 
+class Drafter(Protocol):
+    """Speculative decoding's guesser (drafting.py has the drafters): up to k token ids
+    expected after `tokens` (everything the sequence holds, the token about to be fed last),
+    for the sequence named `key` (a batch slot; 0 for one generation)."""
+
+    name: str
+
+    def propose(self, tokens: Sequence[int], k: int, key: int = 0) -> list[int]: ...
+
+
+def accept_drafts(drafts: Sequence[int], picks: Sequence[int]) -> int:
+    """How many drafted tokens greedy decoding confirms: picks[j] is the model's token after
+    the fed token and drafts[:j], and drafts are taken while they equal it. The step's tokens
+    are then drafts[:m] + [picks[m]]: exactly greedy decoding's."""
+    m = 0
+    while m < len(drafts) and m < len(picks) and drafts[m] == picks[m]:
+        m += 1
+    return m
+
+
+class DraftBudget:
+    """How many tokens to draft next for one sequence: HF's assisted decoding heuristic (two
+    more after a step that kept every draft, one fewer after one that refused some, between 1
+    and `most`), plus a pause after a step that kept none: the next 1, 2, 4, ... 16 steps
+    draft nothing. A check of s tokens costs more than one token's step on a CPU (measured on
+    SmolLM2-135M with onnxruntime: 1.2x for 2, 3x for 8), so a reply that shares little with
+    its input (a chat) must pay for few wrong drafts."""
+
+    def __init__(self, most: int) -> None:
+        self.most = self.k = most
+        self.pause = self.misses = 0
+
+    def next(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
+
+    def record(self, drafted: int, kept: int) -> None:
+        if not drafted:
+            return
+        self.k = min(self.k + 2, self.most) if kept == drafted else max(self.k - 1, 1)
+        self.misses = 0 if kept else self.misses + 1
+        self.pause = min(2 ** (self.misses - 1), 16) if self.misses else 0
+
+
+def _speculative_steps(engine: Engine, prompt: Sequence[int], max_new_tokens: int,
+                       sampler: Sampler, drafter: Drafter, num_draft: int, chunk: int | None,
+                       timings: dict[str, float] | None) -> Iterator[int]:
+    """Speculative decoding for one sequence: the token to feed and up to `num_draft` drafted
+    tokens go through the model in one step (Engine.verify: the logits of every position);
+    the drafts are accepted while they equal the model's greedy pick (accept_drafts), the
+    rejected positions are trimmed from the cache, and the pick after the last accepted draft
+    is the next token to feed. A draft never reaches past max_new_tokens, so the cache stays
+    inside what generate_steps reserved. The drafts' count adapts (DraftBudget)."""
+    if num_draft < 1:
+        raise RuntimeUserError(f"the number of drafted tokens must be >= 1, got {num_draft}")
+    history = list(prompt)
+    t0 = time.perf_counter()
+    token = sampler(prefill(engine, prompt, chunk), history)
+    t1 = time.perf_counter()
+    if timings is not None:
+        timings["prefill"] = t1 - t0
+    queue = [token]  # tokens chosen, not yet handed to the caller; all but the last are fed
+    produced = 0
+    budget = DraftBudget(num_draft)
+    try:
+        while True:
+            while queue:
+                token = queue.pop(0)
+                if timings is not None and produced:
+                    timings["decode"] = time.perf_counter() - t1
+                yield token
+                history.append(token)
+                produced += 1
+                if produced == max_new_tokens:
+                    return
+            room = max_new_tokens - produced - 1  # tokens wanted after the one fed now
+            k = min(budget.next(), room)
+            drafts = drafter.propose(history, k) if k else []
+            rows = engine.verify(np.array([[token, *drafts]], np.int64))
+            picks: list[int] = []
+            for row in rows:  # greedy: a pick past the first refusal is never used
+                picks.append(sampler(row, history + picks))
+                if len(picks) > len(drafts) or picks[-1] != drafts[len(picks) - 1]:
+                    break
+            m = accept_drafts(drafts, picks)
+            engine.trim(len(drafts) - m)
+            budget.record(len(drafts), m)
+            if timings is not None:
+                timings["drafted"] = timings.get("drafted", 0) + len(drafts)
+                timings["accepted"] = timings.get("accepted", 0) + m
+            queue = picks[:m + 1]
+    finally:
+        # the caller stopped early: forget the accepted drafts it never saw (they are fed)
+        if queue:
+            engine.trim(len(queue) - 1)
+
+
 def check_token_ids(prompt: Sequence[int], vocab_size: int) -> None:
     """Every prompt id must index the model's vocabulary (a tokenizer from another model does
     not; MLX's gather would read row 0 and onnxruntime would fail deep inside)."""
@@ -213,6 +324,8 @@ def iter_generate(
     on_logits: Callable[[np.ndarray, int], None] | None = None,
     on_token: Callable[[int], None] | None = None,
     constraint: TokenConstraint | None = None,
+    drafter: Drafter | None = None,
+    num_draft: int = DEFAULT_NUM_DRAFT,
 ) -> Generator[str, None, GenerationResult]:
     """Generate after `prompt` (ids), yielding text pieces as they become final (with `decode`,
     through the one text stream: runtime_metal/text_stream.py) and returning the
@@ -229,7 +342,10 @@ def iter_generate(
     Python API and `fuselm run`).
     on_token(token): each token as the loop receives it (an EOS included), before its text;
     sampling stays where it was. constraint: a grammar the tokens follow
-    (runtime_metal/constraint.py; sampling then runs on the host, on masked logits)."""
+    (runtime_metal/constraint.py; sampling then runs on the host, on masked logits).
+    drafter: speculative decoding (drafting.py) with up to `num_draft` tokens a step, for
+    plain greedy sampling (temperature 0, no penalty, no constraint, no on_logits); any other
+    generation decodes plainly."""
     check_token_ids(prompt, engine.manifest.model.vocab_size)
     if reset:
         engine.reset()
@@ -252,8 +368,13 @@ def iter_generate(
             return token
 
         device_sampling = False
+    if not opts.greedy or constraint is not None or on_logits is not None:
+        # speculation is plain greedy only: the tokens stay greedy decoding's, and a verify
+        # step's picks past the first refused draft are never chosen tokens (no logits to
+        # report for them, no grammar to advance by them)
+        drafter = None
     device_sampler = None
-    if engine.device_loop and device_sampling is not False and (
+    if drafter is None and engine.device_loop and device_sampling is not False and (
             device_sampling or opts.temperature == 0):
         device_sampler = make_device_sampler(opts)
     timings: dict[str, float] = {}
@@ -263,7 +384,8 @@ def iter_generate(
     eos = set(int(e) for e in eos_ids)
     steps = generate_steps(engine, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
                            prefill_chunk=prefill_chunk, timings=timings,
-                           device_sampler=device_sampler, cached=() if reset else cached)
+                           device_sampler=device_sampler, cached=() if reset else cached,
+                           drafter=drafter, num_draft=num_draft)
     try:
         for token in steps:
             if on_token is not None:
@@ -290,4 +412,5 @@ def iter_generate(
             stop_reason = "stop_string"
     return GenerationResult(tokens, text.text if text is not None else "", len(prompt),
                             stop_reason, timings.get("prefill", 0.0), timings.get("decode", 0.0),
-                            engine.describe(), text.stop if text is not None else None)
+                            engine.describe(), text.stop if text is not None else None,
+                            int(timings.get("drafted", 0)), int(timings.get("accepted", 0)))

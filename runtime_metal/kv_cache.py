@@ -164,14 +164,20 @@ class BlockPool:
 
 def write_blocks(pool: mx.array, rows: mx.array, table: mx.array, offset: mx.array
                  ) -> mx.array:
-    """pool [blocks, h, BLOCK, d] with row r's one new position rows[r] ([n, h, 1, d]) written
-    at offset[r], in the block table[r, offset[r] // BLOCK]: one scatter on the pool itself (no
-    reshape of it in between: the compiled program's donated pool is updated in place)."""
-    n, h, _, d = rows.shape
+    """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, h, s, d]) written at
+    offset[r]..offset[r]+s-1, each in its block table[r, position // BLOCK]: one scatter on the
+    pool itself (no reshape of it in between: the compiled program's donated pool is updated
+    in place). s > 1 is the speculative step's drafted tokens."""
+    n, h, s, d = rows.shape
     bs = pool.shape[2]
     off = offset.reshape(-1)
-    blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n)
-    pool[blk, :, off % bs] = rows.astype(pool.dtype).reshape(n, h, d)
+    if s == 1:
+        blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n)
+        pool[blk, :, off % bs] = rows.astype(pool.dtype).reshape(n, h, d)
+        return pool
+    pos = off.reshape(-1, 1) + mx.arange(s, dtype=off.dtype)  # [n, s]
+    blk = mx.take_along_axis(table, pos // bs, axis=1)
+    pool[blk, :, pos % bs] = rows.astype(pool.dtype).transpose(0, 2, 1, 3)  # [n, s, h, d]
     return pool
 
 

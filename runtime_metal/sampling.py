@@ -38,6 +38,12 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """The argmax of the raw logits (temperature 0, no penalty): what the device argmax
+        and speculative decoding reproduce exactly."""
+        return self.temperature == 0 and self.repetition_penalty == 1.0
+
     def validate(self) -> None:
         # Written so that NaN fails every check (every comparison with NaN is False).
         if not (0 <= self.temperature < math.inf):

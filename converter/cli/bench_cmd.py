@@ -10,10 +10,12 @@ import click
 
 from fuselm.converter.cli.bench_grid import Row, int_list, model_columns, progress_bar, run_grid
 from fuselm.converter.cli.options import (
+    draft_options,
     join_parallel,
     model_argument,
     ort_options,
     parallel_option,
+    refuse_parallel_draft,
     runtime_config,
     threads_option,
     verbose_option,
@@ -40,11 +42,18 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="also a per-op time table (MLX executor)")
 @parallel_option
+@draft_options
 @verbose_option
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
-          profile: bool, verbose: bool = False, parallel: str | None = None) -> None:
-    """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
+          profile: bool, verbose: bool = False, parallel: str | None = None,
+          draft_lookup: bool = False, draft: str | None = None, num_draft: int | None = None,
+          draft_ngram: int | None = None) -> None:
+    """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory.
+    With --draft-lookup or --draft, tg is speculative decoding's (the prompt is random ids:
+    what prompt lookup finds there is little; benchmarks/spec_bench.py measures a workload
+    that repeats its input)."""
+    refuse_parallel_draft(parallel, draft, draft_lookup)
     from fuselm.converter.cli.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
     from fuselm.runtime_metal.bench import check_fits, run_bench
@@ -60,6 +69,16 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
                "config": config, **join_parallel(parallel)}
     cols = model_columns(out_dir, manifest)
     grid = len(p) > 1 or len(n) > 1
+    speculative: dict[str, object] = {}
+    if draft_lookup or draft is not None or num_draft is not None or draft_ngram is not None:
+        if grid:
+            raise RuntimeUserError("speculative decoding takes one -p and one -n value")
+        from fuselm.runtime_metal.drafting import speculative_options
+        from fuselm.runtime_metal.loaded_model import open_model
+
+        speculative = speculative_options(
+            open_model(out_dir, name, defer_engine=True), draft=draft, lookup=draft_lookup,
+            num_draft=num_draft, max_ngram=draft_ngram, **options)
     if grid and profile:
         raise RuntimeUserError("--profile takes one -p and one -n value")
     # every row checked against the context before the first one runs (a grid's rows are
@@ -74,7 +93,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
         else:
             res = run_bench(out_dir, p[0], n[0], r, name, profile=profile,
                             prefill_chunk=prefill_chunk, on_run=start(f"pp{p[0]} + tg{n[0]}"),
-                            **options)
+                            speculative=speculative, **options)
             rows = [Row(f"pp{p[0]}", res.pp_stats.median, res.pp_stats.stdev),
                     Row(f"tg{n[0]}", res.tg_stats.median, res.tg_stats.stdev)]
     from fuselm.converter.cli.bench_grid import table
@@ -96,6 +115,11 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
                f"{res.peak_memory_bytes / 2**20:.1f} MiB ({res.peak_memory_source}); "
                f"{e.get('decode', e.get('engine'))} on "
                f"{d.get('gpu') or d.get('device_name') or d.get('mlx_device')}")
+    if res.speculative:
+        sp = res.speculative
+        click.echo(f"speculative decoding ({sp['drafter']}, up to {sp['num_draft']} drafts a "
+                   f"step): {sp.get('accepted', 0)} of {sp.get('drafted', 0)} drafted tokens "
+                   "kept over the timed runs")
     if res.profile:
         click.echo(f"\n{'op':<28}{'calls':>8}{'total ms':>12}{'%':>8}")
         for row in res.profile:

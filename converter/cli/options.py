@@ -100,3 +100,34 @@ def join_parallel(parallel: str | None) -> dict[str, object]:
 
     quiet_followers(join(parallel))
     return {"parallel": parallel}
+
+
+def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Speculative decoding (runtime_metal/drafting.py): --draft-lookup (llama.cpp's lookup
+    decoding, HF's prompt lookup) or --draft OUT_DIR (a smaller artifact of the same
+    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N."""
+    for opt in reversed([
+        click.option("--draft-lookup", is_flag=True,
+                     help="speculative decoding, drafts from the prompt and the reply so far "
+                     "(n-gram lookup; no second model); greedy requests only"),
+        click.option("--draft", "draft", default=None, metavar="OUT_DIR", type=click.Path(),
+                     help="speculative decoding with a smaller fuselm artifact of the same "
+                     "tokenizer as the draft model; greedy requests only"),
+        click.option("--num-draft", "--draft-max", "num_draft", type=click.IntRange(1, 64),
+                     default=None, help="most tokens drafted a step  [default: 8]"),
+        click.option("--draft-ngram", type=click.IntRange(1, 16), default=None,
+                     help="--draft-lookup: longest n-gram matched  [default: 3]"),
+    ]):
+        f = opt(f)
+    return f
+
+
+def refuse_parallel_draft(parallel: str | None, draft: str | None, draft_lookup: bool) -> None:
+    """--parallel with speculative decoding: refused by name (the ranks would each need the
+    drafter, in step with rank 0's; not built)."""
+    if parallel and (draft or draft_lookup):
+        from fuselm.runtime_metal.errors import RuntimeUserError
+
+        flag = "--draft" if draft else "--draft-lookup"
+        raise RuntimeUserError(f"--parallel and {flag} do not go together: speculative "
+                               "decoding runs on one process only")

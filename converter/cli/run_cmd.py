@@ -11,10 +11,12 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    draft_options,
     join_parallel,
     model_argument,
     ort_options,
     parallel_option,
+    refuse_parallel_draft,
     runtime_config,
     threads_option,
     verbose_option,
@@ -173,6 +175,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @click.option("--verify", "verify_files", is_flag=True,
               help="hash the artifact's files against fuselm.json before loading")
 @parallel_option
+@draft_options
 @verbose_option
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float | None, top_k: int | None, top_p: float | None,
@@ -184,8 +187,11 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         presence_penalty: float | None = None, frequency_penalty: float | None = None,
         logit_bias: tuple[str, ...] = (), top_logprobs: int | None = None,
         json_schema: str | None = None, json_object: bool = False,
-        parallel: str | None = None) -> None:
+        parallel: str | None = None, draft_lookup: bool = False,
+        draft: str | None = None, num_draft: int | None = None,
+        draft_ngram: int | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
+    refuse_parallel_draft(parallel, draft, draft_lookup)
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
     prompt = prompt_text(prompt, prompt_ids)
@@ -204,6 +210,11 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         verify_artifact(out_dir)
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel)
     sampling.check_vocab(model.manifest.model.vocab_size)
+    from fuselm.runtime_metal.drafting import speculative_options
+
+    speculative = speculative_options(
+        model, draft=draft, lookup=draft_lookup, num_draft=num_draft, max_ngram=draft_ngram,
+        **ort_options(model.engine_name, accuracy_level, threads), config=config)
     if prompt is not None:
         check_text(prompt)
         history = None
@@ -242,13 +253,16 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
                             sampling=sampling, stop_strings=stop, prefill_chunk=prefill_chunk,
                             device_sampling=True if device_sampling else None,
                             on_logits=on_logits,
-                            constraint=model.constraint(grammar) if grammar else None)
+                            constraint=model.constraint(grammar) if grammar else None,
+                            **speculative)
     stream.write("\n")
     logprobs = _logprobs_json(model, records[:len(result.tokens)]) if records else None
     if as_json:
         out = {"tokens": result.tokens, "text": result.text, "pp": result.pp, "tg": result.tg,
                "prompt_tokens": result.prompt_tokens, "stop_reason": result.stop_reason,
-               "engine": result.engine}
+               "engine": result.engine,
+               **({"drafted": result.drafted, "accepted": result.accepted}
+                  if speculative else {})}
         if logprobs is not None:
             out["logprobs"] = logprobs
         if profiler is not None:

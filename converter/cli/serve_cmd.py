@@ -8,10 +8,12 @@ from pathlib import Path
 import click
 
 from fuselm.converter.cli.options import (
+    draft_options,
     join_parallel,
     model_argument,
     ort_options,
     parallel_option,
+    refuse_parallel_draft,
     threads_option,
 )
 from fuselm.runtime_metal.errors import RuntimeUserError
@@ -32,12 +34,14 @@ def _need_serve_extra() -> None:
 
 
 def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN201
-                 prefill_chunk: int | None, kv_tokens: int | None = None):
-    """The batch decoder the scheduler drives for this engine."""
+                 prefill_chunk: int | None, kv_tokens: int | None = None,
+                 **speculative: object):
+    """The batch decoder the scheduler drives for this engine (speculative: its drafter and
+    num_draft)."""
     from fuselm.converter.serve.decoder import ServeDecoder
 
     return ServeDecoder(engine, max_batch, max_context, prefill_chunk=prefill_chunk,
-                        kv_tokens=kv_tokens)
+                        kv_tokens=kv_tokens, **speculative)
 
 
 @click.command("serve")
@@ -92,6 +96,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 @parallel_option
+@draft_options
 def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, max_kv_tokens: int | None,
@@ -99,7 +104,9 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
           allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str,
-          parallel: str | None = None) -> None:
+          parallel: str | None = None, draft_lookup: bool = False,
+          draft: str | None = None, num_draft: int | None = None,
+          draft_ngram: int | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -115,7 +122,10 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     stays open without the API key.
 
     With --parallel (ranks started by mlx.launch) rank 0 listens and the other ranks follow
-    its batch schedule; a rank that dies stops the job: /health answers 503 naming it."""
+    its batch schedule; a rank that dies stops the job: /health answers 503 naming it.
+
+    --draft-lookup or --draft: speculative decoding with batching kept on; greedy requests
+    verify their drafts in the batch's step, sampled ones decode plainly beside them."""
     _need_serve_extra()
     import uvicorn
 
@@ -132,6 +142,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    refuse_parallel_draft(parallel, draft, draft_lookup)
     name = resolve_engine(engine, parallel)
     options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams
@@ -160,9 +171,15 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
         return
     leader = None
 
-    def build():  # noqa: ANN202 - on the engine thread
+    def build():  # noqa: ANN202 - on the engine thread (the draft model's engine too)
+        from fuselm.runtime_metal.drafting import speculative_options
+
         nonlocal leader
-        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens)
+        speculative = speculative_options(model, draft=draft, lookup=draft_lookup,
+                                          num_draft=num_draft, max_ngram=draft_ngram,
+                                          **options)
+        decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens,
+                               **speculative)
         described.update(model.engine.describe(), batch=decoder.describe())
         if parallel:
             from fuselm.converter.serve.ranks import LeaderDecoder

@@ -6,6 +6,7 @@ of a request came from the prefix cache — and the KV budget the scheduler admi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.engine import Engine
@@ -14,11 +15,13 @@ from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 
 class ServeDecoder:
     def __init__(self, engine: Engine, max_batch: int, max_context: int,
-                 prefill_chunk: int | None = None, kv_tokens: int | None = None) -> None:
+                 prefill_chunk: int | None = None, kv_tokens: int | None = None,
+                 **speculative: Any) -> None:
+        """speculative: the batch decoder's drafter and num_draft (speculative decoding)."""
         from fuselm.runtime_metal.batch import BatchDecoder
 
         self.dec = BatchDecoder(engine, max_batch=max_batch, max_context=max_context,
-                                prefill_chunk=prefill_chunk, kv_tokens=kv_tokens)
+                                prefill_chunk=prefill_chunk, kv_tokens=kv_tokens, **speculative)
         self.max_batch = self.dec.max_batch  # fewer than asked when the KV budget holds fewer
         self.kv_budget = self.dec.kv_budget
         self.kv_window = self.dec.kv_window
@@ -59,8 +62,8 @@ class ServeDecoder:
     def cached_tokens(self, slot: int) -> int:
         return self._cached.get(slot, 0)
 
-    def step(self) -> dict[int, int]:
-        return self.dec.step()
+    def step(self) -> dict[int, list[int]]:
+        return self.dec.step_tokens()
 
     def remove(self, slot: int) -> None:
         self._cached.pop(slot, None)
@@ -84,4 +87,7 @@ class ServeDecoder:
         """Nothing to do between requests (the scheduler's hook)."""
 
     def describe(self) -> dict[str, object]:
-        return self.dec.describe()
+        out = self.dec.describe()
+        if self.dec.drafter is not None:
+            out.update(drafter=self.dec.drafter.name, num_draft=self.dec.num_draft)
+        return out

@@ -98,7 +98,7 @@ class LeaderDecoder:
                     "top_logprobs": top_logprobs, "fork_of": fork_of})
         return _guarded(lambda: self.inner.add(prompt_ids, sampling, top_logprobs, fork_of))
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, list[int]]:
         self._send({"op": "step"})
         return _guarded(self.inner.step)
 

@@ -54,7 +54,10 @@ class BatchDecoder(Protocol):
             top_logprobs: int | None = None, fork_of: int | None = None,
             constraint: TokenConstraint | None = None) -> int: ...
 
-    def step(self) -> dict[int, int]: ...
+    def step(self) -> dict[int, list[int]]:
+        """Each active slot's new tokens of one step, in order (several with speculative
+        decoding)."""
+        ...
 
     def logprobs(self, slot: int) -> TokenLogprobs | None: ...
 
@@ -287,9 +290,11 @@ class Scheduler:
                 self._reserved_total = 0
                 self.decoder.reset()
                 continue
-            for slot, token in out.items():
-                job = self._active.get(slot)
-                if job is not None:
+            for slot, tokens in out.items():
+                for token in tokens:  # a request that ends drops the tokens after its last
+                    job = self._active.get(slot)
+                    if job is None:
+                        break
                     self._on_token(slot, job, token)
             self._end_exhausted()
             self._notify()

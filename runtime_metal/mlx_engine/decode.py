@@ -157,11 +157,26 @@ class DecodeProgram:
         row goes into its block in place."""
         return self.run(tokens, offset, kv, fresh=False, table=table)
 
+    def verify(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        """Speculative decoding's check: s tokens after `offset` cached positions (the device
+        mask over the capacity: any offset, one trace per (s, capacity)), the logits of every
+        position [s, vocab]."""
+        return self.run(tokens, offset, kv, fresh=False, all_rows=True)
+
+    def paged_rows(self, tokens: mx.array, offset: mx.array, table: mx.array, *kv: mx.array
+                   ) -> tuple[mx.array, ...]:
+        """`paged` for s tokens a row (tokens [n, s]: row r's at positions offset[r]..+s-1,
+        written into its blocks), the logits of every position [n, s, vocab]: the batch
+        decoder's speculative step (drafted tokens verified in one step)."""
+        return self.run(tokens, offset, kv, fresh=False, table=table, all_rows=True)
+
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
-            prefix: int | None = None, table: mx.array | None = None) -> tuple[mx.array, ...]:
+            prefix: int | None = None, table: mx.array | None = None,
+            all_rows: bool = False) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
-        whole capacity, or, with a block `table`, over the positions its blocks hold."""
+        whole capacity, or, with a block `table`, over the positions its blocks hold.
+        all_rows: the logits of every position ([b, s, vocab] or [s, vocab]), not the last."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
         if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
@@ -262,7 +277,8 @@ class DecodeProgram:
                 elif o.step.is_lm_head:
                     # the logits leave float32 (the decode GEMV writes them so: no cast launch)
                     with qweight.float32_result():
-                        values = call_step(o.step, lm_head_rows(o.step, args))
+                        values = call_step(o.step, args if all_rows else
+                                           lm_head_rows(o.step, args))
                 else:
                     values = call_step(o.step, args)
                 _bind(env, o.step.outputs, values)
@@ -271,6 +287,9 @@ class DecodeProgram:
         # the last position's row; reshapes and a slice, not integer indexing: MLX gathers for
         # `a[0]` / `a[:, -1]`, a kernel launch (26 µs for Qwen3's vocabulary on the H200)
         vocab = logits.shape[-1]
+        if all_rows:
+            every = logits.reshape(ids.shape[0], s, vocab).astype(mx.float32)
+            return (every if batched else every.reshape(s, vocab), offset + s, *out_kv)
         rows_ = logits.reshape(ids.shape[0], -1, vocab)
         if rows_.shape[1] > 1:
             rows_ = rows_[:, -1:]
@@ -345,6 +364,7 @@ class FastDecoder:
         # not with what is cached: measured 2-3x slower than mlx-lm at 2,048-8,192 tokens).
         self.prefix_prefill = True
         self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
+        self._verify: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
@@ -369,6 +389,18 @@ class FastDecoder:
         if pos and ids.size > 1 and self.prefix_prefill:
             fn = self._prefix_fn(pos)
         return self._call(fn, mx.array(ids.astype(np.int32)), ids.size)
+
+    def verify(self, ids: np.ndarray) -> mx.array:
+        """Feed s tokens after the cache (speculative decoding's drafted tokens); return the
+        logits of every position [s, vocab], lazy float32 (DecodeProgram.verify: compiled once
+        per (s, capacity), at any offset)."""
+        if self.caches[0].keys is None:
+            raise RuntimeUserError("verify needs a prefilled cache (feed the prompt first)")
+        if self._verify is None:
+            self._verify = mx.compile(self.program.verify) if self.compiled else (
+                self.program.verify)
+        ids = np.asarray(ids).reshape(-1)
+        return self._call(self._verify, mx.array(ids.astype(np.int32)), ids.size)
 
     @property
     def compiled_prefixes(self) -> int:

@@ -79,6 +79,7 @@ class MLXEngine:
             warm_dense(weights, act)  # made once here, not inside every compiled call
         self.fast: FastDecoder | None = None
         self._batch_fn: object = None  # batch_program's compiled function, made on first use
+        self._verify_fn: object = None  # batch_verify's compiled function, made on first use
         self.fast_reason = "off (fast=False)" if not fast else (
             "off (profiling times the executor's nodes)" if profiler is not None else "")
         if fast and profiler is None:
@@ -166,6 +167,19 @@ class MLXEngine:
         whole = program.kernels and not any(w is not None for w in program.windows.values())
         return fn, program.kv_layout, 0 if whole else KVCache.step
 
+    def batch_verify(self) -> object | None:
+        """The batched program for [b, s] tokens a step over the block cache, the logits of
+        every position (DecodeProgram.paged_rows: the batch decoder's speculative step);
+        compiled once per engine, like batch_program's. None where that one is None."""
+        if self.batch_program() is None:
+            return None
+        assert self.fast is not None
+        if self._verify_fn is None:
+            program = self.fast.program
+            self._verify_fn = (mx.compile(program.paged_rows) if self.fast.compiled
+                               else program.paged_rows)
+        return self._verify_fn
+
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
         for c in self.caches:
@@ -196,6 +210,17 @@ class MLXEngine:
         # Evaluate logits and the cache writes together (they share the graph).
         mx.eval(logits, *[c.keys for c in self.caches if c.keys is not None],
                 *[c.values for c in self.caches if c.values is not None])
+        return np.array(logits)
+
+    def verify(self, ids: np.ndarray) -> np.ndarray:
+        """Feed ids [1, s] after the cached positions; the logits of every position [s, vocab]
+        (speculative decoding's check of drafted tokens): the compiled program where it
+        decodes, else the executor."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        if self.fast is None or self.offset == 0:
+            return self.forward(ids, all_logits=True)
+        logits = self.fast.verify(ids)
+        mx.eval(logits, *[a for c in self.caches for a in c.buffers()])
         return np.array(logits)
 
     def decode_step(self, token: mx.array | int) -> mx.array:

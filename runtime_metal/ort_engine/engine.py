@@ -193,6 +193,11 @@ class OrtEngine:
         """onnxruntime (CPU) has no device side: the host logits."""
         return self.forward(ids, all_logits)
 
+    def verify(self, ids: np.ndarray) -> np.ndarray:
+        """Feed ids [1, s] after the cached positions; the logits of every position [s, vocab]
+        (speculative decoding's check of drafted tokens): one run."""
+        return self.forward(ids, all_logits=True)
+
     def decode_step(self, token: object) -> np.ndarray:
         return self.forward(np.array([[int(token)]], np.int64))  # type: ignore[call-overload]
 

@@ -232,3 +232,17 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def speculative_server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
+                       ) -> Iterator[Server]:
+    """`fuselm serve --draft-lookup` on onnxruntime: speculative decoding with batching on."""
+    log = tmp_path_factory.mktemp("serve_spec_log") / "spec.log"
+    proc, srv = start_server(serve_artifact, log, "onnxruntime",
+                             ["--draft-lookup", "--num-draft", "4"])
+    try:
+        wait_up(proc, srv, time.monotonic() + STARTUP_S)
+        yield srv
+    finally:
+        stop_server(proc)
