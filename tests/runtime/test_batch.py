@@ -203,7 +203,7 @@ def test_a_constrained_row_beside_free_ones(engine_name: str, qwen3_artifact) ->
     want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
     dec = BatchDecoder(engine, max_batch=4, max_context=96)
     free = [dec.add(p) for p in prompts]
-    shaped = dec.add(prompts[0], SamplingOptions(), TokenConstraint(vocab, grammar))
+    shaped = dec.add(prompts[0], SamplingOptions(), constraint=TokenConstraint(vocab, grammar))
     got: dict[int, list[int]] = {s: [] for s in [*free, shaped]}
     for _ in range(N):
         for slot, token in dec.step().items():
