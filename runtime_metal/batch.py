@@ -124,7 +124,7 @@ class BatchDecoder:
                 raise RuntimeUserError(
                     f"a pool of {n} KV blocks cannot hold one sequence of max_context "
                     f"{max_context} ({self.row_blocks} blocks of {BLOCK})")
-            self.cache = BlockCache(layout, n)
+            self.cache = BlockCache(layout, n, engine.kv_quant)
             self._fn = fn
 
     # ---- slots ---------------------------------------------------------------------------
@@ -228,8 +228,8 @@ class BatchDecoder:
 
     def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
         engine = self.engine
-        scratch = self.cache.gather(table, keep) if keep else [KVCache() for _ in
-                                                                 self.cache.keys]
+        scratch = self.cache.gather(table, keep) if keep else [
+            KVCache(self.cache.quant) for _ in self.cache.keys]
         saved = engine.swap_cache(scratch)
         try:
             engine.reserve(self.capacity)

@@ -10,6 +10,8 @@ import click
 
 from fuselm.converter.cli.bench_grid import Row, int_list, model_columns, progress_bar, run_grid
 from fuselm.converter.cli.options import (
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     runtime_config,
@@ -32,6 +34,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--no-compile", is_flag=True, help="MLX: decode node by node (the executor)")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
@@ -40,7 +43,8 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 @verbose_option
 def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
-          profile: bool, verbose: bool = False) -> None:
+          profile: bool, verbose: bool = False, kv_bits: str | None = None,
+          kv_group_size: str | None = None) -> None:
     """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory."""
     from fuselm.converter.cli.run_cmd import warn_mlx_on_cpu
     from fuselm.runtime_metal.artifact import read_manifest
@@ -54,7 +58,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
     warn_mlx_on_cpu(manifest, engine)
     options = {**(ort_options(name, accuracy_level, threads) or {"fast": not no_compile}),
-               "config": config}
+               "config": config, **kv_options(name, kv_bits, kv_group_size)}
     cols = model_columns(out_dir, manifest)
     grid = len(p) > 1 or len(n) > 1
     if grid and profile:

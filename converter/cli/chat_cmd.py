@@ -14,7 +14,11 @@ from typing import Any
 
 import click
 
-from fuselm.converter.cli.options import model_argument, threads_option
+from fuselm.converter.cli.options import (
+    kv_cache_options,
+    model_argument,
+    threads_option,
+)
 from fuselm.converter.cli.run_cmd import (
     ACCURACY_OPTION,
     ENGINE_OPTION,
@@ -133,11 +137,13 @@ class Chat:
 @ENGINE_OPTION
 @ACCURACY_OPTION
 @threads_option
+@kv_cache_options
 @click.option("--system", default=None, help="system prompt")
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
          engine: str, accuracy_level: int, threads: int | None, system: str | None,
-         min_p: float | None = None) -> None:
+         min_p: float | None = None, kv_bits: str | None = None,
+         kv_group_size: str | None = None) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
@@ -149,7 +155,8 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
             "(`fuselm run --prompt-ids` works without one)")
     sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
                              min_p)
-    model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
+    model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads,
+                             kv_bits=kv_bits, kv_group_size=kv_group_size)
     tok = model.tokenizer
     gen = {"max_new_tokens": max_new_tokens, "sampling": sampling}
     with contextlib.suppress(AttributeError, ValueError):  # not a reconfigurable text stream

@@ -6,7 +6,13 @@ import json
 
 import click
 
-from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.converter.cli.options import (
+    kv_cache_options,
+    kv_options,
+    model_argument,
+    ort_options,
+    threads_option,
+)
 
 _RULE = ("The text is tokenized without special tokens and cut into consecutive chunks of "
          "--context tokens (a last partial chunk is dropped); each chunk runs from an empty "
@@ -26,16 +32,20 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
-               accuracy_level: int, threads: int | None, as_json: bool) -> None:
+               accuracy_level: int, threads: int | None, as_json: bool,
+               kv_bits: str | None = None, kv_group_size: str | None = None) -> None:
     from fuselm.converter.progress import stage_progress
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
     from fuselm.runtime_metal.perplexity import perplexity as run_ppl
 
     text = read_text(text_file or SAMPLE_TEXT)
-    options = ort_options(resolve_engine(engine), accuracy_level, threads)
+    name = resolve_engine(engine)
+    options = {**ort_options(name, accuracy_level, threads),
+               **kv_options(name, kv_bits, kv_group_size)}
     with stage_progress(not as_json) as bar:
         def on_chunk(done: int, total: int, ppl: float) -> None:
             bar("chunks", done, total, f"PPL {ppl:.4f}")

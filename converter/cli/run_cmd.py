@@ -10,6 +10,8 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     runtime_config,
@@ -44,21 +46,23 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
 
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
-          threads: int | None = None, config: RuntimeConfig | None = None):
+          threads: int | None = None, config: RuntimeConfig | None = None,
+          kv_bits: str | None = None, kv_group_size: str | None = None):
     """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     name = resolve_engine(engine)
-    options = ort_options(name, accuracy_level, threads)
+    options = {**ort_options(name, accuracy_level, threads),
+               **kv_options(name, kv_bits, kv_group_size)}
     if name == "onnxruntime":
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
         return open_model(out_dir, name, config=config, **options), None
     profiler = Profiler() if profile else None
     model = open_model(out_dir, name, defer_engine=True, config=config,
-                       profiler=profiler)
+                       profiler=profiler, **options)
     warn_mlx_on_cpu(model.manifest, engine)  # before the slow part: building the engine
     model.engine  # noqa: B018
     return model, profiler
@@ -132,6 +136,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @_ENGINE
 @_ACC
 @threads_option
+@kv_cache_options
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--profile", is_flag=True, help="per-node time table (MLX engine), warm-up skipped")
@@ -146,7 +151,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
-        ctx_size: int | None = None, min_p: float | None = None) -> None:
+        ctx_size: int | None = None, min_p: float | None = None, kv_bits: str | None = None,
+        kv_group_size: str | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
 
@@ -162,7 +168,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config)
+    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config,
+                            kv_bits, kv_group_size)
     if prompt is not None:
         check_text(prompt)
         history = None

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import click
 
-from fuselm.converter.cli.options import model_argument, ort_options, threads_option
+from fuselm.converter.cli.options import (
+    kv_cache_options,
+    kv_options,
+    model_argument,
+    ort_options,
+    threads_option,
+)
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 DEFAULT_CONTEXT = 4096  # a 40k-context model at batch 8 would reserve GBs of KV cache
@@ -45,6 +51,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
@@ -79,7 +86,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           max_queue: int, max_context: int | None, default_max_tokens: int,
           prefill_chunk: int | None,
           model_name: str | None, max_body: int, api_key: str | None, insecure_no_auth: bool,
-          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str) -> None:
+          allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str,
+          kv_bits: str | None = None, kv_group_size: str | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -107,7 +115,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     name = resolve_engine(engine)
-    options = ort_options(name, accuracy_level, threads)
+    options = {**ort_options(name, accuracy_level, threads),
+               **kv_options(name, kv_bits, kv_group_size)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams
     # to the thread that makes them.
     model = open_model(out_dir, name, defer_engine=True, **options)
