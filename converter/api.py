@@ -210,7 +210,8 @@ def load(path: str | Path, engine: str = "auto", **engine_options: Any) -> Model
     """Open a model: an artifact folder, or a .gguf file or HF checkpoint folder (converted
     once into fuselm's cache, the folder printed on stderr). engine: "auto" (MLX on a GPU,
     onnxruntime otherwise), "mlx" or "onnxruntime"; engine_options go to the engine (e.g.
-    accuracy_level=0). `model, tokenizer = load(path)` unpacks as mlx-lm's does."""
+    accuracy_level=0 for onnxruntime; kv_bits=8 or 4, kv_group_size=64 for MLX's quantized KV
+    cache). `model, tokenizer = load(path)` unpacks as mlx-lm's does."""
     return Model(path, engine, **engine_options)
 
 
