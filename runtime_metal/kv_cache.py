@@ -107,7 +107,7 @@ def dequantized(buf: Buffer, dim: int) -> mx.array:
 
 def split_layers(arrays: list[mx.array] | tuple[mx.array, ...], layers: int
                  ) -> list[tuple[Buffer, Buffer]]:
-    """The compiled program's flat cache arrays (CacheLayer.arrays of every layer, in order)
+    """The compiled program's flat cache arrays (KVCache.buffers of every layer, in order)
     back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized."""
     per = len(arrays) // layers // 2
     out: list[tuple[Buffer, Buffer]] = []
