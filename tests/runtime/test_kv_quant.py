@@ -114,9 +114,10 @@ def test_refusals(mistral: Path, qwen3_artifact: Path, capsys: pytest.CaptureFix
     size that does not divide the head dim (24) and a group size without bits are refused."""
     with pytest.raises(RuntimeUserError, match="--kv-bits: the onnxruntime engine"):
         make_engine(mistral, "onnxruntime", kv_bits=8)
-    line = one_error(*cli(capsys, "run", str(mistral), "--prompt-ids", "1,2", "--engine",
-                          "onnxruntime", "--kv-bits", "8"))
-    assert "--engine mlx" in line
+    for command in (["run", "--prompt-ids", "1,2"], ["chat"], ["serve"]):
+        line = one_error(*cli(capsys, command[0], str(mistral), *command[1:], "--engine",
+                              "onnxruntime", "--kv-bits", "8"))
+        assert "--kv-bits: the onnxruntime engine" in line and "--engine mlx" in line
     with pytest.raises(RuntimeUserError, match="head dim 24 is not a multiple of the group"):
         make_engine(qwen3_artifact, "mlx", kv_bits=4)
     line = one_error(*cli(capsys, "bench", str(mistral), "-p", "8", "-n", "2", "--engine", "mlx",
@@ -142,3 +143,10 @@ def test_cli_flags_and_api(mistral: Path, capsys: pytest.CaptureFixture) -> None
                            "--engine", "mlx", "--kv-bits", "8", "--kv-group-size", "32",
                            "--json")
     assert code == 0 and json.loads(out)["engine"]["kv_cache"].endswith("8-bit (group 32)")
+    ppl = {}
+    for kv in ([], ["--kv-bits", "8", "--kv-group-size", "32"]):
+        code, out, _ = run_cli(capsys, "perplexity", str(mistral), "--context", "64",
+                               "--engine", "mlx", *kv, "--json")
+        assert code == 0
+        ppl[bool(kv)] = json.loads(out)["ppl"]
+    assert ppl[True] != ppl[False] and abs(ppl[True] / ppl[False] - 1) < 0.01
