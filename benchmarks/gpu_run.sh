@@ -73,6 +73,11 @@
 #                                               # 8,192 tokens, chunks 512/2048, causal-prefix vs
 #                                               # capacity mask vs one call, time and peak memory;
 #                                               # then the prefix path with FUSELM_PREFILL_DENSE
+#   benchmarks/gpu_run.sh kvbench SHAPE GROUP   # decode at a 4,096-token context with the KV
+#                                               # cache float, 8-bit and 4-bit (fuselm bench
+#                                               # -p 4096 -n 128 --kv-bits B on the Q4
+#                                               # conversion), one process each, alternating,
+#                                               # ROUNDS -> $OUT/kv_SHAPE_gGROUP_*.json
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
 # must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them), and so must
@@ -300,6 +305,23 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
       > "$OUT/constraint_smollm2_mlx.json"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in \
       ('mode', 'b1', 'b8', 'b8_throughput')})" "$OUT/constraint_smollm2_mlx.json"
+    ;;
+  kvbench)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
+      -n 4 > /dev/null  # build + convert once
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    for round in $(seq "${ROUNDS:-3}"); do
+      for kv in float 8 4; do
+        flags=(); [ "$kv" = float ] || flags=(--kv-bits "$kv")
+        python3 -P -c 'import sys; from fuselm.converter.cli.main import main; sys.argv[0] = "fuselm"; main()' \
+          bench "$art" -p 4096 -n 128 -r 3 --engine mlx "${flags[@]}" --json \
+          > "$OUT/kv_$2_g$3_${kv}_r$round.json"
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
+          'pp', round(d['pp'], 1), 'tg', round(d['tg'], 1), 'peak MiB', \
+          round(d['peak_memory_bytes'] / 2**20), d['engine']['kv_cache'])" \
+          "$OUT/kv_$2_g$3_${kv}_r$round.json"
+      done
+    done
     ;;
   serve)
     python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams ${STREAMS:-1 4 8 16} \

@@ -193,7 +193,7 @@ class BatchDecoder:
             if n < 1:
                 raise RuntimeUserError(f"a KV budget of {kv_tokens} tokens holds no block of "
                                        f"{BLOCK} positions; give at least {BLOCK}")
-            self.cache = BlockCache(layout, n)
+            self.cache = BlockCache(layout, n, engine.kv_quant)
             self._fn = fn
             verify = getattr(engine, "batch_verify", None)
             self._verify = verify() if verify is not None and drafter is not None else None
@@ -420,8 +420,8 @@ class BatchDecoder:
 
     def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
         engine = self.engine
-        scratch = self.cache.gather(table, keep) if keep else [KVCache() for _ in
-                                                                 self.cache.keys]
+        scratch = self.cache.gather(table, keep) if keep else [
+            KVCache(self.cache.quant) for _ in self.cache.keys]
         saved = engine.swap_cache(scratch)
         try:
             engine.reserve(self.capacity)

@@ -12,6 +12,7 @@ from fuselm.config import RuntimeConfig, resolve
 from fuselm.runtime_metal.errors import RuntimeUserError
 
 if TYPE_CHECKING:
+    from fuselm.runtime_metal.kv_cache import KVQuant
     from fuselm.runtime_metal.manifest_types import Manifest
 
 ENGINES = ("auto", "mlx", "onnxruntime")
@@ -25,6 +26,7 @@ class Engine(Protocol):
     name: str
     device_loop: bool
     manifest: Manifest
+    kv_quant: KVQuant | None  # how the KV cache is stored (None: float; batch.py's blocks too)
 
     @property
     def offset(self) -> int:
@@ -103,6 +105,17 @@ def resolve_engine(name: str, parallel: str | None = None) -> str:
     return name
 
 
+KV_OPTIONS = ("kv_bits", "kv_group_size")  # the MLX engine's quantized KV cache
+
+
+def check_kv_options(engine: str, options: dict[str, object]) -> None:
+    """A quantized KV cache is the MLX engine's; for onnxruntime it is refused by name."""
+    if engine == "onnxruntime" and any(options.get(k) is not None for k in KV_OPTIONS):
+        raise RuntimeUserError(
+            "--kv-bits: the onnxruntime engine keeps its KV cache in float (its attention "
+            "ops read no quantized K/V); use --engine mlx for a quantized KV cache")
+
+
 def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig | None = None,
                 **options: object) -> Engine:
     """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level).
@@ -122,6 +135,7 @@ def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig |
         return MLXEngine(out_dir, manifest, config=config, **options)  # type: ignore[arg-type]
     from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 
+    check_kv_options(resolved, options)
     if config.threads is not None:
         options.setdefault("threads", config.threads)
     return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

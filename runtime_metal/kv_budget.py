@@ -10,21 +10,29 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 GB = 10**9  # --memory-limit counts decimal gigabytes
 
 
-def kv_token_bytes(manifest: Manifest, engine: str) -> int:
+def kv_token_bytes(manifest: Manifest, engine: str, kv_bits: int | None = None,
+                   kv_group_size: int | None = None) -> int:
     """Bytes one cached position takes, every layer's key and value: onnxruntime's lowered
     graph keeps its KV buffers in float32 whatever the artifact's dtype (ort_engine/
     shared_kv.py; its plain graph no more), MLX in the graph's own dtype, float16 computed in
-    float32 on a CPU (dtypes.half)."""
+    float32 on a CPU (dtypes.half); with kv_bits (MLX), the quantized values plus a scale and
+    a bias of that dtype per group (kv_cache.KVQuant)."""
     m = manifest.model
     if engine == "onnxruntime":
         size = 4
-    elif manifest.dtype == "float16":
+    elif manifest.dtype in ("float16", "bfloat16"):
+        import mlx.core as mx
+
         from fuselm.runtime_metal.dtypes import half
 
-        size = half().size
+        size = half(mx.bfloat16 if manifest.dtype == "bfloat16" else mx.float16).size
     else:
         size = ELEMENT_BYTES[manifest.dtype]
-    return 2 * m.num_layers * m.num_kv_heads * m.head_dim * size
+    values = 2 * m.num_layers * m.num_kv_heads * m.head_dim
+    if kv_bits is None or engine == "onnxruntime":
+        return values * size
+    group = kv_group_size or 64
+    return int(values * (kv_bits / 8 + 2 * size / group))
 
 
 def budget_tokens(max_kv_tokens: int | None, memory_limit_gb: float | None,

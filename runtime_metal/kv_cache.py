@@ -13,24 +13,116 @@
   `write_blocks` / `read_blocks` are the block forms of the write and of the read attention
   does (attention.Attention.over_cache); the CUDA attention kernel reads and writes through
   the table itself (cuda_kernels/sources.py).
+
+Both forms hold K/V either in the activation dtype or quantized (`KVQuant`, `--kv-bits`):
+then each buffer is the triple mx.quantize makes, (packed uint32, scales, biases), with the
+position axis where a float buffer has it, so every write, read, gather and copy below applies
+to each of the three arrays alike (`Buffer`), new rows are quantized as they are written, and
+attention reads the triple directly (attention.Attention.attend: quantized matmuls, no
+dequantized copy of the cache). The triple describes itself given the head dim (`spec_of`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
+# A K or V buffer: one array, or a quantized one's (packed, scales, biases), axis 2 positions
+Buffer = mx.array | tuple[mx.array, ...]
 
-def write_rows(buf: mx.array, rows: mx.array, offset: mx.array | int) -> mx.array:
-    """buf[:, :, offset:offset + s] = rows [b, h, s, d]; in place when `buf` is donated (the
-    compiled program) or the only reference. `offset`: a scalar (every row at one position) or
-    an int32 array [b] (one position per batch row; s must then be 1).
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)  # those mx.quantize takes
 
-    One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
-    whole destination (measured: the cost grows with the cache's capacity) plus an offset
-    kernel; the scatter is one launch over the rows."""
-    rows = rows.astype(buf.dtype)
-    off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+
+@dataclass(frozen=True)
+class KVQuant:
+    """K/V stored quantized: `bits` per value, a scale and a bias per `group_size` values of
+    a head (mx.quantize's affine scheme; mlx-lm's kv_bits / kv_group_size)."""
+
+    bits: int
+    group_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}")
+        if self.group_size not in KV_GROUP_SIZES:
+            raise ValueError("kv_group_size must be one of "
+                             f"{', '.join(map(str, KV_GROUP_SIZES))}")
+
+    def quantize(self, rows: mx.array) -> tuple[mx.array, ...]:
+        return tuple(mx.quantize(rows, group_size=self.group_size, bits=self.bits))
+
+    def zeros(self, lead: tuple[int, ...], dim: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+        """An empty buffer [*lead, dim] in stored form (scales and biases in `dtype`)."""
+        return (mx.zeros((*lead, dim * self.bits // 32), mx.uint32),
+                mx.zeros((*lead, dim // self.group_size), dtype),
+                mx.zeros((*lead, dim // self.group_size), dtype))
+
+    def bytes_per_value(self, dtype: mx.Dtype) -> float:
+        """Stored bytes per cached value: the packed bits plus a scale and a bias per group."""
+        return self.bits / 8 + 2 * dtype.size / self.group_size
+
+    def misfit(self, dim: int) -> str:
+        """Why a head of `dim` values cannot be stored so ("" when it can)."""
+        if dim % self.group_size:
+            return f"the head dim {dim} is not a multiple of the group size {self.group_size}"
+        return ""
+
+
+def empty(quant: KVQuant | None, lead: tuple[int, ...], dim: int, dtype: mx.Dtype) -> Buffer:
+    """Zeros [*lead, dim]: one array, or quantized."""
+    return quant.zeros(lead, dim, dtype) if quant else mx.zeros((*lead, dim), dtype)
+
+
+def spec_of(buf: tuple[mx.array, ...], dim: int) -> KVQuant:
+    """The quantization of a stored buffer whose heads hold `dim` values (its packed width
+    gives the bits, its scales' width the group size)."""
+    return KVQuant(buf[0].shape[-1] * 32 // dim, dim // buf[1].shape[-1])
+
+
+def parts(buf: Buffer) -> tuple[mx.array, ...]:
+    """The arrays a buffer is made of (one, or a quantized buffer's three)."""
+    return buf if isinstance(buf, tuple) else (buf,)
+
+
+def rebuild(like: Buffer, arrays: list[mx.array] | tuple[mx.array, ...]) -> Buffer:
+    """A buffer of `like`'s form from its arrays (parts' inverse)."""
+    return tuple(arrays) if isinstance(like, tuple) else arrays[0]
+
+
+def positions(buf: Buffer) -> int:
+    """The positions a buffer holds (axis 2)."""
+    return parts(buf)[0].shape[2]
+
+
+def dequantized(buf: Buffer, dim: int) -> mx.array:
+    """The float values of a buffer (a float buffer as it is)."""
+    if not isinstance(buf, tuple):
+        return buf
+    q = spec_of(buf, dim)
+    return mx.dequantize(*buf, group_size=q.group_size, bits=q.bits)
+
+
+def split_layers(arrays: list[mx.array] | tuple[mx.array, ...], layers: int
+                 ) -> list[tuple[Buffer, Buffer]]:
+    """The compiled program's flat cache arrays (KVCache.buffers of every layer, in order)
+    back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized."""
+    per = len(arrays) // layers // 2
+    out: list[tuple[Buffer, Buffer]] = []
+    for i in range(layers):
+        k, v = arrays[2 * per * i: 2 * per * i + per], arrays[2 * per * i + per: 2 * per * (i + 1)]
+        out.append((tuple(k), tuple(v)) if per > 1 else (k[0], v[0]))
+    return out
+
+
+def join_layers(pairs: list[tuple[Buffer, Buffer]]) -> list[mx.array]:
+    """split_layers' inverse."""
+    return [a for k, v in pairs for a in (*parts(k), *parts(v))]
+
+
+def _write_one(buf: mx.array, rows: mx.array, off: mx.array) -> mx.array:
     if rows.shape[2] == 1:
         index = mx.broadcast_to(off.reshape(-1, 1, 1, 1), rows.shape)
         return mx.put_along_axis(buf, index, rows, axis=2)
@@ -39,24 +131,64 @@ def write_rows(buf: mx.array, rows: mx.array, offset: mx.array | int) -> mx.arra
     return mx.slice_update(buf, rows, off.reshape(1), axes=(2,))
 
 
+def stored(buf: Buffer, rows: mx.array) -> tuple[mx.array, ...]:
+    """Float rows [.., d] in `buf`'s stored form (quantized as buf is, or cast to its dtype)."""
+    if isinstance(buf, tuple):
+        return spec_of(buf, rows.shape[-1]).quantize(rows.astype(buf[1].dtype))
+    return (rows.astype(buf.dtype),)
+
+
+def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
+    """buf[:, :, offset:offset + s] = rows [b, h, s, d]; in place when `buf` is donated (the
+    compiled program) or the only reference. `offset`: a scalar (every row at one position) or
+    an int32 array [b] (one position per batch row; s must then be 1).
+
+    One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
+    whole destination (measured: the cost grows with the cache's capacity) plus an offset
+    kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
+    each of its arrays written so."""
+    off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+    return rebuild(buf, [_write_one(b, r, off)
+                         for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
+
+
+def write_stored(buf: Buffer, rows: Buffer, start: int) -> Buffer:
+    """buf[:, :, start:start + s] = rows, rows already in buf's stored form (a copy between
+    caches: nothing is quantized again)."""
+    off = mx.array([start], mx.int32)
+    return rebuild(buf, [mx.slice_update(b, r, off, axes=(2,))
+                         for b, r in zip(parts(buf), parts(rows), strict=True)])
+
+
+def first(buf: Buffer, n: int) -> Buffer:
+    """Positions 0..n-1 of a buffer (views)."""
+    return rebuild(buf, [a[:, :, :n] for a in parts(buf)])
+
+
 class KVCache:
     step = 256
 
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+    def __init__(self, quant: KVQuant | None = None) -> None:
+        self.quant = quant  # None: K/V in the activation dtype
+        self.keys: Buffer | None = None
+        self.values: Buffer | None = None
         self.offset = 0
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.keys is None else positions(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffers hold (every position up to capacity)."""
+        return sum(a.nbytes for a in self.buffers()) if self.keys is not None else 0
 
     def allocate(self, batch: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  capacity: int = 0) -> None:
         """Empty buffers (capacity rounded up to whole blocks); drops what was cached."""
         n = -(-capacity // self.step) * self.step
-        self.keys = mx.zeros((batch, kv_heads, n, k_dim), dtype)
-        self.values = mx.zeros((batch, kv_heads, n, v_dim), dtype)
+        self.keys = empty(self.quant, (batch, kv_heads, n), k_dim, dtype)
+        self.values = empty(self.quant, (batch, kv_heads, n), v_dim, dtype)
         self.offset = 0
 
     def reserve(self, n: int) -> None:
@@ -65,16 +197,17 @@ class KVCache:
         assert self.keys is not None and self.values is not None, "allocate first"
         if n <= self.capacity:
             return
-        b, h, cap, dk = self.keys.shape
-        extra = -(-(n - cap) // self.step) * self.step
-        self.keys = mx.concatenate([self.keys, mx.zeros((b, h, extra, dk), self.keys.dtype)],
-                                   axis=2)
-        self.values = mx.concatenate(
-            [self.values, mx.zeros((b, h, extra, self.values.shape[3]), self.values.dtype)],
-            axis=2)
+        extra = -(-(n - self.capacity) // self.step) * self.step
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append [b, Hk, s, D] keys/values at `offset`; return views of everything cached."""
+        def grow(buf: Buffer) -> Buffer:
+            return rebuild(buf, [mx.concatenate(
+                [a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
+                for a in parts(buf)])
+        self.keys, self.values = grow(self.keys), grow(self.values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Buffer, Buffer]:
+        """Append [b, Hk, s, D] keys/values at `offset`; return views of everything cached
+        (stored form: quantized triples for a quantized cache)."""
         if self.keys is None:
             b, h, s, d = keys.shape
             self.allocate(b, h, d, values.shape[3], keys.dtype)
@@ -86,20 +219,30 @@ class KVCache:
         self.offset = prev + keys.shape[2]
         return self.state()
 
-    def buffers(self) -> tuple[mx.array, mx.array]:
-        """The whole buffers (every position up to capacity), for the compiled program."""
+    def buffers(self) -> list[mx.array]:
+        """The whole buffers' arrays (every position up to capacity; K's then V's), for the
+        compiled program."""
         assert self.keys is not None and self.values is not None
-        return self.keys, self.values
+        return [*parts(self.keys), *parts(self.values)]
 
-    def adopt(self, keys: mx.array, values: mx.array, offset: int) -> None:
+    def adopt(self, arrays: list[mx.array], offset: int) -> None:
         """Take the buffers a compiled call returned (it wrote rows into donated copies)."""
-        if keys.shape != self.keys.shape:  # type: ignore[union-attr]
-            raise ValueError("adopted buffers must keep the cache's shape")
-        self.keys, self.values, self.offset = keys, values, offset
-
-    def state(self) -> tuple[mx.array, mx.array]:
         assert self.keys is not None and self.values is not None
-        return self.keys[..., :self.offset, :], self.values[..., :self.offset, :]
+        if [a.shape for a in arrays] != [a.shape for a in self.buffers()]:
+            raise ValueError("adopted buffers must keep the cache's shape")
+        half = len(arrays) // 2
+        self.keys, self.values = rebuild(self.keys, arrays[:half]), rebuild(self.values,
+                                                                            arrays[half:])
+        self.offset = offset
+
+    def state(self) -> tuple[Buffer, Buffer]:
+        assert self.keys is not None and self.values is not None
+        return first(self.keys, self.offset), first(self.values, self.offset)
+
+    def dense(self, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
+        """The cached positions in float (a graph fed past K/V as inputs reads these)."""
+        k, v = self.state()
+        return dequantized(k, k_dim), dequantized(v, v_dim)
 
     def trim(self, n: int) -> None:
         """Forget the last n positions (the buffer is kept)."""
@@ -162,67 +305,77 @@ class BlockPool:
         return new, True
 
 
-def write_blocks(pool: mx.array, rows: mx.array, table: mx.array, offset: mx.array
-                 ) -> mx.array:
+def write_blocks(pool: Buffer, rows: mx.array, table: mx.array, offset: mx.array) -> Buffer:
     """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, h, s, d]) written at
     offset[r]..offset[r]+s-1, each in its block table[r, position // BLOCK]: one scatter on the
     pool itself (no reshape of it in between: the compiled program's donated pool is updated
-    in place). s > 1 is the speculative step's drafted tokens."""
-    n, h, s, d = rows.shape
-    bs = pool.shape[2]
+    in place); a quantized pool: the rows quantized, one scatter per array. s > 1 is the
+    speculative step's drafted tokens."""
+    n, h, s = rows.shape[:3]
+    bs = positions(pool)
     off = offset.reshape(-1)
     if s == 1:
         blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n)
-        pool[blk, :, off % bs] = rows.astype(pool.dtype).reshape(n, h, d)
+        for a, r in zip(parts(pool), stored(pool, rows), strict=True):
+            a[blk, :, off % bs] = r.reshape(n, h, r.shape[-1])
         return pool
     pos = off.reshape(-1, 1) + mx.arange(s, dtype=off.dtype)  # [n, s]
     blk = mx.take_along_axis(table, pos // bs, axis=1)
-    pool[blk, :, pos % bs] = rows.astype(pool.dtype).transpose(0, 2, 1, 3)  # [n, s, h, d]
+    for a, r in zip(parts(pool), stored(pool, rows), strict=True):
+        a[blk, :, pos % bs] = r.transpose(0, 2, 1, 3)  # [n, s, h, stored width]
     return pool
 
 
-def read_blocks(pool: mx.array, table: mx.array) -> mx.array:
+def read_blocks(pool: Buffer, table: mx.array) -> Buffer:
     """The positions a block table [n, W] holds, gathered: [n, h, W * BLOCK, d], in one gather
-    of the pool's rows (no transposed copy after it)."""
+    of the pool's rows (no transposed copy after it); per array of a quantized pool."""
     n, w = table.shape
-    _, h, bs, d = pool.shape
+    _, h, bs, _ = parts(pool)[0].shape
     heads = mx.arange(h, dtype=mx.int32).reshape(1, h, 1, 1)
-    rows = (table.reshape(n, 1, w, 1) * h + heads) * bs + mx.arange(bs, dtype=mx.int32)
-    return mx.take(pool.reshape(-1, d), rows.reshape(n, h, w * bs), axis=0)
+    rows = ((table.reshape(n, 1, w, 1) * h + heads) * bs + mx.arange(bs, dtype=mx.int32)
+            ).reshape(n, h, w * bs)
+    return rebuild(pool, [mx.take(a.reshape(-1, a.shape[3]), rows, axis=0)
+                          for a in parts(pool)])
 
 
 class BlockCache:
-    """Every layer's K/V pool ([blocks, kv_heads, BLOCK, head_dim] each) and their one
-    BlockPool: a block id names the same block in every layer."""
+    """Every layer's K/V pool ([blocks, kv_heads, BLOCK, head_dim] each; quantized triples
+    with `quant`) and their one BlockPool: a block id names the same block in every layer."""
 
-    def __init__(self, layout: list[tuple[int, int, int, mx.Dtype]], blocks: int) -> None:
+    def __init__(self, layout: list[tuple[int, int, int, mx.Dtype]], blocks: int,
+                 quant: KVQuant | None = None) -> None:
         self.pool = BlockPool(blocks)
-        self.keys = [mx.zeros((blocks, hk, BLOCK, dk), dt) for hk, dk, _, dt in layout]
-        self.values = [mx.zeros((blocks, hk, BLOCK, dv), dt) for hk, _, dv, dt in layout]
+        self.quant = quant
+        self.keys = [empty(quant, (blocks, hk, BLOCK), dk, dt) for hk, dk, _, dt in layout]
+        self.values = [empty(quant, (blocks, hk, BLOCK), dv, dt) for hk, _, dv, dt in layout]
 
     def buffers(self) -> list[mx.array]:
-        """k_0, v_0, k_1, v_1, ...: the compiled program's cache inputs."""
-        return [a for kv in zip(self.keys, self.values, strict=True) for a in kv]
+        """k_0, v_0, k_1, v_1, ... (each buffer's arrays): the compiled program's cache
+        inputs (kv_cache.split_layers reads them back)."""
+        return join_layers(list(zip(self.keys, self.values, strict=True)))
 
     def adopt(self, arrays: list[mx.array]) -> None:
         """Take the pools a compiled call returned (it wrote rows into donated buffers)."""
-        self.keys, self.values = list(arrays[0::2]), list(arrays[1::2])
+        pairs = split_layers(arrays, len(self.keys))
+        self.keys, self.values = [k for k, _ in pairs], [v for _, v in pairs]
 
     def copy_block(self, src: int, dst: int) -> None:
         """dst's contents := src's, in every layer (the copy of copy on write)."""
-        for arrays in (self.keys, self.values):
-            for i, a in enumerate(arrays):
-                a[dst:dst + 1] = a[src:src + 1]
-                arrays[i] = a
+        for buffers in (self.keys, self.values):
+            for buf in buffers:
+                for a in parts(buf):
+                    a[dst:dst + 1] = a[src:src + 1]
 
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
-        """Positions 0..n-1 of the blocks, as one single-sequence cache per layer."""
+        """Positions 0..n-1 of the blocks, as one single-sequence cache per layer (the stored
+        form copied as it is)."""
         out = []
         idx = mx.array(np.asarray(blocks, np.int32).reshape(1, -1))
         for k, v in zip(self.keys, self.values, strict=True):
-            c = KVCache()
-            c.allocate(1, k.shape[1], k.shape[3], v.shape[3], k.dtype, n)
-            c.update_and_fetch(read_blocks(k, idx)[:, :, :n], read_blocks(v, idx)[:, :, :n])
+            c = KVCache(self.quant)
+            c.keys = write_stored(_sized(k, n), first(read_blocks(k, idx), n), 0)
+            c.values = write_stored(_sized(v, n), first(read_blocks(v, idx), n), 0)
+            c.offset = n
             out.append(c)
         return out
 
@@ -230,13 +383,18 @@ class BlockCache:
         """Positions start..end-1 of single-sequence `caches` into `blocks` (the table that
         holds them alone: writable)."""
         for i, c in enumerate(caches):
-            k, v = c.state()
-            for arrays, src in ((self.keys, k), (self.values, v)):
-                a = arrays[i]
-                p = start
-                while p < end:
-                    b, lo = blocks[p // BLOCK], p % BLOCK
-                    hi = min(BLOCK, lo + end - p)
-                    a[b:b + 1, :, lo:hi] = src[:, :, p:p + hi - lo]
-                    p += hi - lo
-                arrays[i] = a
+            for buffers, src in zip((self.keys, self.values), c.state(), strict=True):
+                for a, rows in zip(parts(buffers[i]), parts(src), strict=True):
+                    p = start
+                    while p < end:
+                        b, lo = blocks[p // BLOCK], p % BLOCK
+                        hi = min(BLOCK, lo + end - p)
+                        a[b:b + 1, :, lo:hi] = rows[:, :, p:p + hi - lo]
+                        p += hi - lo
+
+
+def _sized(pool: Buffer, n: int) -> Buffer:
+    """An empty one-sequence buffer of the pool's form for n positions (whole KVCache steps)."""
+    cap = -(-n // KVCache.step) * KVCache.step
+    return rebuild(pool, [mx.zeros((1, a.shape[1], cap, a.shape[3]), a.dtype)
+                          for a in parts(pool)])

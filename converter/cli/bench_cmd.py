@@ -12,6 +12,8 @@ from fuselm.converter.cli.bench_grid import Row, int_list, model_columns, progre
 from fuselm.converter.cli.options import (
     draft_options,
     join_parallel,
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     parallel_option,
@@ -36,6 +38,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--no-compile", is_flag=True, help="MLX: decode node by node (the executor)")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, else 512]")
@@ -48,7 +51,8 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
           profile: bool, verbose: bool = False, parallel: str | None = None,
           draft_lookup: bool = False, draft: str | None = None, num_draft: int | None = None,
-          draft_ngram: int | None = None) -> None:
+          draft_ngram: int | None = None, kv_bits: str | None = None,
+          kv_group_size: str | None = None) -> None:
     """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory.
     With --draft-lookup or --draft, tg is speculative decoding's (the prompt is random ids:
     what prompt lookup finds there is little; benchmarks/spec_bench.py measures a workload
@@ -66,7 +70,8 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
     warn_mlx_on_cpu(manifest, engine)
     options = {**(ort_options(name, accuracy_level, threads) or {"fast": not no_compile}),
-               "config": config, **join_parallel(parallel)}
+               "config": config, **join_parallel(parallel),
+               **kv_options(name, kv_bits, kv_group_size)}
     cols = model_columns(out_dir, manifest)
     grid = len(p) > 1 or len(n) > 1
     speculative: dict[str, object] = {}

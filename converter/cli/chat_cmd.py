@@ -17,7 +17,11 @@ from typing import Any
 
 import click
 
-from fuselm.converter.cli.options import model_argument, threads_option
+from fuselm.converter.cli.options import (
+    kv_cache_options,
+    model_argument,
+    threads_option,
+)
 from fuselm.converter.cli.run_cmd import (
     ACCURACY_OPTION,
     ENGINE_OPTION,
@@ -158,6 +162,7 @@ class Chat:
 @ENGINE_OPTION
 @ACCURACY_OPTION
 @threads_option
+@kv_cache_options
 @click.option("--system", default=None, help="system prompt")
 @click.option("--max-kv-tokens", type=click.IntRange(2), default=None,
               help="KV cache budget in tokens: the window the conversation (with the reply) is "
@@ -171,7 +176,8 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
          max_kv_tokens: int | None = None, memory_limit: float | None = None,
          min_p: float | None = None, presence_penalty: float | None = None,
          frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = (),
-         json_schema: str | None = None) -> None:
+         json_schema: str | None = None, kv_bits: str | None = None,
+         kv_group_size: str | None = None) -> None:
     """Interactive chat with MODEL (history kept; /help lists the commands)."""
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
@@ -184,12 +190,15 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     sampling = sampling_from(out_dir, temperature, top_k, top_p, repetition_penalty, seed,
                              min_p, presence_penalty, frequency_penalty, logit_bias)
     grammar = reply_grammar(json_schema, False)
-    model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads)
+    model, _ = open_artifact(out_dir, engine, accuracy_level, threads=threads,
+                             kv_bits=kv_bits, kv_group_size=kv_group_size)
     sampling.check_vocab(model.manifest.model.vocab_size)
     tok = model.tokenizer
     window = model.manifest.model.context_length
     budget = budget_tokens(max_kv_tokens, memory_limit,
-                           kv_token_bytes(model.manifest, model.engine_name))
+                           kv_token_bytes(model.manifest, model.engine_name,
+                                          int(kv_bits) if kv_bits else None,
+                                          int(kv_group_size) if kv_group_size else None))
     if budget is not None:
         window = min(window, budget)
     gen = {"max_new_tokens": max_new_tokens, "sampling": sampling, "context_length": window}

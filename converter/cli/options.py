@@ -59,6 +59,32 @@ def ort_options(engine_name: str, accuracy_level: int, threads: int | None
     return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {})}
 
 
+def kv_cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--kv-bits / --kv-group-size (mlx-lm's spellings): the MLX engine's KV cache stored
+    quantized (runtime_metal/kv_cache.py KVQuant)."""
+    f = click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default=None,
+                     help="values per scale and bias of a quantized KV cache  [default: 64]")(f)
+    return click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None,
+                        help="MLX: keep the KV cache quantized to 8 or 4 bits (about 0.53 / "
+                        "0.28 of float16's memory)  [default: the activation dtype]")(f)
+
+
+def kv_options(engine_name: str, kv_bits: str | None, kv_group_size: str | None
+               ) -> dict[str, object]:
+    """The engine options --kv-bits / --kv-group-size give (none when neither is given); for
+    onnxruntime a refusal (make_engine's), before anything loads. The MLX engine refuses a
+    group size without bits or one that does not divide the head dim."""
+    from fuselm.runtime_metal.engine import check_kv_options
+
+    out: dict[str, object] = {}
+    if kv_bits is not None:
+        out["kv_bits"] = int(kv_bits)
+    if kv_group_size is not None:
+        out["kv_group_size"] = int(kv_group_size)
+    check_kv_options(engine_name, out)
+    return out
+
+
 def verbose_option(f: Callable[..., Any]) -> Callable[..., Any]:
     """--verbose: the resolved runtime configuration on stderr, each value with its source."""
     return click.option("--verbose", is_flag=True,

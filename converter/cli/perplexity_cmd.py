@@ -8,6 +8,8 @@ import click
 
 from fuselm.converter.cli.options import (
     join_parallel,
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     parallel_option,
@@ -32,11 +34,13 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @parallel_option
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
                accuracy_level: int, threads: int | None, as_json: bool,
-               parallel: str | None = None) -> None:
+               parallel: str | None = None, kv_bits: str | None = None,
+               kv_group_size: str | None = None) -> None:
     from fuselm.converter.progress import stage_progress
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.perplexity import SAMPLE_TEXT, read_text
@@ -44,7 +48,8 @@ def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
 
     text = read_text(text_file or SAMPLE_TEXT)
     name = resolve_engine(engine, parallel)
-    options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel)}
+    options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel),
+               **kv_options(name, kv_bits, kv_group_size)}
     with stage_progress(not as_json) as bar:
         def on_chunk(done: int, total: int, ppl: float) -> None:
             bar("chunks", done, total, f"PPL {ppl:.4f}")

@@ -13,6 +13,8 @@ from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
     draft_options,
     join_parallel,
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     parallel_option,
@@ -64,21 +66,23 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
 
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
           threads: int | None = None, config: RuntimeConfig | None = None,
-          parallel: str | None = None):
+          parallel: str | None = None, kv_bits: str | None = None,
+          kv_group_size: str | None = None):
     """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     name = resolve_engine(engine, parallel)
-    options = ort_options(name, accuracy_level, threads)
+    options = {**ort_options(name, accuracy_level, threads),
+               **kv_options(name, kv_bits, kv_group_size)}
     if name == "onnxruntime":
         if profile:
             raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
         return open_model(out_dir, name, config=config, **options), None
     profiler = Profiler() if profile else None
     model = open_model(out_dir, name, defer_engine=True, config=config,
-                       profiler=profiler, **join_parallel(parallel))
+                       profiler=profiler, **options, **join_parallel(parallel))
     warn_mlx_on_cpu(model.manifest, engine)  # before the slow part: building the engine
     model.engine  # noqa: B018
     return model, profiler
@@ -160,6 +164,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @_ENGINE
 @_ACC
 @threads_option
+@kv_cache_options
 @_CHUNK
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @click.option("--logprobs", "top_logprobs", type=click.IntRange(0, 20), default=None,
@@ -189,7 +194,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         json_schema: str | None = None, json_object: bool = False,
         parallel: str | None = None, draft_lookup: bool = False,
         draft: str | None = None, num_draft: int | None = None,
-        draft_ngram: int | None = None) -> None:
+        draft_ngram: int | None = None, kv_bits: str | None = None,
+        kv_group_size: str | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     refuse_parallel_draft(parallel, draft, draft_lookup)
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
@@ -208,7 +214,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         from fuselm.converter.cli.verify_cmd import verify_artifact
 
         verify_artifact(out_dir)
-    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel)
+    model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel,
+                            kv_bits, kv_group_size)
     sampling.check_vocab(model.manifest.model.vocab_size)
     from fuselm.runtime_metal.drafting import speculative_options
 

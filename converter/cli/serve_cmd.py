@@ -10,6 +10,8 @@ import click
 from fuselm.converter.cli.options import (
     draft_options,
     join_parallel,
+    kv_cache_options,
+    kv_options,
     model_argument,
     ort_options,
     parallel_option,
@@ -56,6 +58,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
               help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 @threads_option
+@kv_cache_options
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="sequences decoded together")
 @click.option("--max-queue", type=click.IntRange(1), default=64, show_default=True,
@@ -106,7 +109,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           allowed_hosts: tuple[str, ...], cors_origins: tuple[str, ...], log_level: str,
           parallel: str | None = None, draft_lookup: bool = False,
           draft: str | None = None, num_draft: int | None = None,
-          draft_ngram: int | None = None) -> None:
+          draft_ngram: int | None = None, kv_bits: str | None = None,
+          kv_group_size: str | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -144,7 +148,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
                         "%(message)s")
     refuse_parallel_draft(parallel, draft, draft_lookup)
     name = resolve_engine(engine, parallel)
-    options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel)}
+    options = {**ort_options(name, accuracy_level, threads), **join_parallel(parallel),
+               **kv_options(name, kv_bits, kv_group_size)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams
     # to the thread that makes them.
     model = open_model(out_dir, name, defer_engine=True, **options)
@@ -154,7 +159,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
         raise RuntimeUserError(f"--max-context {max_context} is over the model's context "
                                f"({context}); give at most {context}")
     max_context = max_context or min(context, DEFAULT_CONTEXT)
-    token_bytes = kv_token_bytes(manifest, name)
+    token_bytes = kv_token_bytes(manifest, name, int(kv_bits) if kv_bits else None,
+                                 int(kv_group_size) if kv_group_size else None)
     kv_tokens = budget_tokens(max_kv_tokens, memory_limit, token_bytes)
     described: dict[str, object] = {}
     if parallel:

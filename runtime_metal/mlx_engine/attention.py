@@ -7,6 +7,9 @@ row's block table).
 GQA runs without repeating K/V (MLX's SDPA takes fewer KV heads); prefill uses the fused kernel
 with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fused kernel lacks
 (softcap) take the explicit softmax path here; new per-layer attributes belong on `Attention`.
+A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·V are MLX's
+quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
+between; no float copy of the cache is made.
 """
 
 from __future__ import annotations
@@ -17,7 +20,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal.kv_cache import read_blocks, write_blocks, write_rows
+from fuselm.runtime_metal.kv_cache import (
+    Buffer,
+    first,
+    positions,
+    read_blocks,
+    spec_of,
+    write_blocks,
+    write_rows,
+)
 
 Mask = mx.array | str | None  # bool (True = attend) or additive; "causal"; None = all visible
 
@@ -71,15 +82,21 @@ class Attention:
               ) -> tuple[mx.array, mx.array, mx.array]:
         return to_heads(q, self.q_heads), to_heads(k, self.kv_heads), to_heads(v, self.kv_heads)
 
-    def attend(self, qh: mx.array, kh: mx.array, vh: mx.array, mask: Mask,
+    def attend(self, qh: mx.array, kh: Buffer, vh: Buffer, mask: Mask,
                may_empty: bool = True) -> mx.array:
         """softmax(q·kᵀ·scale [+ mask]) · v over [b, H, s, D] heads; returns [b, Hq, s, D].
         A query that may attend nothing yields zeros (ONNX), not softmax's NaNs; a caller whose
-        mask always shows a query its own key says `may_empty=False` and skips that check."""
+        mask always shows a query its own key says `may_empty=False` and skips that check.
+        kh/vh quantized (kv_cache.Buffer triples): the quantized path."""
         sc = self.scale_for(qh.shape[-1])
         if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
             mask = mask.astype(qh.dtype)
-        if self.softcap > 0:
+        if isinstance(kh, tuple) or isinstance(vh, tuple):
+            if isinstance(mask, str):
+                n, t = qh.shape[2], positions(kh)
+                mask = mx.array(causal(n, t, t - n))
+            y = self._quantized(qh, kh, vh, mask, sc)
+        elif self.softcap > 0:
             if isinstance(mask, str):
                 n, t = qh.shape[2], kh.shape[2]
                 mask = mx.array(causal(n, t, t - n))
@@ -104,6 +121,32 @@ class Attention:
             scores = scores + additive(mask, mx.float32)
         return (mx.softmax(scores, axis=-1) @ v.astype(mx.float32)).astype(q.dtype)
 
+    def _quantized(self, q: mx.array, k: Buffer, v: Buffer, mask: mx.array | None,
+                   scale: float) -> mx.array:
+        """softmax(q·kᵀ·scale [+ mask]) · v with K and V read as stored (quantized triples):
+        MLX's quantized matmul for both products (in the cache's dtype, softmax in float32,
+        as mlx-lm's), GQA by a head-group axis (no repeat), softcap applied when set."""
+        assert isinstance(k, tuple) and isinstance(v, tuple)
+        b, hq, s, d = q.shape
+        hk = k[0].shape[1]
+        dt = k[1].dtype
+        kq, vq = spec_of(k, d), spec_of(v, v[1].shape[-1] * spec_of(k, d).group_size)
+        qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
+        scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
+                                     group_size=kq.group_size, bits=kq.bits)
+        if self.softcap > 0:
+            scores = mx.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            m = mask  # [.., s, t], or 4-D [b, 1 or Hq, s, t]: onto the head-group axes
+            if m.ndim == 4:
+                m = (mx.expand_dims(m, 2) if m.shape[1] == 1
+                     else m.reshape(m.shape[0], hk, hq // hk, *m.shape[2:]))
+            scores = scores + additive(m, scores.dtype)
+        p = mx.softmax(scores, axis=-1, precise=True)
+        y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
+                                group_size=vq.group_size, bits=vq.bits)
+        return y.reshape(b, hq, s, y.shape[-1]).astype(q.dtype)
+
     def with_causal(self, mask: Mask, q_len: int, total: int, past: int) -> Mask:
         """The graph's mask combined with is_causal (ONNX: query i sees keys j <= past + i).
         MLX's "causal" aligns at the bottom right: the same when past = total - q_len."""
@@ -118,9 +161,9 @@ class Attention:
             return mx.logical_and(mask, tri)
         return mask + additive(tri, mask.dtype)
 
-    def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-                   values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None,
-                   table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
+                   values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
+                   table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
         with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
@@ -129,7 +172,8 @@ class Attention:
         mask read, no work on rows past the chunk. With a block `table` ([n, W]), keys/values
         are block pools (kv_cache.BlockCache): one new position per row goes into its block,
         and attention reads the W blocks of each row, gathered, under `mask` [n, 1, 1,
-        W * BLOCK]. Returns (y, keys', values')."""
+        W * BLOCK]. Quantized buffers (kv_cache.Buffer triples) are written and read the same
+        way, the new rows quantized. Returns (y, keys', values')."""
         qh, kh, vh = self.heads(q, k, v)
         if table is not None:
             keys, values = (write_blocks(keys, kh, table, offset),
@@ -140,7 +184,7 @@ class Attention:
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
-            y = self.attend(qh, keys[:, :, :n], values[:, :, :n], mask, may_empty=False)
+            y = self.attend(qh, first(keys, n), first(values, n), mask, may_empty=False)
         else:
             y = self.attend(qh, keys, values, mask, may_empty=False)
         return (from_heads(y) if q.ndim == 3 else y), keys, values

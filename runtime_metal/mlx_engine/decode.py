@@ -55,7 +55,7 @@ from fuselm.config import RuntimeConfig
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.kv_cache import KVCache, join_layers, split_layers
 from fuselm.runtime_metal.mlx_engine import program_ops, qweight
 from fuselm.runtime_metal.mlx_engine.attention import Mask
 from fuselm.runtime_metal.mlx_engine.program_masks import (
@@ -208,7 +208,8 @@ class DecodeProgram:
             return masks[w]
 
         env: dict[str, object] = {"input_ids": ids}
-        out_kv: list[mx.array] = list(kv)
+        # each layer's (K, V) buffers: arrays, or a quantized cache's triples (kv_cache.py)
+        out_kv = split_layers(kv, self.num_layers)
         # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
         # the pairs so computed (they launch nothing)
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
@@ -248,10 +249,12 @@ class DecodeProgram:
                     attn = o.partner if o.partner is not None else o
                     layer = attn.step.layer
                     assert layer is not None
-                    k_old, v_old = out_kv[2 * layer], out_kv[2 * layer + 1]
+                    k_old, v_old = out_kv[layer]
                     mask = mask_for(attn.step)
-                    # the fused kernel reads every cached row: full-attention layers only
-                    use_kernel = self.kernels and _window(self.windows, attn.step) is None
+                    # the fused kernel reads every cached row of a float cache: full-attention
+                    # layers only; a quantized cache takes attention.py's quantized path
+                    use_kernel = (self.kernels and _window(self.windows, attn.step) is None
+                                  and not isinstance(k_old, tuple))
                     if o.partner is not None:
                         v = _resolve(attn.args[2:3], env)[0]
                         parent = joined.get((o.args[0][1], o.args[1][1], attn.args[2][1]))
@@ -263,7 +266,7 @@ class DecodeProgram:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
                             rows, table)
-                    out_kv[2 * layer], out_kv[2 * layer + 1] = k_new, v_new
+                    out_kv[layer] = (k_new, v_new)
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue
                 if o.kind == "rope":
@@ -294,7 +297,7 @@ class DecodeProgram:
         if rows_.shape[1] > 1:
             rows_ = rows_[:, -1:]
         last = rows_.reshape(ids.shape[0], vocab).astype(mx.float32)
-        return (last if batched else last.reshape(vocab), offset + s, *out_kv)
+        return (last if batched else last.reshape(vocab), offset + s, *join_layers(out_kv))
 
 
 def _window(windows: dict[str, int | None], attn: Step) -> int | None:
@@ -432,8 +435,9 @@ class FastDecoder:
             self._offset = mx.array(pos, mx.int32)
         kv = [a for c in caches for a in c.buffers()]
         logits, self._offset, *new_kv = fn(tokens, self._offset, *kv)
+        per = len(new_kv) // len(caches)  # 2 arrays a layer, 6 quantized
         for i, c in enumerate(caches):
-            c.adopt(new_kv[2 * i], new_kv[2 * i + 1], pos + s)
+            c.adopt(new_kv[per * i: per * (i + 1)], pos + s)
         self._offset_at = pos + s
         return logits
 

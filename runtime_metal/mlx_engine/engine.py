@@ -24,7 +24,7 @@ from fuselm.runtime_metal.artifact import Manifest, model_path
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import half
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.kv_cache import KVCache
+from fuselm.runtime_metal.kv_cache import KVCache, KVQuant
 from fuselm.runtime_metal.loader import LoadedGraph, read_model, read_weights
 from fuselm.runtime_metal.manifest_schema import (
     check_graph_io,
@@ -54,8 +54,10 @@ class MLXEngine:
     def __init__(self, out_dir: str | Path, manifest: Manifest,
                  profiler: Profiler | None = None, fast: bool = True,
                  compiled: bool = True, fast_prefill: bool = True,
-                 config: RuntimeConfig | None = None, parallel: str | None = None) -> None:
+                 config: RuntimeConfig | None = None, parallel: str | None = None,
+                 kv_bits: int | None = None, kv_group_size: int | None = None) -> None:
         self.config = config if config is not None else resolve()
+        self.kv_quant = kv_quant(kv_bits, kv_group_size)
         kernels.configure(self.config)  # before the first GPU evaluation of the process
         self.manifest = manifest
         # several ranks: this one's share of the graph and weights (mlx_engine/shard.py)
@@ -64,9 +66,11 @@ class MLXEngine:
         # the weight bytes this process read: its share of model.onnx.data
         self.weight_bytes = sum(w.nbytes for w in graph.weights.values())
         self.plan = build_plan(graph)
+        if self.kv_quant is not None:
+            check_kv_quant(self.kv_quant, self.plan.kv_layout())
         self.executor = Executor(self.plan)
         self.executor.profiler = profiler
-        self.caches = [KVCache() for _ in range(self.plan.num_layers)]
+        self.caches = [KVCache(self.kv_quant) for _ in range(self.plan.num_layers)]
         self.dense_prefill_weights = 0
         act = self._activations()
         packed = [c for c in self.plan.constants.values() if isinstance(c, QWeight)]
@@ -143,7 +147,7 @@ class MLXEngine:
         """Install per-layer caches (None: fresh ones); return those in use. The list object is
         kept (the compiled program's driver holds it): its entries are replaced."""
         old = list(self.caches)
-        new = state if state is not None else [KVCache() for _ in old]
+        new = state if state is not None else [KVCache(self.kv_quant) for _ in old]
         if len(new) != len(old):
             raise ValueError("a cache state has one KVCache per layer")
         self.caches[:] = new
@@ -157,14 +161,15 @@ class MLXEngine:
         with the cache layout and the span step (Engine.batch_program); None when the program
         is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
         (no sliding window), attention already stops at each row's length: one span, one
-        trace per row count."""
+        trace per row count (not with a quantized cache, which the kernel does not read)."""
         if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
         if self._batch_fn is None:  # one compiled function for every decoder of the engine
             self._batch_fn = mx.compile(program.paged) if self.fast.compiled else program.paged
         fn = self._batch_fn
-        whole = program.kernels and not any(w is not None for w in program.windows.values())
+        whole = (program.kernels and self.kv_quant is None
+                 and not any(w is not None for w in program.windows.values()))
         return fn, program.kv_layout, 0 if whole else KVCache.step
 
     def batch_verify(self) -> object | None:
@@ -208,8 +213,7 @@ class MLXEngine:
     def forward(self, ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         logits = self.forward_device(ids, all_logits)
         # Evaluate logits and the cache writes together (they share the graph).
-        mx.eval(logits, *[c.keys for c in self.caches if c.keys is not None],
-                *[c.values for c in self.caches if c.values is not None])
+        mx.eval(logits, *[a for c in self.caches if c.keys is not None for a in c.buffers()])
         return np.array(logits)
 
     def verify(self, ids: np.ndarray) -> np.ndarray:
@@ -241,7 +245,10 @@ class MLXEngine:
             "weight_bytes": self.weight_bytes,
             "steps": len(self.plan.steps),
             "graph_nodes": self.plan.stats.get("nodes"),
-            "kv_cache": "in-place (bound)" if self.plan.cache_bound else "in-place (fed/written)",
+            "kv_cache": "in-place ({}){}".format(
+                "bound" if self.plan.cache_bound else "fed/written",
+                "" if self.kv_quant is None else
+                f", {self.kv_quant.bits}-bit (group {self.kv_quant.group_size})"),
             "decode": self.fast_reason,
             "prefill": self.prefill_reason,
             "dense_prefill_weights": self.dense_prefill_weights,
@@ -254,3 +261,27 @@ class MLXEngine:
                 if self.fast is not None and self.fast.program.kernels
                 else "off (MLX built-ins)"),
         }
+
+
+def kv_quant(bits: int | None, group_size: int | None) -> KVQuant | None:
+    """The KV cache's quantization for the engine options kv_bits / kv_group_size (None: float
+    K/V); a value MLX cannot store is refused by its option's name."""
+    if bits is None:
+        if group_size is not None:
+            raise RuntimeUserError("--kv-group-size sets the group of a quantized KV cache; "
+                                   "give it with --kv-bits")
+        return None
+    try:
+        return KVQuant(int(bits), 64 if group_size is None else int(group_size))
+    except ValueError as e:
+        raise RuntimeUserError(str(e).replace("kv_bits", "--kv-bits").replace(
+            "kv_group_size", "--kv-group-size")) from None
+
+
+def check_kv_quant(quant: KVQuant, layout: list[tuple[int, int, int, mx.Dtype]]) -> None:
+    """Every layer's key and value heads split into whole groups, or a one-line refusal."""
+    for _, dk, dv, _ in layout:
+        for dim in (dk, dv):
+            if why := quant.misfit(dim):
+                raise RuntimeUserError(f"--kv-group-size {quant.group_size}: {why}; use a "
+                                       "group size that divides it")

@@ -44,8 +44,10 @@ class Executor:
                     cache = caches[int(m.group(1))]
                     if cache.keys is None:
                         env[name] = self._empty_past(name, feeds)
-                    else:
-                        env[name] = cache.state()[0 if m.group(2) == "key" else 1]
+                    else:  # float (a quantized cache's values dequantized): the graph's past
+                        _, dk, _ = plan.past_dims(name[: -len(m.group(2))] + "key")
+                        _, dv, _ = plan.past_dims(name[: -len(m.group(2))] + "value")
+                        env[name] = cache.dense(dk, dv)[0 if m.group(2) == "key" else 1]
         prof = self.profiler if self.profiler is not None and self.profiler.active else None
         for step in plan.steps:
             bound = step.layer is not None and caches is not None

@@ -21,6 +21,7 @@ import numpy as np
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+from fuselm.runtime_metal.kv_cache import Buffer
 from fuselm.runtime_metal.mlx_engine.attention import Attention, Mask
 from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 from fuselm.runtime_metal.mlx_engine.step import Step, call_step
@@ -165,17 +166,18 @@ def add_norm(add: Step, norm: Step, a: object, b: object, scale: object, use_ker
 
 
 def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array,
-                   keys: mx.array, values: mx.array, offset: mx.array, mask: Mask,
+                   keys: Buffer, values: Buffer, offset: mx.array, mask: Mask,
                    use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
                    qkv: mx.array | None = None, splits: int | None = None,
-                   table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+                   table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
     `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), `qkv`,
     the fused projection q, k and v were sliced from (read in place of the slices), and
     `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
     a block per query head). `table`: keys/values are block pools and row r's positions lie
-    in the blocks table[r] (kv_cache.BlockCache)."""
+    in the blocks table[r] (kv_cache.BlockCache). A quantized cache (kv_cache.Buffer triples)
+    never reaches the kernel (the caller's use_kernel is off): RoPE, then Attention."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -202,9 +204,9 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, table)  # type: ignore[arg-type]
 
 
-def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: mx.array,
-           values: mx.array, offset: mx.array, mask: Mask, rows: int | None = None,
-           table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
+           values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
+           table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """An Attention with no RoPE partner: Attention.over_cache."""
     return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask,
                                                             rows, table)

@@ -30,6 +30,7 @@ from fuselm.runtime_metal.ort_engine.shared_kv import GROW, SharedKV
 class OrtEngine:
     name = "onnxruntime"
     device_loop = False
+    kv_quant = None  # its KV cache is float (make_engine refuses --kv-bits)
 
     def __init__(self, out_dir: str | Path, manifest: Manifest, accuracy_level: int = 4,
                  optimization: str = "all", threads: int | None = None,

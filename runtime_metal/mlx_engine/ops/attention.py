@@ -13,6 +13,7 @@ from types import ModuleType
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal.kv_cache import positions
 from fuselm.runtime_metal.mlx_engine.attention import Attention, Mask, from_heads
 from fuselm.runtime_metal.mlx_engine.ops.registry import op
 
@@ -70,16 +71,16 @@ def attention(  # noqa: ANN201, PLR0913
     attn = Attention.from_attrs({"q_num_heads": q_num_heads, "kv_num_heads": kv_num_heads,
                                  "scale": scale, "softcap": softcap, "is_causal": is_causal})
     qh, kh, vh = attn.heads(q, k, v)
-    if kv_cache is not None:
+    if kv_cache is not None:  # a quantized cache returns its triples: attend reads them
         kh, vh = kv_cache.update_and_fetch(kh, vh)
-        past_len = kh.shape[2] - qh.shape[2]
+        past_len = positions(kh) - qh.shape[2]
     else:
         past_len = 0 if past_key is None else past_key.shape[2]
         if past_key is not None:
             kh = mx.concatenate([past_key, kh], axis=2)
         if past_value is not None:
             vh = mx.concatenate([past_value, vh], axis=2)
-    q_len, total = qh.shape[2], kh.shape[2]
+    q_len, total = qh.shape[2], positions(kh)
     mask = attn.with_causal(_graph_mask(attn_mask, q_len, total), q_len, total, past_len)
     y = attn.attend(qh, kh, vh, mask)
     return (from_heads(y) if q.ndim == 3 else y), kh, vh
