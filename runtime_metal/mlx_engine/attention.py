@@ -9,7 +9,8 @@ with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fuse
 (softcap) take the explicit softmax path here; new per-layer attributes belong on `Attention`.
 A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·V are MLX's
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
-between; no float copy of the cache is made.
+between; no float copy of the cache is made. On MLX-CUDA, whose quantized matmul lacks most of
+these shapes, a layer's keys and values are dequantized for its attention instead.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from fuselm.runtime_metal.cuda_kernels.selection import cuda_device
 from fuselm.runtime_metal.kv_cache import (
     Buffer,
+    dequantized,
     first,
     positions,
     read_blocks,
@@ -91,6 +94,14 @@ class Attention:
         sc = self.scale_for(qh.shape[-1])
         if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
             mask = mask.astype(qh.dtype)
+        if isinstance(kh, tuple) and cuda_device():
+            # MLX-CUDA's quantized matmul has no kernel for most of attention's shapes (a
+            # prefill chunk's queries, a batch's grouped heads: "No implementation for problem
+            # shape"): there the cache is read dequantized, one layer's keys and values at a
+            # time; it stays stored quantized
+            group = spec_of(kh, qh.shape[-1]).group_size
+            vdim = vh[1].shape[-1] * group  # type: ignore[index]
+            kh, vh = dequantized(kh, qh.shape[-1]), dequantized(vh, vdim)
         if isinstance(kh, tuple) or isinstance(vh, tuple):
             if isinstance(mask, str):
                 n, t = qh.shape[2], positions(kh)
