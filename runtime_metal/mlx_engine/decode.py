@@ -292,7 +292,8 @@ class DecodeProgram:
         vocab = logits.shape[-1]
         if all_rows:
             every = logits.reshape(ids.shape[0], s, vocab).astype(mx.float32)
-            return (every if batched else every.reshape(s, vocab), offset + s, *out_kv)
+            return (every if batched else every.reshape(s, vocab), offset + s,
+                    *join_layers(out_kv))
         rows_ = logits.reshape(ids.shape[0], -1, vocab)
         if rows_.shape[1] > 1:
             rows_ = rows_[:, -1:]

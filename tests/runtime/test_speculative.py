@@ -242,3 +242,21 @@ def test_bench_speculative_json(models: dict[str, Path], capsys: pytest.CaptureF
     assert code == 0
     spec = json.loads(out)["speculative"]
     assert spec["drafter"] == "prompt-lookup" and spec["num_draft"] == 8
+
+
+def test_over_a_quantized_kv_cache(models: dict[str, Path]) -> None:
+    """MLX with an 8-bit KV cache (--kv-bits 8): the drafted positions are written quantized
+    like single steps' and rolled back the same way, so speculative greedy equals plain greedy
+    over the same quantized cache, one sequence and the batched program."""
+    engine = make_engine(models["target"], "mlx", kv_bits=8, kv_group_size=32)
+    prompts = _prompts()
+    want = [generate(engine, p, max_new_tokens=n).tokens
+            for p, (_, n, _) in zip(prompts, PLAN, strict=True)]
+    for p, (_, n, _), w in zip(prompts, PLAN, want, strict=True):
+        res = generate(engine, p, max_new_tokens=n, drafter=PromptLookup(), num_draft=4)
+        assert res.tokens == w
+    dec = BatchDecoder(engine, max_batch=4, max_context=96, drafter=PromptLookup(),
+                       num_draft=4)
+    assert dec.mode == "batched"
+    assert _serve(dec, prompts) == want
+    assert dec.drafted > 0
