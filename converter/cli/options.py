@@ -28,9 +28,14 @@ def model_argument(f: Callable[..., Any]) -> Callable[..., Any]:
                 **kwargs: Any) -> Any:
         if (out_dir is None) == (model_opt is None):
             raise click.UsageError("give the model once: MODEL or -m/--model")
+        given = out_dir if out_dir is not None else model_opt
+        assert given is not None
+        if not given.strip():  # `fuselm bench ""`: an empty path names no model
+            raise click.UsageError("MODEL is empty; give an artifact folder, a .gguf file or "
+                                   "an HF folder")
         from fuselm.converter.model_path import resolve_model
 
-        return f(*args, out_dir=str(resolve_model(out_dir or model_opt)), **kwargs)
+        return f(*args, out_dir=str(resolve_model(given)), **kwargs)
 
     return wrapper
 

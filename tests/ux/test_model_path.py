@@ -190,3 +190,12 @@ def test_validate_a_gguf_without_an_hf_folder(tiny_gguf: Path, cache: Path,
     assert r.returncode == 0, r.stderr
     verdict = json.loads(r.stdout)["verdicts"]["onnxruntime"]
     assert verdict["status"] in ("PASS", "WARN") and "PPL" in verdict["reason"], verdict
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "perplexity"])
+def test_empty_model_is_a_usage_error(command: str) -> None:
+    """`fuselm bench ""`: an empty MODEL is a usage error naming it (exit 2), no traceback."""
+    r = subprocess.run([sys.executable, "-m", "fuselm.converter.cli.main", command, ""],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "MODEL is empty" in r.stderr
+    assert "Traceback" not in r.stderr
