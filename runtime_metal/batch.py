@@ -98,7 +98,9 @@ class _Slot:
     sampler: TokenSampler | None = None
     greedy: bool = True  # picked on the device: temperature 0, no logits processor
     top_logprobs: int | None = None  # None: no logprobs; else the alternatives reported
-    logprobs: TokenLogprobs | None = None  # of `pending`, when the sequence asked for them
+    # when the sequence asked for them: the logprobs of its tokens sampled and not yet taken
+    # (logprobs()), in order: a speculative step reports a new row's first token and the next
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logits: np.ndarray | None = None  # kept until its first token is reported (fork)
     constraint: TokenConstraint | None = None  # its grammar (batched mode: masked on device)
     state: object = None  # sequential mode: the slot's engine cache state
@@ -244,7 +246,7 @@ class BatchDecoder:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
-        s.logprobs = s.prompt_logits = None
+        s.logprobs, s.prompt_logits = [], None
         s.constraint = None
         s.epoch += 1
         self.exhausted.discard(slot)
@@ -337,6 +339,7 @@ class BatchDecoder:
         s.cached = list(prompt)
         s.sampler = TokenSampler(opts)
         s.top_logprobs = top_logprobs
+        s.logprobs = []
         # a greedy row under a grammar keeps the device argmax only where it can be masked on
         # the device (batched mode, its logprobs not asked: those come from unmasked logits
         # there); elsewhere it samples on the host from masked logits
@@ -361,14 +364,15 @@ class BatchDecoder:
             s.constraint.advance(s.pending)
         if s.top_logprobs is not None:
             assert s.sampler.processed is not None
-            s.logprobs = token_logprobs(s.sampler.processed, s.pending, s.top_logprobs)
+            s.logprobs.append(token_logprobs(s.sampler.processed, s.pending, s.top_logprobs))
         return s.pending
 
     def logprobs(self, slot: int) -> TokenLogprobs | None:
-        """The logprobs of the token the last step() reported for `slot` (None unless its
-        sequence asked for them)."""
+        """The logprobs of `slot`'s next reported token not yet asked for (None unless its
+        sequence asked for them): one call per token step() / step_tokens() reported, in
+        order (a speculative step reports a new row's first token and the next together)."""
         s = self.slots[slot]
-        return s.logprobs if s.top_logprobs is not None else None
+        return s.logprobs.pop(0) if s.top_logprobs is not None and s.logprobs else None
 
     def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
         engine, s = self.engine, self.slots[slot]
@@ -818,7 +822,8 @@ class BatchDecoder:
             if s.greedy:
                 s.pending = int(chosen[where[i]])  # type: ignore[index]
                 if s.top_logprobs is not None:
-                    s.logprobs = _device_logprobs(top, where[i], s.pending, s.top_logprobs)
+                    s.logprobs.append(_device_logprobs(top, where[i], s.pending,
+                                                       s.top_logprobs))
                 if s.constraint is not None:  # masked on the device: the grammar moves on
                     s.constraint.advance(s.pending)
             else:

@@ -277,6 +277,12 @@ class Scheduler:
             assert self.decoder is not None
             try:
                 out = self.decoder.step()
+                for slot, tokens in out.items():
+                    for token in tokens:  # a request that ends drops the tokens after its last
+                        job = self._active.get(slot)
+                        if job is None:
+                            break
+                        self._on_token(slot, job, token)
             except EngineLost:
                 raise
             except Exception:  # an engine bug must not kill the server: fail these requests
@@ -290,12 +296,6 @@ class Scheduler:
                 self._reserved_total = 0
                 self.decoder.reset()
                 continue
-            for slot, tokens in out.items():
-                for token in tokens:  # a request that ends drops the tokens after its last
-                    job = self._active.get(slot)
-                    if job is None:
-                        break
-                    self._on_token(slot, job, token)
             self._end_exhausted()
             self._notify()
         for job in [*self._active.values(), *self._waiting]:

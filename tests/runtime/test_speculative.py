@@ -260,3 +260,31 @@ def test_over_a_quantized_kv_cache(models: dict[str, Path]) -> None:
     assert dec.mode == "batched"
     assert _serve(dec, prompts) == want
     assert dec.drafted > 0
+
+
+def test_a_logprob_row_beside_drafting_rows(engines: dict[str, object],
+                                            plain: list[list[int]]) -> None:
+    """A row asking for logprobs decodes plainly beside a drafting row; the decoder hands out
+    one logprob record per reported token, in order, even when a step reports a new row's
+    first token and the next together; both rows keep their plain greedy tokens."""
+    dec = BatchDecoder(engines["target"], max_batch=2, max_context=96,  # type: ignore[arg-type]
+                       drafter=PromptLookup(), num_draft=4)
+    prompts = _prompts()
+    a = dec.add(prompts[0], None, top_logprobs=2)
+    b = dec.add(prompts[1])
+    want = {a: plain[0], b: plain[1]}
+    got: dict[int, list[int]] = {a: [], b: []}
+    while any(len(got[s]) < len(want[s]) for s in got):
+        for slot, tokens in dec.step_tokens().items():
+            for t in tokens:
+                if len(got[slot]) == len(want[slot]):
+                    break
+                got[slot].append(t)
+                record = dec.logprobs(slot)
+                if slot == a:
+                    assert record is not None and record.token == t and len(record.top) == 2
+                else:
+                    assert record is None
+            if len(got[slot]) == len(want[slot]):
+                dec.remove(slot)
+    assert got == want
