@@ -312,7 +312,7 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
                 parts[i].append(event[1])
                 records[i] += event[2]
             elif event[0] == "error":
-                raise ApiError(event[1], event[2], kind="server_error")
+                raise ApiError(event[1], event[2], kind=_error_kind(event[1]))
             else:
                 ends[i] = event
         return [("".join(p), r, e) for p, r, e in zip(parts, records, ends, strict=True)]
@@ -355,6 +355,12 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
         task.cancel()
         for job in jobs:
             job.cancelled.set()  # a no-op once done; frees the slot if the handler was cancelled
+
+
+def _error_kind(status: int) -> str:
+    """OpenAI's error type for a status the engine thread ended a request with: a request the
+    engine refused (a 4xx: its prompt, its sampling options) is the client's error."""
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -409,7 +415,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                     yield _sse(chunk(i, text, records=held[i]))
                     held[i] = []
             elif event[0] == "error":
-                yield _sse(error_body(event[2], "server_error"))
+                yield _sse(error_body(event[2], _error_kind(event[1])))
                 break
             else:
                 _, finish, u = event

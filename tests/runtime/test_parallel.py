@@ -204,6 +204,22 @@ def test_server_on_rank_0(artifacts: dict[str, Path], tmp_path: Path) -> None:
                                              max_tokens=NEW_TOKENS, temperature=0)
             texts.append((chat.choices[0].message.content, done.choices[0].text))
         assert texts[0] == texts[1] and all(texts[0])
+        # logprobs and n choices reach the other rank; a grammar does not (its state lives on
+        # rank 0 only): refused by name, the client's error
+        both = [httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": art.name, "messages": [{"role": "user", "content": "hello world"}],
+            "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2, "n": 2}
+        ).json() for url in urls]
+        for one, two in zip(both[0]["choices"], both[1]["choices"], strict=True):
+            assert one["message"] == two["message"]  # tensor-parallel logits: within 1e-5
+            lp1, lp2 = ([t["logprob"] for t in c["logprobs"]["content"]] for c in (one, two))
+            assert np.allclose(lp1, lp2, atol=1e-4) and len(lp1) == 4
+        shaped = httpx.post(urls[1] + "/v1/chat/completions", timeout=60, json={
+            "model": art.name, "messages": [{"role": "user", "content": "hello world"}],
+            "max_tokens": 4, "response_format": {"type": "json_object"}})
+        assert shaped.status_code == 400, shaped.text
+        assert shaped.json()["error"]["type"] == "invalid_request_error"
+        assert "--parallel" in shaped.json()["error"]["message"]
         procs[2].send_signal(signal.SIGKILL)  # rank 1 of the job
         t0 = time.monotonic()
         while (health := httpx.get(urls[1] + "/health", timeout=5)).status_code == 200:
