@@ -6,6 +6,8 @@ The types whose blocks fuselm's stored formats hold exactly (ggml's layouts, ggm
     Q4_1  32 weights: d, m (f16), 16 bytes of nibbles   w = d·q + m       → 4 bits, bias m
     Q8_0  32 weights: d (f16), 32 int8                  w = d·q           → 8 bits, q + 128,
                                                                               zero point 128
+    Q5_0  32 weights: d (f16), 4 bytes of high bits,    w = d·(q - 16)    → 8 bits, q + 112,
+          16 bytes of low nibbles (q: 5 bits)                                 zero point 128
     Q4_K  256 weights: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
           per 32-weight sub-block j: w = (d·sc_j)·q - dmin·mn_j            → 4 bits, block 32,
                                                                               scale d·sc_j, bias
@@ -13,7 +15,8 @@ The types whose blocks fuselm's stored formats hold exactly (ggml's layouts, ggm
 
 Nibbles: within a 32-weight group, byte i holds weight i in its low nibble and weight i + 16
 in its high one (Q4_K: byte i of a 64-weight chunk holds weight i of its first sub-block low
-and of its second high). Scales and biases are computed in float32 as gguf's own dequantize
+and of its second high; Q5_0: bit i of its little-endian 32-bit word is weight i's fifth
+bit). Scales and biases are computed in float32 as gguf's own dequantize
 computes them, so `GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly.
 Other types (Q5_K, Q6_K, ...) have no exact form here: `given_blocks` answers None for them.
 """
@@ -24,9 +27,9 @@ import numpy as np
 
 from fuselm.given_blocks import GivenBlocks
 
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144}
-_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256}
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144}
+_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -61,6 +64,12 @@ def given_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Giv
         q = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k)
         codes = (q.astype(np.int16) + 128).astype(np.uint8)
         return GivenBlocks(codes, _f16(b[..., 0:2]), 8, 32, src,
+                           zero_points=np.full((n, k // 32), 128, np.uint8))
+    if type_name == "Q5_0":  # 5-bit codes held as 8-bit ones: q - 16 + 128 (exact)
+        high = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [n, k // 32, 1]
+        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = (_nibbles(b[..., 6:]) | (fifth << np.uint8(4))) + np.uint8(112)
+        return GivenBlocks(codes.reshape(n, k), _f16(b[..., 0:2]), 8, 32, src,
                            zero_points=np.full((n, k // 32), 128, np.uint8))
     return _q4_k(b, n, k, src)
 

@@ -20,7 +20,8 @@ from fuselm.export.gguf.header import HeaderError, Unreadable, read_header
 from fuselm.input_files import check_regular, open_regular
 
 # Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
+                   "Q6_K")
 MAGIC = b"GGUF"
 SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time
 

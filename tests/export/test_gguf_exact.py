@@ -1,4 +1,4 @@
-"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0 or Q4_K converted by default keeps its blocks
+"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K converted by default keeps its blocks
 (no second quantization), so fuselm's logits are those of the file's own dequantized weights
 run in float32 by transformers' GGUF loader, on both engines."""
 
@@ -22,7 +22,7 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 # llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
-         for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
@@ -61,7 +61,7 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
     assert q is not None and q["given"] == {"kept": {f"gguf {kind}": len(q["tensors"])},
                                             "quantized": 0}
     assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
-    assert q["bits"] == (8 if kind == "Q8_0" else 4)
+    assert q["bits"] == (8 if kind in ("Q8_0", "Q5_0") else 4)  # Q5_0's codes held in 8 bits
     from fuselm.converter.cli.quant_report_cmd import render
 
     text = render(q)
