@@ -30,7 +30,7 @@ CASES = {
     "qwen2": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64), {
         "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q8_0",
         "ffn_gate": "BF16", "ffn_up": "F16", "ffn_down": "Q4_0", "token_embd": "Q4_1",
-        "output": "Q8_0"}),
+        "output": "Q5_0"}),
     # transformers reads no head_dim for qwen3 GGUF (its config default, 128, applies)
     "qwen3": (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128), {
         "attn_q": "BF16", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K",
@@ -150,10 +150,10 @@ def test_unsupported_architecture_and_type(tmp_path: Path) -> None:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o1")])
     assert "'gemma' is not supported" in msg and "llama, qwen2, qwen3" in msg
-    path, _ = write_gguf(tmp_path / "q2k.gguf", "llama", {"ffn_up": "Q5_0"}, **SHAPE,
+    path, _ = write_gguf(tmp_path / "q5_1.gguf", "llama", {"ffn_up": "Q5_1"}, **SHAPE,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o2")])
-    assert "tensor type Q5_0 is not supported" in msg and "Q4_K" in msg
+    assert "tensor type Q5_1 is not supported" in msg and "Q4_K" in msg
 
 
 def _maps_of(path: Path) -> list[str]:
