@@ -51,24 +51,15 @@ def single_step_ms(engine, prompt: list[int], n: int, runs: int) -> float:  # no
 
 def profile_steps(dec: BatchDecoder, n: int) -> dict[str, object]:
     """n more steps of `dec` under the CUDA profiler: device time a step by kernel name."""
-    import tempfile
-    from collections import defaultdict
-
-    from step_profile import busy_union, kernel_events
+    from step_profile import busy_union, per_kernel, trace_kernels
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             dec.step()
         mx.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        kernels = kernel_events(trace)
-    by_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        by_name[e["name"][:90]].append(e["dur"])
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
+    kernels = trace_kernels(prof)
+    top = sorted(per_kernel(kernels, 90).items(), key=lambda kv: -sum(kv[1]))[:15]
     return {"kernels_per_step": len(kernels) / n,
             "kernel_sum_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / n,
             "busy_ms_per_step": busy_union(kernels) / 1e3 / n,

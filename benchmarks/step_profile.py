@@ -37,6 +37,22 @@ def kernel_events(trace: Path) -> list[dict[str, Any]]:
                   key=lambda e: e["ts"])
 
 
+def trace_kernels(prof: Any) -> list[dict[str, Any]]:
+    """The kernel events a finished torch profiler recorded, in time order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_events(trace)
+
+
+def per_kernel(kernels: list[dict[str, Any]], width: int) -> dict[str, list[float]]:
+    """Each kernel name (its first `width` characters)'s durations, µs."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for e in kernels:
+        out[e["name"][:width]].append(e["dur"])
+    return out
+
+
 def busy_union(kernels: list[dict[str, Any]]) -> float:
     """Microseconds covered by at least one kernel."""
     total, end = 0.0, float("-inf")
@@ -110,14 +126,8 @@ def main() -> None:
         y.item()
         mx.synchronize()
         prof_wall = (time.perf_counter() - t) * 1e3 / args.n
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        kernels = kernel_events(trace)
-    per_name: dict[str, list[float]] = defaultdict(list)
-    for e in kernels:
-        per_name[e["name"][:80]].append(e["dur"])
-    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:40]
+    kernels = trace_kernels(prof)
+    top = sorted(per_kernel(kernels, 80).items(), key=lambda kv: -sum(kv[1]))[:40]
     span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0.0
     busy = busy_union(kernels)
     n = args.n

@@ -209,29 +209,11 @@ def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("smol_serve")
     out = root / "smol"
     convert(bundled_gguf(), out, ConvertOptions.from_flags(quant="q4"))
-    port = free_port()
-    log = root / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fuselm.converter.cli.main", "serve", str(out), "--port",
-             str(port), "--engine", "onnxruntime", "--max-batch", str(SMOL_BATCH),
-             "--max-context", "512", "--model-name", MODEL, "--accuracy-level", "0"],
-            stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(f"http://127.0.0.1:{port}", proc.pid, out, log, "onnxruntime")
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+    # the standard server with this model's batch, context and name (the later flags win)
+    with running_server(out, root / "server.log", "onnxruntime",
+                        ["--max-batch", str(SMOL_BATCH), "--max-context", "512",
+                         "--model-name", MODEL, "--accuracy-level", "0"]) as srv:
         yield srv
-    finally:
-        stop_server(proc)
 
 
 @pytest.fixture(scope="session")
@@ -239,10 +221,6 @@ def speculative_server(serve_artifact: Path, tmp_path_factory: pytest.TempPathFa
                        ) -> Iterator[Server]:
     """`fuselm serve --draft-lookup` on onnxruntime: speculative decoding with batching on."""
     log = tmp_path_factory.mktemp("serve_spec_log") / "spec.log"
-    proc, srv = start_server(serve_artifact, log, "onnxruntime",
-                             ["--draft-lookup", "--num-draft", "4"])
-    try:
-        wait_up(proc, srv, time.monotonic() + STARTUP_S)
+    with running_server(serve_artifact, log, "onnxruntime",
+                        ["--draft-lookup", "--num-draft", "4"]) as srv:
         yield srv
-    finally:
-        stop_server(proc)
