@@ -161,32 +161,59 @@ def main() -> None:
             x = mx.zeros((rows, 1, kdim), dt)
             packed = mx.zeros((nout, kdim // 8), mx.uint32)
             sc = mx.zeros((nout, kdim // 32), dt)
-            kernels_q4.q4_gemv(x, packed, sc, sc, 32, act)
+            kernels_q4.q4_gemv(x, packed, sc, sc, 32, act, mma=False)
             if act is None and nout <= 4096:  # an o_proj / down shape: the add+norm epilogue
                 res = mx.zeros((rows, 1, nout), dt)
                 hy = kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, res,
-                                                 mx.ones((nout,), dt), 1e-6)
+                                                 mx.ones((nout,), dt), 1e-6, mma=False)
                 # read out of the one output hy [2, ...] at an element offset (template
                 # constants XO / RO): y as a GEMV's input, a row of it as a residual
                 y = kernels_q4.halves(hy)[1]
                 y_at = (hy, kernels_q4.y_offset(hy))
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, 32, y, mx.ones((nout,), dt),
-                                            1e-6, residual_at=y_at)
+                                            1e-6, residual_at=y_at, mma=False)
                 for n2, g2, a2 in ((3 * nout, 64, "silu"), (2 * nout, 32, None)):
                     # a gate/up or q/k/v GEMV over y, read out of hy
                     p2 = mx.zeros((n2, nout // 8), mx.uint32)
                     s2 = mx.zeros((n2, nout // g2), dt)
-                    kernels_q4.q4_gemv(y, p2, s2, s2, g2, a2, x_at=y_at)
+                    kernels_q4.q4_gemv(y, p2, s2, s2, g2, a2, x_at=y_at, mma=False)
+        if dt in kernels_q4.MMA_DTYPES:
+            # the tensor-core form (batched rows): Qwen3-0.6B's decode GEMVs at 16 rows (q/k/v,
+            # gate/up, o_proj and down with the add+norm epilogue reading x and the residual
+            # out of hy, the LM head's float32 logits), odd row counts, 8-bit codes, group 64
+            for rows, kdim, nout, act, g, bits in (
+                    (16, 1024, 4096, None, 32, 4), (16, 1024, 6144, "silu", 32, 4),
+                    (16, 2048, 1024, None, 32, 4), (16, 3072, 1024, None, 32, 4),
+                    (16, 1024, 151936, None, 32, 4), (5, 1024, 6144, "gelu_tanh", 64, 4),
+                    (2, 3072, 1024, None, 64, 8), (16, 96, 64, None, 32, 4)):
+                x = mx.zeros((rows, 1, kdim), dt)
+                packed = mx.zeros((nout, kdim * bits // 32), mx.uint32)
+                sc = mx.zeros((nout, kdim // g), dt)
+                if nout > 100000:
+                    kernels_q4.q4_gemv(x, packed, sc, sc, g, None, mx.float32, mma=True)
+                    continue
+                kernels_q4.q4_gemv(x, packed, sc, sc, g, act, mma=True)
+                if act is None and nout <= 1024:
+                    res = mx.zeros((rows, 1, nout), dt)
+                    hy = kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, g, res,
+                                                     mx.ones((nout,), dt), 1e-6, mma=True)
+                    y_at = (hy, kernels_q4.y_offset(hy))
+                    y = kernels_q4.halves(hy)[1]
+                    p2 = mx.zeros((nout, nout * bits // 32), mx.uint32)
+                    s2 = mx.zeros((nout, nout // g), dt)
+                    x2 = mx.zeros((rows, 1, nout), dt)
+                    kernels_q4.q4_gemv_add_norm(x2, p2, s2, s2, g, y, mx.ones((nout,), dt),
+                                                1e-6, x_at=y_at, residual_at=y_at, mma=True)
         for rows, kdim, nout, act, g in ((1, 1024, 4096, None, 32), (4, 1024, 6144, "silu", 64),
                                          (16, 2048, 4096, None, 128)):
             # 8-bit weights (BITS = 8: 4 codes a word), plain, gated and add+norm
             x = mx.zeros((rows, 1, kdim), dt)
             packed = mx.zeros((nout, kdim // 4), mx.uint32)
             sc = mx.zeros((nout, kdim // g), dt)
-            kernels_q4.q4_gemv(x, packed, sc, sc, g, act)
+            kernels_q4.q4_gemv(x, packed, sc, sc, g, act, mma=False)
             if act is None:
                 kernels_q4.q4_gemv_add_norm(x, packed, sc, sc, g, mx.zeros((rows, 1, nout), dt),
-                                            mx.ones((nout,), dt), 1e-6)
+                                            mx.ones((nout,), dt), 1e-6, mma=False)
         for hidden in (1024, 4096):  # the separate add+RMSNorm: 256 and 1024 threads a block
             h = mx.zeros((1, 1, hidden), dt)
             kernels_cuda.add_rms_norm(h, h, mx.ones((hidden,), dt), 1e-6)

@@ -38,9 +38,9 @@ class Setting:
         text = raw.strip()
         if self.field == "kernel_dir":
             return text
-        if self.field in ("prefill_dense", "mlx_max_ops_per_buffer"):
+        if self.field in ("prefill_dense", "gemv_mma", "mlx_max_ops_per_buffer"):
             low = self.field == "mlx_max_ops_per_buffer"
-            if self.field == "prefill_dense" and text.lower() == "auto":
+            if self.field != "mlx_max_ops_per_buffer" and text.lower() == "auto":
                 return None
             if not text.isdigit() or (low and int(text) < 1):
                 raise ConfigError(f"{self.env}={raw!r}: use {self.allowed()}")
@@ -50,7 +50,7 @@ class Setting:
         return text.lower()
 
     def allowed(self) -> str:
-        if self.field == "prefill_dense":
+        if self.field in ("prefill_dense", "gemv_mma"):
             return "auto (default) or a row count N (0: off)"
         if self.field == "mlx_max_ops_per_buffer":
             return f"an operation count N >= 1 (default {self.default})"
@@ -77,6 +77,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill_dense", "FUSELM_PREFILL_DENSE", (), "auto",
             "from how many rows a Q4 matmul (a prefill chunk) runs over its weight dequantized "
             "inside the call: `auto` = 256 on MLX-CUDA, never elsewhere; `N` rows; `0` never"),
+    Setting("gemv_mma", "FUSELM_GEMV_MMA", (), "auto",
+            "CUDA: from how many rows (a batched decode step, float16 / bfloat16) the Q4 GEMV "
+            "runs on tensor cores: `auto` = 2, `N` rows (1: the one-row step too), `0` never"),
     Setting("kernel_dir", "FUSELM_KERNEL_DIR", (), "~/.cache/fuselm/cuda",
             "CUDA: the folder of the kernel header files MLX #includes (default "
             "$XDG_CACHE_HOME/fuselm/cuda, else ~/.cache/fuselm/cuda); `inline` hands MLX the "
@@ -104,6 +107,7 @@ class RuntimeConfig:
     fold_norm: str = "epilogue"
     attn_split: str = "auto"
     prefill_dense: int | None = None  # None: auto
+    gemv_mma: int | None = None  # None: auto
     kernel_dir: str = ""  # "": the cache folder; KERNEL_DIR_INLINE; else a folder
     mlx_max_ops_per_buffer: int = CUDA_GRAPH_OPS
     export: str = "auto"
@@ -119,6 +123,9 @@ class RuntimeConfig:
         if self.prefill_dense is not None and self.prefill_dense < 0:
             raise ConfigError(f"FUSELM_PREFILL_DENSE={self.prefill_dense!r}: use "
                               f"{_SETTING['prefill_dense'].allowed()}")
+        if self.gemv_mma is not None and self.gemv_mma < 0:
+            raise ConfigError(f"FUSELM_GEMV_MMA={self.gemv_mma!r}: use "
+                              f"{_SETTING['gemv_mma'].allowed()}")
         if self.mlx_max_ops_per_buffer < 1:
             raise ConfigError(f"MLX_MAX_OPS_PER_BUFFER={self.mlx_max_ops_per_buffer!r}: use "
                               f"{_SETTING['mlx_max_ops_per_buffer'].allowed()}")
@@ -208,7 +215,7 @@ def markdown_table() -> str:
     for s in SETTINGS:
         values = (", ".join(f"`{v}`" for v in s.values) if s.values
                   else "a folder, `inline`" if s.field == "kernel_dir"
-                  else "`auto`, a row count" if s.field == "prefill_dense"
+                  else "`auto`, a row count" if s.field in ("prefill_dense", "gemv_mma")
                   else "an operation count")
         rows.append(f"| `{s.env}` | {values} | `{s.default}` | {s.what} |")
     return "\n".join(rows) + "\n"

@@ -185,25 +185,27 @@ __device__ __forceinline__ O fl_out(float v) {
   return static_cast<O>(static_cast<float>(T(v)));
 }
 
+// One output element from its float32 sums: x @ W (EPI 0: `gate`), or act(gate) * up.
+template <typename T, typename O, int EPI>
+__device__ __forceinline__ O fl_q4_value(float gate, float up) {
+  if (EPI == 0) return fl_out<T, O>(gate);
+  const float gt = static_cast<float>(T(gate)), u = static_cast<float>(T(up));
+  float a;
+  if (EPI == 1) {
+    const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
+    a = static_cast<float>(T(gt * sg));
+  } else {
+    const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
+    a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
+  }
+  return fl_out<T, O>(a * u);
+}
+
 template <typename T, typename O, int NO, int R, int NR, int EPI>
 __device__ __forceinline__ void fl_q4_store(O* out, int n, const float (&v)[NR][R]) {
   #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (EPI == 0) {
-      out[(size_t)r * NO + n] = fl_out<T, O>(v[0][r]);
-    } else {
-      const float gt = static_cast<float>(T(v[0][r])), up = static_cast<float>(T(v[NR - 1][r]));
-      float a;
-      if (EPI == 1) {
-        const float sg = static_cast<float>(T(1.f / (1.f + __expf(-gt))));
-        a = static_cast<float>(T(gt * sg));
-      } else {
-        const float c = 0.7978845608028654f * (gt + 0.044715f * gt * gt * gt);
-        a = static_cast<float>(T(0.5f * gt * (1.f + tanhf(c))));
-      }
-      out[(size_t)r * NO + n] = fl_out<T, O>(a * up);
-    }
-  }
+  for (int r = 0; r < R; ++r)
+    out[(size_t)r * NO + n] = fl_q4_value<T, O, EPI>(v[0][r], v[NR - 1][r]);
 }
 """
 
@@ -233,35 +235,15 @@ _GEMV = """
 # thread of the last block reaches the tail's barriers. Returns true in the last block, after
 # its y writes; it has set the ticket back to zero (for the next launch).
 _ADD_NORM_BLOCK = """
-template <typename T, int K, int G, int NO, int R, int NW, int BITS>
-__device__ __forceinline__ bool fl_q4_add_norm_block(
-    int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
-    const T* rr, const T* nw, float e0, T* h, T* y, float* part) {
-  constexpr int NB = NO / NW, NT = NW * 32, PT = (NO + NT - 1) / NT;
-  __shared__ float hsq[R][NW];
+// The add+norm's end, in every block once it has written its h and its share of each row's
+// sum of squares (part[r * NB + blk]; NB blocks of NT threads, every thread here): the ticket,
+// and in the last block the norm of the NO-wide rows. Returns true in the last block.
+template <typename T, int NO, int R, int NB, int NT>
+__device__ __forceinline__ bool fl_addnorm_last(unsigned int* tickets, const T* nw, float e0,
+                                                const T* h, T* y, const float* part) {
+  constexpr int PT = (NO + NT - 1) / NT;
   __shared__ unsigned int ticket;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = blk * NW + warp;
-  float rrv[R];  // the residual, loaded with the weights rather than after the sums
-  #pragma unroll
-  for (int r = 0; r < R; ++r)
-    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
-  float v[1][R];
-  fl_q4_dots<T, K, G, NO, R, 1, BITS>(x, wq, sc, bi, n, lane, v);
-  if (lane == 0) {
-    #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const T hv = T(static_cast<float>(T(v[0][r])) + rrv[r]);
-      h[(size_t)r * NO + n] = hv;
-      hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);
-    }
-  }
-  __syncthreads();  // hsq is whole
-  if (threadIdx.x < R) {  // this block's share of row r's sum of squares, in warp order
-    float p = 0.f;
-    for (int w = 0; w < NW; ++w) p += hsq[threadIdx.x][w];
-    part[(size_t)threadIdx.x * NB + blk] = p;
-  }
+  const int lane = threadIdx.x & 31;
   __threadfence();  // this block's h and share visible device-wide before its ticket
   __syncthreads();
   if (threadIdx.x == 0) ticket = atomicAdd(tickets, 1u);
@@ -296,6 +278,37 @@ __device__ __forceinline__ bool fl_q4_add_norm_block(
   if (threadIdx.x == 0) *tickets = 0u;
   return true;
 }
+
+template <typename T, int K, int G, int NO, int R, int NW, int BITS>
+__device__ __forceinline__ bool fl_q4_add_norm_block(
+    int blk, unsigned int* tickets, const T* x, const uint32_t* wq, const T* sc, const T* bi,
+    const T* rr, const T* nw, float e0, T* h, T* y, float* part) {
+  constexpr int NB = NO / NW;
+  __shared__ float hsq[R][NW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blk * NW + warp;
+  float rrv[R];  // the residual, loaded with the weights rather than after the sums
+  #pragma unroll
+  for (int r = 0; r < R; ++r)
+    rrv[r] = lane == 0 ? static_cast<float>(rr[(size_t)r * NO + n]) : 0.f;
+  float v[1][R];
+  fl_q4_dots<T, K, G, NO, R, 1, BITS>(x, wq, sc, bi, n, lane, v);
+  if (lane == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const T hv = T(static_cast<float>(T(v[0][r])) + rrv[r]);
+      h[(size_t)r * NO + n] = hv;
+      hsq[r][warp] = static_cast<float>(hv) * static_cast<float>(hv);
+    }
+  }
+  __syncthreads();  // hsq is whole
+  if (threadIdx.x < R) {  // this block's share of row r's sum of squares, in warp order
+    float p = 0.f;
+    for (int w = 0; w < NW; ++w) p += hsq[threadIdx.x][w];
+    part[(size_t)threadIdx.x * NB + blk] = p;
+  }
+  return fl_addnorm_last<T, NO, R, NB, NW * 32>(tickets, nw, e0, h, y, part);
+}
 """
 # The ticket: zero when the module loads; the last block of every call sets it back to zero
 # (launches on one stream never overlap; two streams decoding at once in one process are not
@@ -314,6 +327,175 @@ _ADD_NORM = """
                                                  fl_at<XO>(x),
                                            wq, sc, bi, fl_at<RO>(rr), nw, __int_as_float(EPSB),
                                            hy, hy + R * NO, fuselm_addnorm_part);
+"""
+
+
+# ---- the tensor-core form for batched rows (FUSELM_GEMV_MMA) -----------------------------------
+# Why: the GEMV above re-reads every row of x for every output column (a warp a column): at 16
+# rows a Qwen3-0.6B step moved ~18 GB of activations through L1/L2 against ~0.4 GB of weights,
+# and its GEMVs took 3.2 of 4.3 device ms (5.6x their one-row time; computing each dequantized
+# weight once for all rows left that unchanged). Here a block computes NC = 8 NJ output columns
+# for all R <= 16 rows with mma.sync m16n8k16: A = the rows of x (16, rows >= R zero), B = 8
+# weight columns dequantized to T (w = s q + b, rounded once: MLX's dequantize), float32
+# accumulators; x is read once per block. The block's NWK warps split K in steps of 4 x CPS
+# codes and add their partial tiles in shared memory in warp order.
+#
+# The k order inside an MMA is free as long as A and B agree: lane (g = lane / 4, t = lane % 4)
+# holds the k-slots {2t, 2t+1, 2t+8, 2t+9} of both fragments (A: rows g and g+8; B: column g),
+# so it gives them the physical k's of ONE 16-byte weight load: the CPS consecutive codes
+# kq * CPS .. (kq + 1) * CPS - 1 of column g (kq = 4 step + t), 4 of them an MMA (MMA j: codes
+# 4j .. 4j+3, slots 2t, 2t+1 <- codes 4j, 4j+1 and 2t+8, 2t+9 <- 4j+2, 4j+3), and the same k's
+# of rows g and g+8 of x (CPS / 8 16-byte loads a row). Those CPS codes lie in one group (G is a
+# multiple of 32 >= CPS): one scale and bias a column a step. Every element of the product is a
+# sum over k that no other row enters, in an order fixed by K, G, NJ and NWK (which the launch
+# picks from the weight's shape alone): a row's result does not depend on the other rows of its
+# batch, from 2 rows to 16. It differs from the one-row kernel's in rounding (the weight rounded
+# to T, the sums' order).
+_MMA_HEADER = """
+__device__ __forceinline__ uint32_t fl_pack2(float lo, float hi, const __half*) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+__device__ __forceinline__ uint32_t fl_pack2(float lo, float hi, const __nv_bfloat16*) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+// d += A B: A 16 x 16 (a: rows g, g+8 x k-slots 2t, 2t+1; then 2t+8, 2t+9), B 16 x 8 (b0: k-slots
+// 2t, 2t+1 of column g; b1: 2t+8, 2t+9), d 16 x 8 float32 (rows g, g+8 x columns 2t, 2t+1)
+__device__ __forceinline__ void fl_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1, const __half*) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void fl_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1, const __nv_bfloat16*) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The block's partial tiles: red[(w * 16 + r) * NCR + c] = warp w's sum for row r, tile column
+// c (c < NC: the columns n0 .. n0 + NC - 1 of M's first NO rows; c >= NC: of its second NO rows,
+// the gated form's up half). The caller syncs the block before reading red.
+template <typename T, int K, int G, int NO, int R, int NR, int NJ, int NWK, int BITS>
+__device__ __forceinline__ void fl_mma_dots(const T* x, const uint32_t* wq, const T* sc,
+                                            const T* bi, int n0, float* red) {
+  constexpr int CPS = 128 / BITS, CPW = 32 / BITS, KQ = K / CPS, KG = K / G;
+  constexpr int KS = (KQ + 3) / 4, NT = NR * NJ, NCR = 8 * NT;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows: K * BITS / 8 bytes, 16-aligned
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float acc[NT][4];
+  #pragma unroll
+  for (int j = 0; j < NT; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  for (int ks = warp; ks < KS; ks += NWK) {
+    const int kq = 4 * ks + t;  // this lane's codes: k = kq * CPS .. kq * CPS + CPS - 1
+    const bool on = kq < KQ;
+    uint4 wv[NT];
+    float s[NT], b[NT];
+    #pragma unroll
+    for (int j = 0; j < NT; ++j) {  // tile j: column n0 + 8 (j % NJ) + g of half j / NJ
+      const size_t col = (size_t)((j / NJ) * NO + n0 + 8 * (j % NJ) + g);
+      wv[j] = on ? wq4[col * KQ + kq] : zero;
+      s[j] = on ? static_cast<float>(sc[col * KG + kq * CPS / G]) : 0.f;
+      b[j] = on ? static_cast<float>(bi[col * KG + kq * CPS / G]) : 0.f;
+    }
+    uint32_t xa[2][CPS / 2];  // rows g and g + 8: the same CPS k's, two elements a word
+    #pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int row = g + 8 * hf;
+      const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * K + (size_t)kq * CPS);
+      #pragma unroll
+      for (int i = 0; i < CPS / 8; ++i) {
+        const uint4 u = on && row < R ? p[i] : zero;
+        xa[hf][4 * i] = u.x;
+        xa[hf][4 * i + 1] = u.y;
+        xa[hf][4 * i + 2] = u.z;
+        xa[hf][4 * i + 3] = u.w;
+      }
+    }
+    #pragma unroll
+    for (int m = 0; m < CPS / 4; ++m) {  // MMA m: codes 4m .. 4m + 3 of the lane's CPS
+      const uint32_t a[4] = {xa[0][2 * m], xa[1][2 * m], xa[0][2 * m + 1], xa[1][2 * m + 1]};
+      #pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t wd[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+        float f[4];  // the codes as floats (2^23 + q reinterpreted, minus 2^23: exact), dequantized
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = 4 * m + e;
+          const uint32_t q = (wd[c / CPW] >> (BITS * (c % CPW))) & ((1u << BITS) - 1u);
+          f[e] = fmaf(__uint_as_float(0x4B000000u | q) - 8388608.f, s[j], b[j]);
+        }
+        fl_mma(acc[j], a, fl_pack2(f[0], f[1], x), fl_pack2(f[2], f[3], x), x);
+      }
+    }
+  }
+  #pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    float* o = red + (warp * 16 + g) * NCR + 8 * j + 2 * t;
+    o[0] = acc[j][0];
+    o[1] = acc[j][1];
+    o[8 * NCR] = acc[j][2];  // row g + 8
+    o[8 * NCR + 1] = acc[j][3];
+  }
+}
+
+template <int NWK, int NCR>
+__device__ __forceinline__ float fl_mma_sum(const float* red, int r, int c) {
+  float v = 0.f;
+  #pragma unroll
+  for (int w = 0; w < NWK; ++w) v += red[(w * 16 + r) * NCR + c];
+  return v;
+}
+"""
+
+_MMA_GEMV = """
+  // block b: output columns n0 = b * NC .. n0 + NC - 1 for the R rows
+  constexpr int NR = EPI ? 2 : 1, NC = 8 * NJ, NCR = NR * NC;
+  __shared__ float red[NWK * 16 * NCR];
+  const int n0 = blockIdx.x * NC;
+  fl_mma_dots<T, K, G, NO, R, NR, NJ, NWK, BITS>(fl_at<XO>(x), wq, sc, bi, n0, red);
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * NC; i += NWK * 32) {
+    const int r = i / NC, c = i % NC;
+    out[(size_t)r * NO + n0 + c] = fl_q4_value<T, O, EPI>(
+        fl_mma_sum<NWK, NCR>(red, r, c), fl_mma_sum<NWK, NCR>(red, r, c + (NR - 1) * NC));
+  }
+"""
+
+# The add+norm epilogue as in _ADD_NORM_BLOCK: h = x @ W + r rounded as the Add rounds it, the
+# block's share of each row's sum of squares (its NC columns in order), the last block norms.
+_MMA_ADD_NORM = """
+  constexpr int NC = 8 * NJ, NB = NO / NC;
+  __shared__ float red[NWK * 16 * NC];
+  __shared__ float hsq[R][NC];
+  const int blk = blockIdx.x, n0 = blk * NC;
+  const T* rr0 = fl_at<RO>(rr);
+  T* h = hy;
+  fl_mma_dots<T, K, G, NO, R, 1, NJ, NWK, BITS>(fl_at<XO>(x), wq, sc, bi, n0, red);
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * NC; i += NWK * 32) {
+    const int r = i / NC, c = i % NC;
+    const size_t at = (size_t)r * NO + n0 + c;
+    const T hv = T(static_cast<float>(T(fl_mma_sum<NWK, NC>(red, r, c)))
+                   + static_cast<float>(rr0[at]));
+    h[at] = hv;
+    hsq[r][c] = static_cast<float>(hv) * static_cast<float>(hv);
+  }
+  __syncthreads();  // hsq is whole
+  if (threadIdx.x < R) {
+    float p = 0.f;
+    for (int c = 0; c < NC; ++c) p += hsq[threadIdx.x][c];
+    fuselm_addnorm_part[(size_t)threadIdx.x * NB + blk] = p;
+  }
+  fl_addnorm_last<T, NO, R, NB, NWK * 32>(&fuselm_addnorm_ticket, nw, __int_as_float(EPSB), h,
+                                          hy + R * NO, fuselm_addnorm_part);
 """
 
 
@@ -337,6 +519,23 @@ def _add_norm_kernel(unroll: int) -> Any:
         source=_ADD_NORM)
 
 
+
+@kernels.kernel_factory
+def _mma_kernel() -> Any:
+    return kernels.cuda_kernel(name="fuselm_q4_gemv_mma", input_names=["x", "wq", "sc", "bi"],
+                               output_names=["out"],
+                               header=_header(kernels.Q4_UNROLL) + _MMA_HEADER,
+                               source=_MMA_GEMV)
+
+
+@kernels.kernel_factory
+def _mma_add_norm_kernel() -> Any:
+    return kernels.cuda_kernel(
+        name="fuselm_q4_gemv_mma_addnorm", input_names=["x", "wq", "sc", "bi", "rr", "nw"],
+        output_names=["hy"],
+        header=_header(kernels.Q4_UNROLL) + _ADD_NORM_BLOCK + _ADD_NORM_GLOBALS + _MMA_HEADER,
+        source=_MMA_ADD_NORM)
+
 def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits: int,
          transposed: bool, act: str | None = None) -> bool:
     """x [..., K] of at most MAX_ROWS rows against a 4- or 8-bit M [N, K] grouped along K
@@ -352,6 +551,42 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
             and scales.shape == (n, k // group_size) and scales.dtype == x.dtype
             and (act is None or (act in ACTIVATIONS and n % 2 == 0)))
 
+
+
+MMA_DTYPES = (mx.float16, mx.bfloat16)  # the tensor cores' input types
+_MMA_MAX_WARPS = 8  # warps splitting K in a block (a step each at K = 1,024, 4-bit)
+_MMA_MIN_BLOCKS = 128  # wider tiles only while they leave about a block an SM (132 on an H200)
+
+
+def mma_fits(x: mx.array, packed: mx.array, act: str | None = None) -> bool:
+    """Whether the tensor-core form takes a call that `fits` took: half-precision activations
+    and output columns in whole tiles of 8."""
+    n_out = packed.shape[0] // (2 if act else 1)
+    return x.dtype in MMA_DTYPES and n_out % 8 == 0 and (act is None or packed.shape[0] % 2 == 0)
+
+
+def mma_tiles(n_out: int, k: int, bits: int) -> tuple[int, int]:
+    """(NJ, NWK) of the tensor-core form for an output of n_out columns over K = k: a block
+    computes 8 NJ columns (x is read once a block: the widest tile that leaves about a block an
+    SM) with NWK warps splitting K's steps of 512 / bits codes (at most _MMA_MAX_WARPS). From the
+    weight's shape alone, never the rows, so a row's result does not depend on its batch."""
+    steps = -(-k * bits // 512)
+    nj = next((j for j in (4, 2) if n_out % (8 * j) == 0 and n_out // (8 * j) >= _MMA_MIN_BLOCKS),
+              1)
+    return nj, min(_MMA_MAX_WARPS, steps)
+
+
+def _use_mma(x: mx.array, packed: mx.array, act: str | None, mma: bool | None) -> bool:
+    """mma None: the tensor-core form from kernels.gemv_mma_rows() rows on (FUSELM_GEMV_MMA)
+    where mma_fits; True / False: that form / the one above (True where it does not fit:
+    ValueError)."""
+    if mma is None:
+        least = kernels.gemv_mma_rows()
+        return 0 < least <= x.size // x.shape[-1] and mma_fits(x, packed, act)
+    if mma and not mma_fits(x, packed, act):
+        raise ValueError("the tensor-core Q4 GEMV takes float16 / bfloat16 activations and "
+                         "outputs of a multiple of 8 columns")
+    return mma
 
 Source = tuple[mx.array, int]  # (an array the kernel reads, an element offset in it)
 
@@ -371,17 +606,30 @@ def _source(x: mx.array, at: Source | None) -> Source:
 
 def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
             group_size: int, act: str | None = None, out_dtype: mx.Dtype | None = None,
-            unroll: int | None = None, x_at: Source | None = None) -> mx.array:
+            unroll: int | None = None, x_at: Source | None = None, mma: bool | None = None,
+            tiles: tuple[int, int] | None = None) -> mx.array:
     """See the module doc; the caller checked `fits`. out_dtype float32: the result rounded
     to x's dtype, then written widened (the LM head's logits: no separate cast launch).
     unroll: loads in flight a lane (kernels.Q4_UNROLL by default); the result is the same.
     x_at: where the kernel reads x (`_source`; x then gives only its shape and dtype): the
-    template constant XO is its element offset."""
+    template constant XO is its element offset. mma: the tensor-core form (`_use_mma`; None:
+    as FUSELM_GEMV_MMA says), tiles its (NJ, NWK) (default `mma_tiles`)."""
     k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
     out_dtype = out_dtype or x.dtype
     xs, xo = _source(x, x_at)
+    if _use_mma(x, packed, act, mma):
+        nj, nwk = tiles or mma_tiles(n_out, k, _bits(packed, k))
+        (out,) = _mma_kernel()(
+            inputs=[xs, packed, scales, biases],
+            template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
+                      ("NO", n_out), ("R", x.size // k),
+                      ("EPI", ACTIVATIONS[act] if act else 0), ("NJ", nj), ("NWK", nwk),
+                      ("XO", xo), ("BITS", _bits(packed, k))],
+            grid=(n_out // (8 * nj) * nwk * 32, 1, 1), threadgroup=(nwk * 32, 1, 1),
+            output_shapes=[(*x.shape[:-1], n_out)], output_dtypes=[out_dtype])
+        return out
     (out,) = _kernel(unroll or kernels.Q4_UNROLL)(
         inputs=[xs, packed, scales, biases],
         template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
@@ -419,18 +667,30 @@ def y_offset(hy: mx.array) -> int:
 def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
                      group_size: int, residual: mx.array, scale: mx.array, eps: float,
                      unroll: int | None = None, x_at: Source | None = None,
-                     residual_at: Source | None = None) -> mx.array:
+                     residual_at: Source | None = None, mma: bool | None = None,
+                     tiles: tuple[int, int] | None = None) -> mx.array:
     """hy [2, *shape]: hy[0] = h = x @ W + residual, hy[1] = y = RMSNorm(h) * scale, in one
     launch with ONE output array (MLX-CUDA's host cost is ~2.1 µs an output array at every
     launch, and this one runs twice a layer); `halves` gives h and y. The caller checked
     `fits`, `add_norm_fits` and that eps is >= 0 (kernels.takes_float_bits): it is the
     template constant EPSB (kernels.float_bits), not an input array (~0.4 µs of MLX-CUDA host
     time an input, every launch). x_at / residual_at: where the kernel reads x / the residual
-    (`_source`; e.g. the previous add+norm's hy for its h), template constants XO / RO."""
+    (`_source`; e.g. the previous add+norm's hy for its h), template constants XO / RO.
+    mma, tiles: the tensor-core form, as in q4_gemv."""
     k = x.shape[-1]
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
+    if _use_mma(x, packed, None, mma):
+        nj, nwk = tiles or mma_tiles(n_out, k, _bits(packed, k))
+        (hy,) = _mma_add_norm_kernel()(
+            inputs=[xs, packed, scales, biases, rs, scale],
+            template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),
+                      ("R", rows), ("NJ", nj), ("NWK", nwk), ("EPSB", kernels.float_bits(eps)),
+                      ("XO", xo), ("RO", ro), ("BITS", _bits(packed, k))],
+            grid=(n_out // (8 * nj) * nwk * 32, 1, 1), threadgroup=(nwk * 32, 1, 1),
+            output_shapes=[(2, *shape)], output_dtypes=[x.dtype])
+        return hy
     (hy,) = _add_norm_kernel(unroll or kernels.Q4_UNROLL)(
         inputs=[xs, packed, scales, biases, rs, scale],
         template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from fuselm.config import RuntimeConfig, apply_mlx_settings
+from fuselm.config import RuntimeConfig, apply_mlx_settings, resolve
 from fuselm.runtime_metal.cuda_kernels import kernel_files
 from fuselm.runtime_metal.errors import RuntimeUserError
 
@@ -127,12 +127,31 @@ def enabled(mode: str) -> bool:
 Q4_UNROLL = 16
 
 
+# From how many rows the Q4 GEMV of a decode step runs on tensor cores (q4_gemv's MMA form, for
+# float16 / bfloat16 activations): a batched step. The one-row step keeps the one-row kernel.
+GEMV_MMA_ROWS = 2
+_gemv_mma: list[int] = []  # the process's setting; until configure hands one over, the default's
+
+
+def use_gemv_mma(setting: int | None) -> None:
+    """RuntimeConfig.gemv_mma (FUSELM_GEMV_MMA) for this process from now on: None = auto
+    (GEMV_MMA_ROWS), 0 = never, N = from N rows."""
+    _gemv_mma[:] = [GEMV_MMA_ROWS if setting is None else setting]
+
+
+def gemv_mma_rows() -> int:
+    """From how many rows the Q4 GEMV runs its tensor-core form (0: never)."""
+    if not _gemv_mma:
+        use_gemv_mma(resolve().gemv_mma)
+    return _gemv_mma[0]
+
 def configure(config: RuntimeConfig) -> None:
     """The process-wide settings, before an engine loads its weights: the folder of the kernel
     headers, and on MLX's CUDA backend MLX's launches per CUDA graph (MLX reads it once, at the
     first GPU evaluation of the process; Metal, which reads the same variable for its command
     buffers, and CPU are left alone)."""
     kernel_files.use_folder(config.kernel_folder())
+    use_gemv_mma(config.gemv_mma)
     if cuda_device():
         apply_mlx_settings(config)
 

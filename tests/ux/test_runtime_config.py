@@ -25,11 +25,13 @@ def test_defaults_environment_and_options() -> None:
     assert default.kernel_folder() is not None and default.kernel_folder().name == "cuda"
     env = {"FUSELM_KERNELS": " OFF ", "FUSELM_ATTN_SPLIT": "0", "FUSELM_PREFILL_DENSE": "32",
            "MLX_MAX_OPS_PER_BUFFER": "45", "FUSELM_EXPORT": "torch",
-           "FUSELM_KERNEL_DIR": "inline", "FUSELM_FOLD_NORM": ""}  # empty: unset
+           "FUSELM_KERNEL_DIR": "inline", "FUSELM_FOLD_NORM": "",  # empty: unset
+           "FUSELM_GEMV_MMA": "4"}
     c = resolve(env, threads=3, engine=None)  # None: the option was not given
     assert (c.kernels, c.attn_split, c.prefill_dense, c.mlx_max_ops_per_buffer, c.export,
-            c.fold_norm, c.threads, c.engine) == ("off", "0", 32, 45, "torch", "epilogue", 3,
-                                                  "auto")
+            c.fold_norm, c.threads, c.engine, c.gemv_mma) == ("off", "0", 32, 45, "torch",
+                                                              "epilogue", 3, "auto", 4)
+    assert resolve({"FUSELM_GEMV_MMA": "auto"}).gemv_mma is None
     assert c.kernel_folder() is None  # inline
     assert c.source("kernels") == "environment (FUSELM_KERNELS)"
     assert c.source("fold_norm") == c.source("engine") == "default"
@@ -46,6 +48,7 @@ def test_defaults_environment_and_options() -> None:
     ("FUSELM_ATTN_SPLIT", "16", "one of auto, 0 (default auto)"),
     ("FUSELM_PREFILL_DENSE", "many", "auto (default) or a row count N (0: off)"),
     ("FUSELM_PREFILL_DENSE", "-1", "auto (default) or a row count N (0: off)"),
+    ("FUSELM_GEMV_MMA", "on", "auto (default) or a row count N (0: off)"),
     ("MLX_MAX_OPS_PER_BUFFER", "0", "an operation count N >= 1 (default 60)"),
     ("FUSELM_EXPORT", "trace", "one of auto, torch (default auto)"),
 ])
