@@ -14,7 +14,8 @@
 #                                               # fuselm's kernels on and off (FUSELM_KERNELS;
 #                                               # KERNELS="auto off" picks), BATCHES="1 16"
 #                                               # picks b, PROFILE=1 adds each b's kernel
-#                                               # time a step by kernel name
+#                                               # time a step by kernel name, MMA="auto 0"
+#                                               # runs each FUSELM_GEMV_MMA setting
 #   benchmarks/gpu_run.sh sampling SHAPE GROUP  # sampling_cost.py on the Q4 conversion, b = 8:
 #                                               # the batched step with rows asking for
 #                                               # logprobs / penalties against all greedy, then
@@ -46,7 +47,10 @@
 #   benchmarks/gpu_run.sh kernels SHAPE GROUP   # kernel_bench.py: each decode kernel's GPU time
 #                                               # alone (GEMV with and without the add+norm
 #                                               # epilogue, attention with 0..32/auto key
-#                                               # splits and several warps x keys per block)
+#                                               # splits and several warps x keys per block);
+#                                               # ROWS=16: a batched step's GEMVs, one column
+#                                               # a warp and on tensor cores (MMA_TILES adds
+#                                               # NJxNWK tiles), POS="" no attention
 #   benchmarks/gpu_run.sh attn SHAPE GROUP      # where the split attention's ~17 µs go: its time
 #                                               # at 16 and 640 cached keys by split count (a
 #                                               # fixed cost shows at 16), then one launch under
@@ -133,12 +137,17 @@ case "$part" in
       -n 4 > /dev/null  # build + convert once
     art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
     for k in ${KERNELS:-auto off}; do
-      FUSELM_KERNELS=$k python3 benchmarks/batch_bench.py --artifact "$art" -b 1 4 8 16 \
-        -p 32 -n 64 -r 3 --max-context 1024 ${PROFILE:+--profile} ${BATCHES:+-b $BATCHES} \
-        > "$OUT/batch_$2_g$3_kernels_$k.json"
-      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
-        [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
-        "$OUT/batch_$2_g$3_kernels_$k.json"
+      # MMA="auto 0": each FUSELM_GEMV_MMA setting in turn (the Q4 GEMV on tensor cores from
+      # how many rows); unset: the default only
+      for m in ${MMA:-default}; do
+        f="$OUT/batch_$2_g$3_kernels_$k${MMA:+_mma$m}.json"
+        FUSELM_KERNELS=$k FUSELM_GEMV_MMA=${MMA:+$m} python3 benchmarks/batch_bench.py \
+          --artifact "$art" -b 1 4 8 16 -p 32 -n 64 -r 3 --max-context 1024 \
+          ${PROFILE:+--profile} ${BATCHES:+-b $BATCHES} > "$f"
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], \
+          [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
+          "$f"
+      done
     done
     ;;
   sampling)
@@ -249,8 +258,12 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     done
     ;;
   kernels)
-    python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" \
-      | tee "$OUT/kernels_$2_g$3.json"
+    # ROWS=16: a batched step's rows (the GEMVs one column a warp and on tensor cores);
+    # MMA_TILES="2x8 4x4" adds tensor-core tiles (NJxNWK); POS="" leaves attention out
+    # shellcheck disable=SC2086
+    python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --rows "${ROWS:-1}" \
+      ${MMA_TILES:+--mma-tiles $MMA_TILES} ${POS+--pos $POS} \
+      | tee "$OUT/kernels_$2_g$3${ROWS:+_r$ROWS}.json"
     ;;
   attn)
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --pos 16 640 \

@@ -2,15 +2,17 @@
 
     python benchmarks/kernel_bench.py [--shape qwen3-0.6b] [--pos 512 1024 4096] [-n 50]
 
-Each kernel is called n times on random inputs of one model shape's decode step (one row,
-float16), every call evaluated, under PyTorch's profiler with CUDA activity (CUPTI records
-MLX's kernels too); the median device duration per kernel name is reported, so Python's
-launch overhead is not in the figure. Compared:
+Each kernel is called n times on random inputs of one model shape's decode step (--rows rows,
+default one; float16), every call evaluated, under PyTorch's profiler with CUDA activity
+(CUPTI records MLX's kernels too); the median device duration per kernel name is reported, so
+Python's launch overhead is not in the figure. Compared:
 - the Q4 GEMV (kernels_q4) for the q/k/v, the gated gate/up and the LM head (float32 out)
   shapes, the o_proj and down GEMVs plain and with the add+RMSNorm epilogue
   (q4_gemv_add_norm: the default), and the separate add+RMSNorm kernel the epilogue replaces
   (FUSELM_FOLD_NORM=0); the GEMVs with --unroll weight loads in flight a lane (default:
-  kernels.Q4_UNROLL);
+  kernels.Q4_UNROLL); at --rows R > 1 (a batched step) each GEMV also in its tensor-core form
+  (`mma`: q4_gemv's MMA kernel, FUSELM_GEMV_MMA) at the tiles it picks and at each of
+  --mma-tiles (NJxNWK), the one-column-a-warp form still the plain names;
 - rope+attention (kernels_cuda.rope_attend, reading q, k, v out of the fused projection as the
   program does: one input for the three): a block per query head (split 0), and the split
   kernel with --splits key splits (`auto` as kernels.auto_splits picks: FUSELM_ATTN_SPLIT=auto)
@@ -59,6 +61,12 @@ def main() -> None:
     ap.add_argument("--unroll", type=int, default=None,
                     help="the Q4 GEMVs' weight loads in flight a lane, 1..16 (default: "
                          "kernels.Q4_UNROLL)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows of x, 1..16 (a batched decode step); > 1 adds the GEMVs' "
+                         "tensor-core form")
+    ap.add_argument("--mma-tiles", nargs="*", default=[],
+                    help="more NJxNWK tiles for the tensor-core GEMVs (columns / 8 a block x "
+                         "warps splitting K)")
     ap.add_argument("--launch-only", action="store_true",
                     help="launch each kernel (3 + n times) without PyTorch's profiler, for an "
                          "outside profiler (ncu: gpu_run.sh attn); prints nothing")
@@ -88,23 +96,37 @@ def main() -> None:
         return packed, scales.astype(dt), biases.astype(dt)
 
     eps = 1e-6  # a template constant of the kernels (kernels.float_bits)
-    x, r, nw = rand(1, 1, hidden), rand(1, 1, hidden), rand(hidden, scale=0.1) + 1
+    b = args.rows
+    x, r, nw = rand(b, 1, hidden), rand(b, 1, hidden), rand(hidden, scale=0.1) + 1
     qkv = q4((hq + 2 * hk) * d, hidden)
     gate_up = q4(2 * inter, hidden)
     o_proj, down = q4(hidden, hq * d), q4(hidden, inter)
     lm_head = q4(vocab, hidden)
-    xo, xd = rand(1, 1, hq * d), rand(1, 1, inter)
+    xo, xd = rand(b, 1, hq * d), rand(b, 1, inter)
     u = args.unroll
-    calls: dict[str, Any] = {
-        "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
-        "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g, unroll=u),
-        "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu", unroll=u),
-        "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g, unroll=u),
-        "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps, u),
-        "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g, unroll=u),
-        "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32, u),
-        "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps, u),
-    }
+
+    def gemvs(mma: bool, tiles: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The decode step's GEMVs in one form: mma False = one column a warp (--unroll)."""
+        kw: dict[str, Any] = {"mma": mma, "tiles": tiles} if mma else {"unroll": u, "mma": False}
+        return {
+            "qkv plain": lambda: kernels_q4.q4_gemv(x, *qkv, g, **kw),
+            "gate_up plain": lambda: kernels_q4.q4_gemv(x, *gate_up, g, "silu", **kw),
+            "o_proj plain": lambda: kernels_q4.q4_gemv(xo, *o_proj, g, **kw),
+            "o_proj addnorm": lambda: kernels_q4.q4_gemv_add_norm(xo, *o_proj, g, r, nw, eps,
+                                                                  **kw),
+            "down plain": lambda: kernels_q4.q4_gemv(xd, *down, g, **kw),
+            "lm_head": lambda: kernels_q4.q4_gemv(x, *lm_head, g, None, mx.float32, **kw),
+            "down addnorm": lambda: kernels_q4.q4_gemv_add_norm(xd, *down, g, r, nw, eps,
+                                                                **kw),
+        }
+
+    calls: dict[str, Any] = {"add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
+                             **gemvs(False)}
+    if b > 1:
+        calls |= {f"{n} mma": fn for n, fn in gemvs(True).items()}
+        for cfg in args.mma_tiles:
+            nj, nwk = (int(t) for t in cfg.split("x"))
+            calls |= {f"{n} mma {cfg}": fn for n, fn in gemvs(True, (nj, nwk)).items()}
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)  # eps, softmax scale, attention scale
     # q, k, v as the program passes them: slices of the fused projection, read from it
@@ -125,9 +147,9 @@ def main() -> None:
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
                     rotary_dim=d, interleaved=False, splits=n_split, qkv=qkv_row)[0])
         for cfg in args.split_configs:
-            nw, kb = (int(t) for t in cfg.split("x"))
+            warps, kb = (int(t) for t in cfg.split("x"))
             calls[f"attend pos {pos} split auto={auto} {cfg}"] = (
-                lambda kc=kc, vc=vc, off=off, nw=nw, kb=kb, n=auto: kernels_cuda.rope_attend(
+                lambda kc=kc, vc=vc, off=off, nw=warps, kb=kb, n=auto: kernels_cuda.rope_attend(
                     q, k, v, norm, norm, inv_freq, prm, off, kc, vc, hq=hq, hk=hk,
                     rotary_dim=d, interleaved=False, splits=n, split_warps=nw,
                     split_keys=kb, qkv=qkv_row)[0])
@@ -157,7 +179,7 @@ def main() -> None:
         results[name]["total_us"] = sum(v["median_us"] for v in results[name].values())
         print(name, round(results[name]["total_us"], 2),
               file=sys.stderr, flush=True)
-    print(json.dumps({"shape": args.shape, "group_size": g, "dtype": "float16",
+    print(json.dumps({"shape": args.shape, "group_size": g, "dtype": "float16", "rows": b,
                       "n": args.n, "kernels": results}))
 
 

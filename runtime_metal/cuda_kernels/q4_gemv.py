@@ -33,6 +33,11 @@ the plain path's matmul output would be, then act(gate), then the product.
   the GEMVs reading them take hy and their element offset in it (template constants XO for
   x, RO for the residual), so the views h and y (`halves`) need never be evaluated
   (qweight.QWeight.matmul_add_norm registers them, the consumers look them up).
+* The tensor-core form (`mma`, FUSELM_GEMV_MMA: from 2 rows of float16 / bfloat16 by default):
+  the same three forms and results up to rounding, a block computing a tile of output columns
+  for all rows with mma.sync (see _MMA_HEADER's comment for why and how); a row's result does
+  not depend on the other rows of its batch from 2 rows to 16, but differs from the one-row
+  kernel's in rounding.
 Eligibility (`fits`) and the plain-MLX fallback are the caller's (qweight.QWeight.matmul,
 ops/fused.fused_gate_up); the on/off switches are selection.py's; tests/runtime/test_kernels.py
 checks it against the dequantized weights in float64.
@@ -576,10 +581,11 @@ def mma_tiles(n_out: int, k: int, bits: int) -> tuple[int, int]:
     return nj, min(_MMA_MAX_WARPS, steps)
 
 
-def _use_mma(x: mx.array, packed: mx.array, act: str | None, mma: bool | None) -> bool:
-    """mma None: the tensor-core form from kernels.gemv_mma_rows() rows on (FUSELM_GEMV_MMA)
-    where mma_fits; True / False: that form / the one above (True where it does not fit:
-    ValueError)."""
+def use_mma(x: mx.array, packed: mx.array, act: str | None = None, mma: bool | None = None
+            ) -> bool:
+    """Whether a call runs the tensor-core form. mma None: from kernels.gemv_mma_rows() rows
+    on (FUSELM_GEMV_MMA) where mma_fits; True / False: that form / the one-column-a-warp
+    kernel (True where it does not fit: ValueError)."""
     if mma is None:
         least = kernels.gemv_mma_rows()
         return 0 < least <= x.size // x.shape[-1] and mma_fits(x, packed, act)
@@ -587,6 +593,24 @@ def _use_mma(x: mx.array, packed: mx.array, act: str | None, mma: bool | None) -
         raise ValueError("the tensor-core Q4 GEMV takes float16 / bfloat16 activations and "
                          "outputs of a multiple of 8 columns")
     return mma
+
+
+_MMA_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
+
+
+def _checked(tiles: tuple[int, int] | None, act: str | None) -> tuple[int, int] | None:
+    """Tiles asked for (a benchmark's) that a block can hold: its partial tiles (NWK x 16 rows x
+    8 NJ columns, twice for the gated form, float32; one more for the add+norm's squares) in
+    static shared memory, at most 32 warps; ValueError otherwise."""
+    if tiles is not None:
+        nj, nwk = tiles
+        if not (nj >= 1 and 1 <= nwk <= 32
+                and (nwk * (2 if act else 1) + 1) * 16 * 8 * nj * 4 <= _MMA_SHARED):
+            raise ValueError(f"tensor-core GEMV tiles {nj}x{nwk}: a block holds at most 48 KB "
+                             "of partial tiles (NWK x 16 x 8 NJ floats, twice when gated) and "
+                             "32 warps")
+    return tiles
+
 
 Source = tuple[mx.array, int]  # (an array the kernel reads, an element offset in it)
 
@@ -612,15 +636,15 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
     to x's dtype, then written widened (the LM head's logits: no separate cast launch).
     unroll: loads in flight a lane (kernels.Q4_UNROLL by default); the result is the same.
     x_at: where the kernel reads x (`_source`; x then gives only its shape and dtype): the
-    template constant XO is its element offset. mma: the tensor-core form (`_use_mma`; None:
+    template constant XO is its element offset. mma: the tensor-core form (`use_mma`; None:
     as FUSELM_GEMV_MMA says), tiles its (NJ, NWK) (default `mma_tiles`)."""
     k = x.shape[-1]
     n_out = packed.shape[0] // (2 if act else 1)
     blocks = -(-n_out // _WARPS)
     out_dtype = out_dtype or x.dtype
     xs, xo = _source(x, x_at)
-    if _use_mma(x, packed, act, mma):
-        nj, nwk = tiles or mma_tiles(n_out, k, _bits(packed, k))
+    if use_mma(x, packed, act, mma):
+        nj, nwk = _checked(tiles, act) or mma_tiles(n_out, k, _bits(packed, k))
         (out,) = _mma_kernel()(
             inputs=[xs, packed, scales, biases],
             template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),
@@ -681,8 +705,8 @@ def q4_gemv_add_norm(x: mx.array, packed: mx.array, scales: mx.array, biases: mx
     n_out = packed.shape[0]
     shape, rows = (*x.shape[:-1], n_out), x.size // k
     (xs, xo), (rs, ro) = _source(x, x_at), _source(residual, residual_at)
-    if _use_mma(x, packed, None, mma):
-        nj, nwk = tiles or mma_tiles(n_out, k, _bits(packed, k))
+    if use_mma(x, packed, None, mma):
+        nj, nwk = _checked(tiles, None) or mma_tiles(n_out, k, _bits(packed, k))
         (hy,) = _mma_add_norm_kernel()(
             inputs=[xs, packed, scales, biases, rs, scale],
             template=[("T", x.dtype), ("K", k), ("G", group_size), ("NO", n_out),

@@ -754,8 +754,9 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
     got = np.array(y.astype(mx.float32)).reshape(rows, -1)
     assert got.shape == y_ref.shape
     assert rel(got, y_ref) <= tol
+    mma = kernels_q4.use_mma(x, w.packed, act)  # the batch's kernel (FUSELM_GEMV_MMA)
     for i in range(rows):
-        alone = kernels_q4.q4_gemv(x[i:i + 1], w.packed, s, b, group, act)
+        alone = kernels_q4.q4_gemv(x[i:i + 1], w.packed, s, b, group, act, mma=mma)
         assert np.array_equal(np.array(alone.astype(mx.float32)).reshape(-1), got[i])
     if not act:  # the LM head's form: float32 out, the values of the T result widened
         with qweight.gemv_kernel(), qweight.float32_result():
@@ -784,12 +785,13 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
     scale, _ = _rounded(rng.uniform(0.5, 1.5, out_n), dtype)
     eps = 1e-6
 
-    def forms(unroll: int) -> list[np.ndarray]:
-        got = [kernels_q4.q4_gemv(x, w.packed, s, b, 32, act, unroll=unroll)]
+    def forms(unroll: int) -> list[np.ndarray]:  # the one-column-a-warp kernel's (mma off)
+        got = [kernels_q4.q4_gemv(x, w.packed, s, b, 32, act, unroll=unroll, mma=False)]
         if not act:
-            got.append(kernels_q4.q4_gemv(x, w.packed, s, b, 32, None, mx.float32, unroll))
+            got.append(kernels_q4.q4_gemv(x, w.packed, s, b, 32, None, mx.float32, unroll,
+                                          mma=False))
             got.append(kernels_q4.q4_gemv_add_norm(x, w.packed, s, b, 32, r, scale, eps,
-                                                   unroll))  # hy: h and y
+                                                   unroll, mma=False))  # hy: h and y
         return [np.array(a.astype(mx.float32)) for a in got]
 
     two, whole = forms(2), forms(16)
@@ -797,6 +799,142 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
     for a, c in zip(two, whole, strict=True):
         assert np.array_equal(a, c)
 
+
+def test_gemv_mma_selection(launches: list) -> None:
+    """Everywhere (no launch): FUSELM_GEMV_MMA picks the tensor-core form from its row count on
+    (auto: 2), for float16 / bfloat16 activations and outputs of whole 8-column tiles; one row,
+    float32 activations, 0 (off) and an odd output width keep the one-column-a-warp kernel.
+    The tile (NJ, NWK) follows the weight's shape, never the rows."""
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.mlx_engine import qweight
+
+    w, _ = _q4_weight(np.random.default_rng(0), 256, 64, 32)
+
+    def names(x: mx.array) -> list[str]:
+        launches.clear()
+        with qweight.gemv_kernel():
+            w.matmul(x)
+            w.gated_matmul(x, "silu")
+            w.matmul_add_norm(x, mx.zeros((*x.shape[:-1], 64), x.dtype),
+                              mx.ones((64,), x.dtype), 1e-6)
+        return [str(r["name"]) for r in launches]
+
+    mma = ["fuselm_q4_gemv_mma", "fuselm_q4_gemv_mma", "fuselm_q4_gemv_mma_addnorm"]
+    one = ["fuselm_q4_gemv", "fuselm_q4_gemv", "fuselm_q4_gemv_addnorm"]
+    try:
+        kernels.configure(resolve({}))
+        assert kernels.gemv_mma_rows() == kernels.GEMV_MMA_ROWS == 2
+        for dtype in (mx.float16, mx.bfloat16):
+            assert names(mx.zeros((1, 1, 256), dtype)) == one
+            assert names(mx.zeros((2, 1, 256), dtype)) == mma
+            assert names(mx.zeros((16, 1, 256), dtype)) == mma
+            assert [r["template"]["NWK"] for r in launches] == [2, 2, 2]  # K: 2 x 128 codes
+        assert names(mx.zeros((16, 1, 256), mx.float32)) == one
+        kernels.configure(resolve({"FUSELM_GEMV_MMA": "0"}))
+        assert names(mx.zeros((16, 1, 256), mx.float16)) == one
+        kernels.configure(resolve({"FUSELM_GEMV_MMA": "1"}))
+        assert names(mx.zeros((1, 1, 256), mx.float16)) == mma
+        kernels.configure(resolve({"FUSELM_GEMV_MMA": "5"}))
+        assert names(mx.zeros((4, 1, 256), mx.float16)) == one
+        assert names(mx.zeros((5, 1, 256), mx.float16)) == mma
+    finally:
+        kernels.configure(resolve())
+    odd = mx.zeros((60, 32), mx.uint32)
+    assert not kernels_q4.mma_fits(mx.zeros((5, 1, 256), mx.float16), odd)
+    with pytest.raises(ValueError, match="tensor-core"):
+        kernels_q4.q4_gemv(mx.zeros((5, 1, 256), mx.float16), odd, mx.zeros((60, 8)),
+                           mx.zeros((60, 8)), 32, mma=True)
+    # Qwen3-0.6B's GEMVs: 16 / 32-column tiles while >= 128 blocks remain, 8 warps over K
+    assert kernels_q4.mma_tiles(4096, 1024, 4) == (4, 8)  # q/k/v
+    assert kernels_q4.mma_tiles(3072, 1024, 4) == (2, 8)  # gate/up (gated: 3,072 outputs)
+    assert kernels_q4.mma_tiles(1024, 3072, 4) == (1, 8)  # down
+    assert kernels_q4.mma_tiles(151936, 1024, 4) == (4, 8)  # LM head
+    assert kernels_q4.mma_tiles(64, 96, 4) == (1, 1)
+
+
+MMA_CASES = [
+    # K, N, group, form, bits: Qwen3-0.6B's decode GEMVs, 8-bit codes, K below one step
+    (1024, 4096, 32, "plain", 4),  # q/k/v
+    (1024, 6144, 32, "silu", 4),  # gate/up, the gated epilogue
+    (2048, 1024, 64, "addnorm", 4),  # o_proj with the add+RMSNorm epilogue
+    (3072, 1024, 32, "addnorm", 4),  # down
+    (1024, 8192, 32, "logits", 4),  # an LM head: float32 logits, 32-column tiles
+    (3072, 1024, 64, "plain", 8),
+    (96, 64, 32, "gelu_tanh", 4),
+]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("k,n,group,form,bits", MMA_CASES)
+def test_q4_gemv_mma_kernel(dtype: mx.Dtype, k: int, n: int, group: int, form: str,
+                            bits: int) -> None:
+    """The tensor-core form at 1, 2, 5, 8 and 16 rows against MLX's reference: the weight as
+    mx.dequantize gives it (in the activation dtype) times x, in float64. Each row's result
+    is the same bits in every batch (the first rows of the 16 alone, 1 .. 8 of them). The
+    add+norm form: h bit-equal to its plain form's result plus the residual (the separate
+    add+RMSNorm kernel), y within the dtype's tolerance, a second call bit-equal."""
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+
+    rng = np.random.default_rng(k + n + bits)
+    w, _ = _q4_weight(rng, k, n, group, bits)
+    s, b = w.affine(dtype)
+    dense = np.array(mx.dequantize(w.packed, s, b, group_size=group, bits=bits)
+                     .astype(mx.float32)).astype(np.float64)  # M [N, K]
+    x16, xf = _rounded(rng.normal(size=(16, 1, k)), dtype)
+    y16 = xf.reshape(16, k).astype(np.float64) @ dense.T
+    act = form if form in kernels_q4.ACTIVATIONS else None
+    out_n = n // 2 if act else n
+    r16, _ = _rounded(rng.normal(size=(16, 1, out_n)) * 3, dtype)
+    scale, _ = _rounded(rng.uniform(0.5, 1.5, out_n), dtype)
+    eps = 1e-6
+
+    def as_dtype(a: np.ndarray) -> np.ndarray:  # float64 values rounded to dtype
+        return np.array(mx.array(a.astype(np.float32)).astype(dtype)
+                        .astype(mx.float32)).astype(np.float64)
+
+    def f32(a: mx.array) -> np.ndarray:
+        return np.array(a.astype(mx.float32))
+
+    got: dict[int, list[np.ndarray]] = {}
+    for rows in (16, 1, 2, 5, 8):
+        x, r = x16[:rows], r16[:rows]
+        assert kernels_q4.fits(x, w.packed, s, group, bits, True, act)
+        y_ref, tol = y16[:rows], TOL[dtype]
+        if form == "addnorm":
+            plain = kernels_q4.q4_gemv(x, w.packed, s, b, group, mma=True)
+            h_sep, y_sep = kernels_cuda.add_rms_norm(plain, r, scale, eps)
+            hys = [kernels_q4.q4_gemv_add_norm(x, w.packed, s, b, group, r, scale, eps,
+                                               mma=True) for _ in range(2)]
+            assert hys[0].shape == (2, rows, 1, n)
+            h, y = f32(hys[0])
+            assert np.array_equal(h, f32(h_sep))
+            assert rel(y, f32(y_sep)) <= tol
+            assert np.array_equal(f32(hys[1]), f32(hys[0]))
+            assert rel(f32(plain).reshape(rows, n), y_ref) <= tol
+            got[rows] = [h, y]
+            continue
+        out = kernels_q4.q4_gemv(x, w.packed, s, b, group, act,
+                                 mx.float32 if form == "logits" else None, mma=True)
+        assert out.shape == (rows, 1, out_n)
+        assert out.dtype == (mx.float32 if form == "logits" else dtype)
+        if act:
+            g, u = as_dtype(y_ref[:, :out_n]), as_dtype(y_ref[:, out_n:])
+            if act == "silu":
+                a = g / (1 + np.exp(-g))
+            else:
+                a = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+            y_ref, tol = a * u, tol * 3
+        res = f32(out).reshape(rows, out_n)
+        assert rel(res, y_ref) <= tol
+        if form == "logits":  # the values of the dtype's result, widened
+            plain = kernels_q4.q4_gemv(x, w.packed, s, b, group, mma=True)
+            assert np.array_equal(f32(plain).reshape(rows, n), res)
+        got[rows] = [res]
+    for rows in (1, 2, 5, 8):  # batch invariance: a row's bits do not depend on its batch
+        for a, full in zip(got[rows], got[16], strict=True):
+            assert np.array_equal(a, full[:rows])
 
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
     """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized) from float32."""
