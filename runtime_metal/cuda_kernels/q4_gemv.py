@@ -337,21 +337,24 @@ _ADD_NORM = """
 
 # ---- the tensor-core form for batched rows (FUSELM_GEMV_MMA) -----------------------------------
 # Why: the GEMV above re-reads every row of x for every output column (a warp a column): at 16
-# rows a Qwen3-0.6B step moved ~18 GB of activations through L1/L2 against ~0.4 GB of weights,
-# and its GEMVs took 3.2 of 4.3 device ms (5.6x their one-row time; computing each dequantized
-# weight once for all rows left that unchanged). Here a block computes NC = 8 NJ output columns
-# for all R <= 16 rows with mma.sync m16n8k16: A = the rows of x (16, rows >= R zero), B = 8
-# weight columns dequantized to T (w = s q + b, rounded once: MLX's dequantize), float32
-# accumulators; x is read once per block. The block's NWK warps split K in steps of 4 x CPS
+# rows a Qwen3-0.6B step issues ~19 GB of activation loads (16 x K x 2 bytes a column, counted)
+# against ~0.4 GB of weights, and its GEMVs took 3.2 of 4.3 device ms (5.6x their one-row time;
+# computing each dequantized weight once for all rows left that unchanged). Here a block
+# computes NC = 8 NJ output columns for all R <= 16 rows with mma.sync m16n8k16: A = the rows
+# of x (16, rows >= R zero), B = 8 weight columns dequantized to T (w = s q + b, rounded once),
+# float32 accumulators; x is read once per block. The block's NWK warps split K in steps of 4 x CPS
 # codes and add their partial tiles in shared memory in warp order.
 #
 # The k order inside an MMA is free as long as A and B agree: lane (g = lane / 4, t = lane % 4)
 # holds the k-slots {2t, 2t+1, 2t+8, 2t+9} of both fragments (A: rows g and g+8; B: column g),
 # so it gives them the physical k's of ONE 16-byte weight load: the CPS consecutive codes
-# kq * CPS .. (kq + 1) * CPS - 1 of column g (kq = 4 step + t), 4 of them an MMA (MMA j: codes
-# 4j .. 4j+3, slots 2t, 2t+1 <- codes 4j, 4j+1 and 2t+8, 2t+9 <- 4j+2, 4j+3), and the same k's
-# of rows g and g+8 of x (CPS / 8 16-byte loads a row). Those CPS codes lie in one group (G is a
-# multiple of 32 >= CPS): one scale and bias a column a step. Every element of the product is a
+# kq * CPS .. (kq + 1) * CPS - 1 of column g (kq = 4 step + t), 4 of them an MMA, and the same
+# k's of rows g and g+8 of x (CPS / 8 16-byte loads a row). 8-bit codes: MMA j takes codes
+# 4j .. 4j+3 in order (slots 2t, 2t+1 <- 4j, 4j+1; 2t+8, 2t+9 <- 4j+2, 4j+3); 4-bit codes are
+# paired as one mask-and-or dequantizes two of them at once (fl_deq2, see fl_mma_dots). Those
+# CPS codes lie in one group (G is a multiple of 32 >= CPS): one scale and bias a column a
+# step. The weight is dequantized with T arithmetic (s q + b rounded once, as MLX's
+# dequantize rounds it), 4 instructions per 2 codes at 4 bits. Every element of the product is a
 # sum over k that no other row enters, in an order fixed by K, G, NJ and NWK (which the launch
 # picks from the weight's shape alone): a row's result does not depend on the other rows of its
 # batch, from 2 rows to 16. It differs from the one-row kernel's in rounding (the weight rounded
@@ -364,6 +367,32 @@ __device__ __forceinline__ uint32_t fl_pack2(float lo, float hi, const __half*) 
 __device__ __forceinline__ uint32_t fl_pack2(float lo, float hi, const __nv_bfloat16*) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
+}
+// A T value in both halves of a word
+template <typename T>
+__device__ __forceinline__ uint32_t fl_pair(T v) {
+  const uint32_t u = *reinterpret_cast<const unsigned short*>(&v);
+  return u | (u << 16);
+}
+// The 4-bit codes at bits 0-3 and 16-19 of v as the T pair (s q0 + b, s q1 + b), each rounded
+// once: the codes go into the mantissas of M + q (M = 1024 for half, 128 for bfloat16: exact),
+// M is taken off, then one fused multiply-add (s2, b2: fl_pair's)
+__device__ __forceinline__ uint32_t fl_deq2(uint32_t v, uint32_t s2, uint32_t b2, const __half*) {
+  const uint32_t m = 0x64006400u, c = (v & 0x000f000fu) | m;
+  const __half2 w = __hfma2(__hsub2(*reinterpret_cast<const __half2*>(&c),
+                                    *reinterpret_cast<const __half2*>(&m)),
+                            *reinterpret_cast<const __half2*>(&s2),
+                            *reinterpret_cast<const __half2*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+__device__ __forceinline__ uint32_t fl_deq2(uint32_t v, uint32_t s2, uint32_t b2,
+                                            const __nv_bfloat16*) {
+  const uint32_t m = 0x43004300u, c = (v & 0x000f000fu) | m;
+  const __nv_bfloat162 w = __hfma2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&c),
+                                           *reinterpret_cast<const __nv_bfloat162*>(&m)),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&w);
 }
 // d += A B: A 16 x 16 (a: rows g, g+8 x k-slots 2t, 2t+1; then 2t+8, 2t+9), B 16 x 8 (b0: k-slots
 // 2t, 2t+1 of column g; b1: 2t+8, 2t+9), d 16 x 8 float32 (rows g, g+8 x columns 2t, 2t+1)
@@ -392,7 +421,7 @@ __device__ __forceinline__ void fl_mma_dots(const T* x, const uint32_t* wq, cons
   constexpr int KS = (KQ + 3) / 4, NT = NR * NJ, NCR = 8 * NT;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const uint4* wq4 = reinterpret_cast<const uint4*>(wq);  // rows: K * BITS / 8 bytes, 16-aligned
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  const uint4 zero = {0u, 0u, 0u, 0u};
   float acc[NT][4];
   #pragma unroll
   for (int j = 0; j < NT; ++j)
@@ -402,13 +431,13 @@ __device__ __forceinline__ void fl_mma_dots(const T* x, const uint32_t* wq, cons
     const int kq = 4 * ks + t;  // this lane's codes: k = kq * CPS .. kq * CPS + CPS - 1
     const bool on = kq < KQ;
     uint4 wv[NT];
-    float s[NT], b[NT];
+    T sv[NT], bv[NT];
     #pragma unroll
     for (int j = 0; j < NT; ++j) {  // tile j: column n0 + 8 (j % NJ) + g of half j / NJ
       const size_t col = (size_t)((j / NJ) * NO + n0 + 8 * (j % NJ) + g);
       wv[j] = on ? wq4[col * KQ + kq] : zero;
-      s[j] = on ? static_cast<float>(sc[col * KG + kq * CPS / G]) : 0.f;
-      b[j] = on ? static_cast<float>(bi[col * KG + kq * CPS / G]) : 0.f;
+      sv[j] = on ? sc[col * KG + kq * CPS / G] : T(0.f);
+      bv[j] = on ? bi[col * KG + kq * CPS / G] : T(0.f);
     }
     uint32_t xa[2][CPS / 2];  // rows g and g + 8: the same CPS k's, two elements a word
     #pragma unroll
@@ -424,20 +453,52 @@ __device__ __forceinline__ void fl_mma_dots(const T* x, const uint32_t* wq, cons
         xa[hf][4 * i + 3] = u.w;
       }
     }
-    #pragma unroll
-    for (int m = 0; m < CPS / 4; ++m) {  // MMA m: codes 4m .. 4m + 3 of the lane's CPS
-      const uint32_t a[4] = {xa[0][2 * m], xa[1][2 * m], xa[0][2 * m + 1], xa[1][2 * m + 1]};
+    if (BITS == 4) {
+      // Word i of the lane's 4 holds codes 8i .. 8i+7 (code e at bits 4e); masking bits 4e
+      // and 4e + 16 of it (shifted) into a T pair's mantissas gives codes (e, e + 4) at once
+      // (fl_codes2), so its two MMAs pair the k's so: MMA 2i slots 2t, 2t+1 <- codes 0, 4 and
+      // 2t+8, 2t+9 <- 1, 5; MMA 2i+1: 2, 6 and 3, 7. x's words are paired the same (byte
+      // permutes, once for all tiles).
       #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const uint32_t wd[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
-        float f[4];  // the codes as floats (2^23 + q reinterpreted, minus 2^23: exact), dequantized
+      for (int i = 0; i < 4; ++i) {
+        uint32_t a[2][4];  // MMA 2i + u's A: rows g (hf 0) and g + 8 (hf 1)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 4 * m + e;
-          const uint32_t q = (wd[c / CPW] >> (BITS * (c % CPW))) & ((1u << BITS) - 1u);
-          f[e] = fmaf(__uint_as_float(0x4B000000u | q) - 8388608.f, s[j], b[j]);
+        for (int hf = 0; hf < 2; ++hf) {
+          const uint32_t x01 = xa[hf][4 * i], x23 = xa[hf][4 * i + 1];
+          const uint32_t x45 = xa[hf][4 * i + 2], x67 = xa[hf][4 * i + 3];
+          a[0][hf] = __byte_perm(x01, x45, 0x5410);  // elements 0, 4
+          a[0][2 + hf] = __byte_perm(x01, x45, 0x7632);  // 1, 5
+          a[1][hf] = __byte_perm(x23, x67, 0x5410);  // 2, 6
+          a[1][2 + hf] = __byte_perm(x23, x67, 0x7632);  // 3, 7
         }
-        fl_mma(acc[j], a, fl_pack2(f[0], f[1], x), fl_pack2(f[2], f[3], x), x);
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint32_t wd[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+          const uint32_t s2 = fl_pair(sv[j]), b2 = fl_pair(bv[j]);
+          uint32_t w2[4];  // codes (e, e + 4) dequantized
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) w2[e] = fl_deq2(wd[i] >> (4 * e), s2, b2, x);
+          fl_mma(acc[j], a[0], w2[0], w2[1], x);
+          fl_mma(acc[j], a[1], w2[2], w2[3], x);
+        }
+      }
+    } else {
+      #pragma unroll
+      for (int m = 0; m < CPS / 4; ++m) {  // MMA m: codes 4m .. 4m + 3 of the lane's CPS
+        const uint32_t a[4] = {xa[0][2 * m], xa[1][2 * m], xa[0][2 * m + 1], xa[1][2 * m + 1]};
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint32_t wd[4] = {wv[j].x, wv[j].y, wv[j].z, wv[j].w};
+          const float s = static_cast<float>(sv[j]), b = static_cast<float>(bv[j]);
+          float f[4];  // the codes as floats (2^23 + q reinterpreted, minus 2^23), dequantized
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = 4 * m + e;
+            const uint32_t q = (wd[c / CPW] >> (BITS * (c % CPW))) & ((1u << BITS) - 1u);
+            f[e] = fmaf(__uint_as_float(0x4B000000u | q) - 8388608.f, s, b);
+          }
+          fl_mma(acc[j], a, fl_pack2(f[0], f[1], x), fl_pack2(f[2], f[3], x), x);
+        }
       }
     }
   }

@@ -936,6 +936,51 @@ def test_q4_gemv_mma_kernel(dtype: mx.Dtype, k: int, n: int, group: int, form: s
         for a, full in zip(got[rows], got[16], strict=True):
             assert np.array_equal(a, full[:rows])
 
+@cuda
+def test_batch_decoder_on_tensor_core_gemvs_matches_generate(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """A float16 Q4 Qwen3 decoding on the tensor-core GEMVs at every row count
+    (FUSELM_GEMV_MMA=1, the one-row step too): the batched program's greedy tokens for three
+    sequences joining at different steps equal generate's, one sequence at a time (the GEMVs
+    compute each row as they would alone), and the decode steps did run that form."""
+    from fuselm.converter.models.builtin import build_model
+    from fuselm.runtime_metal.batch import BatchDecoder
+    from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    ran: collections.Counter[bool] = collections.Counter()
+    real = kernels_q4.use_mma
+
+    def counted(*a: object, **kw: object) -> bool:
+        got = real(*a, **kw)  # type: ignore[arg-type]
+        ran[got] += 1
+        return got
+    monkeypatch.setattr(kernels_q4, "use_mma", counted)
+    hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=128, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    out = convert(hf, tmp_path / "q4", dtype="float16", quant="q4", quant_embeddings=True)
+    try:
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", gemv_mma=1))
+        assert kernels.gemv_mma_rows() == 1
+        rng = np.random.default_rng(3)
+        prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
+        want = [generate(engine, p, max_new_tokens=12).tokens for p in prompts]
+        dec = BatchDecoder(engine, max_batch=4, max_context=400)
+        assert dec.mode == "batched"
+        got: dict[int, list[int]] = {}
+        for step in range(20):
+            if step in (0, 2, 5):
+                got[dec.add(prompts[(0, 2, 5).index(step)])] = []
+            for slot, token in dec.step().items():
+                got[slot].append(token)
+    finally:
+        kernels.configure(resolve())
+    assert [got[s][:12] for s in sorted(got)] == want
+    assert ran[True] > 0 and ran[False] == 0
+
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:
     """A Q4 Qwen3 (GQA 2:1, head_dim 64, embeddings and LM head quantized) from float32."""
     from fuselm.converter.models.builtin import build_model
