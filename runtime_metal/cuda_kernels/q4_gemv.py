@@ -620,8 +620,9 @@ def fits(x: mx.array, packed: mx.array, scales: mx.array, group_size: int, bits:
 
 
 MMA_DTYPES = (mx.float16, mx.bfloat16)  # the tensor cores' input types
-_MMA_MAX_WARPS = 8  # warps splitting K in a block (a step each at K = 1,024, 4-bit)
+_MMA_MAX_WARPS = 32  # 1,024 threads a block
 _MMA_MIN_BLOCKS = 128  # wider tiles only while they leave about a block an SM (132 on an H200)
+_MMA_SHARED = 47 * 1024  # static shared memory a block may declare (48 KB), the ticket aside
 
 
 def mma_fits(x: mx.array, packed: mx.array, act: str | None = None) -> bool:
@@ -631,15 +632,26 @@ def mma_fits(x: mx.array, packed: mx.array, act: str | None = None) -> bool:
     return x.dtype in MMA_DTYPES and n_out % 8 == 0 and (act is None or packed.shape[0] % 2 == 0)
 
 
-def mma_tiles(n_out: int, k: int, bits: int) -> tuple[int, int]:
+def _shared_bytes(nj: int, nwk: int, gated: bool) -> int:
+    """A block's partial tiles (NWK x 16 rows x 8 NJ columns, twice when gated) and the
+    add+norm's squares (16 x 8 NJ), float32."""
+    return (nwk * (2 if gated else 1) + 1) * 16 * 8 * nj * 4
+
+
+def mma_tiles(n_out: int, k: int, bits: int, gated: bool = False) -> tuple[int, int]:
     """(NJ, NWK) of the tensor-core form for an output of n_out columns over K = k: a block
     computes 8 NJ columns (x is read once a block: the widest tile that leaves about a block an
-    SM) with NWK warps splitting K's steps of 512 / bits codes (at most _MMA_MAX_WARPS). From the
-    weight's shape alone, never the rows, so a row's result does not depend on its batch."""
+    SM) with NWK warps splitting K's steps of 512 / bits codes, a step each where the block
+    holds that many (its loads all in flight at once: the down projection's 24 steps in 24
+    warps rather than 3 after one another in 8). From the weight's shape alone, never the
+    rows, so a row's result does not depend on its batch."""
     steps = -(-k * bits // 512)
     nj = next((j for j in (4, 2) if n_out % (8 * j) == 0 and n_out // (8 * j) >= _MMA_MIN_BLOCKS),
               1)
-    return nj, min(_MMA_MAX_WARPS, steps)
+    nwk = min(steps, _MMA_MAX_WARPS)
+    while _shared_bytes(nj, nwk, gated) > _MMA_SHARED:
+        nwk -= 1
+    return nj, nwk
 
 
 def use_mma(x: mx.array, packed: mx.array, act: str | None = None, mma: bool | None = None
@@ -656,18 +668,14 @@ def use_mma(x: mx.array, packed: mx.array, act: str | None = None, mma: bool | N
     return mma
 
 
-_MMA_SHARED = 48 * 1024  # bytes of static shared memory a block may declare
-
-
 def _checked(tiles: tuple[int, int] | None, act: str | None) -> tuple[int, int] | None:
-    """Tiles asked for (a benchmark's) that a block can hold: its partial tiles (NWK x 16 rows x
-    8 NJ columns, twice for the gated form, float32; one more for the add+norm's squares) in
-    static shared memory, at most 32 warps; ValueError otherwise."""
+    """Tiles asked for (a benchmark's) that a block can hold: _shared_bytes in static shared
+    memory, at most 32 warps; ValueError otherwise."""
     if tiles is not None:
         nj, nwk = tiles
-        if not (nj >= 1 and 1 <= nwk <= 32
-                and (nwk * (2 if act else 1) + 1) * 16 * 8 * nj * 4 <= _MMA_SHARED):
-            raise ValueError(f"tensor-core GEMV tiles {nj}x{nwk}: a block holds at most 48 KB "
+        if not (nj >= 1 and 1 <= nwk <= _MMA_MAX_WARPS
+                and _shared_bytes(nj, nwk, act is not None) <= _MMA_SHARED):
+            raise ValueError(f"tensor-core GEMV tiles {nj}x{nwk}: a block holds at most 47 KB "
                              "of partial tiles (NWK x 16 x 8 NJ floats, twice when gated) and "
                              "32 warps")
     return tiles
@@ -705,7 +713,8 @@ def q4_gemv(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array,
     out_dtype = out_dtype or x.dtype
     xs, xo = _source(x, x_at)
     if use_mma(x, packed, act, mma):
-        nj, nwk = _checked(tiles, act) or mma_tiles(n_out, k, _bits(packed, k))
+        nj, nwk = _checked(tiles, act) or mma_tiles(n_out, k, _bits(packed, k),
+                                                      act is not None)
         (out,) = _mma_kernel()(
             inputs=[xs, packed, scales, biases],
             template=[("T", x.dtype), ("O", out_dtype), ("K", k), ("G", group_size),

@@ -844,11 +844,14 @@ def test_gemv_mma_selection(launches: list) -> None:
     with pytest.raises(ValueError, match="tensor-core"):
         kernels_q4.q4_gemv(mx.zeros((5, 1, 256), mx.float16), odd, mx.zeros((60, 8)),
                            mx.zeros((60, 8)), 32, mma=True)
-    # Qwen3-0.6B's GEMVs: 16 / 32-column tiles while >= 128 blocks remain, 8 warps over K
+    # Qwen3-0.6B's GEMVs: 16 / 32-column tiles while >= 128 blocks remain, a warp a K step
+    # (128 codes) up to what shared memory holds
     assert kernels_q4.mma_tiles(4096, 1024, 4) == (4, 8)  # q/k/v
-    assert kernels_q4.mma_tiles(3072, 1024, 4) == (2, 8)  # gate/up (gated: 3,072 outputs)
-    assert kernels_q4.mma_tiles(1024, 3072, 4) == (1, 8)  # down
+    assert kernels_q4.mma_tiles(3072, 1024, 4, gated=True) == (2, 8)  # gate/up
+    assert kernels_q4.mma_tiles(1024, 2048, 4) == (1, 16)  # o_proj
+    assert kernels_q4.mma_tiles(1024, 3072, 4) == (1, 24)  # down
     assert kernels_q4.mma_tiles(151936, 1024, 4) == (4, 8)  # LM head
+    assert kernels_q4.mma_tiles(4096, 14336, 4) == (4, 22)  # an 8B down: shared memory's bound
     assert kernels_q4.mma_tiles(64, 96, 4) == (1, 1)
 
 
