@@ -77,6 +77,7 @@ from fuselm.runtime_metal.generate import (
     Drafter,
     accept_drafts,
     prefill,
+    prefill_chunk_for,
 )
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
 from fuselm.runtime_metal.prefix import common_prefix as _common
@@ -122,6 +123,15 @@ class _Step:
     top: tuple[mx.array, mx.array, mx.array, mx.array] | None
     logits: mx.array | None  # [rows, vocab] when a fed row samples on the host or is masked
     next_offsets: mx.array  # every row's length after it (int32 [rows], on the device)
+
+
+def padded_width(n: int) -> int:
+    """The width a prompt chunk of n tokens is padded to: the next power of two from 16 up to
+    64, then the next multiple of 64 (at most 63 dummy tokens; a 2,048-token chunk meets 35
+    widths in all)."""
+    if n > 64:
+        return -(-n // 64) * 64
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def _device_logprobs(top: list[np.ndarray], r: int, token: int, k: int) -> TokenLogprobs:
@@ -423,13 +433,26 @@ class BatchDecoder:
         return slot, keep, self._prefill_blocks(table, prompt, keep)
 
     def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
+        """The prompt past `keep` through the engine's single-sequence path into a scratch
+        cache at the decoder's capacity, then into its blocks. Whole chunks go as they are;
+        the last (a short prompt's only) chunk is padded to a width of a few sizes
+        (padded_width), so a server's prompts of every length share a few compiled traces
+        instead of tracing each new length (which cost more than the prefill itself)."""
         engine = self.engine
         scratch = self.cache.gather(table, keep) if keep else [
             KVCache(self.cache.quant) for _ in self.cache.keys]
         saved = engine.swap_cache(scratch)
         try:
             engine.reserve(self.capacity)
-            logits = prefill(engine, prompt[keep:], self.prefill_chunk)
+            rest = prompt[keep:]
+            chunk = prefill_chunk_for(engine, self.prefill_chunk)
+            whole = (len(rest) - 1) // chunk * chunk
+            if whole:
+                prefill(engine, rest[:whole], chunk)
+            pad = getattr(engine, "prefill_padded", None)
+            tail = np.asarray(rest[whole:], np.int64)
+            logits = pad(tail, padded_width(tail.size)) if pad is not None else (
+                engine.forward(tail[None]))
             self.cache.scatter(scratch, table, keep, len(prompt))
             mx.eval(self.cache.buffers())
         finally:
