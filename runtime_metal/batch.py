@@ -435,27 +435,25 @@ class BatchDecoder:
 
     def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
         """The prompt past `keep` through the engine's single-sequence path into a scratch
-        cache at the decoder's capacity, then into its blocks. Whole chunks go as they are;
-        the last (a short prompt's only) chunk is padded to a multiple of PAD tokens
-        (padded_width), so prompts of many lengths share one compiled trace instead of
-        tracing each new length (measured on a 28-layer model on this CPU: a new length's
-        prefill 1.2-1.4x a traced one's, the dummies of its padding 1.1-1.2x; on a GPU a short
-        prefill is launch-bound, so its dummies cost about nothing)."""
+        cache at the decoder's capacity, then into its blocks. A new prompt (no prefix reused)
+        of one prefill chunk at most is padded to a multiple of PAD tokens (padded_width), so
+        prompts of many lengths share one compiled trace instead of tracing each new length
+        (measured on a 28-layer model on this CPU: a new length's prefill 1.2-1.4x a traced
+        one's, the dummies of its padding 1.1-1.2x; on a GPU a short prefill is launch-bound,
+        so its dummies cost about nothing). Longer prompts, and a reused prefix's rest (whose
+        program is traced per offset anyway), go as they are."""
         engine = self.engine
         scratch = self.cache.gather(table, keep) if keep else [
             KVCache(self.cache.quant) for _ in self.cache.keys]
         saved = engine.swap_cache(scratch)
         try:
             engine.reserve(self.capacity)
-            rest = prompt[keep:]
-            chunk = prefill_chunk_for(engine, self.prefill_chunk)
-            whole = (len(rest) - 1) // chunk * chunk
-            if whole:
-                prefill(engine, rest[:whole], chunk)
             pad = getattr(engine, "prefill_padded", None)
-            tail = np.asarray(rest[whole:], np.int64)
-            logits = pad(tail, padded_width(tail.size)) if pad is not None else (
-                engine.forward(tail[None]))
+            if pad is not None and not keep and len(prompt) <= prefill_chunk_for(
+                    engine, self.prefill_chunk):
+                logits = pad(np.asarray(prompt, np.int64), padded_width(len(prompt)))
+            else:
+                logits = prefill(engine, prompt[keep:], self.prefill_chunk)
             self.cache.scatter(scratch, table, keep, len(prompt))
             mx.eval(self.cache.buffers())
         finally:
