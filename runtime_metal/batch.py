@@ -130,8 +130,8 @@ PAD = 16  # a padded prompt chunk's width is a multiple of this
 
 def padded_width(n: int) -> int:
     """The width a prompt chunk of n tokens is padded to: the next multiple of PAD. Few
-    dummies (where the prefill's work grows with its tokens, MLX's CPU backend, a trace of a
-    new length cost less than 64 dummies on a 90-token prompt), few traces (chunk / PAD)."""
+    dummies (where the prefill's work grows with its tokens, MLX's CPU backend, padding a
+    90-token prompt to 128 cost more than tracing its length), few traces (chunk / PAD)."""
     return -(-n // PAD) * PAD
 
 
@@ -438,10 +438,10 @@ class BatchDecoder:
         cache at the decoder's capacity, then into its blocks. A new prompt (no prefix reused)
         of one prefill chunk at most is padded to a multiple of PAD tokens (padded_width), so
         prompts of many lengths share one compiled trace instead of tracing each new length
-        (measured on a 28-layer model on this CPU: a new length's prefill 1.2-1.4x a traced
-        one's, the dummies of its padding 1.1-1.2x; on a GPU a short prefill is launch-bound,
-        so its dummies cost about nothing). Longer prompts, and a reused prefix's rest (whose
-        program is traced per offset anyway), go as they are."""
+        (measured on a 28-layer model on a CPU: a new length's first token 1.3-1.6x a traced
+        one's, the dummies of its padding 1.06-1.24x; on a GPU a short prefill is
+        launch-bound, so its dummies cost about nothing). Longer prompts, and a reused
+        prefix's rest (whose program is traced per offset anyway), go as they are."""
         engine = self.engine
         scratch = self.cache.gather(table, keep) if keep else [
             KVCache(self.cache.quant) for _ in self.cache.keys]
