@@ -7,7 +7,10 @@ sequence, its time over the single step's and its total throughput over one row'
 
 Single: one prompt of -p tokens, -n new tokens (greedy), a warm-up run, the median of -r runs.
 Times are wall clock; each b also reports the process's CPU time a step (`step_cpu_ms`), the
-steadier figure on a shared CPU host where MLX's CPU backend is the device.
+steadier figure on a shared CPU host where MLX's CPU backend is the device, and the calling
+thread's (`step_host_ms`; `single_host_ms` for the single sequence, its prefill included): the
+host's work a step — the decoder's Python, the compiled call, MLX's dispatch of the graph —
+which bounds the step where the device is faster than the host.
 Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps, then -n
 timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
 benchmarks/long_prompt.py (same --work).
@@ -39,14 +42,18 @@ from fuselm.runtime_metal.engine import make_engine  # noqa: E402
 from fuselm.runtime_metal.generate import generate  # noqa: E402
 
 
-def single_step_ms(engine, prompt: list[int], n: int, runs: int) -> float:  # noqa: ANN001
-    """The single sequence's decode time per token (median of `runs`, after a warm-up)."""
-    times = []
+def single_step_ms(engine, prompt: list[int], n: int, runs: int  # noqa: ANN001
+                   ) -> tuple[float, float]:
+    """The single sequence's decode time per token and the calling thread's CPU time per
+    token over the whole generation (medians of `runs`, after a warm-up)."""
+    times, host = [], []
     for r in range(runs + 1):
+        c0 = time.thread_time()
         res = generate(engine, prompt, max_new_tokens=n)
         if r:
             times.append(1e3 / res.tg)
-    return statistics.median(times)
+            host.append((time.thread_time() - c0) / n * 1e3)
+    return statistics.median(times), statistics.median(host)
 
 
 def profile_steps(dec: BatchDecoder, n: int) -> dict[str, object]:
@@ -88,8 +95,8 @@ def main() -> None:
     engine = make_engine(out_dir, "mlx")
     rng = np.random.default_rng(0)
     vocab = engine.manifest.model.vocab_size
-    single = single_step_ms(engine, [int(t) for t in rng.integers(4, min(1000, vocab), args.p)],
-                            args.n, args.r)
+    single, single_host = single_step_ms(
+        engine, [int(t) for t in rng.integers(4, min(1000, vocab), args.p)], args.n, args.r)
     rows = []
     for b in args.b:
         dec = BatchDecoder(engine, max_batch=b,
@@ -97,20 +104,22 @@ def main() -> None:
         for _ in range(b):
             dec.add([int(t) for t in rng.integers(4, min(1000, vocab), args.p)])
         dec.step()  # the first tokens (from the prompts)
-        times, cpu = [], []
+        times, cpu, host = [], [], []
         for r in range(args.r + 1):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(args.n):
                 dec.step()
             if r:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
+                host.append(time.thread_time() - h0)
         t = statistics.median(times)
         prof = profile_steps(dec, args.n) if args.profile else None
         rows.append({"batch": b, "mode": dec.mode, "step_ms": t / args.n * 1e3,
                      "tok_s_total": b * args.n / t, "tok_s_per_seq": args.n / t,
                      "step_over_single": t / args.n * 1e3 / single,
                      "step_cpu_ms": statistics.median(cpu) / args.n * 1e3,
+                     "step_host_ms": statistics.median(host) / args.n * 1e3,
                      **({"profile": prof} if prof else {})})
     one = next((r["tok_s_total"] for r in rows if r["batch"] == 1), None)
     for r in rows:
@@ -118,7 +127,8 @@ def main() -> None:
     print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
                       "shape": str(args.artifact or args.shape), "dtype": args.dtype,
                       "engine": engine.describe(), "prompt": args.p,
-                      "steps": args.n, "single_step_ms": single, "rows": rows}, indent=1))
+                      "steps": args.n, "single_step_ms": single,
+                      "single_host_ms": single_host, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

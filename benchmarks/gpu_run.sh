@@ -22,7 +22,8 @@
 #                                               # the sampling tests (test_sampling_params.py)
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
-#                                               # (STREAMS="1 16" picks the stream counts)
+#                                               # (STREAMS="1 16" picks the stream counts),
+#                                               # then first_token.py on fuselm's artifact
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
 #                                               # random weights), fuselm Q4 (minmax scales) and
 #                                               # mlx-lm Q4 of it, side by side as `sbs` (ROUNDS)
@@ -340,6 +341,11 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     python3 benchmarks/serve_bench.py --shape "$2" --group-size "$3" --streams ${STREAMS:-1 4 8 16} \
       --rounds "${ROUNDS:-3}" -n "${NEW_TOKENS:-128}" --work "$WORK" --json-out "$OUT/serve_$2_g$3.json"
     cp "$WORK"/*_server.log "$OUT/" 2>/dev/null || true
+    # a request's first token on the batch decoder: prompt lengths new to the process, then
+    # the same lengths again (first_token.py)
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    python3 benchmarks/first_token.py --artifact "$art" > "$OUT/first_token_$2_g$3.json"
+    cat "$OUT/first_token_$2_g$3.json"
     ;;
   *)
     echo "unknown part $part: tests | sbs SHAPE GROUP | ncu SHAPE GROUP" >&2

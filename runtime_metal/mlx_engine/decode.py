@@ -170,13 +170,23 @@ class DecodeProgram:
         decoder's speculative step (drafted tokens verified in one step)."""
         return self.run(tokens, offset, kv, fresh=False, table=table, all_rows=True)
 
+    def padded(self, tokens: mx.array, offset: mx.array, last: mx.array, *kv: mx.array
+               ) -> tuple[mx.array, ...]:
+        """`fresh` for a prompt padded with dummy tokens after its own (one trace per padded
+        width, where `fresh` traces each new length): the logits of position `last` (a
+        device index, the prompt's last own token), which causal attention keeps from seeing
+        the dummies. Their K/V rows land past the prompt; the caller's cache length leaves
+        them out, and later writes overwrite them."""
+        return self.run(tokens, offset, kv, fresh=True, last=last)
+
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
             prefix: int | None = None, table: mx.array | None = None,
-            all_rows: bool = False) -> tuple[mx.array, ...]:
+            all_rows: bool = False, last: mx.array | None = None) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
         whole capacity, or, with a block `table`, over the positions its blocks hold.
-        all_rows: the logits of every position ([b, s, vocab] or [s, vocab]), not the last."""
+        all_rows: the logits of every position ([b, s, vocab] or [s, vocab]), not the last;
+        `last`: the logits of that position (a device index) instead of the last."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
         if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
@@ -281,7 +291,7 @@ class DecodeProgram:
                     # the logits leave float32 (the decode GEMV writes them so: no cast launch)
                     with qweight.float32_result():
                         values = call_step(o.step, args if all_rows else
-                                           lm_head_rows(o.step, args))
+                                           lm_head_rows(o.step, args, last))
                 else:
                     values = call_step(o.step, args)
                 _bind(env, o.step.outputs, values)
@@ -296,7 +306,7 @@ class DecodeProgram:
                     *join_layers(out_kv))
         rows_ = logits.reshape(ids.shape[0], -1, vocab)
         if rows_.shape[1] > 1:
-            rows_ = rows_[:, -1:]
+            rows_ = rows_[:, -1:] if last is None else mx.take(rows_, last.reshape(1), axis=1)
         last = rows_.reshape(ids.shape[0], vocab).astype(mx.float32)
         return (last if batched else last.reshape(vocab), offset + s, *join_layers(out_kv))
 
@@ -369,6 +379,7 @@ class FastDecoder:
         self.prefix_prefill = True
         self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
         self._verify: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
+        self._padded: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
@@ -405,6 +416,37 @@ class FastDecoder:
                 self.program.verify)
         ids = np.asarray(ids).reshape(-1)
         return self._call(self._verify, mx.array(ids.astype(np.int32)), ids.size)
+
+    def prefill_padded(self, ids: np.ndarray, width: int) -> mx.array:
+        """Feed a fresh prompt (nothing cached) padded to `width` tokens (DecodeProgram.padded:
+        compiled once per (width, capacity)); return its last own position's logits [vocab],
+        lazy float32. The caches advance by the prompt's own tokens. A chunk after cached
+        positions, or one whose dummies the capacity cannot hold, goes as `prefill` (its own
+        length: the device mask that would take any offset is slow for s > 1 on MLX's CPU
+        backend, ~10x the causal prefill of a 40-token chunk)."""
+        assert self.can_prefill
+        ids = np.asarray(ids).reshape(-1)
+        n = ids.size
+        if not 0 < n <= width:
+            raise ValueError(f"a chunk of {n} tokens padded to {width}")
+        c0 = self.caches[0]
+        if c0.keys is None or c0.offset or width > c0.capacity:
+            return self.prefill(ids)
+        if self._padded is None:
+            self._padded = mx.compile(self.program.padded) if self.compiled else (
+                self.program.padded)
+        padded = self._padded
+        last = mx.array(n - 1, mx.int32)
+        tokens = np.zeros(width, np.int32)
+        tokens[:n] = ids
+
+        def run(tok: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+            return padded(tok, offset, last, *kv)
+        logits = self._call(run, mx.array(tokens), width)
+        for c in self.caches:  # the dummies' positions are not cached
+            c.trim(width - n)
+        self._offset_at = -1  # the device offset is past the dummies: made again
+        return logits
 
     @property
     def compiled_prefixes(self) -> int:

@@ -216,6 +216,17 @@ class MLXEngine:
         mx.eval(logits, *[a for c in self.caches if c.keys is not None for a in c.buffers()])
         return np.array(logits)
 
+    def prefill_padded(self, ids: np.ndarray, width: int) -> np.ndarray:
+        """`forward` of a prompt chunk run padded to `width` tokens where the compiled program
+        prefills (FastDecoder.prefill_padded: one trace per width, so prompts of many lengths
+        share a few), else as it is; the last position's logits [vocab]."""
+        if not self.fast_prefill:
+            return self.forward(ids)
+        assert self.fast is not None
+        logits = self.fast.prefill_padded(np.asarray(ids, np.int64), width)
+        mx.eval(logits, *[a for c in self.caches for a in c.buffers()])
+        return np.array(logits)
+
     def verify(self, ids: np.ndarray) -> np.ndarray:
         """Feed ids [1, s] after the cached positions; the logits of every position [s, vocab]
         (speculative decoding's check of drafted tokens): the compiled program where it

@@ -76,11 +76,12 @@ class Plan:
         return [layout[i] for i in sorted(layout)]
 
 
-def lm_head_rows(step: Step, args: list[object]) -> list[object]:
-    """The LM head of a chunk gets its last row only (the others' logits are never read)."""
+def lm_head_rows(step: Step, args: list[object], at: mx.array | None = None) -> list[object]:
+    """The LM head of a chunk gets its last row only (the others' logits are never read), or
+    row `at` (a device index: a padded chunk's last own token)."""
     x = args[0] if args else None
     if step.is_lm_head and isinstance(x, mx.array) and x.ndim == 3 and x.shape[1] > 1:
-        args = [x[:, -1:, :], *args[1:]]
+        args = [x[:, -1:, :] if at is None else mx.take(x, at.reshape(1), axis=1), *args[1:]]
     return args
 
 

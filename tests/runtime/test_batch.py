@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuselm.runtime_metal.batch import BatchDecoder
+from fuselm.runtime_metal.batch import BatchDecoder, padded_width
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate
@@ -214,3 +214,26 @@ def test_a_constrained_row_beside_free_ones(engine_name: str, qwen3_artifact) ->
     alone = generate(engine, prompts[0], max_new_tokens=N, eos_ids=[2],
                      constraint=TokenConstraint(vocab, grammar))
     assert alone.tokens == ids and alone.stop_reason == "eos"
+
+
+def test_padded_prefill_equals_the_prompts_own(qwen3_artifact) -> None:  # noqa: ANN001
+    """The batch decoder's prefill pads a prompt to a few widths (one compiled trace each): its
+    logits, and the next decode step's over the cache it wrote, equal the unpadded prefill's;
+    the dummies stay out of the cache's length."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    rng = np.random.default_rng(3)
+    assert [padded_width(n) for n in (1, 16, 17, 40, 130)] == [16, 16, 32, 48, 144]
+    for n in (1, 11, 17, 40):
+        ids = rng.integers(4, 384, size=n)
+        runs = []
+        for pad in (False, True):
+            engine.swap_cache(None)
+            engine.reserve(128)
+            first = engine.prefill_padded(ids, padded_width(n)) if pad else engine.forward(
+                ids[None])
+            assert engine.offset == n
+            nxt = np.array(engine.decode_step(int(first.argmax())))
+            runs.append((first, nxt))
+        (want, want_next), (got, got_next) = runs
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_next, want_next, rtol=1e-5, atol=1e-5)
