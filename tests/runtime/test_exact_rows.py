@@ -8,6 +8,7 @@ decoding': from token 88 of the edit reply)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.loaded_model import LoadedModel, open_model
 from fuselm.runtime_metal.tokenizer import encode_prompt
+from tests.cli_run import cli, one_error, run_cli
 
 CODE = '''def area(shape, width, height=None):
     """The area of a rectangle, a square or a triangle."""
@@ -123,6 +125,16 @@ def test_batch_decoder_equals_plain_greedy(smol: LoadedModel, prompt: list[int],
     assert dec.accepted > 0
 
 
-def test_refused_without_the_lowered_graph(smol: LoadedModel) -> None:
+def test_run_cli_exact_rows(smol: LoadedModel, plain: list[int],
+                            capsys: pytest.CaptureFixture) -> None:
+    """`fuselm run --exact-rows --draft-lookup` replies with plain decoding's tokens; the flag
+    is refused by name on MLX, and without the lowered graph."""
+    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "40", "--json", "--exact-rows"]
+    code, out, _ = run_cli(capsys, *args, "--draft-lookup")
+    assert code == 0
+    got = json.loads(out.splitlines()[-1])
+    assert got["tokens"] == plain[:40] and got["accepted"] > 0
+    line = one_error(*cli(capsys, *args, "--engine", "mlx"))
+    assert "--exact-rows" in line and "onnxruntime" in line
     with pytest.raises(RuntimeUserError, match="exact_rows needs the lowered graph"):
         open_model(Path(smol.path), "onnxruntime", exact_rows=True, lower=False)
