@@ -156,7 +156,7 @@ def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="onnxruntime: every step computes each position as a one-token step "
                      "does, so drafting gives plain decoding's exact reply at accuracy level 4 "
                      "too (its prefill, and plain decoding, too); each step costs more (one "
-                     "more attention row: +4%% to +19%% a decode step), batches decode row "
+                     "more attention row: +10%% to +30%% a decode step), batches decode row "
                      "by row"),
     ]):
         f = opt(f)

@@ -14,7 +14,7 @@ which case it runs the plain graph and `describe()["lowering"]` says why.
 exactly as a one-token step does (lowering.py `_attention`: a dummy query row in every
 attention), so speculative decoding's check and prefill agree bit for bit with decode steps
 at any accuracy level. It costs every step (decode included) the attention of one more row:
-+4% CPU time per decode step at 268 cached positions, +19% at 768 on SmolLM2-135M
++11% CPU time per decode step at 268 cached positions, +28% at 768 on SmolLM2-135M
 (BENCHMARKS.md 'Speculative decoding'), hence off by default. Its rows are not batched
 (`row_batch` None): GroupQueryAttention takes several new tokens a row only in a batch of one.
 """
