@@ -106,7 +106,7 @@ def test_batch_decoder_equals_plain_greedy(smol: LoadedModel, prompt: list[int],
                                            plain: list[int], batch: int) -> None:
     """The batch decoder checks drafts row by row here (exact_rows: no batched rows); four
     copies of the prompt, joining at different steps, each get plain decoding's tokens."""
-    n = 24
+    n = 16
     dec = BatchDecoder(smol.engine, max_batch=batch, max_context=len(prompt) + N + 8,
                        drafter=PromptLookup(), num_draft=8)
     assert dec.mode == "sequential"
@@ -129,11 +129,11 @@ def test_run_cli_exact_rows(smol: LoadedModel, plain: list[int],
                             capsys: pytest.CaptureFixture) -> None:
     """`fuselm run --exact-rows --draft-lookup` replies with plain decoding's tokens; the flag
     is refused by name on MLX, and without the lowered graph."""
-    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "40", "--json", "--exact-rows"]
+    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "24", "--json", "--exact-rows"]
     code, out, _ = run_cli(capsys, *args, "--draft-lookup")
     assert code == 0
     got = json.loads(out.splitlines()[-1])
-    assert got["tokens"] == plain[:40] and got["accepted"] > 0
+    assert got["tokens"] == plain[:24] and got["accepted"] > 0
     line = one_error(*cli(capsys, *args, "--engine", "mlx"))
     assert "--exact-rows" in line and "onnxruntime" in line
     with pytest.raises(RuntimeUserError, match="exact_rows needs the lowered graph"):
