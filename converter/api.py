@@ -262,8 +262,8 @@ def load(path: str | Path, engine: str = "auto", **options: Any) -> Model:
     """Open a model: an artifact folder, or a .gguf file or HF checkpoint folder (converted
     once into fuselm's cache, the folder printed on stderr). engine: "auto" (MLX on a GPU,
     onnxruntime otherwise), "mlx" or "onnxruntime"; the other options go to the engine (e.g.
-    accuracy_level=0 for onnxruntime; kv_bits=8 or 4, kv_group_size=64 for MLX's quantized KV
-    cache), but speculative decoding's, which every greedy generation then uses:
+    accuracy_level=0 or exact_rows=True for onnxruntime; kv_bits=8 or 4, kv_group_size=64 for
+    MLX's quantized KV cache), but speculative decoding's, which every greedy generation then uses:
     draft_lookup=True (prompt lookup) or draft=OUT_DIR (a smaller artifact of the same
     tokenizer), num_draft, draft_ngram (as the CLI's flags). `model, tokenizer = load(path)`
     unpacks as mlx-lm's does."""

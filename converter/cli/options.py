@@ -52,16 +52,19 @@ def threads_option(f: Callable[..., Any]) -> Callable[..., Any]:
                         f"({MAX_THREADS} here)  [default: one per physical core]")(f)
 
 
-def ort_options(engine_name: str, accuracy_level: int, threads: int | None
-                ) -> dict[str, object]:
-    """The engine options the shared flags give: accuracy level and threads for onnxruntime,
-    none for MLX (which schedules its own work; --threads there is a mistake, said so)."""
+def ort_options(engine_name: str, accuracy_level: int, threads: int | None,
+                exact_rows: bool = False) -> dict[str, object]:
+    """The engine options the shared flags give: accuracy level, threads and --exact-rows for
+    onnxruntime, none for MLX (which schedules its own work; --threads or --exact-rows there
+    is a mistake, said so)."""
     if engine_name != "onnxruntime":
-        if threads is not None:
-            raise RuntimeUserError("--threads sets onnxruntime's threads; the MLX engine takes "
-                                   "none (drop it, or add --engine onnxruntime)")
+        for flag, given in (("--threads", threads is not None), ("--exact-rows", exact_rows)):
+            if given:
+                raise RuntimeUserError(f"{flag} sets onnxruntime's engine; the MLX engine takes "
+                                       "none (drop it, or add --engine onnxruntime)")
         return {}
-    return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {})}
+    return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {}),
+            **({"exact_rows": True} if exact_rows else {})}
 
 
 def kv_cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,7 +139,8 @@ def join_parallel(parallel: str | None) -> dict[str, object]:
 def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Speculative decoding (runtime_metal/drafting.py): --draft-lookup (llama.cpp's lookup
     decoding, HF's prompt lookup) or --draft OUT_DIR (a smaller artifact of the same
-    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N."""
+    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N, and --exact-rows
+    (onnxruntime's exact_rows engine option: ort_engine/engine.py)."""
     for opt in reversed([
         click.option("--draft-lookup", is_flag=True,
                      help="speculative decoding, drafts from the prompt and the reply so far "
@@ -148,6 +152,12 @@ def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      default=None, help="most tokens drafted a step  [default: 8]"),
         click.option("--draft-ngram", type=click.IntRange(1, 16), default=None,
                      help="--draft-lookup: longest n-gram matched  [default: 3]"),
+        click.option("--exact-rows", is_flag=True,
+                     help="onnxruntime: every step computes each position as a one-token step "
+                     "does, so drafting gives plain decoding's exact reply at accuracy level 4 "
+                     "too (its prefill, and plain decoding, too); each step costs more (one "
+                     "more attention row: +10%% to +30%% a decode step), batches decode row "
+                     "by row"),
     ]):
         f = opt(f)
     return f

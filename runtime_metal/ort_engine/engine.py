@@ -9,6 +9,14 @@ On the CPU provider with full graph optimization the engine runs ort_lowering.py
 the artifact (onnxruntime's contrib ops, float32 activations, a KV buffer shared by past and
 present: ort_shared_kv.py) unless `lower=False`, or the lowering does not cover the model, in
 which case it runs the plain graph and `describe()["lowering"]` says why.
+
+`exact_rows=True` (lowered graph only) makes a step of several tokens compute each position
+exactly as a one-token step does (lowering.py `_attention`: a dummy query row in every
+attention), so speculative decoding's check and prefill agree bit for bit with decode steps
+at any accuracy level. It costs every step (decode included) the attention of one more row:
++11% CPU time per decode step at 268 cached positions, +28% at 768 on SmolLM2-135M
+(BENCHMARKS.md 'Speculative decoding'), hence off by default. Its rows are not batched
+(`row_batch` None): GroupQueryAttention takes several new tokens a row only in a batch of one.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ class OrtEngine:
 
     def __init__(self, out_dir: str | Path, manifest: Manifest, accuracy_level: int = 4,
                  optimization: str = "all", threads: int | None = None,
-                 profile_dir: str | None = None, lower: bool = True) -> None:
+                 profile_dir: str | None = None, lower: bool = True,
+                 exact_rows: bool = False) -> None:
         if accuracy_level not in (0, 1, 2, 3, 4):
             raise RuntimeUserError(f"accuracy_level must be 0..4, got {accuracy_level}")
         if optimization not in OPTIMIZATION_LEVELS:
@@ -44,7 +53,14 @@ class OrtEngine:
         self.accuracy_level = accuracy_level
         self.optimization = optimization
         path = model_path(out_dir)
-        lowered = lower_for_cpu(path, manifest) if lower and optimization == "all" else None
+        lowered = lower_for_cpu(path, manifest, exact_rows) if (
+            lower and optimization == "all") else None
+        if exact_rows and not isinstance(lowered, Lowered):
+            raise RuntimeUserError(
+                "exact_rows needs the lowered graph (optimization 'all', lower=True); here: "
+                + (lowered if isinstance(lowered, str) else "not lowered"))
+        self.exact_rows = exact_rows
+        self._pad = int(exact_rows)  # positions past a step's own that its dummy row writes
         self.lowering = lowered if isinstance(lowered, str) else (
             "onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization), "
             "float32 activations" + (f", {lowered.int4_count} symmetric Q4 tensors as int4"
@@ -108,7 +124,7 @@ class OrtEngine:
         """The lowered graph's shared buffer grows to n positions; the plain graph returns each
         call's present K/V as new tensors, so there is nothing to do."""
         if self._kv:
-            self._kv.reserve(n)
+            self._kv.reserve(n + self._pad)
 
     def trim(self, n: int) -> None:
         """Forget the last n cached positions (the K/V arrays keep their first offset - n)."""
@@ -151,8 +167,8 @@ class OrtEngine:
             raise RuntimeUserError(
                 f"{total} positions exceed the model's context length {self._rope_positions}; "
                 "use a shorter prompt or fewer new tokens")
-        if total > kv.capacity:
-            kv.reserve(min(total + GROW, max(self._rope_positions, total)))
+        if total + self._pad > kv.capacity:
+            kv.reserve(min(total + GROW, max(self._rope_positions, total)) + self._pad)
         if self._binding is None:  # one binding for the session's life: the KV stays bound
             self._binding = self.session.io_binding()
         binding = self._binding
@@ -183,8 +199,9 @@ class OrtEngine:
 
     def row_batch(self, max_batch: int, capacity: int) -> RowBatch | None:
         """Rows of different lengths decoded in one run (row_batch.py), on the lowered graph;
-        None on the plain graph (batch.py then feeds its rows one after another)."""
-        if self._kv is None:
+        None on the plain graph or with exact_rows (batch.py then feeds its rows one after
+        another)."""
+        if self._kv is None or self.exact_rows:
             return None
         m = self.manifest.model
         return RowBatch(self.session, set(self._inputs), self._past_names, m.num_kv_heads,
@@ -216,4 +233,5 @@ class OrtEngine:
             "graph_optimization": self.optimization,
             "threads": self.session.get_session_options().intra_op_num_threads,
             "lowering": self.lowering,
+            "exact_rows": self.exact_rows,
         }

@@ -75,8 +75,12 @@ def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def lower_for_cpu(model_file: Path, manifest: Manifest) -> Lowered | str:
-    """The lowered model, or a string saying why the plain graph is used instead."""
+def lower_for_cpu(model_file: Path, manifest: Manifest, exact_rows: bool = False
+                  ) -> Lowered | str:
+    """The lowered model, or a string saying why the plain graph is used instead.
+    `exact_rows`: every GroupQueryAttention gets a dummy query row after the step's own
+    (`_attention`), so a step of several tokens computes each position exactly as a one-token
+    step does."""
     try:
         model = onnx.load(str(model_file), load_external_data=False)
     except Exception as e:  # onnxruntime reports an unreadable file when the plain path loads it
@@ -84,7 +88,7 @@ def lower_for_cpu(model_file: Path, manifest: Manifest) -> Lowered | str:
     inputs = onnx_inputs(model)
     past_dtype = _past_dtype(model)
     try:
-        model, positions = _lower(model, manifest)
+        model, positions = _lower(model, manifest, exact_rows)
     except NotLowered as e:
         return str(e)
     values = symmetric_to_int4(model, Path(model_file).parent)
@@ -109,7 +113,8 @@ def _past_dtype(model: onnx.ModelProto) -> str | None:
     return {F16: "float16", BF16: "bfloat16", F32: "float32"}.get(next(iter(kv_types), 0))
 
 
-def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto, int]:
+def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
+           ) -> tuple[onnx.ModelProto, int]:
     if manifest.model.sliding_window:
         raise NotLowered("sliding-window attention")
     if manifest.model.head_dim % 16:
@@ -132,7 +137,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
         raise NotLowered("attention layers with different masks")
     tables: dict[tuple, tuple[str, str]] = {}
     positions = 0
-    seq = _seqlens(new_nodes) if masks else ("", "")
+    seq = _seqlens(new_nodes, exact_rows) if masks else ("", "")
 
     for n in g.node:
         if n.op_type == "RMSNormalization":
@@ -155,7 +160,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest) -> tuple[onnx.ModelProto,
             if rope is not None and rope.op_type != "FusedRoPE":
                 rope = None
             positions = max(positions, _attention(n, rope, seq, manifest, new_nodes, inits,
-                                                  tables, uses))
+                                                  tables, uses, exact_rows))
             if rope is not None:
                 drop.add(id(rope))
     if any(n.op_type == "FusedRoPE" and id(n) not in drop for n in g.node):
@@ -240,9 +245,10 @@ def _to_float32(model: onnx.ModelProto) -> None:
     g.node.extend(casts + old)
 
 
-def _seqlens(nodes: list[onnx.NodeProto]) -> tuple[str, str]:
+def _seqlens(nodes: list[onnx.NodeProto], exact_rows: bool = False) -> tuple[str, str]:
     """seqlens_k [batch] = valid positions - 1 and total_sequence_length (a scalar), int32,
-    from attention_mask [batch, total] — its length is the total, its ones the valid ones."""
+    from attention_mask [batch, total] — its length is the total, its ones the valid ones.
+    exact_rows: both one more, for the dummy query row each attention appends (_attention)."""
     c = [
         helper.make_node("Constant", [], ["lower/one"], value=numpy_helper.from_array(
             np.array([1], np.int64))),
@@ -256,15 +262,47 @@ def _seqlens(nodes: list[onnx.NodeProto]) -> tuple[str, str]:
         helper.make_node("Reshape", ["lower/total64", "lower/scalar"], ["lower/total64s"]),
         helper.make_node("Cast", ["lower/total64s"], ["lower/total"], to=TensorProto.INT32),
     ]
+    if exact_rows:
+        c += [
+            helper.make_node("Cast", ["lower/valid"], ["lower/seqlens_k_rows"],
+                             to=TensorProto.INT32),
+            helper.make_node("Constant", [], ["lower/one_s"], value=numpy_helper.from_array(
+                np.array(1, np.int64))),
+            helper.make_node("Add", ["lower/total64s", "lower/one_s"], ["lower/total64_rows"]),
+            helper.make_node("Cast", ["lower/total64_rows"], ["lower/total_rows"],
+                             to=TensorProto.INT32),
+            # [b, s, d] -> [b, s + 1, d] (a zero row after the step's tokens), and back
+            helper.make_node("Constant", [], ["lower/row_pads"], value=numpy_helper.from_array(
+                np.array([0, 0, 0, 0, 1, 0], np.int64))),
+            helper.make_node("Constant", [], ["lower/zero"], value=numpy_helper.from_array(
+                np.array([0], np.int64))),
+            helper.make_node("Constant", [], ["lower/minus_one"], value=numpy_helper.from_array(
+                np.array([-1], np.int64))),
+        ]
+        nodes.extend(c)
+        return "lower/seqlens_k_rows", "lower/total_rows"
     nodes.extend(c)
     return "lower/seqlens_k", "lower/total"
 
 
 def _attention(att: onnx.NodeProto, rope: onnx.NodeProto | None, seq: tuple[str, str],
                manifest: Manifest, nodes: list[onnx.NodeProto], inits: list[TensorProto],
-               tables: dict[tuple, tuple[str, str]], uses: Counter) -> int:
+               tables: dict[tuple, tuple[str, str]], uses: Counter, exact_rows: bool = False
+               ) -> int:
     """Replace one Attention (and its FusedRoPE) by GroupQueryAttention; the positions its
-    rotary table covers."""
+    rotary table covers.
+
+    exact_rows: q, k and v get a zero row after the step's s tokens, and the output loses
+    it, so GroupQueryAttention always multiplies probabilities by V for at least two query
+    rows. For one row (a decode step) MLAS's SGEMM takes its single-row kernel, which rounds
+    unlike the kernel for several rows (a several-token step: prefill, a speculative check)
+    by ~1e-7; accuracy level 4 quantizes the next MatMulNBits' activations to int8, where
+    such a difference can move a value across a rounding step, and the logits end up apart by
+    up to ~3.6 on SmolLM2-135M (BENCHMARKS.md 'Speculative decoding'). With the dummy row
+    every step runs the several-row kernel, whose result for a row does not depend on the
+    rows beside it. The dummy's K/V land one position past the step's (the next step
+    overwrites them): the engine keeps that position in its buffer and the rotary tables
+    cover one more."""
     a = _attrs(att)
     if len(att.input) != 6 or len(att.output) != 3 or "" in att.output[1:]:
         raise NotLowered("an Attention without past/present key and value")
@@ -294,11 +332,20 @@ def _attention(att: onnx.NodeProto, rope: onnx.NodeProto | None, seq: tuple[str,
         key = (tuple(np.asarray(r["inv_freq"], np.float32).tolist()),
                float(r["attention_scale"]), int(r["interleaved"]))
         if key not in tables:
-            tables[key] = _rope_tables(len(tables), key, positions, inits)
+            tables[key] = _rope_tables(len(tables), key, positions + exact_rows, inits)
         gqa_in = [q, k, v, att.input[4], att.input[5], seq[0], seq[1], *tables[key]]
         extra = {"do_rotary": 1, "rotary_interleaved": int(r["interleaved"])}
+    outs = list(att.output)
+    if exact_rows:
+        for i in range(3):
+            padded = f"{att.name}/gqa_in{i}_rows"
+            nodes.append(helper.make_node("Pad", [gqa_in[i], "lower/row_pads"], [padded]))
+            gqa_in[i] = padded
+        outs[0] = f"{att.name}/gqa_out_rows"
+        nodes.append(helper.make_node("Slice", [outs[0], "lower/zero", "lower/minus_one",
+                                                "lower/one"], [att.output[0]]))
     nodes.append(helper.make_node(
-        "GroupQueryAttention", gqa_in, list(att.output), name=att.name + "/gqa", domain=MS,
+        "GroupQueryAttention", gqa_in, outs, name=att.name + "/gqa", domain=MS,
         num_heads=int(a["q_num_heads"]), kv_num_heads=int(a["kv_num_heads"]),
         scale=float(a.get("scale", 0.0)), softcap=float(a.get("softcap", 0.0)), **extra))
     att.op_type = "_lowered"  # removed by _prune: nothing reads its outputs any more

