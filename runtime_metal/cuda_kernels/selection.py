@@ -128,8 +128,11 @@ Q4_UNROLL = 16
 
 
 # From how many rows the Q4 GEMV of a decode step runs on tensor cores (q4_gemv's MMA form, for
-# float16 / bfloat16 activations): a batched step. The one-row step keeps the one-row kernel.
-GEMV_MMA_ROWS = 2
+# float16 / bfloat16 activations), 0 = never. Off by default: the form compiles for sm_90 and
+# its indexing matches x @ dequant(W) in an emulation, but it has not yet run on a GPU, so
+# neither its results nor its speed are measured; FUSELM_GEMV_MMA=2 turns it on for batched
+# steps (the GPU tests in test_kernels.py and `gpu_run.sh batch` with MMA="auto 2 0" measure it).
+GEMV_MMA_ROWS = 0
 _gemv_mma: list[int] = []  # the process's setting; until configure hands one over, the default's
 
 

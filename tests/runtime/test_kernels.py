@@ -802,7 +802,7 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
 
 def test_gemv_mma_selection(launches: list) -> None:
     """Everywhere (no launch): FUSELM_GEMV_MMA picks the tensor-core form from its row count on
-    (auto: 2), for float16 / bfloat16 activations and outputs of whole 8-column tiles; one row,
+    (auto: never, until it is measured on a GPU), for float16 / bfloat16 activations and outputs of whole 8-column tiles; one row,
     float32 activations, 0 (off) and an odd output width keep the one-column-a-warp kernel.
     The tile (NJ, NWK) follows the weight's shape, never the rows."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
@@ -823,7 +823,9 @@ def test_gemv_mma_selection(launches: list) -> None:
     one = ["fuselm_q4_gemv", "fuselm_q4_gemv", "fuselm_q4_gemv_addnorm"]
     try:
         kernels.configure(resolve({}))
-        assert kernels.gemv_mma_rows() == kernels.GEMV_MMA_ROWS == 2
+        assert kernels.gemv_mma_rows() == kernels.GEMV_MMA_ROWS == 0
+        assert names(mx.zeros((16, 1, 256), mx.float16)) == one
+        kernels.configure(resolve({"FUSELM_GEMV_MMA": "2"}))
         for dtype in (mx.float16, mx.bfloat16):
             assert names(mx.zeros((1, 1, 256), dtype)) == one
             assert names(mx.zeros((2, 1, 256), dtype)) == mma
