@@ -79,7 +79,8 @@ SETTINGS: tuple[Setting, ...] = (
             "inside the call: `auto` = 256 on MLX-CUDA, never elsewhere; `N` rows; `0` never"),
     Setting("gemv_mma", "FUSELM_GEMV_MMA", (), "auto",
             "CUDA: from how many rows (a batched decode step, float16 / bfloat16) the Q4 GEMV "
-            "runs on tensor cores: `auto` = 2, `N` rows (1: the one-row step too), `0` never"),
+            "runs on tensor cores: `auto` = never (the tensor-core form is not yet measured on "
+            "a GPU), `N` rows (1: the one-row step too), `0` never"),
     Setting("kernel_dir", "FUSELM_KERNEL_DIR", (), "~/.cache/fuselm/cuda",
             "CUDA: the folder of the kernel header files MLX #includes (default "
             "$XDG_CACHE_HOME/fuselm/cuda, else ~/.cache/fuselm/cuda); `inline` hands MLX the "

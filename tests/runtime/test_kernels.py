@@ -802,7 +802,8 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
 
 def test_gemv_mma_selection(launches: list) -> None:
     """Everywhere (no launch): FUSELM_GEMV_MMA picks the tensor-core form from its row count on
-    (auto: never, until it is measured on a GPU), for float16 / bfloat16 activations and outputs of whole 8-column tiles; one row,
+    (auto: never, until it is measured on a GPU), for float16 / bfloat16 activations and
+    outputs of whole 8-column tiles; one row,
     float32 activations, 0 (off) and an odd output width keep the one-column-a-warp kernel.
     The tile (NJ, NWK) follows the weight's shape, never the rows."""
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
