@@ -20,11 +20,20 @@ position axis where a float buffer has it, so every write, read, gather and copy
 to each of the three arrays alike (`Buffer`), new rows are quantized as they are written, and
 attention reads the triple directly (attention.Attention.attend: quantized matmuls, no
 dequantized copy of the cache). The triple describes itself given the head dim (`spec_of`).
+
+A quantized buffer holds its rows rotated (`rotate`, before quantizing): a fixed orthogonal
+matrix, normalized Walsh-Hadamard blocks, mixes each head's channels, so the few channels of
+large magnitude that RoPE'd keys carry are spread over the group instead of setting its scale
+alone (QuaRot's idea); every group then rounds values of one size, and a 4-bit cache loses far
+less (BENCHMARKS.md "Quantized KV cache"). Attention rotates the queries the same way (q·kᵀ is
+unchanged by an orthogonal matrix) and rotates its output back (p·V is in V's rotated basis);
+`dequantized` returns the rows as they were written (rotated back).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -52,7 +61,8 @@ class KVQuant:
                              f"{', '.join(map(str, KV_GROUP_SIZES))}")
 
     def quantize(self, rows: mx.array) -> tuple[mx.array, ...]:
-        return tuple(mx.quantize(rows, group_size=self.group_size, bits=self.bits))
+        """Rows [.., d] in stored form: rotated (`rotate`), then quantized."""
+        return tuple(mx.quantize(rotate(rows), group_size=self.group_size, bits=self.bits))
 
     def zeros(self, lead: tuple[int, ...], dim: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
         """An empty buffer [*lead, dim] in stored form (scales and biases in `dtype`)."""
@@ -69,6 +79,29 @@ class KVQuant:
         if dim % self.group_size:
             return f"the head dim {dim} is not a multiple of the group size {self.group_size}"
         return ""
+
+
+@cache
+def _rotation(dim: int, transposed: bool) -> mx.array:
+    """[dim, dim] float32: Sylvester-Hadamard blocks of the largest power of two dividing dim
+    (all of a 64- or 128-value head; a quantized head's dim is a multiple of its power-of-two
+    group, so a block never straddles groups), scaled by 1/sqrt(block) to be orthogonal."""
+    n = dim & -dim
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    r = np.kron(np.eye(dim // n), h / np.sqrt(n)).astype(np.float32)
+    return mx.array(r.T if transposed else r)
+
+
+def rotate(x: mx.array) -> mx.array:
+    """x [.., d] in the rotated basis a quantized buffer stores (x·R, R orthogonal)."""
+    return x @ _rotation(x.shape[-1], False).astype(x.dtype)
+
+
+def unrotate(x: mx.array) -> mx.array:
+    """rotate's inverse (x·Rᵀ)."""
+    return x @ _rotation(x.shape[-1], True).astype(x.dtype)
 
 
 def empty(quant: KVQuant | None, lead: tuple[int, ...], dim: int, dtype: mx.Dtype) -> Buffer:
@@ -97,12 +130,19 @@ def positions(buf: Buffer) -> int:
     return parts(buf)[0].shape[2]
 
 
-def dequantized(buf: Buffer, dim: int) -> mx.array:
-    """The float values of a buffer (a float buffer as it is)."""
+def stored_values(buf: Buffer, dim: int) -> mx.array:
+    """The float values a buffer stores: a quantized buffer's dequantized, still rotated (what
+    attention reads with rotated queries); a float buffer as it is."""
     if not isinstance(buf, tuple):
         return buf
     q = spec_of(buf, dim)
     return mx.dequantize(*buf, group_size=q.group_size, bits=q.bits)
+
+
+def dequantized(buf: Buffer, dim: int) -> mx.array:
+    """The float values of a buffer's rows as written (a quantized buffer's rotated back; a
+    float buffer as it is)."""
+    return unrotate(stored_values(buf, dim)) if isinstance(buf, tuple) else buf
 
 
 def split_layers(arrays: list[mx.array] | tuple[mx.array, ...], layers: int

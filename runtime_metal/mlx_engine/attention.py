@@ -9,8 +9,10 @@ with no materialized QK/softmax (seed steps 5 and 11). Semantics that MLX's fuse
 (softcap) take the explicit softmax path here; new per-layer attributes belong on `Attention`.
 A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·V are MLX's
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
-between; no float copy of the cache is made. On MLX-CUDA, whose quantized matmul lacks most of
-these shapes, a layer's keys and values are dequantized for its attention instead.
+between; no float copy of the cache is made. Its rows are stored rotated (kv_cache.rotate):
+the queries are rotated alike, which leaves q·kᵀ as it was, and the output, a mix of rotated
+values, is rotated back. On MLX-CUDA, whose quantized matmul lacks most of these shapes, a
+layer's keys and values are dequantized (still rotated) for its attention instead.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import numpy as np
 from fuselm.runtime_metal.cuda_kernels.selection import cuda_device
 from fuselm.runtime_metal.kv_cache import (
     Buffer,
-    dequantized,
     first,
     positions,
     read_blocks,
+    rotate,
     spec_of,
+    stored_values,
+    unrotate,
     write_blocks,
     write_rows,
 )
@@ -90,18 +94,22 @@ class Attention:
         """softmax(q·kᵀ·scale [+ mask]) · v over [b, H, s, D] heads; returns [b, Hq, s, D].
         A query that may attend nothing yields zeros (ONNX), not softmax's NaNs; a caller whose
         mask always shows a query its own key says `may_empty=False` and skips that check.
-        kh/vh quantized (kv_cache.Buffer triples): the quantized path."""
+        kh/vh quantized (kv_cache.Buffer triples, rows rotated): the quantized path, over
+        rotated queries, its output rotated back."""
         sc = self.scale_for(qh.shape[-1])
         if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
             mask = mask.astype(qh.dtype)
-        if isinstance(kh, tuple) and cuda_device():
+        rotated = isinstance(kh, tuple)
+        if rotated:
+            qh = rotate(qh)
+        if rotated and cuda_device():
             # MLX-CUDA's quantized matmul has no kernel for most of attention's shapes (a
             # prefill chunk's queries, a batch's grouped heads: "No implementation for problem
             # shape"): there the cache is read dequantized, one layer's keys and values at a
-            # time; it stays stored quantized
-            group = spec_of(kh, qh.shape[-1]).group_size
+            # time, in the basis it is stored in; it stays stored quantized
+            group = spec_of(kh, qh.shape[-1]).group_size  # type: ignore[arg-type]
             vdim = vh[1].shape[-1] * group  # type: ignore[index]
-            kh, vh = dequantized(kh, qh.shape[-1]), dequantized(vh, vdim)
+            kh, vh = stored_values(kh, qh.shape[-1]), stored_values(vh, vdim)
         if isinstance(kh, tuple) or isinstance(vh, tuple):
             if isinstance(mask, str):
                 n, t = qh.shape[2], positions(kh)
@@ -114,6 +122,8 @@ class Attention:
             y = self._explicit(qh, kh, vh, mask, sc)
         else:
             y = mx.fast.scaled_dot_product_attention(qh, kh, vh, scale=sc, mask=mask)
+        if rotated:
+            y = unrotate(y)
         if may_empty and isinstance(mask, mx.array) and mask.dtype == mx.bool_:
             y = mx.where(mask.any(axis=-1, keepdims=True), y, mx.zeros((), y.dtype))
         return y

@@ -183,9 +183,8 @@ def test_quantized_kv_cache_keeps_greedy_tokens(
     test above), one forward each: the token each position picks is the greedy token the
     float cache picks there (a free-running greedy run equals float's up to the first position
     that differs). 8 bits: every position where float's top two logits are 0.1 or more apart
-    picks float's token (measured: 95 of 96 positions; the one that differs is the first reply
-    token of the first prompt, where float's top two are 0.082 apart, and where the 8-bit
-    cache moves logits by up to 0.9); 4 bits: at least 80 % of positions (measured 85 of 96).
+    picks float's token (measured: all 96 positions); 4 bits (its rows stored rotated,
+    kv_cache.rotate): at least 90 % of positions (measured 90 of 96; 85 before the rotation).
     One engine (loaded once), its cache swapped for a quantized one (Engine.swap_cache)."""
     eng = make_engine(smol_f32, "mlx", fast=False)
     layers = len(eng.swap_cache())
@@ -204,6 +203,6 @@ def test_quantized_kv_cache_keeps_greedy_tokens(
         assert np.all(same[8][clear])
         for bits in agree:
             agree[bits] += int(same[bits].sum())
-    assert agree[4] >= 0.8 * N_KV * len(chat_prompts)
+    assert agree[4] >= 0.9 * N_KV * len(chat_prompts)
     print(f"teacher-forced agreement with float KV: 8-bit {agree[8]}/{N_KV * len(chat_prompts)}"
           f", 4-bit {agree[4]}/{N_KV * len(chat_prompts)}")

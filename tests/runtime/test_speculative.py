@@ -246,11 +246,12 @@ def test_bench_speculative_json(models: dict[str, Path], capsys: pytest.CaptureF
     assert spec["drafter"] == "prompt-lookup" and spec["num_draft"] == 8
 
 
-def test_over_a_quantized_kv_cache(models: dict[str, Path]) -> None:
-    """MLX with an 8-bit KV cache (--kv-bits 8): the drafted positions are written quantized
-    like single steps' and rolled back the same way, so speculative greedy equals plain greedy
-    over the same quantized cache, one sequence and the batched program."""
-    engine = make_engine(models["target"], "mlx", kv_bits=8, kv_group_size=32)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_over_a_quantized_kv_cache(models: dict[str, Path], bits: int) -> None:
+    """MLX with an 8- or 4-bit KV cache (--kv-bits): the drafted positions are written
+    quantized (rotated) like single steps' and rolled back the same way, so speculative greedy
+    equals plain greedy over the same quantized cache, one sequence and the batched program."""
+    engine = make_engine(models["target"], "mlx", kv_bits=bits, kv_group_size=32)
     prompts = _prompts()
     want = [generate(engine, p, max_new_tokens=n).tokens
             for p, (_, n, _) in zip(prompts, PLAN, strict=True)]
