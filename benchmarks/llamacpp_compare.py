@@ -6,6 +6,7 @@ side by side (separate processes, alternating). Prints one JSON object.
         --hf-dir SMOL_HF --llama-python /path/venv/bin/python --llama-src LLAMA_CPP_SRC \
         --work WORK [--gguf NAME=FILE ...] [--fuselm NAME=OUT_DIR ...] [--context 1024] \
         [--speed GGUF_NAME=FUSELM_NAME ...] [--rounds 3] [--mlx-python /path/venv/bin/python]
+        [--no-ppl]
 
 - HF_DIR is the float checkpoint every quantization starts from (for the bundled demo model:
   SmolLM2-135M-Instruct's GGUF dequantized into an HF folder by transformers).
@@ -24,7 +25,8 @@ side by side (separate processes, alternating). Prints one JSON object.
   HF_DIR (`mlx_lm.convert --quantize`, its default group size) are scored the same way, their
   logits from mlx-lm's own model (benchmarks/mlxlm_worker.py); bits = their safetensors bytes.
 - Speed: llama.cpp (its default threads) against `fuselm bench` (its defaults), each run in its
-  own process, alternating for `--rounds`; prompt 512, 128 new tokens, medians.
+  own process, alternating for `--rounds`; prompt 512, 128 new tokens, medians. `--no-ppl`
+  measures only the speed (no perplexity rows).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mlx-python", default=None, help="a Python with mlx-lm: its 4/8-bit rows")
+    ap.add_argument("--no-ppl", action="store_true", help="speed only")
     args = ap.parse_args()
 
     import torch
@@ -98,10 +101,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.hf_dir, torch_dtype=torch.float32).eval()
     params = sum(p.numel() for p in model.parameters())  # a tied table counts once
     rows: list[dict[str, Any]] = []
-    with torch.no_grad():
-        nll = np.concatenate([chunk_nll(model(torch.tensor([c])).logits[0].numpy(), c)
-                              for c in parts])
-    rows.append({"system": "HF transformers float32", **ppl_from_nll(nll), "bits_per_param": 32})
+    if not args.no_ppl:
+        with torch.no_grad():
+            nll = np.concatenate([chunk_nll(model(torch.tensor([c])).logits[0].numpy(), c)
+                                  for c in parts])
+        rows.append({"system": "HF transformers float32", **ppl_from_nll(nll),
+                     "bits_per_param": 32})
     del model
 
     # llama.cpp's files: F16 from the HF folder, then its quantization types.
@@ -122,7 +127,7 @@ def main() -> None:
     for spec in args.gguf:
         name, path = spec.split("=", 1)
         ggufs[name] = Path(path)
-    for name, path in ggufs.items():
+    for name, path in {} if args.no_ppl else ggufs.items():
         with tempfile.TemporaryDirectory(dir=work) as tmp:
             got = worker(args.llama_python, {"op": "logits", "gguf": str(path), "chunks": parts,
                                              "out": tmp})
@@ -131,7 +136,7 @@ def main() -> None:
         rows.append({"system": name, **ppl_from_nll(nll),
                      "bits_per_param": path.stat().st_size * 8 / params, "file": str(path)})
 
-    for bits in (4, 8) if args.mlx_python else ():
+    for bits in (4, 8) if args.mlx_python and not args.no_ppl else ():
         dst = work / f"mlxlm_{bits}bit"
         if not dst.exists():
             worker(args.mlx_python, {"op": "quantize", "hf": args.hf_dir, "dst": str(dst),
@@ -149,16 +154,15 @@ def main() -> None:
     artifacts = dict(spec.split("=", 1) for spec in args.fuselm)
     text = work / "text.txt"
     text.write_text(read_text(SAMPLE_TEXT), encoding="utf-8")
-    for name, out_dir in artifacts.items():
+    for name, out_dir in {} if args.no_ppl else artifacts.items():
         res = fuselm_cli("perplexity", out_dir, "--context", str(args.context), "--text",
                          str(text))
         size = sum(p.stat().st_size for p in Path(out_dir).glob("model.onnx*"))
         rows.append({"system": name, "ppl": res["ppl"], "ppl_stderr": res["ppl_stderr"],
                      "scored": res["scored_tokens"], "engine": res["engine"],
                      "bits_per_param": size * 8 / params, "artifact": out_dir})
-    base = rows[0]["ppl"]
     for r in rows:
-        r["increase"] = r["ppl"] / base - 1
+        r["increase"] = r["ppl"] / rows[0]["ppl"] - 1
 
     speed: list[dict[str, Any]] = []
     prompt = (ids * 2)[:512]

@@ -45,8 +45,9 @@ class ConvertOptions:
     keep_intermediate: bool = False
     allow_nonfinite: bool = False  # NaN/Inf weights converted (and recorded) instead of refused
     adapter: Path | None = None  # a PEFT LoRA folder merged into the weights (export/lora.py)
-    # quant None and a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K): keep its
-    # blocks (passes/quant/options.py SOURCE_DEFAULT); False (`--quant none`): float weights
+    # quant None and a checkpoint that comes quantized (a GGUF in export/gguf/blocks.py's
+    # EXACT_TYPES): keep its blocks (passes/quant/options.py SOURCE_DEFAULT); False
+    # (`--quant none`): float weights
     source_quant: bool = True
 
     def __post_init__(self) -> None:

@@ -67,16 +67,20 @@ class Family:
     demo: ClassVar[bool] = False  # the family the built-in demo model is, by default
     # GGUF input (export/gguf/config.py): the `general.architecture` llama.cpp writes this
     # family as (None: not read from GGUF), the word in `general.name` that tells this family
-    # apart from others written under the same architecture, and whether llama.cpp permuted
-    # the q/k rows (its Llama convention)
+    # apart from others written under the same architecture, whether llama.cpp permuted
+    # the q/k rows (its Llama convention), and the llama.cpp names of layer tensors that this
+    # family's checkpoint names differently from Llama's table (export/gguf/source.py)
     gguf_architecture: ClassVar[str | None] = None
     gguf_name_marker: ClassVar[str] = ""
     gguf_permuted_qk: ClassVar[bool] = False
+    gguf_layer_names: ClassVar[dict[str, str]] = {}
 
-    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
         """Config fields this family's GGUF file implies (set into `config`): biases from
         which tensors exist (`tensors`: the file's tensor names), the sliding window the file
-        declares. The base family has no biases and refuses a window."""
+        declares, and any `{arch}.*` metadata the family reads (`keys`: export/gguf/config.py
+        `ArchKeys`, type-checked reads). The base family has no biases and refuses a window."""
         if window:
             raise ExportError(f"a sliding window on a {self.model_type} model is not supported")
 

@@ -55,6 +55,38 @@ class Gemma2(Family):
 @register("Gemma3ForCausalLM")
 class Gemma3(Gemma2):
     model_type = "gemma3_text"
+    gguf_architecture = "gemma3"
+    # llama.cpp's names of the sandwich norms: its ffn_norm is Gemma's pre-feedforward norm
+    gguf_layer_names = {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    }
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
+        """Gemma 3 as llama.cpp reads its file (src/models/gemma3.cpp), which states less than
+        the HF config: with a window, layer i slides unless `attention.sliding_window_pattern`
+        (a period, default 6, or one flag per layer) makes it global; sliding layers rotate
+        with base `rope.freq_base_swa` (default 10000), global ones with `rope.freq_base` and
+        the file's scaling; the softmax scale is head_dim ** -0.5 except on the 62-layer
+        (27B) model, hidden / heads there — llama.cpp tells it by its layer count; final
+        logits are soft-capped when the file sets `final_logit_softcapping`."""
+        layers = int(config["num_hidden_layers"])
+        del config["hidden_act"]
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+        config["sliding_window"] = window
+        config["layer_types"] = (_gguf_layer_types(keys, layers) if window
+                                 else ["full_attention"] * layers)
+        local = keys.number("rope.freq_base_swa", 10000.0)
+        config["rope_parameters"] = {  # per layer type, as transformers 5.x writes Gemma 3's
+            "full_attention": config["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        config["rope_local_base_freq"] = local  # transformers 4.x
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                           if layers == 62 else config["head_dim"])
+        config["final_logit_softcapping"] = keys.number("final_logit_softcapping")
+        config["attn_logit_softcapping"] = None  # llama.cpp's Gemma 3 has none
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         return replace(super().configure(hf, spec), qk_norm=True)
@@ -66,3 +98,22 @@ class Gemma3(Gemma2):
             return super().ropes(hf, head_dim, layers)
         per_type = {t: rope_spec(hf, head_dim, t) for t in set(types)}
         return [per_type[t] for t in types]
+
+
+def _gguf_layer_types(keys: Any, layers: int) -> list[str]:
+    """llama.cpp's `load_swa_pattern(ml, 6)` / `set_swa_pattern`: a flag per layer, or a
+    period n where layer i slides when i % n < n - 1 (n = 0: every layer slides)."""
+    key = "attention.sliding_window_pattern"
+    pattern = keys.value(key)
+    if pattern is None:
+        pattern = 6
+    if isinstance(pattern, list):
+        if len(pattern) != layers or any(v not in (0, 1) or isinstance(v, float)
+                                         for v in pattern):
+            raise keys.wrong(key, pattern, f"a period or {layers} flags (one per layer)")
+        sliding = [bool(v) for v in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    else:
+        raise keys.wrong(key, pattern, f"a period >= 0 or {layers} flags (one per layer)")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]

@@ -14,10 +14,11 @@ class Llama(Family):
     gguf_architecture = "llama"
     gguf_permuted_qk = True
 
-    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
-        super().gguf_config(config, tensors, window)
+        super().gguf_config(config, tensors, window, keys)
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         bias = bool(getattr(hf, "attention_bias", False))

@@ -16,7 +16,8 @@ class Mistral(Family):
     gguf_name_marker = "mistral"
     gguf_permuted_qk = True
 
-    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
         config["sliding_window"] = int(window) if window else None
 
     def windows(self, hf: Any, layers: int) -> list[int | None]:

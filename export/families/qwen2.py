@@ -12,7 +12,8 @@ class Qwen2(Family):
     model_type = "qwen2"
     gguf_architecture = "qwen2"
 
-    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
         # transformers applies a Qwen window only with use_sliding_window, from its
         # max_window_layers on
         config["sliding_window"] = int(window) if window else None

@@ -15,7 +15,8 @@ class Qwen3(Family):
     demo = True
     gguf_architecture = "qwen3"
 
-    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None) -> None:
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
         config["attention_bias"] = "blk.0.attn_output.bias" in tensors
         config["sliding_window"] = int(window) if window else None
         config["use_sliding_window"] = bool(window)

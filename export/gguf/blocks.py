@@ -12,13 +12,20 @@ The types whose blocks fuselm's stored formats hold exactly (ggml's layouts, ggm
           per 32-weight sub-block j: w = (d·sc_j)·q - dmin·mn_j            → 4 bits, block 32,
                                                                               scale d·sc_j, bias
                                                                               -(dmin·mn_j)
+    Q6_K  256 weights: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
+          (f16); per 16-weight sub-block j: w = (d·sc_j)·(q - 32)          → 8 bits, block 16,
+                                                                              zero point 32,
+                                                                              scale d·sc_j
 
 Nibbles: within a 32-weight group, byte i holds weight i in its low nibble and weight i + 16
 in its high one (Q4_K: byte i of a 64-weight chunk holds weight i of its first sub-block low
 and of its second high; Q5_0: bit i of its little-endian 32-bit word is weight i's fifth
-bit). Scales and biases are computed in float32 as gguf's own dequantize
-computes them, so `GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly.
-Other types (Q5_K, Q6_K, ...) have no exact form here: `given_blocks` answers None for them.
+bit; Q6_K: as gguf's dequantizer unpacks it). Scales and biases are computed in float32 as
+gguf's own dequantize computes them, so `GivenBlocks.dequantize()` equals
+`gguf.quants.dequantize` exactly. Other types (Q5_K, ...) have no exact form here:
+`given_blocks` answers None for them. Q6_K's 16-weight blocks are narrower than MLX's packed
+groups (32 and up): that engine multiplies them as a dense matrix dequantized once at load,
+which is exact too.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import numpy as np
 
 from fuselm.given_blocks import GivenBlocks
 
-EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144}
-_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256}
+EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+_BLOCK_WEIGHTS = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -71,6 +78,8 @@ def given_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Giv
         codes = (_nibbles(b[..., 6:]) | (fifth << np.uint8(4))) + np.uint8(112)
         return GivenBlocks(codes.reshape(n, k), _f16(b[..., 0:2]), 8, 32, src,
                            zero_points=np.full((n, k // 32), 128, np.uint8))
+    if type_name == "Q6_K":
+        return _q6_k(b, n, k, src)
     return _q4_k(b, n, k, src)
 
 
@@ -87,3 +96,16 @@ def _q4_k(b: np.ndarray, n: int, k: int, src: str) -> GivenBlocks:
     codes = np.stack([qs & np.uint8(15), qs >> np.uint8(4)], axis=3)  # [n, S, 4, 2, 32]
     return GivenBlocks(codes.reshape(n, k), scales.reshape(n, -1), 4, 32, src,
                        biases=biases.reshape(n, -1))
+
+
+def _q6_k(b: np.ndarray, n: int, k: int, src: str) -> GivenBlocks:
+    """Q6_K: 16 sub-blocks of 16 per super-block, 6-bit codes with zero point 32 held in 8
+    bits, scale d·sc_j in float32 (gguf's `Q6_K.dequantize_blocks`, its unpacking order)."""
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])
+    low = (ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+    high = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+    codes = low.reshape(n, -1, 8, 32) | (high.reshape(n, -1, 8, 32) << np.uint8(4))
+    return GivenBlocks(codes.reshape(n, k).astype(np.uint8), (d[..., None] * sc).reshape(n, -1),
+                       8, 16, src, zero_points=np.full((n, k // 16), 32, np.uint8))

@@ -80,6 +80,27 @@ def _token_id(gguf: GGUFFile, key: str, vocab: int) -> int | None:
     return value
 
 
+class ArchKeys:
+    """The `{arch}.*` metadata of one file, read with the same type checks as hf_config's own
+    (a family's `gguf_config` reads the keys only it knows through this)."""
+
+    def __init__(self, gguf: GGUFFile, arch: str) -> None:
+        self.gguf, self.arch = gguf, arch
+
+    def int(self, key: str, default: int | None = None, low: int = 1) -> int | None:
+        return _int(self.gguf, f"{self.arch}.{key}", default, low)
+
+    def number(self, key: str, default: float | None = None) -> float | None:
+        return _number(self.gguf, f"{self.arch}.{key}", default)
+
+    def value(self, key: str) -> Any:
+        """The raw value (None when absent), for a key whose type varies."""
+        return self.gguf.value(f"{self.arch}.{key}")
+
+    def wrong(self, key: str, value: Any, allowed: str) -> ExportError:
+        return _wrong(self.gguf, f"{self.arch}.{key}", value, allowed)
+
+
 def _rope(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
     theta = _number(gguf, f"{arch}.rope.freq_base", 10000.0)
     rot = _int(gguf, f"{arch}.rope.dimension_count", low=0)
@@ -157,9 +178,11 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     # llama.cpp applies a sliding window only when the file declares one
     window = _int(gguf, f"{arch}.attention.sliding_window", low=0)
     try:
-        family.gguf_config(config, t, window or None)
+        family.gguf_config(config, t, window or None, ArchKeys(gguf, arch))
     except ExportError as e:
-        raise ExportError(f"{gguf.path}: {e}") from None
+        said = str(e)  # ArchKeys' own refusals already name the file
+        raise ExportError(said if said.startswith(str(gguf.path)) else f"{gguf.path}: {said}"
+                          ) from None
     return config
 
 

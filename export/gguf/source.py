@@ -21,6 +21,7 @@ import numpy as np
 
 from fuselm.export.config import DecoderSpec
 from fuselm.export.errors import ExportError
+from fuselm.export.family import Family
 from fuselm.export.gguf.blocks import EXACT_TYPES, given_blocks
 from fuselm.export.gguf.config import generation_config, hf_config
 from fuselm.export.gguf.file import GGUFFile
@@ -58,13 +59,19 @@ _LAYER = {
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_name(hf_name: str) -> str | None:
+def layer_names(family: Family | None = None) -> dict[str, str]:
+    """HF layer tensor suffix → llama.cpp's, for `family` (None: Llama's table)."""
+    return {**_LAYER, **(family.gguf_layer_names if family else {})}
+
+
+def gguf_name(hf_name: str, family: Family | None = None) -> str | None:
     """The llama.cpp tensor name of an HF tensor name (None: no such tensor in GGUF)."""
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     m = _LAYER_NAME.fullmatch(hf_name)
-    if m and m.group(2) in _LAYER:
-        return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}"
+    layer = layer_names(family)
+    if m and m.group(2) in layer:
+        return f"blk.{m.group(1)}.{layer[m.group(2)]}"
     return None
 
 
@@ -94,8 +101,9 @@ class GGUFCheckpoint:
         self.gguf = gguf or GGUFFile(path)
         self.root = self.gguf.path
         self.config = hf_config(self.gguf)
+        self.family = family_of(self.config["architectures"][0])
         # llama.cpp permutes q/k rows for Llama-style families only (Qwen is NeoX-style)
-        self.permuted = family_of(self.config["architectures"][0]).gguf_permuted_qk
+        self.permuted = self.family.gguf_permuted_qk
         self.files = [self.gguf.path]
 
     @property
@@ -138,7 +146,7 @@ class GGUFCheckpoint:
         as it is, so the exporter's name check reports it); llama.cpp's precomputed RoPE
         factors are derived from the config instead, so they are left out."""
         reverse = {g: h for h, g in _GLOBAL.items()}
-        layer = {g: h for h, g in _LAYER.items()}
+        layer = {g: h for h, g in layer_names(self.family).items()}
         out = []
         for name in self.gguf.tensors:
             m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
@@ -151,7 +159,7 @@ class GGUFCheckpoint:
         return out
 
     def _lookup(self, hf_name: str) -> str:
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, self.family)
         if name is None or name not in self.gguf.tensors:
             raise ExportError(
                 f"tensor {hf_name!r} ({name or 'no GGUF name'}) is missing from {self.root}; "
@@ -159,7 +167,7 @@ class GGUFCheckpoint:
         return name
 
     def has(self, hf_name: str) -> bool:
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, self.family)
         return name is not None and name in self.gguf.tensors
 
     def info(self, hf_name: str) -> TensorInfo:
@@ -172,9 +180,12 @@ class GGUFCheckpoint:
         return self.gguf.tensors[self._lookup(hf_name)].shape
 
     def array(self, hf_name: str) -> np.ndarray:
-        """One tensor, dequantized to float32, in HF layout (q/k rows unpermuted)."""
+        """One tensor, dequantized to float32, in HF layout (q/k rows unpermuted, a norm
+        applied as (1 + w) without the 1 that llama.cpp's converter adds to it)."""
         name = self._lookup(hf_name)
         w = self.gguf.read(name)
+        if self.family.norm_offset and name.endswith("norm.weight"):
+            w = w - np.float32(self.family.norm_offset)
         if self.permuted and name.split(".")[-2] in ("attn_q", "attn_k"):
             key = "num_attention_heads" if ".attn_q." in name else "num_key_value_heads"
             w = unpermute_qk(w, int(self.config[key]))
@@ -247,8 +258,10 @@ def builder_unsupported(ckpt: GGUFCheckpoint) -> str | None:
     functions (torch); a window the config turns on with `use_sliding_window` applies from
     transformers' `max_window_layers` on, a default this config does not restate."""
     c = ckpt.config
-    if c["rope_parameters"].get("rope_type", "default") != "default":
-        return f"RoPE scaling {c['rope_parameters']['rope_type']}"
+    params = c["rope_parameters"]
+    for rope in [v for v in params.values() if isinstance(v, dict)] or [params]:  # per type
+        if rope.get("rope_type", "default") != "default":
+            return f"RoPE scaling {rope['rope_type']}"
     if c.get("use_sliding_window"):
         return "a sliding window from max_window_layers on"
     return None

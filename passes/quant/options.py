@@ -153,9 +153,9 @@ def quant_options(
                         default_calibration, norm_importance, bits, q == "mixed")
 
 
-# What a checkpoint that comes quantized (a GGUF in Q4_0/Q4_1/Q8_0/Q4_K) is converted with
-# when no quantization is asked for: its blocks kept as they are (the quantize pass's given
-# blocks), and what has no exact form here (a Q6_K or Q5_K tensor, a float matrix beside the
+# What a checkpoint that comes quantized (a GGUF in export/gguf/blocks.py's EXACT_TYPES) is
+# converted with when no quantization is asked for: its blocks kept as they are (the quantize
+# pass's given blocks), and what has no exact form here (a Q5_K tensor, a float matrix beside the
 # quantized ones) in 8-bit blocks, the nearest fuselm holds; its embedding table too.
 SOURCE_DEFAULT = QuantOptions(bits=8, default_calibration=False, embeddings=True)
 

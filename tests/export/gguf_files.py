@@ -1,9 +1,12 @@
 """Tiny GGUF files written with gguf's own GGUFWriter from seeded random HF checkpoints.
 
 Laid out as llama.cpp's convert_hf_to_gguf.py lays them out: llama.cpp tensor names, q/k rows
-permuted on llama files, norms in F32, every other 2-D weight in the tensor type a test asks
-for. gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1 itself; for the K-quants it has
-no quantizer, so their blocks are random bytes with small, valid float16 scales (what matters
+permuted on llama files, norms in F32 (Gemma's with the 1 of its (1 + w) added, as llama.cpp's
+converter adds it), every other 2-D weight in the tensor type a test asks for. A gemma3 file
+gets Gemma's metadata and a small SentencePiece vocabulary laid out as Gemma's (specials, byte
+tokens, pieces in merge order, no merges); the others the random model's byte-level BPE.
+gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1 itself; for the K-quants it has no
+quantizer, so their blocks are random bytes with small, valid float16 scales (what matters
 here is that fuselm and transformers dequantize the same bytes the same way).
 """
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from fuselm.converter.models.builtin import build_model
 from fuselm.export.gguf.source import gguf_name
+from fuselm.export.registry import family_named
 
 # K-quant block layouts: (bytes per 256 values, byte offsets of float16 d/dmin fields)
 _K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
@@ -69,6 +73,58 @@ def _tokenizer(writer: Any, hf_dir: Path) -> None:
         "chat_template") or (hf_dir / "chat_template.jinja").read_text())
 
 
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
+                  "<end_of_turn>"]
+GEMMA_WORDS = ("hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
+               "rotary", "embeddings", "rotate", "queries", "and", "keys", "user", "model")
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def _gemma_tokenizer(writer: Any, vocab_size: int) -> None:
+    """Gemma's vocabulary layout at `vocab_size`: control tokens, the 256 byte-fallback tokens,
+    then pieces ("▁" is a space) in merge order, each one piece longer than one before it."""
+    pieces: list[str] = ["▁", *"abcdefghijklmnopqrstuvwxyz"]
+    for word in GEMMA_WORDS:
+        for end in range(2, len(word) + 2):
+            piece = ("▁" + word)[:end]
+            if piece not in pieces:
+                pieces.append(piece)
+    tokens = [*GEMMA_SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    tokens = tokens[:vocab_size] + [f"<unused{i}>" for i in range(vocab_size - len(tokens))]
+    kinds = [3 if t in GEMMA_SPECIALS else 6 if t.startswith("<0x") else
+             5 if t.startswith("<unused") else 1 for t in tokens]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(kinds)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+
+
+def _gemma_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp reads of a Gemma 3 config beyond the common keys: the layer pattern (as
+    one flag per layer), the sliding layers' RoPE base, the final soft-cap. The softmax scale
+    is not stored: llama.cpp takes head_dim ** -0.5, so the config must have
+    query_pre_attn_scalar == head_dim."""
+    assert config["query_pre_attn_scalar"] == config["head_dim"]
+    writer.add_array(f"{writer.arch}.attention.sliding_window_pattern",
+                     [t == "sliding_attention" for t in config["layer_types"]])
+    rope = config["rope_parameters"]
+    writer.add_float32(f"{writer.arch}.rope.freq_base_swa",
+                       rope["sliding_attention"]["rope_theta"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor
@@ -83,6 +139,7 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
     weights = {k: v.to(torch.float32).numpy() for k, v in
                load_file(str(hf_dir / "model.safetensors")).items()}
     arch = arch or family
+    owner = family_named(family)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w = GGUFWriter(str(path), arch)
@@ -97,16 +154,23 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global layers'
     w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     if config.get("sliding_window"):
         w.add_sliding_window(config["sliding_window"])
-    _tokenizer(w, hf_dir)
+    if arch == "gemma3":
+        _gemma_metadata(w, config)
+        _gemma_tokenizer(w, config["vocab_size"])
+    else:
+        _tokenizer(w, hf_dir)
     rng = np.random.default_rng(seed)
     for hf_name, value in weights.items():
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, owner)
         assert name is not None, hf_name
+        if name.endswith("norm.weight"):
+            value = value + np.float32(owner.norm_offset)
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             value = permute_qk(value, heads if ".attn_q." in name else kv_heads)
         kind = types.get(name.split(".")[-2], "F16") if value.ndim == 2 else "F32"

@@ -39,14 +39,15 @@ def test_q4_1_round_trips_bit_exactly_into_codes_scales_and_mins() -> None:
     np.testing.assert_array_equal(again.reshape(raw.shape), raw)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_given_blocks_dequantize_to_ggufs_own_values(kind: str) -> None:
     qtype = GGMLQuantizationType[kind]
     w = _weights()
-    raw = (k_quant_bytes(*w.shape, kind, np.random.default_rng(1)) if kind == "Q4_K"
+    raw = (k_quant_bytes(*w.shape, kind, np.random.default_rng(1)) if kind.endswith("_K")
            else quantize(w, qtype))
     g = given_blocks(kind, raw.reshape(-1), w.shape)
-    assert g is not None and g.block_size == 32 and g.bits == (8 if kind == "Q8_0" else 4)
+    assert g is not None and g.bits == (8 if kind in ("Q8_0", "Q6_K") else 4)
+    assert g.block_size == (16 if kind == "Q6_K" else 32)
     assert g.codes.max() < 2 ** g.bits
     np.testing.assert_array_equal(g.dequantize(), dequantize(raw, qtype))
 
@@ -66,5 +67,5 @@ def test_rows_and_concatenation_keep_blocks() -> None:
 
 
 def test_types_without_an_exact_form_give_none() -> None:
-    raw = k_quant_bytes(8, 256, "Q6_K", np.random.default_rng(0))
-    assert given_blocks("Q6_K", raw.reshape(-1), (8, 256)) is None
+    raw = k_quant_bytes(8, 256, "Q5_K", np.random.default_rng(0))
+    assert given_blocks("Q5_K", raw.reshape(-1), (8, 256)) is None

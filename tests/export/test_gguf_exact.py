@@ -1,6 +1,7 @@
 """Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K converted by default keeps its blocks
 (no second quantization), so fuselm's logits are those of the file's own dequantized weights
-run in float32 by transformers' GGUF loader, on both engines."""
+run in float32 by transformers' GGUF loader, on both engines (Q6_K, kept in blocks of 16:
+tests/export/test_gguf_gemma3.py and test_gguf_blocks.py)."""
 
 from __future__ import annotations
 
@@ -130,8 +131,9 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
 
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
-    """Q5_K / Q6_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
-    (quant-report); a packed projection whose parts differ is quantized whole."""
+    """Q5_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
+    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is
+    quantized whole."""
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
              "output": "Q4_0"}

@@ -1,0 +1,147 @@
+"""Gemma 3 GGUF input: a seeded random Gemma 3 text model written as llama.cpp writes a gemma3
+file (sandwich norms under llama.cpp's names, norm weights with their +1, q/k norms, a tied
+Q8_0 table, sliding and global layers with two RoPE bases, a final soft-cap, a Gemma-style
+SentencePiece vocabulary), converted by default (the file's blocks kept). The reference is
+transformers' Gemma3ForCausalLM in float32 built from the random model's own config, holding
+the file's weights as gguf's own dequantizer reads them — nothing of fuselm's GGUF reading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.pipeline import ConvertOptions, convert
+from fuselm.export.errors import ExportError
+from fuselm.export.gguf.source import GGUFCheckpoint, gguf_name
+from fuselm.export.registry import family_named
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import engine_logits, rel
+from tests.export.gguf_files import STRING, gguf_value, rewrite_gguf, write_gguf
+
+# head_dim 64 = query_pre_attn_scalar (llama.cpp's scale); 4 heads x 64 = 256: a whole Q4_K
+# super-block along o_proj's K. Window 4 < the prompt; layer 0 slides, layer 1 is global.
+CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+              query_pre_attn_scalar=64, sliding_window=4, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "full_attention"],
+              final_logit_softcapping=30.0,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                               "full_attention": {"rope_type": "default",
+                                                  "rope_theta": 1000000.0}})
+# the types llama.cpp's Q4_K_M writes Gemma 3 270M in
+TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+         "ffn_gate": "Q5_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "  two  spaces\tand é",
+         "<start_of_turn>user\nrotate keys<end_of_turn>"]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gguf_gemma3")
+    path, _ = write_gguf(root / "g.gguf", "gemma3_text", TYPES, arch="gemma3", seed=3, **CONFIG)
+    out = root / "out"
+    convert(path, out, ConvertOptions(dtype="float32"))
+    return path, out
+
+
+@pytest.fixture(scope="module")
+def reference(gemma: tuple[Path, Path]):  # noqa: ANN201 - a transformers model
+    """transformers' Gemma 3 from the random model's config, with the file's weights as
+    gguf.GGUFReader + gguf.quants.dequantize read them (a norm less the 1 llama.cpp adds)."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, _ = gemma
+    hf_dir = path.with_suffix(".hf")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)),
+                                             dtype=torch.float32).eval()
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    family = family_named("gemma3_text")
+    state = {}
+    for name, p in model.state_dict().items():
+        t = tensors[gguf_name(name, family) or ""] if name != "lm_head.weight" else None
+        if t is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(p.shape).astype(np.float32)
+        state[name] = torch.from_numpy(w - 1 if name.endswith("norm.weight") else w)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_config_reads_as_the_hf_models(gemma: tuple[Path, Path]) -> None:
+    path, _ = gemma
+    got = GGUFCheckpoint(path).config
+    want = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim",
+                "final_logit_softcapping", "tie_word_embeddings", "hidden_activation"):
+        assert got[key] == want[key], key
+    assert {t: p["rope_theta"] for t, p in got["rope_parameters"].items()} == \
+        {t: p["rope_theta"] for t, p in want["rope_parameters"].items()}
+
+
+def test_default_convert_keeps_the_files_blocks(gemma: tuple[Path, Path]) -> None:
+    q = read_manifest(gemma[1]).quantization
+    assert q is not None and q["given"]["quantized"] == 0
+    assert set(q["given"]["kept"]) == {"gguf Q5_0", "gguf Q8_0", "gguf Q4_K", "gguf Q6_K",
+                                       "gguf Q5_0+gguf Q8_0"}  # fused QKV: Q5_0 q/k, Q8_0 v
+    assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
+def test_logits_and_greedy_equal_the_files_dequantized_weights(
+        gemma: tuple[Path, Path], reference, engine: str) -> None:  # noqa: ANN001
+    _, out = gemma
+    eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
+    assert rel(engine_logits(eng, PROMPT, None), _hf_logits(reference, PROMPT)) <= 1e-4
+    ids = list(PROMPT)
+    for _ in range(6):  # greedy by full forwards: no cache on the reference's side
+        ids.append(int(_hf_logits(reference, ids)[-1].argmax()))
+    assert generate(eng, PROMPT, max_new_tokens=6).tokens == ids[len(PROMPT):]
+
+
+def test_tokenizer_equals_transformers_gguf_loader(gemma: tuple[Path, Path]) -> None:
+    """The artifact's tokenizer encodes as transformers' own GGUF tokenizer does (BOS first,
+    control tokens whole), and carries the file's chat template."""
+    from transformers import AutoTokenizer
+
+    path, out = gemma
+    ours = AutoTokenizer.from_pretrained(str(out))
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.encode(text)[0] == 2
+    assert ours.encode(TEXTS[3])[1] == 5  # <start_of_turn>, one token
+    chat = ours.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert chat == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_layer_pattern_as_llama_cpp_reads_it(gemma: tuple[Path, Path], tmp_path: Path) -> None:
+    """A period (every 2nd layer global here), the default period 6 when the file says none,
+    and a pattern of the wrong type refused by name."""
+    path, _ = gemma
+    key = "gemma3.attention.sliding_window_pattern"
+    period = rewrite_gguf(path, tmp_path / "p.gguf", {key: gguf_value(4, 2)})
+    assert GGUFCheckpoint(period).config["layer_types"] == ["sliding_attention",
+                                                            "full_attention"]
+    default = rewrite_gguf(path, tmp_path / "d.gguf", {key: None})
+    assert GGUFCheckpoint(default).config["layer_types"] == ["sliding_attention"] * 2
+    bad = rewrite_gguf(path, tmp_path / "b.gguf", {key: gguf_value(STRING, "6")})
+    with pytest.raises(ExportError, match="sliding_window_pattern is '6'; it must be a period"):
+        GGUFCheckpoint(bad)
