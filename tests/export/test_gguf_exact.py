@@ -120,8 +120,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
     q = read_manifest(out).quantization
     assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
     assert q["calibration"] is None
-    head_q6k = {**dict.fromkeys(ROLES, "Q4_1"), "output": "Q6_K"}
-    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_q6k, seed=1, **SHAPE,
+    head_q5k = {**dict.fromkeys(ROLES, "Q4_1"), "output": "Q5_K"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_q5k, seed=1, **SHAPE,
                           **CASES["llama-Q4_1"][1])
     convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
     q = read_manifest(tmp_path / "mixed").quantization
