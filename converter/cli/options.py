@@ -58,9 +58,10 @@ def ort_options(engine_name: str, accuracy_level: int, threads: int | None,
     onnxruntime, none for MLX (which schedules its own work; --threads or --exact-rows there
     is a mistake, said so)."""
     if engine_name != "onnxruntime":
-        for flag, given in (("--threads", threads is not None), ("--exact-rows", exact_rows)):
+        for flag, what, given in (("--threads", "threads", threads is not None),
+                                  ("--exact-rows", "attention rows", exact_rows)):
             if given:
-                raise RuntimeUserError(f"{flag} sets onnxruntime's engine; the MLX engine takes "
+                raise RuntimeUserError(f"{flag} sets onnxruntime's {what}; the MLX engine takes "
                                        "none (drop it, or add --engine onnxruntime)")
         return {}
     return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {}),
