@@ -38,9 +38,9 @@ class Setting:
         text = raw.strip()
         if self.field == "kernel_dir":
             return text
-        if self.field in ("prefill_dense", "mlx_max_ops_per_buffer"):
-            low = self.field == "mlx_max_ops_per_buffer"
-            if self.field == "prefill_dense" and text.lower() == "auto":
+        if self.field in ("prefill_dense", "mlx_max_ops_per_buffer", "micro_batches"):
+            low = self.field != "prefill_dense"
+            if self.field != "mlx_max_ops_per_buffer" and text.lower() == "auto":
                 return None
             if not text.isdigit() or (low and int(text) < 1):
                 raise ConfigError(f"{self.env}={raw!r}: use {self.allowed()}")
@@ -54,6 +54,8 @@ class Setting:
             return "auto (default) or a row count N (0: off)"
         if self.field == "mlx_max_ops_per_buffer":
             return f"an operation count N >= 1 (default {self.default})"
+        if self.field == "micro_batches":
+            return "auto (default) or a count N >= 1 (1: off)"
         return f"one of {', '.join(self.values)} (default {self.default})"
 
 
@@ -85,6 +87,10 @@ SETTINGS: tuple[Setting, ...] = (
             "MLX's own variable: launches per CUDA graph; fuselm sets it to "
             f"{CUDA_GRAPH_OPS} on MLX-CUDA when it is unset (the decode step is host-bound "
             "there)"),
+    Setting("micro_batches", "FUSELM_MICRO_BATCHES", (), "auto",
+            "`--parallel pipeline`: the batch decoder's rows (the server's) in up to this many "
+            "micro-batches a step, so the ranks work on different ones at once: `auto` = one "
+            "per pipeline rank; `1` the whole batch through the ranks in turn"),
     Setting("export", EXPORT_ENV, ("auto", "torch"), "auto",
             "convert: `auto` writes the graph with the torch-free builder where it covers "
             "the model, `torch` always traces with torch"),
@@ -106,6 +112,7 @@ class RuntimeConfig:
     prefill_dense: int | None = None  # None: auto
     kernel_dir: str = ""  # "": the cache folder; KERNEL_DIR_INLINE; else a folder
     mlx_max_ops_per_buffer: int = CUDA_GRAPH_OPS
+    micro_batches: int | None = None  # None: auto (one per pipeline rank)
     export: str = "auto"
     engine: str = "auto"
     threads: int | None = None  # onnxruntime's intra-op threads (None: one per core)
@@ -119,6 +126,9 @@ class RuntimeConfig:
         if self.prefill_dense is not None and self.prefill_dense < 0:
             raise ConfigError(f"FUSELM_PREFILL_DENSE={self.prefill_dense!r}: use "
                               f"{_SETTING['prefill_dense'].allowed()}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ConfigError(f"FUSELM_MICRO_BATCHES={self.micro_batches!r}: use "
+                              f"{_SETTING['micro_batches'].allowed()}")
         if self.mlx_max_ops_per_buffer < 1:
             raise ConfigError(f"MLX_MAX_OPS_PER_BUFFER={self.mlx_max_ops_per_buffer!r}: use "
                               f"{_SETTING['mlx_max_ops_per_buffer'].allowed()}")
@@ -209,6 +219,7 @@ def markdown_table() -> str:
         values = (", ".join(f"`{v}`" for v in s.values) if s.values
                   else "a folder, `inline`" if s.field == "kernel_dir"
                   else "`auto`, a row count" if s.field == "prefill_dense"
+                  else "`auto`, a count" if s.field == "micro_batches"
                   else "an operation count")
         rows.append(f"| `{s.env}` | {values} | `{s.default}` | {s.what} |")
     return "\n".join(rows) + "\n"
