@@ -931,8 +931,9 @@ class BatchDecoder:
         if self.mode == "batched":
             pool = self.cache.pool
             out.update(kv_block=BLOCK, kv_blocks=len(pool.refs), kv_blocks_free=pool.available)
-        if self._pipe is not None:
-            out.update(micro_batches=self.micro_batches)
+        if self._pipe is not None:  # and how many of its slots kept every rank busy
+            out.update(micro_batches=self.micro_batches, pipeline_slots=self._pipe.slots,
+                       pipeline_full_slots=self._pipe.full_slots)
         return out
 
 

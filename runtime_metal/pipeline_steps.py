@@ -69,6 +69,8 @@ class PipelineSteps:
         self.width, self.vocab = width, vocab
         self.buffers, self.adopt = buffers, adopt
         self.pending: list[MicroBatch] = []  # entered, not out of the last stage
+        self.slots = 0  # slots run
+        self.full_slots = 0  # of them, those where every rank ran its stage
         self._none = mx.zeros((1, 1, width), mx.float32)  # the first stage's unread input
 
     def start(self, batches: list[MicroBatch]) -> None:
@@ -92,6 +94,8 @@ class PipelineSteps:
             self.pending.append(entering)
         if not self.pending:
             raise RuntimeError("a pipeline slot with nothing to run")
+        self.slots += 1
+        self.full_slots += len(self.pending) == self.size
         mine = next((b for b in self.pending if b.stage == self.rank), None)
         out = self._run_stage(mine) if mine is not None else None
         # the slot's buffer: per running micro-batch, last stage first, its logits (leaving
