@@ -754,9 +754,11 @@ class BatchDecoder:
         parts = _split(n, min(self.micro_batches, n)) if self._pipe is not None else [n]
         steady = prev is not None and from_device == feed == [i for i, _ in prev.rows]
         if len(parts) > 1 and steady and prev is not None and [
-                b.rows for b in prev.batches] == parts:
+                b.rows for b in prev.batches] == parts and not any(
+                self.slots[i].constraint for i in feed):
             # the steady state of a pipeline: micro-batch j fed the argmax of the step
-            # before's micro-batch j, entering as soon as that one leaves the last stage
+            # before's micro-batch j, entering as soon as that one leaves the last stage (a
+            # row under a grammar takes the masked argmax of the whole step instead)
             return self._queue_micro(feed, parts, None, prev.next_offsets, prev)
         if prev is not None:  # its argmax, whole, for the rows fed from it
             self._settle(prev)
