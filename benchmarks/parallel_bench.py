@@ -5,11 +5,12 @@ decode tokens/s at batch 1, and each rank's memory, every system in its own proc
         [-p 128] [-n 64] [-r 3] [--modes tensor pipeline pipeline-mb1] [--streams 4 8 16]
         [--mlx-lm MLX_DIR] [--json-out F]
 
-Each rank runs this file's `--worker` (started by `mlx.launch -n R --backend B`; one rank: a
-plain process): greedy generation of n tokens after a seeded random p-token prompt, a warm-up
-then r runs, medians; the figures are rank 0's, the memory every rank's (peak RSS, the weight
-bytes it read, MLX's peak device memory). `--mlx-lm DIR` adds mlx-lm's own sharded generation
-of the same weights (`mlx_lm.utils.sharded_load`, tensor and pipeline) and its single rank.
+Each rank runs this file's `--worker` (started as `mlx.launch -n R --backend B` starts them;
+one rank: a plain process): greedy generation of n tokens after a seeded random p-token
+prompt, a warm-up then r runs, medians; the figures are rank 0's, the memory every rank's
+(peak RSS, the weight bytes it read, MLX's peak device memory). `--mlx-lm DIR` adds mlx-lm's
+own sharded generation of the same weights (`mlx_lm.utils.sharded_load`, tensor and
+pipeline) and its single rank.
 `--allreduce` times only one all_sum of a decode step's hidden row over the ranks (e.g. two
 processes on one GPU, where a second GPU is not at hand).
 `--streams N ...` measures the batch decoder instead (the server's path): N sequences of
@@ -18,7 +19,8 @@ over the time of n steps; two warm-up steps after the prompts, then r runs of n 
 median), every count in the same processes. Mode `pipeline-mb1` is pipeline parallel with
 FUSELM_MICRO_BATCHES=1: the whole batch through the stages in turn, against `pipeline`'s
 micro-batches (one per rank).
-Ports: the ring backend takes mlx.launch's defaults on 127.0.0.1.
+Ranks: the ring backend's are started directly on 127.0.0.1 (mlx.launch's hostfile and
+MLX_RANK, free ports); other backends' by `mlx.launch -n R --backend B`.
 """
 
 from __future__ import annotations
@@ -159,6 +161,33 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.worker_out, f"rank{res['rank']}.json").write_text(json.dumps(res))
 
 
+def _ring(cmd: list[str], args: argparse.Namespace, env: dict[str, str], tmp: Path) -> None:
+    """The ranks of a ring on 127.0.0.1 started directly, with the hostfile and MLX_RANK
+    mlx.launch would give them: mlx.launch's own process, relaying their output, took 15 % of
+    a core of the 2-core CPU machine, time the ranks then lacked."""
+    import socket
+
+    ports = []
+    for _ in range(args.ranks):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+    procs = [subprocess.Popen(cmd, env={**env, "MLX_RANK": str(r),
+                                        "MLX_HOSTFILE": str(hostfile)})
+             for r in range(args.ranks)]
+    try:
+        codes = [p.wait(timeout=args.timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+
+
 def _launch(args: argparse.Namespace, system: str, mode: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(HERE), "--worker-system", system, "--worker-mode", mode,
@@ -171,13 +200,16 @@ def _launch(args: argparse.Namespace, system: str, mode: str) -> dict:
             env["FUSELM_MICRO_BATCHES"] = "1"
         if args.mlx_lm:
             cmd += ["--mlx-lm", args.mlx_lm]
-        if mode != "single":
-            beside = Path(sys.executable).with_name("mlx.launch")
-            launcher = str(beside) if beside.is_file() else shutil.which("mlx.launch")
-            if launcher is None:
-                raise SystemExit("mlx.launch not found (beside python or on PATH)")
-            cmd = [launcher, "-n", str(args.ranks), "--backend", args.backend, "--", *cmd]
-        subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
+        if mode != "single" and args.backend == "ring":
+            _ring(cmd, args, env, Path(tmp))
+        else:
+            if mode != "single":
+                beside = Path(sys.executable).with_name("mlx.launch")
+                launcher = str(beside) if beside.is_file() else shutil.which("mlx.launch")
+                if launcher is None:
+                    raise SystemExit("mlx.launch not found (beside python or on PATH)")
+                cmd = [launcher, "-n", str(args.ranks), "--backend", args.backend, "--", *cmd]
+            subprocess.run(cmd, check=True, timeout=args.timeout, env=env)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     first = ranks[0]
     return {"system": system, "mode": mode, "ranks": len(ranks), "pp": first["pp"],
