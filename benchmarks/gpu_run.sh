@@ -61,7 +61,11 @@
 #                                               # mlx.launch): the Llama-3.1-8B shape's fuselm Q4,
 #                                               # one GPU vs --parallel tensor and pipeline, and
 #                                               # mlx-lm's sharded_load of its own Q4 (needs
-#                                               # `prep 8b:GROUP`) -> $OUT/dist_8b_gGROUP.json;
+#                                               # `prep 8b:GROUP`): first the batch decoder's
+#                                               # aggregate tok/s at 4, 8 and 16 streams, one
+#                                               # GPU vs pipeline without and with micro-
+#                                               # batches -> $OUT/dist_8b_gGROUP_streams.json;
+#                                               # then one stream -> $OUT/dist_8b_gGROUP.json;
 #                                               # then one all_sum of a 4096 row (NCCL)
 #   benchmarks/gpu_run.sh crossover             # probes/q4_dense_crossover.py (quantized vs dense)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
@@ -279,6 +283,9 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     ;;
   dist)
     tag="hf_g$2_float16"
+    python3 benchmarks/parallel_bench.py --artifact "$WORK/fuselm_$tag" \
+      --ranks "${RANKS:-2}" --backend nccl --modes pipeline-mb1 pipeline \
+      --streams 4 8 16 -p 128 -n 64 -r 3 --json-out "$OUT/dist_8b_g$2_streams.json"
     python3 benchmarks/parallel_bench.py --artifact "$WORK/fuselm_$tag" \
       --mlx-lm "$WORK/mlxlm_$tag" --ranks "${RANKS:-2}" --backend nccl -p 512 -n 128 -r 3 \
       --json-out "$OUT/dist_8b_g$2.json"

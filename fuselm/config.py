@@ -38,8 +38,9 @@ class Setting:
         text = raw.strip()
         if self.field == "kernel_dir":
             return text
-        if self.field in ("prefill_dense", "gemv_mma", "mlx_max_ops_per_buffer"):
-            low = self.field == "mlx_max_ops_per_buffer"
+        if self.field in ("prefill_dense", "gemv_mma", "mlx_max_ops_per_buffer",
+                          "micro_batches"):
+            low = self.field in ("mlx_max_ops_per_buffer", "micro_batches")
             if self.field != "mlx_max_ops_per_buffer" and text.lower() == "auto":
                 return None
             if not text.isdigit() or (low and int(text) < 1):
@@ -54,6 +55,8 @@ class Setting:
             return "auto (default) or a row count N (0: off)"
         if self.field == "mlx_max_ops_per_buffer":
             return f"an operation count N >= 1 (default {self.default})"
+        if self.field == "micro_batches":
+            return "auto (default) or a count N >= 1 (1: off)"
         return f"one of {', '.join(self.values)} (default {self.default})"
 
 
@@ -89,6 +92,10 @@ SETTINGS: tuple[Setting, ...] = (
             "MLX's own variable: launches per CUDA graph; fuselm sets it to "
             f"{CUDA_GRAPH_OPS} on MLX-CUDA when it is unset (the decode step is host-bound "
             "there)"),
+    Setting("micro_batches", "FUSELM_MICRO_BATCHES", (), "auto",
+            "`--parallel pipeline`: the batch decoder's rows (the server's) in up to this many "
+            "micro-batches a step, so the ranks work on different ones at once: `auto` = one "
+            "per pipeline rank; `1` the whole batch through the ranks in turn"),
     Setting("export", EXPORT_ENV, ("auto", "torch"), "auto",
             "convert: `auto` writes the graph with the torch-free builder where it covers "
             "the model, `torch` always traces with torch"),
@@ -111,6 +118,7 @@ class RuntimeConfig:
     gemv_mma: int | None = None  # None: auto
     kernel_dir: str = ""  # "": the cache folder; KERNEL_DIR_INLINE; else a folder
     mlx_max_ops_per_buffer: int = CUDA_GRAPH_OPS
+    micro_batches: int | None = None  # None: auto (one per pipeline rank)
     export: str = "auto"
     engine: str = "auto"
     threads: int | None = None  # onnxruntime's intra-op threads (None: one per core)
@@ -127,6 +135,9 @@ class RuntimeConfig:
         if self.gemv_mma is not None and self.gemv_mma < 0:
             raise ConfigError(f"FUSELM_GEMV_MMA={self.gemv_mma!r}: use "
                               f"{_SETTING['gemv_mma'].allowed()}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ConfigError(f"FUSELM_MICRO_BATCHES={self.micro_batches!r}: use "
+                              f"{_SETTING['micro_batches'].allowed()}")
         if self.mlx_max_ops_per_buffer < 1:
             raise ConfigError(f"MLX_MAX_OPS_PER_BUFFER={self.mlx_max_ops_per_buffer!r}: use "
                               f"{_SETTING['mlx_max_ops_per_buffer'].allowed()}")
@@ -217,6 +228,7 @@ def markdown_table() -> str:
         values = (", ".join(f"`{v}`" for v in s.values) if s.values
                   else "a folder, `inline`" if s.field == "kernel_dir"
                   else "`auto`, a row count" if s.field in ("prefill_dense", "gemv_mma")
+                  else "`auto`, a count" if s.field == "micro_batches"
                   else "an operation count")
         rows.append(f"| `{s.env}` | {values} | `{s.default}` | {s.what} |")
     return "\n".join(rows) + "\n"

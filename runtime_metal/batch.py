@@ -80,6 +80,7 @@ from fuselm.runtime_metal.generate import (
     prefill_chunk_for,
 )
 from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
+from fuselm.runtime_metal.pipeline_steps import MicroBatch, PipelineSteps
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import (
     SamplingOptions,
@@ -123,6 +124,10 @@ class _Step:
     top: tuple[mx.array, mx.array, mx.array, mx.array] | None
     logits: mx.array | None  # [rows, vocab] when a fed row samples on the host or is masked
     next_offsets: mx.array  # every row's length after it (int32 [rows], on the device)
+    # a pipeline's micro-batches of it (pipeline_steps.py), in row order; picks, top and
+    # logits are made once they have all left the last stage (BatchDecoder._settle)
+    batches: list[MicroBatch] = field(default_factory=list)
+    wants: tuple[bool, bool, int | None] = (False, False, None)  # greedy, keep, top k
 
 
 PAD = 16  # a padded prompt chunk's width is a multiple of this
@@ -196,6 +201,8 @@ class BatchDecoder:
             for i, s in enumerate(self.slots):
                 s.state = self._rows.state(i)
         self._span_step = 0
+        self._pipe: PipelineSteps | None = None  # a pipeline stage's micro-batched steps
+        self.micro_batches = 1  # the most micro-batches a step's rows are split into
         self._inflight: _Step | None = None  # batched mode: the step queued by the last step()
         self._clock = 0
         self._table: tuple[np.ndarray, mx.array] | None = None  # the last table sent up
@@ -210,6 +217,18 @@ class BatchDecoder:
             self._fn = fn
             verify = getattr(engine, "batch_verify", None)
             self._verify = verify() if verify is not None and drafter is not None else None
+            stage = getattr(engine, "stage_program", None)
+            stage = stage() if stage is not None and drafter is None else None
+            if stage is not None:  # a pipeline stage: a step's rows in micro-batches
+                stage_fn, rank, size = stage
+                config = getattr(engine, "config", None)
+                want = getattr(config, "micro_batches", None)
+                self.micro_batches = size if want is None else want
+                if self.micro_batches > 1:
+                    info = engine.manifest.model
+                    self._pipe = PipelineSteps(stage_fn, rank, size, info.hidden_size,
+                                               info.vocab_size, self.cache.buffers,
+                                               self.cache.adopt)
 
     # ---- the KV budget ---------------------------------------------------------------------
 
@@ -255,6 +274,7 @@ class BatchDecoder:
 
     def remove(self, slot: int) -> None:
         """The sequence leaves; its cached tokens stay for a later prompt that shares them."""
+        self._settle_all()
         s = self.slots[slot]
         s.active, s.pending, s.reported, s.sampler = False, None, True, None
         s.logprobs, s.prompt_logits = [], None
@@ -287,6 +307,7 @@ class BatchDecoder:
         if not free:
             raise RuntimeUserError(
                 f"all {self.max_batch} slots are busy; remove a finished sequence first")
+        self._settle_all()
         if self.mode == "batched":
             slot, keep, logits = self._add_blocks(prompt, free)
         else:
@@ -320,6 +341,7 @@ class BatchDecoder:
             raise RuntimeUserError(
                 f"all {self.max_batch} slots are busy; remove a finished sequence first")
         prompt = list(src.cached)
+        self._settle_all()
         if self.mode == "rows":
             assert self._rows is not None
             new = min(free, key=lambda i: (len(self.slots[i].cached), i))  # the least cached
@@ -750,12 +772,24 @@ class BatchDecoder:
     def _queue(self, feed: list[int], prev: _Step | None, from_device: list[int]) -> _Step:
         """Queue one batched step for the `feed` rows (row r of the step: slot feed[r]). The
         rows in `from_device` are fed prev's argmax without a trip through the host; the
-        others their host `pending` token."""
+        others their host `pending` token. On a pipeline stage the rows go in micro-batches
+        (_queue_micro)."""
         n = len(feed)
-        if prev is not None and from_device == feed == [i for i, _ in prev.rows]:
+        parts = _split(n, min(self.micro_batches, n)) if self._pipe is not None else [n]
+        steady = prev is not None and from_device == feed == [i for i, _ in prev.rows]
+        if len(parts) > 1 and steady and prev is not None and [
+                b.rows for b in prev.batches] == parts and not any(
+                self.slots[i].constraint for i in feed):
+            # the steady state of a pipeline: micro-batch j fed the argmax of the step
+            # before's micro-batch j, entering as soon as that one leaves the last stage (a
+            # row under a grammar takes the masked argmax of the whole step instead)
+            return self._queue_micro(feed, parts, None, prev.next_offsets, prev)
+        if prev is not None:  # its argmax, whole, for the rows fed from it
+            self._settle(prev)
+        if steady:
             # the steady state: the same rows as the step before, each one position on, fed
             # its argmax: nothing goes up from the host but a changed block table
-            assert prev.picks is not None
+            assert prev is not None and prev.picks is not None
             tokens, offsets = prev.picks, prev.next_offsets
         else:
             host = np.array([0 if i in from_device else self.slots[i].pending for i in feed],
@@ -768,6 +802,9 @@ class BatchDecoder:
                 take = np.array([i in from_device for i in feed])
                 tokens = mx.where(mx.array(take), prev.picks[mx.array(at)], tokens)
             offsets = mx.array(np.array([len(self.slots[i].cached) for i in feed], np.int32))
+        if len(parts) > 1:
+            return self._queue_micro(feed, parts, tokens, offsets, None)
+        self._settle_all()  # a pipeline's micro-batches still on their way go first
         # The pools go to the call straight from the cache, with no list of them kept past
         # it: adopt() drops the cache's references, so the program's row writes update
         # donated buffers in place; a list still alive at evaluation made MLX copy every
@@ -776,12 +813,49 @@ class BatchDecoder:
                                         *self.cache.buffers())
         self.cache.adopt(new_kv)
         del new_kv
+        step = _Step([(i, self.slots[i].epoch) for i in feed], None, None, None, nxt,
+                     wants=self._wants(feed))
+        self._finish(step, logits)
+        return step
+
+    def _queue_micro(self, feed: list[int], parts: list[int], tokens: mx.array | None,
+                     offsets: mx.array, prev: _Step | None) -> _Step:
+        """The step's rows in micro-batches of `parts` rows through the pipeline's stages
+        (pipeline_steps.py): fed `tokens`, or (None) each the argmax of prev's micro-batch in
+        its place. Queued until every micro-batch has entered the first stage; the step is
+        read once they all left the last (_settle)."""
+        wants = self._wants(feed)
+        table = self._block_table(feed)
+        batches: list[MicroBatch] = []
+        at = 0
+        for j, rows in enumerate(parts):
+            batches.append(MicroBatch(
+                rows, None if tokens is None else tokens[at:at + rows], offsets[at:at + rows],
+                table[at:at + rows], None if prev is None else prev.batches[j],
+                want_picks=wants[0]))
+            at += rows
+        assert self._pipe is not None
+        self._pipe.start(batches)
+        return _Step([(i, self.slots[i].epoch) for i in feed], None, None, None, offsets + 1,
+                     batches=batches, wants=wants)
+
+    def _wants(self, feed: list[int]) -> tuple[bool, bool, int | None]:
+        """What a step's reader takes of the `feed` rows: the argmax (a greedy row), the
+        logits (rows sampled on the host, greedy rows masked on the device), the k likeliest
+        (a greedy row's logprobs)."""
         greedy = any(self.slots[i].greedy for i in feed)
-        picks = mx.argmax(logits, axis=-1) if greedy else None
-        # logits stay for rows sampled on the host and for greedy rows masked on the device
         keep = any(not self.slots[i].greedy or self.slots[i].constraint for i in feed)
         k = max((self.slots[i].top_logprobs for i in feed if self.slots[i].greedy
                  and self.slots[i].top_logprobs is not None), default=None)
+        return greedy, keep, k
+
+    def _finish(self, step: _Step, logits: mx.array) -> None:
+        """The step's argmax, logits and top figures out of its logits [rows, vocab], queued."""
+        greedy, keep, k = step.wants
+        if step.batches and greedy:
+            picks = mx.concatenate([b.picks for b in step.batches])  # type: ignore[misc]
+        else:
+            picks = mx.argmax(logits, axis=-1) if greedy else None
         top = None
         if k is not None:  # float32: a float16 model's logits would round the log-sum-exp
             z = logits.astype(mx.float32)
@@ -791,8 +865,26 @@ class BatchDecoder:
                    mx.take_along_axis(z, ids, axis=-1))
         mx.async_eval(*(x for x in (picks, logits if keep else None, *(top or ()))
                         if x is not None))
-        return _Step([(i, self.slots[i].epoch) for i in feed], picks,
-                     top, logits if keep else None, nxt)
+        step.picks, step.top, step.logits = picks, top, logits if keep else None
+
+    def _settle(self, step: _Step) -> None:
+        """A micro-batched step's micro-batches through the last stage, and its figures made
+        (_finish); nothing for a step already settled or not micro-batched."""
+        if not step.batches or step.picks is not None or step.logits is not None:
+            return
+        assert self._pipe is not None
+        self._pipe.settle(step.batches)
+        if step.wants[0] or step.wants[1]:
+            self._finish(step, mx.concatenate([b.logits for b in step.batches]))  # type: ignore[misc]
+
+    def _settle_all(self) -> None:
+        """Every micro-batch on its way through the pipeline out of it (before the block
+        cache changes hands: no pending write may land in a block given to another row)."""
+        if self._pipe is None:
+            return
+        if self._inflight is not None:
+            self._settle(self._inflight)
+        self._pipe.settle()
 
     def _mask_picks(self, done: _Step, rows: list[int]) -> None:
         """The argmax of `done`'s greedy rows under a grammar, over the logits each allows:
@@ -802,6 +894,7 @@ class BatchDecoder:
         masked = [i for i in rows if self.slots[i].greedy and self.slots[i].constraint]
         if not masked:
             return
+        self._settle(done)
         assert done.logits is not None and done.picks is not None
         where = {i: r for r, (i, _) in enumerate(done.rows)}
         vocab = done.logits.shape[-1]
@@ -838,6 +931,7 @@ class BatchDecoder:
         out: dict[int, int] = {}
         if not rows:
             return out
+        self._settle(done)
         where = {i: r for r, (i, _) in enumerate(done.rows)}
         chosen = done.picks.tolist() if done.picks is not None else []
         top = [np.array(x) for x in done.top] if done.top is not None else []
@@ -863,4 +957,13 @@ class BatchDecoder:
         if self.mode == "batched":
             pool = self.cache.pool
             out.update(kv_block=BLOCK, kv_blocks=len(pool.refs), kv_blocks_free=pool.available)
+        if self._pipe is not None:  # and how many of its slots kept every rank busy
+            out.update(micro_batches=self.micro_batches, pipeline_slots=self._pipe.slots,
+                       pipeline_full_slots=self._pipe.full_slots)
         return out
+
+
+def _split(n: int, parts: int) -> list[int]:
+    """n rows in `parts` micro-batches, in order, the first ones one row longer."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if j < extra else 0) for j in range(parts)]

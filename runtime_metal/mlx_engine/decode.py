@@ -53,7 +53,7 @@ import numpy as np
 
 from fuselm.config import RuntimeConfig
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
-from fuselm.runtime_metal.dtypes import to_device
+from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import KVCache, join_layers, split_layers
 from fuselm.runtime_metal.mlx_engine import program_ops, qweight
@@ -179,14 +179,26 @@ class DecodeProgram:
         them out, and later writes overwrite them."""
         return self.run(tokens, offset, kv, fresh=True, last=last)
 
+    def paged_stage(self, tokens: mx.array, offset: mx.array, table: mx.array,
+                    hidden: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
+        """`paged` for this rank's pipeline stage alone, with no collective in it (the batch
+        decoder's micro-batches, pipeline_steps.py, move the hidden states and logits
+        between the stages themselves): the previous stage's hidden state `hidden` [n, 1,
+        width] stands for PipeRecv's (the first stage ignores it); the first value out is
+        this stage's hidden state [n, width] float32 where PipeSend would send it, on the
+        last stage the LM head's logits [n, vocab]."""
+        return self.run(tokens, offset, kv, fresh=False, table=table, stage=hidden)
+
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
             prefix: int | None = None, table: mx.array | None = None,
-            all_rows: bool = False, last: mx.array | None = None) -> tuple[mx.array, ...]:
+            all_rows: bool = False, last: mx.array | None = None,
+            stage: mx.array | None = None) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
         whole capacity, or, with a block `table`, over the positions its blocks hold.
         all_rows: the logits of every position ([b, s, vocab] or [s, vocab]), not the last;
-        `last`: the logits of that position (a device index) instead of the last."""
+        `last`: the logits of that position (a device index) instead of the last.
+        stage: a pipeline rank's stage alone (paged_stage), this hidden state received."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
         if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
@@ -279,7 +291,9 @@ class DecodeProgram:
                     out_kv[layer] = (k_new, v_new)
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue
-                if o.kind == "rope":
+                if stage is not None and o.step.op_type in _PIPE:
+                    values = _stage_values(o.step, args, stage)
+                elif o.kind == "rope":
                     values = call_step(o.step, args, {"device_offset": offset})
                 elif o.step.op_type == "FusedQKV" and self.kernels and s == 1:
                     # the slices stay bound for any other reader; unread, they are no graph node
@@ -309,6 +323,20 @@ class DecodeProgram:
             rows_ = rows_[:, -1:] if last is None else mx.take(rows_, last.reshape(1), axis=1)
         last = rows_.reshape(ids.shape[0], vocab).astype(mx.float32)
         return (last if batched else last.reshape(vocab), offset + s, *join_layers(out_kv))
+
+
+_PIPE = ("PipeRecv", "PipeSend", "PipeLogits")  # a pipeline graph's collectives (shard.py)
+
+
+def _stage_values(step: Step, args: list[object], hidden: mx.array) -> tuple[mx.array]:
+    """A pipeline collective's value when the stage runs alone: PipeRecv the hidden state
+    given, PipeSend what it would send, PipeLogits what this rank would add to the sum (its
+    sent hidden state, or the last rank's logits)."""
+    if step.op_type == "PipeRecv":
+        return (hidden.astype(onnx_dtype(mx, int(step.attrs["elem_type"]))),)  # type: ignore[arg-type]
+    if step.op_type == "PipeSend":
+        return (args[0].astype(onnx_dtype(mx, int(step.attrs["elem_type"]))),)  # type: ignore[union-attr, arg-type]
+    return (args[0],)  # type: ignore[return-value]
 
 
 def _window(windows: dict[str, int | None], attn: Step) -> int | None:

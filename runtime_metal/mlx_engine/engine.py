@@ -84,6 +84,7 @@ class MLXEngine:
         self.fast: FastDecoder | None = None
         self._batch_fn: object = None  # batch_program's compiled function, made on first use
         self._verify_fn: object = None  # batch_verify's compiled function, made on first use
+        self._stage_fn: object = None  # stage_program's compiled function, made on first use
         self.fast_reason = "off (fast=False)" if not fast else (
             "off (profiling times the executor's nodes)" if profiler is not None else "")
         if fast and profiler is None:
@@ -184,6 +185,21 @@ class MLXEngine:
             self._verify_fn = (mx.compile(program.paged_rows) if self.fast.compiled
                                else program.paged_rows)
         return self._verify_fn
+
+    def stage_program(self) -> tuple[object, int, int] | None:
+        """This rank's pipeline stage alone over the block cache (DecodeProgram.paged_stage:
+        the batch decoder's micro-batches, runtime_metal/pipeline_steps.py), with the rank and
+        the number of stages; None unless the engine runs a stage of a pipeline and has the
+        batched program. Compiled once per engine, like batch_program's."""
+        if (self.parallel is None or self.parallel.mode != "pipeline"
+                or self.batch_program() is None):
+            return None
+        assert self.fast is not None
+        if self._stage_fn is None:
+            program = self.fast.program
+            self._stage_fn = (mx.compile(program.paged_stage) if self.fast.compiled
+                              else program.paged_stage)
+        return self._stage_fn, self.parallel.rank, self.parallel.size
 
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""

@@ -17,17 +17,30 @@ from fuselm.runtime_metal.loaded_model import open_model
 from fuselm.runtime_metal.sampling import SamplingOptions
 
 
-def batch_tokens(engine: object, prompts: list[list[int]], steps: int) -> dict[str, list[int]]:
-    """The batch decoder (the server's) over `prompts`, the last joining after two steps."""
+def batch_tokens(engine: object, prompts: list[list[int]], steps: int
+                 ) -> tuple[dict[str, list[int]], dict[str, object]]:
+    """The batch decoder (the server's) over five prompts, each one's tokens, and the
+    decoder's describe(): three rows start (the second sampling with a seed), the fourth joins
+    after two steps, the sampled one leaves after four, the fifth joins after six (into the
+    freed slot; every row greedy now: a pipeline's steps overlap), and after nine all but the
+    first leave (one row: a pipeline's whole batch through the ranks in turn)."""
     dec = BatchDecoder(engine, max_batch=4, max_context=128)  # type: ignore[arg-type]
-    out: dict[int, list[int]] = {dec.add(p, SamplingOptions()): [] for p in prompts[:-1]}
+    sampled = SamplingOptions(temperature=0.8, seed=5)
+    slots = {dec.add(p, sampled if k == 1 else SamplingOptions()): k
+             for k, p in enumerate(prompts[:3])}
+    out: dict[int, list[int]] = {k: [] for k in slots.values()}
+    joins = {1: 3, 5: 4}
     for i in range(steps):
         for slot, token in dec.step().items():
-            out[slot].append(token)
-        if i == 1:
-            out[dec.add(prompts[-1], SamplingOptions())] = []
+            out[slots[slot]].append(token)
+        if i in joins:
+            slots[dec.add(prompts[joins[i]], SamplingOptions())] = joins[i]
+            out[joins[i]] = []
+        for leaving in [s for s, k in slots.items() if (i, k) == (3, 1) or (i == 8 and k)]:
+            dec.remove(leaving)
+            del slots[leaving]
     mx.synchronize()  # the step queued last runs on every rank before any exits
-    return {str(k): v for k, v in out.items()}
+    return {str(k): v for k, v in out.items()}, dec.describe()
 
 
 def main() -> None:
@@ -46,8 +59,9 @@ def main() -> None:
         results[case["name"]] = {"tokens": tokens,
                                  "weight_bytes": model.engine.weight_bytes}  # type: ignore[attr-defined]
         if case.get("batch"):
-            results[case["name"]]["batch"] = batch_tokens(model.engine, spec["batch_prompts"],
-                                                          spec["new_tokens"])
+            tokens, described = batch_tokens(model.engine, spec["batch_prompts"],
+                                              spec["batch_steps"])
+            results[case["name"]].update(batch=tokens, batch_decoder=described)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 

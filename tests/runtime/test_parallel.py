@@ -1,7 +1,8 @@
 """One model over two ranks of mx.distributed's ring backend on 127.0.0.1 (processes started as
 `mlx.launch -n 2 --backend ring` starts them): tensor and pipeline parallel give the single
-rank's logits and greedy tokens (and the batch decoder's) for a Llama (untied head), a Qwen3
-(q/k-norm, tied head) and a Gemma 3 (sliding window, scaled embedding), float and Q4; each rank
+rank's logits and greedy tokens (and the batch decoder's, rows joining and leaving; pipeline
+in micro-batches, the ranks busy at once) for a Llama (untied head), a Qwen3 (q/k-norm, tied
+head) and a Gemma 3 (sliding window, scaled embedding), float and Q4; each rank
 reads about half the weights; a rank killed mid-generation ends the other with one error line;
 the server on rank 0 answers as a single-rank server does."""
 
@@ -27,9 +28,11 @@ from tests.runtime.conftest import convert, quantized_copy
 from tests.runtime.parallel_worker import batch_tokens
 
 PROMPT = [5, 9, 33, 7, 100, 2, 41, 17, 8, 300, 12, 77]
-BATCH_PROMPTS = [[5, 9, 33, 7, 100], [3, 4, 200, 17, 8, 300, 12], [50, 60, 70]]
+BATCH_PROMPTS = [[5, 9, 33, 7, 100], [3, 4, 200, 17, 8, 300, 12], [50, 60, 70],
+                 [11, 12, 13, 14], [5, 9, 33, 8, 2, 6]]
 BATCHED = "gemma3_text-q4"  # the batch decoder's rows (the server's path) on this one
 NEW_TOKENS = 8
+BATCH_STEPS = 12
 # head_dim 32 and 128 MLP channels: each rank's rows of o_proj / down_proj are whole Q4 blocks
 SPLITTABLE = {"head_dim": 32, "intermediate_size": 128}
 FAMILIES = {"llama": {}, "qwen3": {}, "gemma3_text": TEST_CONFIGS["gemma3_text"]}
@@ -88,7 +91,7 @@ def single(artifacts: dict[str, Path]) -> dict[str, dict]:
         out[name] = {"logits": logits, "weight_bytes": model.engine.weight_bytes,
                      "tokens": generate(model.engine, PROMPT, max_new_tokens=NEW_TOKENS).tokens}
         if name == BATCHED:
-            out[name]["batch"] = batch_tokens(model.engine, BATCH_PROMPTS, NEW_TOKENS)
+            out[name]["batch"] = batch_tokens(model.engine, BATCH_PROMPTS, BATCH_STEPS)[0]
     return out
 
 
@@ -101,7 +104,7 @@ def job(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
              for name, art in artifacts.items() for mode in MODES]
     spec = root / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "prompt": PROMPT, "new_tokens": NEW_TOKENS,
-                                "batch_prompts": BATCH_PROMPTS}))
+                                "batch_prompts": BATCH_PROMPTS, "batch_steps": BATCH_STEPS}))
     worker = Path(__file__).with_name("parallel_worker.py")
     procs = launch([sys.executable, str(worker), str(spec), str(root)], root,
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -117,8 +120,12 @@ def test_two_ranks_match_one(job: Path, single: dict[str, dict], name: str, mode
     ref = single[name]
     for r in ranks:  # every rank generated the single rank's tokens
         assert r[f"{name}-{mode}"]["tokens"] == ref["tokens"]
-        if name == BATCHED:  # and the batch decoder's, rows joining mid-way
+        if name == BATCHED:  # and the batch decoder's, rows joining and leaving mid-way
             assert r[f"{name}-{mode}"]["batch"] == ref["batch"]
+            described = r[f"{name}-{mode}"]["batch_decoder"]
+            if mode == "pipeline":  # in micro-batches, one per rank, each rank busy at once
+                assert described["micro_batches"] == 2
+                assert described["pipeline_full_slots"] > described["pipeline_slots"] / 3
     logits = np.load(job / f"{name}-{mode}.npy")
     rel = np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()
     # pipeline moves the hidden state bit for bit; tensor adds partial sums in another order

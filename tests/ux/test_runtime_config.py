@@ -26,12 +26,13 @@ def test_defaults_environment_and_options() -> None:
     env = {"FUSELM_KERNELS": " OFF ", "FUSELM_ATTN_SPLIT": "0", "FUSELM_PREFILL_DENSE": "32",
            "MLX_MAX_OPS_PER_BUFFER": "45", "FUSELM_EXPORT": "torch",
            "FUSELM_KERNEL_DIR": "inline", "FUSELM_FOLD_NORM": "",  # empty: unset
-           "FUSELM_GEMV_MMA": "4"}
+           "FUSELM_GEMV_MMA": "4", "FUSELM_MICRO_BATCHES": "1"}
     c = resolve(env, threads=3, engine=None)  # None: the option was not given
     assert (c.kernels, c.attn_split, c.prefill_dense, c.mlx_max_ops_per_buffer, c.export,
-            c.fold_norm, c.threads, c.engine, c.gemv_mma) == ("off", "0", 32, 45, "torch",
-                                                              "epilogue", 3, "auto", 4)
+            c.fold_norm, c.threads, c.engine, c.gemv_mma, c.micro_batches) == (
+        "off", "0", 32, 45, "torch", "epilogue", 3, "auto", 4, 1)
     assert resolve({"FUSELM_GEMV_MMA": "auto"}).gemv_mma is None
+    assert resolve({"FUSELM_MICRO_BATCHES": "Auto"}).micro_batches is None
     assert c.kernel_folder() is None  # inline
     assert c.source("kernels") == "environment (FUSELM_KERNELS)"
     assert c.source("fold_norm") == c.source("engine") == "default"
@@ -50,6 +51,7 @@ def test_defaults_environment_and_options() -> None:
     ("FUSELM_PREFILL_DENSE", "-1", "auto (default) or a row count N (0: off)"),
     ("FUSELM_GEMV_MMA", "on", "auto (default) or a row count N (0: off)"),
     ("MLX_MAX_OPS_PER_BUFFER", "0", "an operation count N >= 1 (default 60)"),
+    ("FUSELM_MICRO_BATCHES", "0", "auto (default) or a count N >= 1 (1: off)"),
     ("FUSELM_EXPORT", "trace", "one of auto, torch (default auto)"),
 ])
 def test_a_bad_value_names_the_variable_and_its_values(name: str, value: str,

@@ -1,7 +1,12 @@
 """The ops a sharded graph adds (domain fuselm.dist, mlx_engine/shard.py says where): MLX's
 distributed collectives over the process group mx.distributed.init() made (ring, JACCL or
 NCCL, as mlx.launch started the ranks). Every rank runs the same steps in the same order, so
-each collective meets its partners."""
+each collective meets its partners.
+
+A pipeline's hidden state goes from rank r to r + 1 as an all_sum to which only rank r adds
+non-zeros (x + 0 is x exactly), not as send/recv: MLX's NCCL backend has no send/recv. Every
+rank takes part in each of the P - 1 hand-overs, in stage order: rank r's PipeRecv joins
+hand-overs 0..r-1 (the last is its input), its PipeSend hand-over r (its own) and r+1..P-2."""
 
 from __future__ import annotations
 
@@ -44,17 +49,33 @@ def vocab_sum(xp: ModuleType, x, ids, *, lo: int, hi: int):  # noqa: ANN001, ANN
     return mx.distributed.all_sum(mx.where(mine, x, mx.zeros((), x.dtype)))
 
 
+def _hand_overs(x: mx.array, count: int, after: mx.array | None = None) -> mx.array:
+    """`count` hand-overs of arrays shaped like x, each an all_sum of zeros from this rank,
+    one after the other (after `after`); the last one's sum."""
+    out = after
+    for _ in range(count):
+        zeros = mx.zeros(x.shape, x.dtype)
+        out = mx.distributed.all_sum(zeros if out is None else mx.depends(zeros, out))
+    assert out is not None
+    return out
+
+
 @op(D, "PipeRecv")
 def pipe_recv(xp: ModuleType, ids, *, src: int, width: int, elem_type: int):  # noqa: ANN001, ANN201
-    """The hidden state [batch, seq, width] from the previous pipeline rank."""
-    return mx.distributed.recv((*ids.shape, width), onnx_dtype(mx, elem_type), src)
+    """The hidden state [batch, seq, width] from the previous pipeline rank (src): the
+    hand-overs up to its own, the last of them."""
+    like = mx.zeros((*ids.shape, width), onnx_dtype(mx, elem_type))
+    return _hand_overs(like, src + 1)
 
 
 @op(D, "PipeSend")
 def pipe_send(xp: ModuleType, h, *, dst: int, elem_type: int):  # noqa: ANN001, ANN201
-    """The hidden state to the next pipeline rank, in the dtype it receives; the result is
-    the sent array, which the logits step depends on (so evaluating the logits sends it)."""
-    return mx.distributed.send(h.astype(onnx_dtype(mx, elem_type)), dst)
+    """The hidden state to the next pipeline rank (dst), in the dtype it receives: this
+    rank's hand-over, then the later stages' ones; the result (the last sum) is what the
+    logits step depends on, so evaluating the logits makes them all."""
+    sent = mx.distributed.all_sum(h.astype(onnx_dtype(mx, elem_type)))
+    later = mx.distributed.init().size() - 1 - dst
+    return _hand_overs(sent, later, sent) if later else sent
 
 
 @op(D, "PipeLogits")
