@@ -13,6 +13,8 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
   `GroupQueryAttention` with the rotation inside (`do_rotary`, cos/sin tables from the node's
   inv_freq through passes.ops.rope_cos_sin) and a KV buffer shared by past and present
   (`past_present_share_buffer`: the engine binds one buffer to both, so no concat per step);
+  a sliding window (Gemma's local layers, Mistral, Phi-3) is GroupQueryAttention's
+  `local_window_size`, read per layer off the mask that layer's Attention takes (`_windows`);
 - Q4 `DequantizeLinear` + `MatMul` (and FusedQKV / FusedGateUp's bodies) are left for
   onnxruntime to fuse into `MatMulNBits` at the engine's accuracy level; fused ops fed by a
   dequantize node and `DequantizeAffine` weights are written so that it can
@@ -26,8 +28,8 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
 
 The KV inputs then hold `capacity` positions (the engine's buffer); `attention_mask`'s length
 says how many are valid, as onnxruntime-genai drives it. Anything this lowering does not cover
-(sliding windows, dynamic-NTK / LongRoPE, partial rotary, a mask other than the one causal
-mask) makes `lower` return None with the reason, and the engine runs the plain graph.
+(dynamic-NTK / LongRoPE, partial rotary, a mask other than the causal one with or without a
+sliding window) makes `lower` return None with the reason, and the engine runs the plain graph.
 """
 
 from __future__ import annotations
@@ -115,8 +117,6 @@ def _past_dtype(model: onnx.ModelProto) -> str | None:
 
 def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
            ) -> tuple[onnx.ModelProto, int]:
-    if manifest.model.sliding_window:
-        raise NotLowered("sliding-window attention")
     if manifest.model.head_dim % 16:
         raise NotLowered(f"head_dim {manifest.model.head_dim} (GroupQueryAttention on CPU needs "
                          "a multiple of 16)")
@@ -133,8 +133,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
     inits: list[TensorProto] = []
     drop: set[int] = set()
     masks = {n.input[3] for n in g.node if n.op_type == "Attention"}
-    if len(masks) > 1:
-        raise NotLowered("attention layers with different masks")
+    windows = _windows(model, masks, manifest.model.sliding_window)
     tables: dict[tuple, tuple[str, str]] = {}
     positions = 0
     seq = _seqlens(new_nodes, exact_rows) if masks else ("", "")
@@ -160,7 +159,8 @@ def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
             if rope is not None and rope.op_type != "FusedRoPE":
                 rope = None
             positions = max(positions, _attention(n, rope, seq, manifest, new_nodes, inits,
-                                                  tables, uses, exact_rows))
+                                                  tables, uses, windows[n.input[3]],
+                                                  exact_rows))
             if rope is not None:
                 drop.add(id(rope))
     if any(n.op_type == "FusedRoPE" and id(n) not in drop for n in g.node):
@@ -285,10 +285,63 @@ def _seqlens(nodes: list[onnx.NodeProto], exact_rows: bool = False) -> tuple[str
     return "lower/seqlens_k", "lower/total"
 
 
+def _windows(model: onnx.ModelProto, masks: set[str], window: int | None) -> dict[str, int]:
+    """Each attention mask's GroupQueryAttention `local_window_size` (-1: no window), found by
+    evaluating the mask's own nodes (onnx's reference evaluator, a few hundred small ops) for a
+    prefill and a decode step past the window and comparing them with the causal mask, with and
+    without the manifest's window. A query at position q sees keys q - window < k <= q
+    (export/decoder.py `attention_mask_4d`, as transformers: `window` keys, itself included),
+    which is what onnxruntime's CPU kernel makes of `local_window_size` = window (measured:
+    window - 1 leaves the query's own key plus window - 2 before it; test_ort_lowering.py
+    checks the logits against transformers past the window). A mask that is neither is not
+    lowered."""
+    from onnx.reference import ReferenceEvaluator
+
+    if not masks:
+        return {}
+    g = model.graph
+    needed, nodes = set(masks), []
+    for n in reversed(g.node):
+        if any(o in needed for o in n.output):
+            nodes.append(n)
+            needed.update(i for i in n.input if i)
+    inits = [t for t in g.initializer if t.name in needed]
+    if any(t.data_location == TensorProto.EXTERNAL for t in inits):
+        raise NotLowered("an attention mask computed from stored weights")
+    names = sorted(masks)
+    sub = helper.make_model(
+        helper.make_graph(nodes[::-1], "masks", [i for i in g.input if i.name in needed],
+                          [helper.make_tensor_value_info(m, TensorProto.BOOL, None)
+                           for m in names], inits),
+        opset_imports=list(model.opset_import))
+    total = (window or 1) + 3
+    candidates = {-1: None, **({window: window} if window else {})}
+    found = dict.fromkeys(names, set(candidates))
+    for seq in (total, 1):
+        feeds = {"input_ids": np.zeros((1, seq), np.int64),
+                 "attention_mask": np.ones((1, total), np.int64),
+                 "position_ids": np.arange(total - seq, total, dtype=np.int64)[None]}
+        try:
+            got = ReferenceEvaluator(sub).run(
+                None, {i.name: feeds[i.name] for i in sub.graph.input})
+        except Exception as e:  # an op or input the evaluator cannot compute here
+            raise NotLowered(f"an attention mask that cannot be evaluated ({e})") from e
+        k = np.arange(total)[None, :]
+        q = np.arange(total - seq, total)[:, None]
+        for name, mask in zip(names, got, strict=True):
+            mask = np.asarray(mask).reshape(-1, total)
+            found[name] = {c for c in found[name] if mask.shape[0] == seq and np.array_equal(
+                mask, (k <= q) & (k > q - (candidates[c] or total + 1)))}
+    if any(len(f) != 1 for f in found.values()):
+        raise NotLowered("an attention mask other than the causal one, with or without the "
+                         "model's sliding window")
+    return {name: next(iter(f)) for name, f in found.items()}
+
+
 def _attention(att: onnx.NodeProto, rope: onnx.NodeProto | None, seq: tuple[str, str],
                manifest: Manifest, nodes: list[onnx.NodeProto], inits: list[TensorProto],
-               tables: dict[tuple, tuple[str, str]], uses: Counter, exact_rows: bool = False
-               ) -> int:
+               tables: dict[tuple, tuple[str, str]], uses: Counter, window: int = -1,
+               exact_rows: bool = False) -> int:
     """Replace one Attention (and its FusedRoPE) by GroupQueryAttention; the positions its
     rotary table covers.
 
@@ -347,7 +400,8 @@ def _attention(att: onnx.NodeProto, rope: onnx.NodeProto | None, seq: tuple[str,
     nodes.append(helper.make_node(
         "GroupQueryAttention", gqa_in, outs, name=att.name + "/gqa", domain=MS,
         num_heads=int(a["q_num_heads"]), kv_num_heads=int(a["kv_num_heads"]),
-        scale=float(a.get("scale", 0.0)), softcap=float(a.get("softcap", 0.0)), **extra))
+        scale=float(a.get("scale", 0.0)), softcap=float(a.get("softcap", 0.0)),
+        local_window_size=window, **extra))
     att.op_type = "_lowered"  # removed by _prune: nothing reads its outputs any more
     del att.output[:]
     del att.input[:]

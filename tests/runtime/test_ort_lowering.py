@@ -2,8 +2,9 @@
 activations, a KV buffer shared by past and present. Ground truth: HF float32 and the same
 artifact's plain graph (`lower=False`). Lowerable models need head_dim % 16 == 0 (onnxruntime's
 CPU GroupQueryAttention): Qwen3 with head_dim 32 != 64 / 4 heads (GQA 4:2, q/k-norm, tied
-embeddings), Granite (attention / residual / logit multipliers) and SmolLM3 (a NoPE layer) at
-head_dim 32, the suite's Llama (head_dim 16 == hidden / heads). Everything else falls back to
+embeddings), Granite (attention / residual / logit multipliers), SmolLM3 (a NoPE layer) and
+Gemma 3 (a sliding window of 8 on its local layer, per-layer rotary bases) at head_dim 32, the
+suite's Llama (head_dim 16 == hidden / heads). Everything else falls back to
 the plain graph and says why."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tests.runtime.conftest import convert
 CHUNK = 16
 LOWERED = "onnxruntime contrib ops"
 H32 = {"qwen3": {"head_dim": 32}, "granite": {**TEST_CONFIGS["granite"], "head_dim": 32},
-       "smollm3": {**TEST_CONFIGS["smollm3"], "head_dim": 32}}
+       "smollm3": {**TEST_CONFIGS["smollm3"], "head_dim": 32},
+       "gemma3_text": {**TEST_CONFIGS["gemma3_text"], "head_dim": 32}}
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +55,7 @@ def _both(out: Path, **options: object) -> tuple[object, object]:
     return lowered, plain
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3", "gemma3_text", "llama"])
 def test_lowered_matches_hf_and_the_plain_graph(family: str, h32_models, family_models) -> None:  # noqa: ANN001
     hf_dir, out = (h32_models if family in H32 else family_models)[family]
     lowered, plain = _both(out)
@@ -114,8 +116,8 @@ def test_shared_cache_grows_trims_and_swaps_like_the_plain_one(h32_models) -> No
 
 
 @pytest.mark.parametrize(("family", "reason"), [
-    ("qwen3", "head_dim 24"), ("qwen2", "head_dim 24"), ("gemma2", "sliding-window"),
-    ("phi3", "sliding-window")])
+    ("qwen3", "head_dim 24"), ("qwen2", "head_dim 24"), ("gemma2", "head_dim 24"),
+    ("phi3", "LongRoPE")])
 def test_what_the_lowering_does_not_cover_runs_the_plain_graph(family: str, reason: str,
                                                                family_models) -> None:  # noqa: ANN001
     out = family_models[family][1]
@@ -124,6 +126,29 @@ def test_what_the_lowering_does_not_cover_runs_the_plain_graph(family: str, reas
     plain = make_engine(out, "onnxruntime", lower=False)
     prompt = _prompt(12)
     assert rel(engine_logits(engine, prompt, 5), engine_logits(plain, prompt, 5)) == 0.0
+
+
+@pytest.mark.parametrize("exact_rows", [False, True])
+def test_sliding_window_prefill_then_decode_past_it(exact_rows: bool, h32_models) -> None:  # noqa: ANN001
+    """Gemma 3's local layer (window 8) is GroupQueryAttention with local_window_size 8, its
+    global layer -1: a 20-token prefill, then 16 one-token decode steps, every position's
+    logits equal transformers float32 (the window counts the query's own key, as HF's does)."""
+    from fuselm.runtime_metal.artifact import read_manifest
+    from fuselm.runtime_metal.ort_engine.lowering import Lowered, lower_for_cpu
+
+    hf_dir, out = h32_models["gemma3_text"]
+    lowered = lower_for_cpu(out / "model.onnx", read_manifest(out), exact_rows)
+    assert isinstance(lowered, Lowered)
+    windows = [next(a.i for a in n.attribute if a.name == "local_window_size")
+               for n in lowered.model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert windows == [8, -1]
+    engine = make_engine(out, "onnxruntime", exact_rows=exact_rows)
+    assert str(engine.describe()["lowering"]).startswith(LOWERED)
+    prompt = _prompt(36)
+    want = hf_logits(hf_model(hf_dir), prompt)
+    got = [engine.forward(np.asarray(prompt[:20])[None], all_logits=True)]
+    got += [engine.forward(np.asarray([[t]]))[None] for t in prompt[20:]]
+    assert rel(np.concatenate(got), want) <= 1e-4
 
 
 def test_rope_variants_without_a_lowering_are_refused(h32_models, tmp_path) -> None:  # noqa: ANN001

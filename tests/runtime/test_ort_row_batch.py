@@ -2,9 +2,9 @@
 different lengths in one run of the lowered graph. Every row's greedy tokens equal its solo
 `generate`, while rows join, leave mid-generation (a row in the middle of the buffer falls
 idle and is refilled) and run different lengths, for Qwen3 (q/k-norm, GQA, tied embeddings),
-Granite (multipliers), the suite's Llama (head_dim == hidden / heads) and the real
-SmolLM2-135M Q4. The plain graph (no lowering) still serves its rows one after another, with
-the same tokens.
+Granite (multipliers), Gemma 3 (a sliding window of 8 that the rows outgrow), the suite's
+Llama (head_dim == hidden / heads) and the real SmolLM2-135M Q4. The plain graph (no
+lowering) still serves its rows one after another, with the same tokens.
 
 Q4 runs at accuracy level 0 (float activations) here: at the default level 4 onnxruntime's
 MatMulNBits computes a decode step of several rows unlike one of a single row (measured on
@@ -29,7 +29,8 @@ from tests.runtime.conftest import convert
 
 # prompt length, new tokens, first step it may join at
 PLAN = [(6, 12, 0), (29, 5, 0), (17, 14, 1), (11, 9, 3), (23, 7, 4)]
-H32 = {"qwen3": {"head_dim": 32}, "granite": {**TEST_CONFIGS["granite"], "head_dim": 32}}
+H32 = {"qwen3": {"head_dim": 32}, "granite": {**TEST_CONFIGS["granite"], "head_dim": 32},
+       "gemma3_text": {**TEST_CONFIGS["gemma3_text"], "head_dim": 32}}
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +68,7 @@ def _serve(dec: BatchDecoder, prompts: list[list[int]]) -> list[list[int]]:
     return got
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "llama", "smollm2-q4"])
+@pytest.mark.parametrize("family", ["qwen3", "granite", "gemma3_text", "llama", "smollm2-q4"])
 def test_rows_joining_and_leaving_get_their_solo_tokens(family: str, row_models) -> None:  # noqa: ANN001
     engine = make_engine(row_models[family], "onnxruntime", accuracy_level=0)
     assert str(engine.describe()["lowering"]).startswith("onnxruntime contrib ops")
