@@ -21,39 +21,9 @@ from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.loaded_model import LoadedModel, open_model
 from fuselm.runtime_metal.tokenizer import encode_prompt
 from tests.cli_run import cli, one_error, run_cli
+from tests.workloads import WORKLOADS
 
-CODE = '''def area(shape, width, height=None):
-    """The area of a rectangle, a square or a triangle."""
-    if shape == "square":
-        return width * width
-    if shape == "rectangle":
-        if height is None:
-            raise ValueError("a rectangle needs a height")
-        return width * height
-    if shape == "triangle":
-        if height is None:
-            raise ValueError("a triangle needs a height")
-        return width * height / 2
-    raise ValueError(f"unknown shape {shape}")
-
-
-def total_area(shapes):
-    total = 0
-    for shape, width, height in shapes:
-        total += area(shape, width, height)
-    return total
-
-
-def largest(shapes):
-    best = None
-    for shape, width, height in shapes:
-        a = area(shape, width, height)
-        if best is None or a > best[0]:
-            best = (a, shape)
-    return best
-'''
-EDIT = ("Rewrite this Python code with the function `area` renamed to `shape_area` everywhere. "
-        "Reply with the whole code only.\n\n```python\n" + CODE + "```")
+EDIT = WORKLOADS["edit"]
 N = 110  # new tokens: past token 88
 
 
