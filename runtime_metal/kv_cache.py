@@ -82,8 +82,9 @@ class KVQuant:
 
 
 @cache
-def _rotation(dim: int, transposed: bool) -> mx.array:
-    """[dim, dim] float32: Sylvester-Hadamard blocks of the largest power of two dividing dim
+def _rotation(dim: int, transposed: bool, dtype: mx.Dtype) -> mx.array:
+    """[dim, dim] in `dtype` (made once per head size and dtype, not cast at every
+    attention call): Sylvester-Hadamard blocks of the largest power of two dividing dim
     (all of a 64- or 128-value head; a quantized head's dim is a multiple of its power-of-two
     group, so a block never straddles groups), scaled by 1/sqrt(block) to be orthogonal."""
     n = dim & -dim
@@ -91,17 +92,17 @@ def _rotation(dim: int, transposed: bool) -> mx.array:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     r = np.kron(np.eye(dim // n), h / np.sqrt(n)).astype(np.float32)
-    return mx.array(r.T if transposed else r)
+    return mx.array(r.T if transposed else r, dtype=dtype)  # a constant, also in a trace
 
 
 def rotate(x: mx.array) -> mx.array:
     """x [.., d] in the rotated basis a quantized buffer stores (x·R, R orthogonal)."""
-    return x @ _rotation(x.shape[-1], False).astype(x.dtype)
+    return x @ _rotation(x.shape[-1], False, x.dtype)
 
 
 def unrotate(x: mx.array) -> mx.array:
     """rotate's inverse (x·Rᵀ)."""
-    return x @ _rotation(x.shape[-1], True).astype(x.dtype)
+    return x @ _rotation(x.shape[-1], True, x.dtype)
 
 
 def empty(quant: KVQuant | None, lead: tuple[int, ...], dim: int, dtype: mx.Dtype) -> Buffer:

@@ -82,9 +82,8 @@ class MLXEngine:
             self.dense_prefill_weights = probe_kernels(weights, act)
             warm_dense(weights, act)  # made once here, not inside every compiled call
         self.fast: FastDecoder | None = None
-        self._batch_fn: object = None  # batch_program's compiled function, made on first use
-        self._verify_fn: object = None  # batch_verify's compiled function, made on first use
-        self._stage_fn: object = None  # stage_program's compiled function, made on first use
+        # the batched programs' compiled functions by DecodeProgram method, made on first use
+        self._compiled: dict[str, object] = {}
         self.fast_reason = "off (fast=False)" if not fast else (
             "off (profiling times the executor's nodes)" if profiler is not None else "")
         if fast and profiler is None:
@@ -166,9 +165,7 @@ class MLXEngine:
         if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
-        if self._batch_fn is None:  # one compiled function for every decoder of the engine
-            self._batch_fn = mx.compile(program.paged) if self.fast.compiled else program.paged
-        fn = self._batch_fn
+        fn = self._compiled_once("paged")
         whole = (program.kernels and self.kv_quant is None
                  and not any(w is not None for w in program.windows.values()))
         return fn, program.kv_layout, 0 if whole else KVCache.step
@@ -179,12 +176,7 @@ class MLXEngine:
         compiled once per engine, like batch_program's. None where that one is None."""
         if self.batch_program() is None:
             return None
-        assert self.fast is not None
-        if self._verify_fn is None:
-            program = self.fast.program
-            self._verify_fn = (mx.compile(program.paged_rows) if self.fast.compiled
-                               else program.paged_rows)
-        return self._verify_fn
+        return self._compiled_once("paged_rows")
 
     def stage_program(self) -> tuple[object, int, int] | None:
         """This rank's pipeline stage alone over the block cache (DecodeProgram.paged_stage:
@@ -194,12 +186,16 @@ class MLXEngine:
         if (self.parallel is None or self.parallel.mode != "pipeline"
                 or self.batch_program() is None):
             return None
+        return self._compiled_once("paged_stage"), self.parallel.rank, self.parallel.size
+
+    def _compiled_once(self, method: str) -> object:
+        """DecodeProgram.`method` compiled once per engine (one function for every decoder of
+        the engine; made on first use), or as it is where the program is not compiled."""
         assert self.fast is not None
-        if self._stage_fn is None:
-            program = self.fast.program
-            self._stage_fn = (mx.compile(program.paged_stage) if self.fast.compiled
-                              else program.paged_stage)
-        return self._stage_fn, self.parallel.rank, self.parallel.size
+        if method not in self._compiled:
+            fn = getattr(self.fast.program, method)
+            self._compiled[method] = mx.compile(fn) if self.fast.compiled else fn
+        return self._compiled[method]
 
     def trim(self, n: int) -> None:
         """Forget the last n cached positions."""
