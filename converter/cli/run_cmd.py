@@ -67,14 +67,16 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
 def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
           threads: int | None = None, config: RuntimeConfig | None = None,
           parallel: str | None = None, kv_bits: str | None = None,
-          kv_group_size: str | None = None, exact_rows: bool = False):
-    """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler."""
+          kv_group_size: str | None = None, exact_rows: bool | None = None,
+          drafting: bool = False):
+    """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler;
+    `drafting`: speculative decoding will run on it (ort_options)."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     name = resolve_engine(engine, parallel)
-    options = {**ort_options(name, accuracy_level, threads, exact_rows),
+    options = {**ort_options(name, accuracy_level, threads, exact_rows, drafting),
                **kv_options(name, kv_bits, kv_group_size)}
     if name == "onnxruntime":
         if profile:
@@ -195,7 +197,7 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         parallel: str | None = None, draft_lookup: bool = False,
         draft: str | None = None, num_draft: int | None = None,
         draft_ngram: int | None = None, kv_bits: str | None = None,
-        kv_group_size: str | None = None, exact_rows: bool = False) -> None:
+        kv_group_size: str | None = None, exact_rows: bool | None = None) -> None:
     """Generate text with MODEL (an artifact folder, a .gguf file or an HF folder)."""
     refuse_parallel_draft(parallel, draft, draft_lookup)
     from fuselm.runtime_metal.tokenizer import check_text, encode_prompt
@@ -215,7 +217,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
 
         verify_artifact(out_dir)
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel,
-                            kv_bits, kv_group_size, exact_rows)
+                            kv_bits, kv_group_size, exact_rows,
+                            drafting=draft_lookup or draft is not None)
     sampling.check_vocab(model.manifest.model.vocab_size)
     from fuselm.runtime_metal.drafting import speculative_options
 

@@ -110,7 +110,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
           parallel: str | None = None, draft_lookup: bool = False,
           draft: str | None = None, num_draft: int | None = None,
           draft_ngram: int | None = None, kv_bits: str | None = None,
-          kv_group_size: str | None = None, exact_rows: bool = False) -> None:
+          kv_group_size: str | None = None, exact_rows: bool | None = None) -> None:
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
@@ -148,7 +148,8 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
                         "%(message)s")
     refuse_parallel_draft(parallel, draft, draft_lookup)
     name = resolve_engine(engine, parallel)
-    options = {**ort_options(name, accuracy_level, threads, exact_rows),
+    options = {**ort_options(name, accuracy_level, threads, exact_rows,
+                             drafting=draft_lookup or draft is not None),
                **join_parallel(parallel),
                **kv_options(name, kv_bits, kv_group_size)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams

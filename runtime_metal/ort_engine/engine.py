@@ -15,8 +15,11 @@ exactly as a one-token step does (lowering.py `_attention`: a dummy query row in
 attention), so speculative decoding's check and prefill agree bit for bit with decode steps
 at any accuracy level. It costs every step (decode included) the attention of one more row:
 +11% CPU time per decode step at 268 cached positions, +28% at 768 on SmolLM2-135M
-(BENCHMARKS.md 'Speculative decoding'), hence off by default. Its rows are not batched
-(`row_batch` None): GroupQueryAttention takes several new tokens a row only in a batch of one.
+(BENCHMARKS.md 'Speculative decoding'), hence off for plain decoding; speculative decoding
+asks for it (drafting.py `speculative_engine_options`: its checks cost the same either way).
+`exact_rows=None`: on where the lowered graph runs, off (said in `describe()`) where it does
+not. Its rows are not batched (`row_batch` None): GroupQueryAttention takes several new tokens
+a row only in a batch of one.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class OrtEngine:
     def __init__(self, out_dir: str | Path, manifest: Manifest, accuracy_level: int = 4,
                  optimization: str = "all", threads: int | None = None,
                  profile_dir: str | None = None, lower: bool = True,
-                 exact_rows: bool = False) -> None:
+                 exact_rows: bool | None = False) -> None:
         if accuracy_level not in (0, 1, 2, 3, 4):
             raise RuntimeUserError(f"accuracy_level must be 0..4, got {accuracy_level}")
         if optimization not in OPTIMIZATION_LEVELS:
@@ -53,18 +56,20 @@ class OrtEngine:
         self.accuracy_level = accuracy_level
         self.optimization = optimization
         path = model_path(out_dir)
-        lowered = lower_for_cpu(path, manifest, exact_rows) if (
+        lowered = lower_for_cpu(path, manifest, exact_rows is not False) if (
             lower and optimization == "all") else None
         if exact_rows and not isinstance(lowered, Lowered):
             raise RuntimeUserError(
                 "exact_rows needs the lowered graph (optimization 'all', lower=True); here: "
                 + (lowered if isinstance(lowered, str) else "not lowered"))
-        self.exact_rows = exact_rows
-        self._pad = int(exact_rows)  # positions past a step's own that its dummy row writes
+        self.exact_rows = exact_rows is not False and isinstance(lowered, Lowered)
+        self._pad = int(self.exact_rows)  # positions past a step's own its dummy row writes
         self.lowering = lowered if isinstance(lowered, str) else (
             "onnxruntime contrib ops (GroupQueryAttention, SkipSimplifiedLayerNormalization), "
             "float32 activations" + (f", {lowered.int4_count} symmetric Q4 tensors as int4"
                                      if lowered.int4_count else "") if lowered else "off")
+        if exact_rows is None and not self.exact_rows:
+            self.lowering += "; exact rows off (they need the lowered graph)"
         # onnxruntime's CPU provider has no bfloat16 kernels for most ops: a bfloat16 artifact
         # runs in float32, its weights upcast when the session is made (exact: every bfloat16
         # value is a float32 value), lowered or not

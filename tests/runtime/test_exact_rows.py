@@ -1,10 +1,12 @@
-"""onnxruntime's `exact_rows` (ort_engine/lowering.py `_attention`): on the real SmolLM2-135M
-(the bundled Q4_1 GGUF, default conversion) at the default accuracy level 4, a step of several
-tokens computes each position bit for bit as a one-token step does, so speculative decoding
-(prompt lookup) gives plain greedy decoding's tokens, for one sequence and through the batch
-decoder at batch 1 and 4, over an edit-style reply long enough to pass the near-ties where
-the default lowering's several-token check picks another token (BENCHMARKS.md 'Speculative
-decoding': from token 88 of the edit reply)."""
+"""onnxruntime's `exact_rows` (ort_engine/lowering.py `_attention`), on by default under
+speculative decoding (drafting.py `speculative_engine_options`): on the real SmolLM2-135M (the
+bundled Q4_1 GGUF, default conversion) at the default accuracy level 4, a step of several
+tokens computes each position bit for bit as a one-token step does, so a drafted reply at the
+default settings is plain greedy decoding's (on the exact-rows engine) token for token, for
+one sequence, both drafters, the CLI and the API, and through the batch decoder at batch 1
+and 4, over an edit-style reply long enough to pass the near-ties where the one-row engine's
+several-token check picks another token (BENCHMARKS.md 'Speculative decoding': from token 88
+of the edit reply). Plain decoding keeps the one-row path."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fuselm
+from fuselm.converter.cli.options import ort_options
 from fuselm.runtime_metal.batch import BatchDecoder
-from fuselm.runtime_metal.drafting import PromptLookup
+from fuselm.runtime_metal.drafting import PromptLookup, speculative_engine_options
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import prefill
 from fuselm.runtime_metal.loaded_model import LoadedModel, open_model
@@ -29,8 +33,11 @@ N = 110  # new tokens: past token 88
 
 @pytest.fixture(scope="module")
 def smol(smol_default: Path) -> LoadedModel:
-    model = open_model(smol_default, "onnxruntime", exact_rows=True)  # level: the default
+    """The model as speculative decoding opens it by default (exact rows: on where lowered)."""
+    options = speculative_engine_options("onnxruntime", {}, drafting=True)
+    model = open_model(smol_default, "onnxruntime", **options)  # level: the default
     assert model.engine.describe()["accuracy_level"] == 4
+    assert model.engine.describe()["exact_rows"] is True
     return model
 
 
@@ -95,15 +102,49 @@ def test_batch_decoder_equals_plain_greedy(smol: LoadedModel, prompt: list[int],
     assert dec.accepted > 0
 
 
+def test_exact_rows_default_rule() -> None:
+    """On onnxruntime: on with a drafter unless --no-exact-rows, off for plain decoding unless
+    --exact-rows; either flag is refused by name on MLX."""
+    assert "exact_rows" not in ort_options("onnxruntime", 4, None)
+    assert ort_options("onnxruntime", 4, None, drafting=True)["exact_rows"] is None  # if lowered
+    assert ort_options("onnxruntime", 4, None, False, drafting=True)["exact_rows"] is False
+    assert ort_options("onnxruntime", 4, None, True)["exact_rows"] is True
+    assert ort_options("mlx", 4, None, drafting=True) == {}
+    for flag, value in (("--exact-rows", True), ("--no-exact-rows", False)):
+        with pytest.raises(RuntimeUserError, match=f"{flag} sets onnxruntime's"):
+            ort_options("mlx", 4, None, value)
+
+
+def test_run_cli_drafts_at_defaults(smol: LoadedModel, plain: list[int],
+                                    capsys: pytest.CaptureFixture) -> None:
+    """`fuselm run --draft-lookup` and `--draft OUT_DIR` (the model as its own draft: the same
+    tokenizer), no other flag, reply with plain decoding's tokens (--exact-rows: the drafted
+    reply's plain counterpart)."""
+    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "24", "--json"]
+    for drafter in (["--draft-lookup"], ["--draft", str(smol.path), "--num-draft", "4"]):
+        code, out, _ = run_cli(capsys, *args, *drafter)
+        assert code == 0
+        got = json.loads(out.splitlines()[-1])
+        assert got["tokens"] == plain[:24] and got["accepted"] > 0, drafter
+
+
+def test_api_drafts_at_defaults(smol: LoadedModel, prompt: list[int], plain: list[int]) -> None:
+    """`fuselm.load(..., draft_lookup=True)` opens onnxruntime with exact rows; its greedy
+    generation is plain decoding's."""
+    model = fuselm.load(smol.path, "onnxruntime", draft_lookup=True)
+    assert model.engine.describe()["exact_rows"] is True
+    assert model.generate(prompt, max_tokens=24).tokens == plain[:24]
+
+
+
 def test_run_cli_exact_rows(smol: LoadedModel, plain: list[int],
                             capsys: pytest.CaptureFixture) -> None:
-    """`fuselm run --exact-rows --draft-lookup` replies with plain decoding's tokens; the flag
-    is refused by name on MLX, and without the lowered graph."""
+    """`fuselm run --exact-rows` (plain decoding) replies with a drafted reply's tokens; the
+    flag is refused by name on MLX, and without the lowered graph."""
     args = ["run", str(smol.path), "--prompt", EDIT, "-n", "24", "--json", "--exact-rows"]
-    code, out, _ = run_cli(capsys, *args, "--draft-lookup")
+    code, out, _ = run_cli(capsys, *args)
     assert code == 0
-    got = json.loads(out.splitlines()[-1])
-    assert got["tokens"] == plain[:24] and got["accepted"] > 0
+    assert json.loads(out.splitlines()[-1])["tokens"] == plain[:24]
     line = one_error(*cli(capsys, *args, "--engine", "mlx"))
     assert "--exact-rows" in line and "onnxruntime" in line
     with pytest.raises(RuntimeUserError, match="exact_rows needs the lowered graph"):
