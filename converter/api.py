@@ -269,7 +269,8 @@ def load(path: str | Path, engine: str = "auto", **options: Any) -> Model:
     accuracy_level=0 or exact_rows=True for onnxruntime; kv_bits=8 or 4, kv_group_size=64 for
     MLX's quantized KV cache), but speculative decoding's, which every greedy generation then uses:
     draft_lookup=True (prompt lookup) or draft=OUT_DIR (a smaller artifact of the same
-    tokenizer), num_draft, draft_ngram (as the CLI's flags). `model, tokenizer = load(path)`
+    tokenizer), num_draft, draft_ngram (as the CLI's flags; on onnxruntime they turn exact_rows
+    on unless it is given). `model, tokenizer = load(path)`
     unpacks as mlx-lm's does."""
     return Model(path, engine, **options)
 

@@ -162,11 +162,11 @@ def draft_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--exact-rows/--no-exact-rows", default=None,
                      help="onnxruntime: every step computes each position as a one-token step "
                      "does (one more attention row a step), so a drafted reply is one fixed "
-                     "greedy decoding whatever was drafted: on with --draft-lookup/--draft (it "
-                     "costs their steps nothing), off for plain decoding (it costs a decode "
-                     "step +10%% to +30%%); --exact-rows on plain decoding gives a drafted "
-                     "reply's tokens; rows then decode one after another, not batched  "
-                     "[default: on when drafting]"),
+                     "greedy decoding whatever was drafted, the one plain decoding gives with "
+                     "--exact-rows; on with --draft-lookup/--draft (it costs their steps "
+                     "nothing; serve: with --max-batch 1 only, as rows then decode one after "
+                     "another, not batched), off for plain decoding (+10% to +30% a decode "
+                     "step)  [default: on when drafting]"),
     ]):
         f = opt(f)
     return f

@@ -129,7 +129,10 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     its batch schedule; a rank that dies stops the job: /health answers 503 naming it.
 
     --draft-lookup or --draft: speculative decoding with batching kept on; greedy requests
-    verify their drafts in the batch's step, sampled ones decode plainly beside them."""
+    verify their drafts in the batch's step, sampled ones decode plainly beside them. On
+    onnxruntime a drafted row is checked alone (drafts are made while one request decodes),
+    and exact rows (see --exact-rows) are on by default only with --max-batch 1: they would
+    decode the rows one after another."""
     _need_serve_extra()
     import uvicorn
 
@@ -148,8 +151,11 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
                         "%(message)s")
     refuse_parallel_draft(parallel, draft, draft_lookup)
     name = resolve_engine(engine, parallel)
+    # exact rows under drafting only where requests decode one at a time: with them
+    # onnxruntime's rows are not batched (0.35-0.5x the aggregate tokens/s at 4 streams,
+    # BENCHMARKS.md 'Speculative decoding'), so --max-batch > 1 keeps its rows batched
     options = {**ort_options(name, accuracy_level, threads, exact_rows,
-                             drafting=draft_lookup or draft is not None),
+                             drafting=(draft_lookup or draft is not None) and max_batch == 1),
                **join_parallel(parallel),
                **kv_options(name, kv_bits, kv_group_size)}
     # The engine is built on the engine thread (build), where it runs: MLX binds its streams
