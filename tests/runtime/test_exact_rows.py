@@ -117,24 +117,23 @@ def test_exact_rows_default_rule() -> None:
 
 def test_run_cli_drafts_at_defaults(smol: LoadedModel, plain: list[int],
                                     capsys: pytest.CaptureFixture) -> None:
-    """`fuselm run --draft-lookup` and `--draft OUT_DIR` (the model as its own draft: the same
-    tokenizer), no other flag, reply with plain decoding's tokens (--exact-rows: the drafted
-    reply's plain counterpart)."""
-    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "24", "--json"]
-    for drafter in (["--draft-lookup"], ["--draft", str(smol.path), "--num-draft", "4"]):
-        code, out, _ = run_cli(capsys, *args, *drafter)
-        assert code == 0
-        got = json.loads(out.splitlines()[-1])
-        assert got["tokens"] == plain[:24] and got["accepted"] > 0, drafter
+    """`fuselm run --draft-lookup`, no other flag, replies with plain decoding's tokens
+    (--exact-rows: the drafted reply's plain counterpart)."""
+    args = ["run", str(smol.path), "--prompt", EDIT, "-n", "24", "--json", "--draft-lookup"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0
+    got = json.loads(out.splitlines()[-1])
+    assert got["tokens"] == plain[:24] and got["accepted"] > 0
 
 
-def test_api_drafts_at_defaults(smol: LoadedModel, prompt: list[int], plain: list[int]) -> None:
-    """`fuselm.load(..., draft_lookup=True)` opens onnxruntime with exact rows; its greedy
-    generation is plain decoding's."""
-    model = fuselm.load(smol.path, "onnxruntime", draft_lookup=True)
+def test_api_draft_model_at_defaults(smol: LoadedModel, prompt: list[int],
+                                     plain: list[int]) -> None:
+    """`fuselm.load(..., draft=OUT_DIR)` (the model as its own draft: the same tokenizer)
+    opens the target on onnxruntime with exact rows; its greedy generation is plain
+    decoding's."""
+    model = fuselm.load(smol.path, "onnxruntime", draft=smol.path, num_draft=4)
     assert model.engine.describe()["exact_rows"] is True
     assert model.generate(prompt, max_tokens=24).tokens == plain[:24]
-
 
 
 def test_run_cli_exact_rows(smol: LoadedModel, plain: list[int],
