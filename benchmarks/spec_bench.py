@@ -17,10 +17,10 @@ and tg_cpu (the same tokens over the process's CPU time between them, all thread
 step costs, steadier than wall time on a machine shared with other work),
 the median over every timed run, its ratio to plain, the drafted/accepted counts, and whether
 each mode's tokens equal plain decoding's. `--batch B` drives the batch decoder (B copies of
-the prompt, step_tokens) instead of the single-sequence loop: tg is then tokens/s summed over
-the rows. Each mode runs at fuselm's defaults: on onnxruntime, plain decoding on the one-row
-path, the drafting modes with exact rows (every step computes each position as a one-token
-step does: ort_engine/lowering.py; drafting.py speculative_engine_options);
+the prompt, step_tokens) instead of the single-sequence loop: tg and tg_cpu are then tokens/s
+summed over the rows. Each mode runs at fuselm's defaults: on onnxruntime, plain decoding on
+the one-row path, the drafting modes with exact rows (every step computes each position as a
+one-token step does: ort_engine/lowering.py; drafting.py speculative_engine_options);
 `--exact-rows` / `--no-exact-rows` set onnxruntime's exact_rows for every mode instead.
 """
 
@@ -80,8 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     runs, cpu_runs, tokens, counts = [], [], None, (0, 0)
     for r in range(args.r + 1):
         if args.batch > 1:
-            tg, tokens, counts = batched(model, ids, args, drafter)
-            tg_cpu = None
+            tg, tg_cpu, tokens, counts = batched(model, ids, args, drafter)
         else:
             cpu: list[float] = []  # process CPU time at each new token (all threads)
             res = model.generate(ids, max_new_tokens=args.n, drafter=drafter,
@@ -98,7 +97,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def batched(model, ids: list[int], args: argparse.Namespace, drafter) -> tuple:  # noqa: ANN001
-    """B copies of the prompt through the batch decoder until each has n tokens or its EOS."""
+    """B copies of the prompt through the batch decoder until each has n tokens or its EOS:
+    tokens/s over all rows, by wall and by process CPU time."""
     from fuselm.runtime_metal.batch import BatchDecoder
 
     dec = BatchDecoder(model.engine, max_batch=args.batch, max_context=len(ids) + args.n + 8,
@@ -106,7 +106,7 @@ def batched(model, ids: list[int], args: argparse.Namespace, drafter) -> tuple: 
     eos = set(model.eos_ids)
     slots = [dec.add(ids) for _ in range(args.batch)]
     got: dict[int, list[int]] = {s: [] for s in slots}
-    first = None
+    first = first_cpu = None
     while dec.active:
         for slot, toks in dec.step_tokens().items():
             for t in toks:
@@ -115,9 +115,10 @@ def batched(model, ids: list[int], args: argparse.Namespace, drafter) -> tuple: 
                 elif slot in dec.active:
                     got[slot].append(t)
             if first is None:
-                first = time.perf_counter()
+                first, first_cpu = time.perf_counter(), time.process_time()
     total = sum(len(v) for v in got.values()) - len(slots)
-    return total / (time.perf_counter() - first), got[slots[0]], (dec.drafted, dec.accepted)
+    return (total / (time.perf_counter() - first), total / (time.process_time() - first_cpu),
+            got[slots[0]], (dec.drafted, dec.accepted))
 
 
 def main() -> None:
