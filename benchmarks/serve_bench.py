@@ -27,7 +27,7 @@ checkpoint (fuselm only).
     python benchmarks/serve_bench.py --shape qwen3-0.6b --group-size 32 --rounds 3 -n 128 \
         --json-out serve_qwen3.json
     python benchmarks/serve_bench.py --artifact /tmp/smol_q4 --fuselm-engine onnxruntime \
-        --streams 1 4 --rounds 3 -n 64 --json-out serve_smol_cpu.json
+        --streams 1 4 --rounds 3 -n 64 --json-out serve_smol_cpu.json [--fuselm-flag=--draft-lookup]
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def start_servers(args: argparse.Namespace, fl_dir: Path, mlx_dir: Path | None
         cmd = [sys.executable, "-P", "-m", "fuselm.converter.cli.main", "serve", str(fl_dir),
                "--port", str(port), "--engine", args.fuselm_engine, "--max-batch", max_batch,
                "--log-level", "warning", "--model-name", "bench",
-               "--max-context", str(args.fuselm_max_context)]
+               "--max-context", str(args.fuselm_max_context), *args.fuselm_flag]
         servers.append(ServerProc("fuselm", cmd, "bench", port, work / "fuselm_server.log"))
     if "mlx-lm" in args.systems and mlx_dir is not None:
         port = free_port()
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fuselm-max-context", type=int, default=1024,
                     help="fuselm serve --max-context: KV rows are reserved (and attended) at "
                     "this length")
+    ap.add_argument("--fuselm-flag", action="append", default=[], metavar="FLAG",
+                    help="one more `fuselm serve` argument (repeat it: --fuselm-flag=--draft-"
+                    "lookup --fuselm-flag=--exact-rows)")
     ap.add_argument("--startup-timeout", type=float, default=600)
     ap.add_argument("--artifact", help="serve this fuselm artifact (fuselm only; no checkpoint "
                     "is built) and compare one stream with `fuselm bench` on it")
@@ -266,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         "group_size": args.group_size if not args.artifact else None, "dtype": dtype,
         "device": str(mx.default_device()), "n": args.n, "rounds": args.rounds,
         "prompt_words": args.prompt_words, "fuselm_engine": args.fuselm_engine,
-        "fuselm_max_context": args.fuselm_max_context, "results": {}}
+        "fuselm_max_context": args.fuselm_max_context, "fuselm_flags": args.fuselm_flag,
+        "load_average": os.getloadavg()[0], "results": {}}
     for name, by_k in runs.items():
         summary["results"][name] = {
             str(k): {**{m: statistics.median(x[m] for x in v) for m in

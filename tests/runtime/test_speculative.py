@@ -13,8 +13,8 @@ weights drawn wide (initializer_range 0.5) so greedy decoding does not repeat on
 head_dim 32, which onnxruntime's lowering (rows mode) takes. onnxruntime runs at accuracy
 level 0: at level 4 a step of several tokens computes unlike one of a single token
 (test_ort_row_batch.py says how), so a near-tie could pick another token; the engine's
-exact_rows option removes that difference (test_exact_rows.py, on the real SmolLM2 at level
-4)."""
+exact_rows option, which the CLI and the API turn on under drafting, removes that difference
+(test_exact_rows.py, on the real SmolLM2 at level 4)."""
 
 from __future__ import annotations
 
