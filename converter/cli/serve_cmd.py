@@ -152,7 +152,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     refuse_parallel_draft(parallel, draft, draft_lookup)
     name = resolve_engine(engine, parallel)
     # exact rows under drafting only where requests decode one at a time: with them
-    # onnxruntime's rows are not batched (0.35-0.5x the aggregate tokens/s at 4 streams,
+    # onnxruntime's rows are not batched (at 4 streams 0.57x plain's aggregate tokens/s;
     # BENCHMARKS.md 'Speculative decoding'), so --max-batch > 1 keeps its rows batched
     options = {**ort_options(name, accuracy_level, threads, exact_rows,
                              drafting=(draft_lookup or draft is not None) and max_batch == 1),
