@@ -93,3 +93,19 @@ def test_mixed_choice_respects_the_budget_and_prefers_the_most_sensitive() -> No
         assert plan["heavy"][0] == 8 or budget < one
     assert set(choose_bits(_items(ws), mixed_bits_per_weight(8, 32), 32).values()) == {(8, 32)}
     assert choose_bits(_items(ws), 6.0, 32) == choose_bits(_items(ws), 6.0, 32)  # deterministic
+
+
+def test_mixed_choice_counts_each_tensor_not_each_weight() -> None:
+    """Of two tensors, a big one with the larger relative error drop and one 16x smaller: the
+    small one's upgrade gains more per bit of the model, so under a budget that holds either
+    upgrade alone but not both, the small one takes 8 bits."""
+    rng = np.random.default_rng(4)
+    ws = {"small": rng.standard_normal((64, 32)).astype(np.float32),
+          "big": rng.standard_normal((64, 512)).astype(np.float32)}
+    ws["big"][::32] = 8.0  # outliers: the big tensor's 4-bit relative error is the larger
+    size = {n: w.size for n, w in ws.items()}
+    four = mixed_bits_per_weight(4, 32)
+    up = {n: size[n] * (mixed_bits_per_weight(8, 64) - four) for n in ws}  # 8-bit blocks of 64
+    budget = (four * sum(size.values()) + up["big"] + 1) / sum(size.values())
+    plan = choose_bits(_items(ws), budget, 32)
+    assert plan["small"][0] == 8 and plan["big"] == (4, 32)
