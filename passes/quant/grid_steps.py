@@ -43,3 +43,15 @@ def grid_steps(gap: np.ndarray, span: np.ndarray, levels: int) -> list[np.ndarra
             ok = (n >= 1) & (n <= levels)
             out.append(np.where(ok, span / np.where(ok, n, 1), np.nan).astype(np.float32))
     return out
+
+
+def grid_candidates(blocks: np.ndarray, span: np.ndarray, levels: int) -> list[np.ndarray]:
+    """grid_steps of every block, without the NaN-only arrays; nothing when the first column's
+    blocks have no candidate. That probe costs 1/n of the sort and skips it for a float weight
+    (a checkpoint's weights are on a grid in every column or in none: a slab whose first
+    column is off-grid keeps its search as it was, never worse)."""
+    probe = grid_steps(min_gap(blocks[:, :, :1], span[:, :1]), span[:, :1], levels)
+    if all(np.isnan(g).all() for g in probe):
+        return []
+    return [g for g in grid_steps(min_gap(blocks, span), span, levels)
+            if not np.isnan(g).all()]  # off-grid blocks: nothing to try

@@ -37,7 +37,7 @@ from types import ModuleType
 
 import numpy as np
 
-from fuselm.passes.quant.grid_steps import grid_steps, min_gap
+from fuselm.passes.quant.grid_steps import grid_candidates
 
 # Clipping ratios (r = 1 is min/max) and alternating steps. Measured on a Student-t (df 3)
 # [1024, 2048] tensor at block 32 (relative RMS error; min/max 0.1022): one ALS step alone
@@ -161,9 +161,9 @@ def search_params(
     # (a clipping candidate's zero point is of its range shrunk toward 0: lo * r)
     steps = [(base * np.float32(r), np.float32(r)) for r in ratios]
     if grid:
-        gap = min_gap(blocks, span)  # NumPy's sort in both forms: exact, so the same bits
-        steps += [(g, np.float32(1)) for g in grid_steps(gap, span, 8 if symmetric else _QMAX)
-                  if not np.isnan(g).all()]  # off-grid weights (most): nothing to try
+        # NumPy's sort in both forms: exact, so the same bits
+        steps += [(g, np.float32(1))
+                  for g in grid_candidates(blocks, span, 8 if symmetric else _QMAX)]
     for step, r in steps:
         s = _fp16(np.where(np.isnan(step), base, step))  # no grid step: min/max again
         if symmetric:

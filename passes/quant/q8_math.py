@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fuselm.passes.quant.grid_steps import grid_steps, min_gap
+from fuselm.passes.quant.grid_steps import grid_candidates
 from fuselm.passes.quant.q4_math import Q4Tensor, minmax_params
 
 _SLAB = 4096  # columns at a time: bounds the float32 temporaries
@@ -82,8 +82,7 @@ def _grid_search(blocks: np.ndarray, s: np.ndarray, zp: np.ndarray, symmetric: b
     that block's squared error is strictly smaller (ties keep min/max)."""
     lo = np.minimum(blocks.min(axis=1), 0)
     span = np.abs(blocks).max(axis=1) if symmetric else np.maximum(blocks.max(axis=1), 0) - lo
-    steps = [g for g in grid_steps(min_gap(blocks, span), span, 128 if symmetric else 255)
-             if not np.isnan(g).all()]  # off-grid weights (most): nothing to try
+    steps = grid_candidates(blocks, span, 128 if symmetric else 255)
     if not steps:
         return s, zp
     best = _sse(blocks, s, zp)
