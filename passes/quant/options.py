@@ -3,8 +3,8 @@ user's flags (`quant_options`) and handed unchanged from the CLI and the Python 
 convert pipeline to the quantize pass (passes/quant/quantize.py).
 
     --quant q4                    QuantOptions()                 the defaults below
-    --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max, no
-                                                                 search, no calibration)
+    --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max or a
+                                                                 grid step, no calibration)
     --quant mixed                 mixed=True                     4 or 8 bits per tensor under a
                                                                  mean of MIXED_BITS_BUDGET bits
                                                                  (q4_allocate.choose_bits)

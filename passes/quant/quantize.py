@@ -66,11 +66,12 @@ quantizes it (the info records that).
 
 **8-bit** (`bits=8`, `--q-bits 8`): the same blocks along K with uint8 codes and uint8 zero
 points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w/s) + zp, 0,
-255)); plain DequantizeLinear, which MLX reads as its 8-bit affine form. **Mixed**
-(`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above or 8-bit blocks of 128, 64
-or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error per added bit under
-a mean of `mixed_budget` bits per weight; the record's `mixed` names the 8-bit ones, each tensor
-its `bits` and block size.
+255)), or per block the step of a grid its values already sit on where that is exacter
+(passes/quant/q8_math.py); plain DequantizeLinear, which MLX reads as its 8-bit affine form.
+**Mixed** (`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above or 8-bit blocks of
+128, 64 or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error per added
+bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names the 8-bit ones,
+each tensor its `bits` and block size.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
 quantized (a GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K tensor) is stored as given, its codes, scales
