@@ -62,8 +62,10 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
         f"{k} x{v}" for k, v in given["kept"].items()) + f", {given['quantized']} quantized"
     mixed = record.get("mixed")
     if mixed:  # --quant mixed: which tensors the sensitivity measure put at 8 bits
+        rule = (f"under {mixed['bits_budget']} bits per weight" if "bits_budget" in mixed
+                else f"{mixed.get('share', 0):.0%} of the weights")  # an older artifact's
         kept += (f" · mixed: {len(mixed['eight_bit'])} tensors at 8 bits "
-                 f"(the most sensitive {mixed['share']:.0%} of the weights)")
+                 f"(the most sensitive per added bit, {rule})")
     lines = [
         f"{q} block {record.get('block_size')} · method {record.get('method', 'minmax')}{kept} · "
         f"{len(table)} tensors · {record.get('bits_per_weight')} bits/weight quantized, "

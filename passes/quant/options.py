@@ -3,11 +3,12 @@ user's flags (`quant_options`) and handed unchanged from the CLI and the Python 
 convert pipeline to the quantize pass (passes/quant/quantize.py).
 
     --quant q4                    QuantOptions()                 the defaults below
-    --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max, no
-                                                                 search, no calibration)
-    --quant mixed                 mixed=True                     q4, with the most sensitive
-                                                                 MIXED_SHARE of the weights at
-                                                                 8 bits (q4_allocate.choose_8bit)
+    --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max or a
+                                                                 grid step, no calibration)
+    --quant mixed                 mixed=True                     4 or 8 bits per tensor under a
+                                                                 mean of MIXED_BITS_BUDGET bits
+                                                                 (q4_allocate.choose_bits)
+    --quant mixed --bits-budget 7 mixed=True, bits_budget=7.0    ... under a mean of 7 bits
     --block-size 64               block_size=64                  every tensor in blocks of 64
     --bits-budget 4.45            bits_budget=4.45               32 or 64 per tensor under a mean
     --sym                         symmetric=True                 fixed zero point 8
@@ -33,11 +34,12 @@ from fuselm.passes.quant.q4_math import METHODS
 BLOCK_SIZES = (32, 64, 128)
 BITS = (4, 8)
 QUANT_CHOICES = ("none", "q4", "q8", "mixed")
-# `--quant mixed`: this share of the quantized weights (the tensors whose 4-bit rounding
-# measures worst on the calibration activations) at 8 bits, the rest as q4. On SmolLM2-135M
-# a float32 graph then holds 5.125 + 0.25 * 4.125 = 6.16 bits per weight, within llama.cpp's
-# Q4_K_M (6.27 bits per parameter there; BENCHMARKS.md 'Quantization quality').
-MIXED_SHARE = 0.25
+# `--quant mixed`: 4-bit blocks, or 8-bit blocks of 128/64/32, per tensor, chosen by measured
+# error per added bit under this mean of bits per quantized weight (float16 scales, as
+# `quant-report` counts; a float32 graph stores them in float32: +16/B). On SmolLM2-135M a
+# float32 graph then holds ~6.2 bits per parameter, within llama.cpp's Q4_K_M (6.27 there;
+# BENCHMARKS.md 'Quantization quality').
+MIXED_BITS_BUDGET = 5.75
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
 # Every tensor in blocks of 32 unless --block-size / --bits-budget say otherwise. A budget of
@@ -56,12 +58,17 @@ def _check_bits(bits: int, bits_budget: float | None, calibration: str | None) -
         raise PassesError("--calibration shapes 4-bit rounding; drop it with --q-bits 8")
 
 
-def _check_values(block_size: int | None, bits_budget: float | None, method: str) -> None:
+def _check_values(block_size: int | None, bits_budget: float | None, method: str,
+                  mixed: bool = False) -> None:
     lo, hi = BITS_BUDGET_RANGE
+    if mixed:  # every tensor in 4-bit blocks of --block-size .. every one in 8-bit blocks of 32
+        lo, hi = 4 + 20 / (block_size or DEFAULT_BLOCK_SIZE), 8.75
     if bits_budget is not None and not lo <= bits_budget <= hi:
+        what = ("with --quant mixed (every tensor at 4 bits .. every one in 8-bit blocks of 32)"
+                if mixed else "(every tensor in blocks of 64 .. of 32)")
         raise PassesError(
             f"--bits-budget {bits_budget} is out of range; give {lo} .. {hi} bits/weight "
-            "(every tensor in blocks of 64 .. of 32)")
+            + what)
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise PassesError(
             f"--block-size {block_size} is not supported; valid values: "
@@ -79,7 +86,8 @@ class QuantOptions:
 
     method: str = DEFAULT_METHOD
     block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or per tensor under a budget
-    bits_budget: float | None = None  # None: every tensor in blocks of `block_size`
+    bits_budget: float | None = None  # None: every tensor in blocks of `block_size` (mixed:
+    # the mean the 4/8-bit choice fills; None: MIXED_BITS_BUDGET)
     symmetric: bool = False
     lm_head: bool = True
     embeddings: bool = False
@@ -87,16 +95,21 @@ class QuantOptions:
     default_calibration: bool = True  # without `calibration`: the built-in text
     norm_importance: bool = True  # without calibration data: RMSNorm's gamma^2 as importance
     bits: int = 4
-    mixed: bool = False  # 4-bit, with MIXED_SHARE of the weights at 8 bits
+    mixed: bool = False  # 4 or 8 bits per tensor under `mixed_budget`
 
     def __post_init__(self) -> None:
-        _check_values(self.block_size, self.bits_budget, self.method)
+        _check_values(self.block_size, self.bits_budget, self.method, self.mixed)
         if self.calibration and not self.default_calibration:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
         _check_bits(self.bits, self.bits_budget, self.calibration)
-        if self.mixed and (self.bits != 4 or self.bits_budget is not None):
+        if self.mixed and self.bits != 4:
             raise PassesError("--quant mixed chooses 4 or 8 bits per tensor itself; drop "
-                              "--bits-budget / --q-bits")
+                              "--q-bits")
+
+    @property
+    def mixed_budget(self) -> float:
+        """`--quant mixed`'s mean bits per quantized weight."""
+        return self.bits_budget if self.bits_budget is not None else MIXED_BITS_BUDGET
 
     @property
     def calibrates(self) -> bool:
@@ -105,8 +118,9 @@ class QuantOptions:
 
     def blocks(self) -> tuple[int, float | None]:
         """(block size, bits budget): the budget asked for (32 or 64 per tensor under it), else
-        none (every tensor in blocks of `block_size`, 32 by default)."""
-        return self.block_size or DEFAULT_BLOCK_SIZE, self.bits_budget
+        none (every tensor in blocks of `block_size`, 32 by default; with `mixed`, the 4-bit
+        blocks' size, the budget being the 4/8-bit choice's)."""
+        return self.block_size or DEFAULT_BLOCK_SIZE, None if self.mixed else self.bits_budget
 
 
 def quant_options(
@@ -132,7 +146,7 @@ def quant_options(
         raise PassesError(
             f"--quant {quant!r} is not supported; valid values: {', '.join(QUANT_CHOICES)}"
         )
-    _check_values(block_size, bits_budget, quant_method)
+    _check_values(block_size, bits_budget, quant_method, q == "mixed")
     if q == "none":
         if symmetric or quant_lm_head or quant_embeddings:
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
@@ -144,9 +158,6 @@ def quant_options(
     bits = 8 if q == "q8" else 4
     if q_bits is not None and (q == "mixed" or q_bits != bits):
         raise PassesError(f"--quant {q} and --q-bits {q_bits} contradict; give one")
-    if q == "mixed" and bits_budget is not None:
-        raise PassesError("--quant mixed chooses 4 or 8 bits per tensor itself; drop "
-                          "--bits-budget")
     _check_bits(bits, bits_budget, calibration)
     return QuantOptions(quant_method, block_size, bits_budget, symmetric,
                         quant_lm_head is not False, quant_embeddings, calibration,

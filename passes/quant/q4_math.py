@@ -73,13 +73,15 @@ def quantize_array(
     symmetric: bool = False,
     method: str = "search",
     importance: np.ndarray | None = None,
+    grid: bool = True,
 ) -> Q4Tensor:
     """Quantize a [K, N] float weight along K in blocks of `block_size` (see module doc).
 
     method "minmax": each block's scale and zero point from its range (passes/quant/quantize.py's
     formula); "search": chosen to minimize the block's reconstruction error
     (passes/quant/q4_search.py), never worse than min/max. `importance` ([K], non-negative, search
-    only) weights each input row's squared error.
+    only) weights each input row's squared error. `grid` (search only): also the steps of a grid
+the values already sit on (passes/quant/grid_steps.py).
 
     Works on slabs of columns so the float32 temporaries stay in cache (about 4x faster than
     whole-tensor NumPy on a [1024, 151936] table); columns are independent, so the result is
@@ -118,7 +120,8 @@ def quantize_array(
             blocks, _ = _blocks(wf, block_size)
         if not finite:
             raise ValueError("weight has NaN or Inf values; refusing to quantize")
-        s16, zp = search_params(blocks, symmetric, None if imp is None else imp[b0:b1])
+        s16, zp = search_params(blocks, symmetric, None if imp is None else imp[b0:b1],
+                                grid=grid)
         scales[b0:b1, c0:c1] = s16
         zps[b0:b1, c0:c1] = zp
         return kernels.encode(blocks, s16.astype(np.float32), zp, r1 - r0, codes[r0:r1, c0:c1])
@@ -137,7 +140,7 @@ def quantize_array(
             raise ValueError("weight has NaN or Inf values; refusing to quantize")
         blocks, _ = _blocks(wf, block_size)
         if method == "search":
-            s16, zp = search_params(blocks, symmetric, imp)
+            s16, zp = search_params(blocks, symmetric, imp, grid=grid)
             s = s16.astype(np.float32)
             safe = np.where(s == 0, np.float32(1), s)
             zero = s == 0

@@ -7,6 +7,9 @@ the block's extremes: one outlier stretches the step for the other 31 weights. H
 1. a grid of clipping ranges: s = fp16(r * (hi - lo) / 15) for a few ratios r <= 1, zero point
    rint(-r * lo / s) (the range shrunk toward 0, which the grid always holds), r = 1 first: that
    candidate IS min/max;
+   then the steps of a grid the block's values may already sit on with fewer levels than
+   min/max spreads over them (passes/quant/grid_steps.py: a weight dequantized from a coarser
+   or reduced 4-bit grid that holds 0 comes back exactly), zero point rint(-lo / s);
 2. keep, per block, the candidate with the smallest sum of squared errors (ties keep the earlier,
    so min/max wins ties);
 3. alternating least squares from the winner (the idea of llama.cpp's `make_qkx2_quants` and of
@@ -17,7 +20,8 @@ the block's extremes: one outlier stretches the step for the other 31 weights. H
 Every candidate is evaluated exactly as it will be stored (float16 scale, codes =
 clip(rint(w / s) + zp, 0, 15) with true division), and a block only ever moves to a strictly
 smaller error, so no block is ever worse than min/max; a block that min/max reproduces exactly
-(a weight on a 4-bit grid) stays exact. Pure NumPy on float32, no randomness: deterministic.
+(a weight on a 4-bit grid) stays exact, and so does one on a reduced grid that a grid step
+finds. Pure NumPy on float32, no randomness: deterministic.
 
 Optional per-row importance (a weight per input channel, e.g. mean squared activation) turns
 the squared error into an importance-weighted one; the min/max guarantee then holds for that
@@ -32,6 +36,8 @@ from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
+
+from fuselm.passes.quant.grid_steps import grid_candidates
 
 # Clipping ratios (r = 1 is min/max) and alternating steps. Measured on a Student-t (df 3)
 # [1024, 2048] tensor at block 32 (relative RMS error; min/max 0.1022): one ALS step alone
@@ -119,11 +125,13 @@ def search_params(
     importance: np.ndarray | None = None,
     ratios: tuple[float, ...] = RATIOS,
     als_steps: int = ALS_STEPS,
+    grid: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Scales (float16) and zero points (float32, integral) for float32 blocks [nb, B, n].
 
     `importance`, if given, is [nb, B, 1] (one non-negative weight per row of each block).
     Symmetric mode keeps zp = 8 and searches the scale only (from max|w| / 7 down).
+    `grid`: also try the steps of a grid the values already sit on (passes/quant/grid_steps.py).
     """
     # One column: NumPy sums it in another order (pairwise), which the compiled loops do not.
     fast = use_compiled() and blocks.dtype == np.float32 and blocks.shape[2] > 1
@@ -141,19 +149,28 @@ def search_params(
         tmp = np.empty_like(blocks)
         lo = np.minimum(blocks.min(axis=1), 0)
     if symmetric:
-        base = (amax if fast else np.abs(blocks).max(axis=1)) / np.float32(7)
+        span = amax if fast else np.abs(blocks).max(axis=1)
+        base = span / np.float32(7)
     else:
-        base = (np.maximum(hi if fast else blocks.max(axis=1), 0) - lo) / np.float32(_QMAX)
+        span = np.maximum(hi if fast else blocks.max(axis=1), 0) - lo
+        base = span / np.float32(_QMAX)
     if float(base.max(initial=0.0)) > _FP16_MAX:
         raise ValueError("a block's range exceeds float16 scales (|w| > ~1e6); cannot quantize")
     best_s = best_zp = best_err = None
-    for r in ratios:
-        s = _fp16(base * np.float32(r))
+    # the clipping ratios, then the steps of a grid the block's values may already sit on
+    # (a clipping candidate's zero point is of its range shrunk toward 0: lo * r)
+    steps = [(base * np.float32(r), np.float32(r)) for r in ratios]
+    if grid:
+        # NumPy's sort in both forms: exact, so the same bits
+        steps += [(g, np.float32(1))
+                  for g in grid_candidates(blocks, span, 8 if symmetric else _QMAX)]
+    for step, r in steps:
+        s = _fp16(np.where(np.isnan(step), base, step))  # no grid step: min/max again
         if symmetric:
             zp = np.full(s.shape, 8, np.float32)
         else:
             safe = np.where(s == 0, np.float32(1), s)
-            zp = np.clip(np.rint(-(lo * np.float32(r)) / safe), 0, _QMAX)
+            zp = np.clip(np.rint(-(lo * r) / safe), 0, _QMAX)
             zp[s == 0] = 0
         err = _errors(blocks, s, zp, importance, c, tmp, kimp)
         if best_err is None:

@@ -7,23 +7,29 @@ passes/quant/quantize.py with 255 steps instead of 15, uint8 codes and zero poin
     codes = clip(rint(w / s) + zp, 0, 255)
 
 At 8 bits the rounding error is ~1/16 of 4-bit's, below what an error-minimizing search or
-calibration would move, so neither runs (the record says "minmax"). Same container as 4-bit
-(Q4Tensor: codes, float16 scales, zero points, block size, error).
+calibration would move, so neither runs. One search does: a block whose values already sit on a
+grid of at most 255 steps that holds 0 (a checkpoint dequantized from llama.cpp's Q8_0, Q5_0, a
+4-bit type without mins) is stored on that grid, exactly, where min/max's step would round every
+value off it: the candidate steps of passes/quant/grid_steps.py, each kept for a block only where
+its squared error drops below min/max's (the record says "minmax+grid"). Same container as
+4-bit (Q4Tensor: codes, float16 scales, zero points, block size, error).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from fuselm.passes.quant.grid_steps import grid_candidates
 from fuselm.passes.quant.q4_math import Q4Tensor, minmax_params
 
 _SLAB = 4096  # columns at a time: bounds the float32 temporaries
 
 
-def quantize_8bit(w: np.ndarray, block_size: int = 32, symmetric: bool = False) -> Q4Tensor:
+def quantize_8bit(w: np.ndarray, block_size: int = 32, symmetric: bool = False,
+                  grid: bool = True) -> Q4Tensor:
     """[K, N] float weight → uint8 codes [K, N], float16 scales and uint8 zero points
     [ceil(K/B), N]; a partial last block from its own values (zero padding holds 0, which
-    changes no min/max)."""
+    changes no min/max and sits on every grid). `grid`: the grid search (else min/max only)."""
     if w.ndim != 2:
         raise ValueError(f"expected a 2-D [K, N] weight, got shape {w.shape}")
     k, n = w.shape
@@ -41,10 +47,11 @@ def quantize_8bit(w: np.ndarray, block_size: int = 32, symmetric: bool = False) 
         if pad:
             wf = np.concatenate([wf, np.zeros((pad, c1 - c0), np.float32)])
         blocks = wf.reshape(nb, block_size, c1 - c0)
-        s16, s, zp, safe, zero = minmax_params(blocks, symmetric, bits=8)
-        q = np.rint(np.divide(blocks, safe[:, None, :])) + zp[:, None, :]
-        q = np.where(zero[:, None, :], zp[:, None, :], q)
-        np.clip(q, 0, 255, out=q)
+        s16, s, zp, _, _ = minmax_params(blocks, symmetric, bits=8)
+        if grid:
+            s, zp = _grid_search(blocks, s, zp, symmetric)
+        s16 = s.astype(np.float16)
+        q = _codes(blocks, s, zp)
         d = (q - zp[:, None, :]) * s[:, None, :] - blocks
         sse += float(np.vdot(d, d))
         ssw += float(np.vdot(blocks, blocks))
@@ -53,3 +60,42 @@ def quantize_8bit(w: np.ndarray, block_size: int = 32, symmetric: bool = False) 
         zps[:, c0:c1] = zp
     rel = float(np.sqrt(sse / ssw)) if ssw > 0 else 0.0
     return Q4Tensor(codes, scales, zps, block_size, rel)
+
+
+def _codes(blocks: np.ndarray, s: np.ndarray, zp: np.ndarray) -> np.ndarray:
+    """clip(rint(w / s) + zp, 0, 255) as float32 [nb, B, n]; every code at zp where s == 0."""
+    zero = s == 0
+    q = np.rint(np.divide(blocks, np.where(zero, np.float32(1), s)[:, None, :]))
+    q += zp[:, None, :]
+    q = np.where(zero[:, None, :], zp[:, None, :], q)
+    return np.clip(q, 0, 255, out=q)
+
+
+def _sse(blocks: np.ndarray, s: np.ndarray, zp: np.ndarray) -> np.ndarray:
+    d = (_codes(blocks, s, zp) - zp[:, None, :]) * s[:, None, :] - blocks
+    return np.einsum("bkn,bkn->bn", d, d)
+
+
+def _grid_search(blocks: np.ndarray, s: np.ndarray, zp: np.ndarray, symmetric: bool
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """min/max's (s, zp), moved per block to a grid step of passes/quant/grid_steps.py where
+    that block's squared error is strictly smaller (ties keep min/max)."""
+    lo = np.minimum(blocks.min(axis=1), 0)
+    span = np.abs(blocks).max(axis=1) if symmetric else np.maximum(blocks.max(axis=1), 0) - lo
+    steps = grid_candidates(blocks, span, 128 if symmetric else 255)
+    if not steps:
+        return s, zp
+    best = _sse(blocks, s, zp)
+    for step in steps:
+        with np.errstate(over="ignore"):
+            cs = np.where(np.isnan(step), s, step).astype(np.float16).astype(np.float32)
+        if symmetric:
+            czp = zp
+        else:
+            czp = np.clip(np.rint(-lo / np.where(cs == 0, np.float32(1), cs)), 0, 255)
+            czp[cs == 0] = 0
+        err = _sse(blocks, cs, czp)
+        better = err < best
+        s, zp, best = (np.where(better, cs, s), np.where(better, czp, zp),
+                       np.where(better, err, best))
+    return s, zp

@@ -66,10 +66,12 @@ quantizes it (the info records that).
 
 **8-bit** (`bits=8`, `--q-bits 8`): the same blocks along K with uint8 codes and uint8 zero
 points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w/s) + zp, 0,
-255)); plain DequantizeLinear, which MLX reads as its 8-bit affine form. **Mixed**
-(`mixed=True`, `--quant mixed`): 4-bit as above, except the tensors
-passes/quant/q4_allocate.choose_8bit picks by measured sensitivity (MIXED_SHARE of the
-weights), which take 8-bit blocks; the record's `mixed` names them, each tensor its `bits`.
+255)), or per block the step of a grid its values already sit on where that is exacter
+(passes/quant/q8_math.py); plain DequantizeLinear, which MLX reads as its 8-bit affine form.
+**Mixed** (`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above or 8-bit blocks of
+128, 64 or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error per added
+bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names the 8-bit ones,
+each tensor its `bits` and block size.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
 quantized (a GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K tensor) is stored as given, its codes, scales
@@ -112,8 +114,8 @@ from fuselm.passes import ops, weights
 from fuselm.passes.graph import PassResult, is_graph_output
 from fuselm.passes.model_io import runnable
 from fuselm.passes.quant import q4_search
-from fuselm.passes.quant.options import MIXED_SHARE, QuantOptions
-from fuselm.passes.quant.q4_allocate import allocate_blocks, choose_8bit
+from fuselm.passes.quant.options import QuantOptions
+from fuselm.passes.quant.q4_allocate import allocate_blocks, choose_bits
 from fuselm.passes.quant.q4_calibration import Calibration, Moments
 from fuselm.passes.quant.q4_math import Q4Tensor, quantize_array, quantize_gptq, uint4_tensor
 from fuselm.passes.quant.q8_math import quantize_8bit
@@ -196,8 +198,8 @@ class QuantizeQ4:
             "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
             "bits_budget": budget,
             "mixed": None if not opts.mixed else {
-                "share": MIXED_SHARE, "eight_bit": sorted(eight),
-                "measure": "relative importance-weighted error drop, 4 to 8 bits"},
+                "bits_budget": opts.mixed_budget, "eight_bit": sorted(eight),
+                "measure": "relative importance-weighted error drop per added bit"},
             # (None too when every weight kept its given blocks: no forward ran, none needed)
             "calibration": None if self.calibration is None or not todo else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
@@ -209,7 +211,8 @@ class QuantizeQ4:
             "rounding": "scale: float16 round-to-nearest-even; codes: round-half-to-even of w/s, "
                         "+ zp",
             "tensors": w.tensors,
-            "method": opts.method if opts.bits == 4 else "minmax",
+            "method": opts.method if opts.bits == 4 or opts.method != "search"
+            else "minmax+grid",
             "lm_head": any(t["role"] in ("lm_head", "tied_embedding_lm_head") for t in w.tensors),
             "embeddings": any(t["role"] in ("embedding", "tied_embedding_lm_head")
                               for t in w.tensors),
@@ -241,7 +244,8 @@ class QuantizeQ4:
             calib_seconds = time.perf_counter() - t0
         elif calib is None and opts.norm_importance:
             moments = _norm_moments(jobs)
-        eight = set(_eight_bit(jobs, block_size, opts, moments)) if opts.mixed else set()
+        plan = _mixed_plan(jobs, block_size, opts, moments) if opts.mixed else {}
+        eight = {n for n, (bits, _) in plan.items() if bits == 8}
         w.fused_via_node = w.fused_via_node or bool(eight)
         # Which jobs get their statistics from which forward (see _rounds).
         rounds = _rounds(jobs, calib, eight)
@@ -255,6 +259,7 @@ class QuantizeQ4:
                     calib_seconds += time.perf_counter() - t0
                 if n == 0:
                     blocks = _block_sizes(jobs, block_size, budget, opts, moments)
+                    blocks.update({name: b for name, (_, b) in plan.items()})
                 for job in part:
                     stats = (None if moments is None or job.activation is None
                              else moments.get(job.activation.name))
@@ -495,12 +500,12 @@ def _zero_point_text(opts: QuantOptions) -> str:
     return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
 
 
-def _eight_bit(jobs: list[_Job], block_size: int, opts: QuantOptions,
-               moments: dict[str, Moments] | None) -> list[str]:
-    """`--quant mixed`: the weights stored at 8 bits (passes/quant/q4_allocate.choose_8bit)."""
-    return choose_8bit(
+def _mixed_plan(jobs: list[_Job], block_size: int, opts: QuantOptions,
+                moments: dict[str, Moments] | None) -> dict[str, tuple[int, int]]:
+    """`--quant mixed`: (bits, block size) per weight (passes/quant/q4_allocate.choose_bits)."""
+    return choose_bits(
         [(j.weight.name, j.kn, None if j.activation is None else j.activation.name)
-         for j in jobs], MIXED_SHARE, block_size, opts.symmetric, opts.method,
+         for j in jobs], opts.mixed_budget, block_size, opts.symmetric, opts.method,
         None if moments is None else {k: v.sq for k, v in moments.items()})
 
 
@@ -623,7 +628,7 @@ class _Writer:
         calibrated = None
         bits = bits or self.opts.bits
         if bits == 8:
-            q = quantize_8bit(w_kn, block_size, symmetric)
+            q = quantize_8bit(w_kn, block_size, symmetric, self.opts.method == "search")
         elif stats is not None and stats.gram is not None:
             q, calibrated = quantize_gptq(w_kn, stats.gram, block_size, symmetric), "gptq"
         else:

@@ -170,28 +170,30 @@ def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None
     assert builtin_calibration(models["hf"], big) is None
 
 
-def test_mixed_preset_puts_the_most_sensitive_share_at_8_bits(models: dict[str, Path]) -> None:
-    """`--quant mixed`: the tensors choose_8bit picks from the built-in text's importance (at
-    most MIXED_SHARE of the weights) are stored as 8-bit blocks of 32 (quantize_8bit's codes),
-    the rest as the default 4-bit; the choice is recorded, shown by quant-report, and the
-    artifact runs the same on both engines."""
+def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str, Path]) -> None:
+    """`--quant mixed`: the tensors choose_bits picks from the built-in text's importance under
+    the default budget (MIXED_BITS_BUDGET bits per weight) are stored as 8-bit blocks
+    (quantize_8bit's codes at the chosen block size), the rest as the default 4-bit; the choice
+    is recorded, shown by quant-report, and the artifact runs the same on both engines."""
     from click.testing import CliRunner
 
     from fuselm.converter.calibration_input import builtin_calibration
     from fuselm.converter.cli.main import cli
-    from fuselm.passes.quant.options import MIXED_SHARE
-    from fuselm.passes.quant.q4_allocate import choose_8bit
+    from fuselm.passes.quant.options import MIXED_BITS_BUDGET
+    from fuselm.passes.quant.q4_allocate import choose_bits, mixed_bits_per_weight
     from fuselm.passes.quant.q8_math import quantize_8bit
 
     q = read_manifest(models["mixed"]).quantization
-    assert q is not None and q["bits"] == "mixed 4/8" and q["block_size"] == 32
+    assert q is not None and q["bits"] == "mixed 4/8"
     eight = q["mixed"]["eight_bit"]
-    assert eight and q["mixed"]["share"] == MIXED_SHARE
+    assert eight and q["mixed"]["bits_budget"] == MIXED_BITS_BUDGET
     ts = {t["name"]: t for t in q["tensors"]}
     assert {n for n, t in ts.items() if t.get("bits", 4) == 8} == set(eight)
     size = {n: int(np.prod(t["shape"])) for n, t in ts.items()}
-    assert sum(size[n] for n in eight) <= MIXED_SHARE * sum(size.values())
-    # the choice is choose_8bit's on the float graph's weights and the text's importance
+    plan = {n: (t.get("bits", 4), t["block_size"]) for n, t in ts.items()}
+    assert sum(size[n] * mixed_bits_per_weight(*plan[n]) for n in ts) \
+        <= MIXED_BITS_BUDGET * sum(size.values())
+    # the choice is choose_bits's on the float graph's weights and the text's importance
     cal = builtin_calibration(models["hf"])
     assert cal is not None
     model = onnx.load(str(models["float"] / "model.onnx"))
@@ -208,13 +210,14 @@ def test_mixed_preset_puts_the_most_sensitive_share_at_8_bits(models: dict[str, 
         kn = inits[n].T if t["role"] in HEAD_ROLES else inits[n]
         items.append((n, lambda kn=kn: kn, head_act if t["role"] in HEAD_ROLES else acts_of[n]))
     imp = {k: v.sq for k, v in moments.items()}
-    assert choose_8bit(items, MIXED_SHARE, 32, importance=imp) == eight
+    assert choose_bits(items, MIXED_BITS_BUDGET, 32, importance=imp) == plan
     qm = onnx.load(str(models["mixed"] / "model.onnx"))
     qinits = {t.name: t for t in qm.graph.initializer}
     for n in eight:
         kn = inits[n].T if ts[n]["role"] in HEAD_ROLES else inits[n]
         got = numpy_helper.to_array(qinits[ts[n]["codes"]])
-        assert got.dtype == np.uint8 and np.array_equal(got, quantize_8bit(kn, 32).codes)
+        assert got.dtype == np.uint8 and np.array_equal(
+            got, quantize_8bit(kn, plan[n][1]).codes)
     four = next(n for n in ts if n not in eight)
     assert ts[four].get("bits", 4) == 4
     text = CliRunner().invoke(cli, ["quant-report", str(models["mixed"])]).output
@@ -230,7 +233,8 @@ def test_mixed_preset_refuses_its_contradictions() -> None:
     from fuselm.passes.quant.options import quant_options
 
     assert quant_options("mixed").mixed and quant_options("mixed").bits == 4
-    with pytest.raises(PassesError, match="--bits-budget"):
-        quant_options("mixed", bits_budget=4.45)
+    assert quant_options("mixed", bits_budget=7.0).mixed_budget == 7.0
+    with pytest.raises(PassesError, match="--bits-budget 4.45 is out of range; give 4.625"):
+        quant_options("mixed", bits_budget=4.45)  # below every tensor at 4 bits
     with pytest.raises(PassesError, match="contradict"):
         quant_options("mixed", q_bits=8)

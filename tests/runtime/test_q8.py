@@ -37,7 +37,7 @@ def q8(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_weight_is_stored_in_8_bits(q8: dict[str, tuple[Path, Path]], name: str) -> None:
     q = read_manifest(q8[name][1]).quantization
-    assert q is not None and q["bits"] == 8 and q["method"] == "minmax"
+    assert q is not None and q["bits"] == 8 and q["method"] == "minmax+grid"
     assert {t["bits"] for t in q["tensors"]} == {8}
     assert q["block_size"] == CASES[name][1].get("block_size", 32)
     assert max(t["rel_rms_error"] for t in q["tensors"]) < 0.01  # 255 steps a block
