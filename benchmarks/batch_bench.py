@@ -4,6 +4,7 @@ tg) and, for each batch size b, the batched step's time, tokens/s over all seque
 sequence, its time over the single step's and its total throughput over one row's.
 
     python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8 16]
+        [--artifact DIR] [--graph]
 
 Single: one prompt of -p tokens, -n new tokens (greedy), a warm-up run, the median of -r runs.
 Times are wall clock; each b also reports the process's CPU time a step (`step_cpu_ms`), the
@@ -18,13 +19,13 @@ benchmarks/long_prompt.py (same --work).
 --graph: instead of the timed rounds, the host's side of a decode step, what a GPU step waits on
 when the device is fast (one JSON): for the single sequence (Engine.decode_step) and the batched
 step at each b (the compiled DecodeProgram.paged over a block cache, b rows at their own
-offsets, fed back their argmax as BatchDecoder's steady state is), the step's MLX graph — the
-nodes of the compiled call's outputs and the argmax, by primitive (profile.graph_nodes:
-counted, not timed, so the same on any load) and the uncompiled trace's (what one trace
-builds) — and the calling thread's CPU time a step (medians of -r rounds of -n steps),
-split into `build` (the compiled call and the argmax: Python and MLX's graph replay) and
-`dispatch` (mx.async_eval: MLX encoding the graph). On MLX's CPU backend the compute runs on
-MLX's own thread, so neither includes it.
+offsets, fed back their argmax as BatchDecoder's steady state is), the step's MLX graph —
+the nodes of the compiled call's outputs (logits, cache writes) and the argmax, by primitive
+(profile.graph_nodes: counted, not timed, so the same on any load) and the uncompiled
+trace's (what one trace builds) — and the calling thread's CPU time a step (medians of -r
+rounds of -n steps), split into `build` (the compiled call and the argmax: Python and MLX's
+graph replay) and `dispatch` (mx.async_eval: MLX encoding the graph). On MLX's CPU backend
+the compute runs on MLX's own thread, so neither includes it.
 
 --profile (NVIDIA): each b's steps once more under PyTorch's profiler with CUDA activity
 (CUPTI records MLX's kernels): the device time a step by kernel name, the kernels a step and
@@ -137,7 +138,8 @@ def graph_report(engine, prompt: list[int], batches: list[int], n: int, runs: in
 
     mx.eval(state["y"])
     logits = engine.decode_step(state["y"])
-    out = {"single": {**_nodes([logits, mx.argmax(logits, axis=-1)]),
+    written = [a for c in fast.caches for a in c.buffers()]  # its cache writes, lazy
+    out = {"single": {**_nodes([logits, mx.argmax(logits, axis=-1), *written]),
                       "traced_nodes": traced["nodes"], "traced": traced["by_primitive"],
                       **_host_rounds(single, n, runs)}}
     fn, layout, _ = engine.batch_program()

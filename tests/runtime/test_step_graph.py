@@ -26,7 +26,8 @@ def _single_step_nodes(engine, prompt: list[int]) -> int:  # noqa: ANN001
     y = mx.argmax(engine.forward_device(np.array([prompt])), axis=-1).astype(mx.uint32)
     mx.eval(y)
     logits = engine.decode_step(y)
-    return sum(graph_nodes(logits, mx.argmax(logits, axis=-1)).values())
+    written = [a for c in engine.fast.caches for a in c.buffers()]  # its cache writes, lazy
+    return sum(graph_nodes(logits, mx.argmax(logits, axis=-1), *written).values())
 
 
 def _batched_step_nodes(engine, rows: int, at: int) -> int:  # noqa: ANN001
