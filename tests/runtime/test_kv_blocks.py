@@ -63,7 +63,7 @@ def test_block_reads_and_writes_match_a_contiguous_cache() -> None:
     written = write_blocks(mx.array(pool), mx.array(new), BlockIndex(bt, mx.array(offsets)))
     for r, p in enumerate(offsets):
         contiguous[r, :, p] = new[r, 0]
-    index = BlockIndex(bt)  # one index read by both layers' gathers (a step's)
+    index = BlockIndex(bt)  # one step's index, read by both gathers below
     assert np.array_equal(np.array(read_blocks(written, index)), contiguous)
     # three positions a row (a speculative step's), across a block boundary
     offsets = np.array([2, BLOCK - 2, 2 * BLOCK], np.int32)
