@@ -4,6 +4,7 @@ tg) and, for each batch size b, the batched step's time, tokens/s over all seque
 sequence, its time over the single step's and its total throughput over one row's.
 
     python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8 16]
+        [--artifact DIR] [--graph]
 
 Single: one prompt of -p tokens, -n new tokens (greedy), a warm-up run, the median of -r runs.
 Times are wall clock; each b also reports the process's CPU time a step (`step_cpu_ms`), the
@@ -15,6 +16,17 @@ Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps
 timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
 benchmarks/long_prompt.py (same --work).
 
+--graph: instead of the timed rounds, the host's side of a decode step, what a GPU step waits on
+when the device is fast (one JSON): for the single sequence (Engine.decode_step) and the batched
+step at each b (the compiled DecodeProgram.paged over a block cache, b rows at their own
+offsets, fed back their argmax as BatchDecoder's steady state is), the step's MLX graph —
+the nodes of the compiled call's outputs (logits, cache writes) and the argmax, by primitive
+(profile.graph_nodes: counted, not timed, so the same on any load) and the uncompiled
+trace's (what one trace builds) — and the calling thread's CPU time a step (medians of -r
+rounds of -n steps), split into `build` (the compiled call and the argmax: Python and MLX's
+graph replay) and `dispatch` (mx.async_eval: MLX encoding the graph). On MLX's CPU backend
+the compute runs on MLX's own thread, so neither includes it.
+
 --profile (NVIDIA): each b's steps once more under PyTorch's profiler with CUDA activity
 (CUPTI records MLX's kernels): the device time a step by kernel name, the kernels a step and
 the time covered by at least one kernel, so a batch's extra cost is attributed to the kernels
@@ -25,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -40,6 +53,8 @@ from long_prompt import SHAPES, artifact  # noqa: E402
 from fuselm.runtime_metal.batch import BatchDecoder  # noqa: E402
 from fuselm.runtime_metal.engine import make_engine  # noqa: E402
 from fuselm.runtime_metal.generate import generate  # noqa: E402
+from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache  # noqa: E402
+from fuselm.runtime_metal.mlx_engine.profile import graph_nodes  # noqa: E402
 
 
 def single_step_ms(engine, prompt: list[int], n: int, runs: int  # noqa: ANN001
@@ -74,6 +89,96 @@ def profile_steps(dec: BatchDecoder, n: int) -> dict[str, object]:
                     for k, v in top]}
 
 
+def _host_rounds(one_step, n: int, runs: int) -> dict[str, float]:  # noqa: ANN001
+    """Calling-thread CPU time a step of `one_step(split)` (which adds its build and dispatch
+    seconds into split), medians of `runs` rounds of n steps after a warm-up round."""
+    build, dispatch = [], []
+    for r in range(runs + 1):
+        split = {"build": 0.0, "dispatch": 0.0}
+        for _ in range(n):
+            one_step(split)
+        mx.synchronize()
+        if r:
+            build.append(split["build"] / n * 1e3)
+            dispatch.append(split["dispatch"] / n * 1e3)
+    b, d = statistics.median(build), statistics.median(dispatch)
+    return {"build_ms": b, "dispatch_ms": d, "host_ms": b + d}
+
+
+def _nodes(outputs: list[mx.array]) -> dict[str, object]:
+    counts = graph_nodes(*outputs)
+    return {"nodes": sum(counts.values()), "by_primitive": dict(counts.most_common())}
+
+
+def graph_report(engine, prompt: list[int], batches: list[int], n: int, runs: int  # noqa: ANN001
+                 ) -> dict[str, object]:
+    """--graph: each step's graph nodes and host CPU time, single sequence and b rows."""
+    fast = engine.fast
+    if fast is None or engine.batch_program() is None:
+        raise SystemExit(f"no compiled program here ({engine.fast_reason})")
+    program = fast.program
+    engine.reset()
+    engine.reserve(len(prompt) + (runs + 2) * n + 8)
+    y = mx.argmax(engine.forward_device(np.array([prompt])), axis=-1).astype(mx.uint32)
+    mx.eval(y)
+    kv = [a for c in fast.caches for a in c.buffers()]
+    at = mx.array(engine.offset, mx.int32)
+    traced = _nodes(list(program(y, at, *kv)))
+    del kv
+    state = {"y": y}
+
+    def single(split: dict[str, float]) -> None:
+        t0 = time.thread_time()
+        nxt = mx.argmax(engine.decode_step(state["y"]), axis=-1)
+        t1 = time.thread_time()
+        mx.async_eval(nxt)
+        split["build"] += t1 - t0
+        split["dispatch"] += time.thread_time() - t1
+        state["y"] = nxt
+
+    mx.eval(state["y"])
+    logits = engine.decode_step(state["y"])
+    written = [a for c in fast.caches for a in c.buffers()]  # its cache writes, lazy
+    out = {"single": {**_nodes([logits, mx.argmax(logits, axis=-1), *written]),
+                      "traced_nodes": traced["nodes"], "traced": traced["by_primitive"],
+                      **_host_rounds(single, n, runs)}}
+    fn, layout, _ = engine.batch_program()
+    # every row's table spans the positions the single sequence's cache holds (one trace)
+    width = fast.caches[0].capacity // BLOCK
+    rows = []
+    for b in batches:
+        cache = BlockCache(layout, b * width, engine.kv_quant)
+        table = mx.arange(b * width, dtype=mx.int32).reshape(b, width)
+        st = {"tokens": mx.zeros((b, 1), mx.uint32),  # rows at their own offsets
+              "offsets": mx.array(len(prompt) + np.arange(b) % 8, mx.int32)}
+        mx.eval(table, st["offsets"], *cache.buffers())
+        traced_b = _nodes(list(program.paged(st["tokens"], st["offsets"], table,
+                                             *cache.buffers())))
+        mx.eval(*cache.buffers())  # the trace wrote its rows into the pools: done before
+        logits, _, *new = fn(st["tokens"], st["offsets"], table, *cache.buffers())
+        row = {"batch": b, **_nodes([logits, mx.argmax(logits, axis=-1), *new]),
+               "traced_nodes": traced_b["nodes"], "traced": traced_b["by_primitive"]}
+        del logits, new
+
+        def batched(split: dict[str, float], cache=cache, table=table, st=st,  # noqa: ANN001
+                    b=b) -> None:
+            t0 = time.thread_time()
+            # the pools straight from the cache, no list kept (BatchDecoder._queue: donated)
+            logits, nxt, *new = fn(st["tokens"], st["offsets"], table, *cache.buffers())
+            cache.adopt(new)
+            del new
+            picks = mx.argmax(logits, axis=-1)
+            t1 = time.thread_time()
+            mx.async_eval(picks)
+            split["build"] += t1 - t0
+            split["dispatch"] += time.thread_time() - t1
+            st["tokens"], st["offsets"] = picks.reshape(b, 1), nxt
+
+        row.update(_host_rounds(batched, n, runs))
+        rows.append(row)
+    return {**out, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
@@ -88,6 +193,9 @@ def main() -> None:
                     "Q4 conversion)")
     ap.add_argument("--max-context", type=int, default=0,
                     help="the decoder's context (default: what the rounds need)")
+    ap.add_argument("--graph", action="store_true",
+                    help="each step's graph nodes and host CPU time (build / dispatch), "
+                    "single sequence and each b, instead of the timed rounds")
     ap.add_argument("--profile", action="store_true",
                     help="also each b's kernel time a step by kernel name (needs torch + CUDA)")
     args = ap.parse_args()
@@ -95,6 +203,14 @@ def main() -> None:
     engine = make_engine(out_dir, "mlx")
     rng = np.random.default_rng(0)
     vocab = engine.manifest.model.vocab_size
+    if args.graph:
+        prompt = [int(t) for t in rng.integers(4, min(1000, vocab), args.p)]
+        report = graph_report(engine, prompt, args.b, args.n, args.r)
+        print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
+                          "load": os.getloadavg(), "shape": str(args.artifact or args.shape),
+                          "dtype": args.dtype, "engine": engine.describe(), "prompt": args.p,
+                          "steps": args.n, **report}, indent=1))
+        return
     single, single_host = single_step_ms(
         engine, [int(t) for t in rng.integers(4, min(1000, vocab), args.p)], args.n, args.r)
     rows = []

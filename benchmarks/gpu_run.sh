@@ -16,6 +16,10 @@
 #                                               # picks b, PROFILE=1 adds each b's kernel
 #                                               # time a step by kernel name, MMA="auto 0"
 #                                               # runs each FUSELM_GEMV_MMA setting
+#   benchmarks/gpu_run.sh batchgraph SHAPE GROUP # batch_bench.py --graph on the Q4 conversion:
+#                                               # a step's graph nodes and host CPU time
+#                                               # (build / async_eval), single sequence and
+#                                               # b = 1 4 16, kernels on and off (KERNELS)
 #   benchmarks/gpu_run.sh sampling SHAPE GROUP  # sampling_cost.py on the Q4 conversion, b = 8:
 #                                               # the batched step with rows asking for
 #                                               # logprobs / penalties against all greedy, then
@@ -153,6 +157,19 @@ case "$part" in
           [(r['batch'], round(r['step_ms'], 3), round(r['tok_s_total'])) for r in d['rows']])" \
           "$f"
       done
+    done
+    ;;
+  batchgraph)
+    python3 benchmarks/side_by_side.py --shape "$2" --group-size "$3" --work "$WORK" -p 8 -r 1 \
+      -n 4 > /dev/null  # build + convert once
+    art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
+    for k in ${KERNELS:-auto off}; do
+      f="$OUT/batchgraph_$2_g$3_kernels_$k.json"
+      FUSELM_KERNELS=$k python3 benchmarks/batch_bench.py --artifact "$art" --graph -b 1 4 16 \
+        -p 32 -n 64 -r 3 > "$f"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); s=d['single']; \
+        print(sys.argv[1], 'single', s['nodes'], round(s['host_ms'], 3), \
+        [(r['batch'], r['nodes'], round(r['host_ms'], 3)) for r in d['rows']])" "$f"
     done
     ;;
   sampling)

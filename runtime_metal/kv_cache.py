@@ -11,7 +11,8 @@
   holds the blocks of its own length, and a prompt prefix is shared between tables by
   reference, copied only when a table writes into a shared block (`BlockPool.writable`).
   `write_blocks` / `read_blocks` are the block forms of the write and of the read attention
-  does (attention.Attention.over_cache); the CUDA attention kernel reads and writes through
+  does (attention.Attention.over_cache), through a step's `BlockIndex` (the index math over
+  the table, once a step for every layer); the CUDA attention kernel reads and writes through
   the table itself (cuda_kernels/sources.py).
 
 Both forms hold K/V either in the activation dtype or quantized (`KVQuant`, `--kv-bits`):
@@ -346,37 +347,74 @@ class BlockPool:
         return new, True
 
 
-def write_blocks(pool: Buffer, rows: mx.array, table: mx.array, offset: mx.array) -> Buffer:
-    """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, h, s, d]) written at
-    offset[r]..offset[r]+s-1, each in its block table[r, position // BLOCK]: one scatter on the
-    pool itself (no reshape of it in between: the compiled program's donated pool is updated
-    in place); a quantized pool: the rows quantized, one scatter per array. s > 1 is the
-    speculative step's drafted tokens."""
-    n, h, s = rows.shape[:3]
-    bs = positions(pool)
-    off = offset.reshape(-1)
-    if s == 1:
-        blk = mx.take_along_axis(table, (off // bs).reshape(-1, 1), axis=1).reshape(n)
-        for a, r in zip(parts(pool), stored(pool, rows), strict=True):
-            a[blk, :, off % bs] = r.reshape(n, h, r.shape[-1])
-        return pool
-    pos = off.reshape(-1, 1) + mx.arange(s, dtype=off.dtype)  # [n, s]
-    blk = mx.take_along_axis(table, pos // bs, axis=1)
-    for a, r in zip(parts(pool), stored(pool, rows), strict=True):
-        a[blk, :, pos % bs] = r.transpose(0, 2, 1, 3)  # [n, s, h, stored width]
+class BlockIndex:
+    """A step's block table [n, W] and the index math over it, done once a step for every
+    layer that reads or writes through it (write_blocks, read_blocks; memoized by the pools'
+    heads and block size): each layer then adds a gather or a scatter and nothing else.
+    offset [n]: each row's first new position, s new positions a row (the writes').
+    Nothing is built until a layer asks: the CUDA attention kernel reads `table` itself."""
+
+    def __init__(self, table: mx.array, offset: mx.array | None = None, s: int = 1) -> None:
+        self.table, self.offset, self.s = table, offset, s
+        self._rows: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
+        self._slots: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
+
+    def rows(self, heads: int, block: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Where the positions the table holds lie: (block id, head, position in the
+        block), each [n, heads, W * block], row r's head h in position order."""
+        key = (heads, block)
+        if key not in self._rows:
+            n, w = self.table.shape
+            blk = self.table.reshape(n, 1, w, 1)
+            head = mx.arange(heads, dtype=mx.int32).reshape(heads, 1, 1)
+            slot = mx.arange(block, dtype=mx.int32)
+            b, hd, sl = (mx.broadcast_to(i, (n, heads, w, block)).reshape(n, heads, w * block)
+                         for i in (blk, head, slot))
+            self._rows[key] = (b, hd, sl)
+        return self._rows[key]
+
+    def slots(self, heads: int, block: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Where the new positions go, in the order of new rows [n, s, heads, d] flattened:
+        (block id, head, position in the block), each [n * s * heads] (a layer's scatter
+        then reshapes and broadcasts nothing but its rows)."""
+        key = (heads, block)
+        if key not in self._slots:
+            assert self.offset is not None, "a block index for writing needs the offsets"
+            n = self.table.shape[0]
+            off = self.offset.reshape(n, 1)
+            pos = off if self.s == 1 else off + mx.arange(self.s, dtype=off.dtype)  # [n, s]
+            blk = mx.take_along_axis(self.table, pos // block, axis=1)
+            shape = (n, self.s, heads)
+            self._slots[key] = (
+                mx.broadcast_to(blk[..., None], shape).reshape(-1),
+                mx.broadcast_to(mx.arange(heads, dtype=mx.int32), shape).reshape(-1),
+                mx.broadcast_to((pos % block)[..., None], shape).reshape(-1))
+        return self._slots[key]
+
+
+def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex) -> Buffer:
+    """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, s, h * d], the
+    projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
+    block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
+    of it in between: the compiled program's donated pool is updated in place); a quantized
+    pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts."""
+    n, s = rows.shape[:2]
+    h = parts(pool)[0].shape[1]
+    at = index.slots(h, positions(pool))
+    for a, r in zip(parts(pool), stored(pool, rows.reshape(n * s * h, -1)), strict=True):
+        a[at] = r
     return pool
 
 
-def read_blocks(pool: Buffer, table: mx.array) -> Buffer:
-    """The positions a block table [n, W] holds, gathered: [n, h, W * BLOCK, d], in one gather
-    of the pool's rows (no transposed copy after it); per array of a quantized pool."""
-    n, w = table.shape
+def read_blocks(pool: Buffer, index: BlockIndex | mx.array) -> Buffer:
+    """The positions a block table [n, W] (or a step's BlockIndex of one) holds, gathered:
+    [n, h, W * BLOCK, d], in one gather of the pool's rows (no transposed copy after it); per
+    array of a quantized pool."""
+    if not isinstance(index, BlockIndex):
+        index = BlockIndex(index)
     _, h, bs, _ = parts(pool)[0].shape
-    heads = mx.arange(h, dtype=mx.int32).reshape(1, h, 1, 1)
-    rows = ((table.reshape(n, 1, w, 1) * h + heads) * bs + mx.arange(bs, dtype=mx.int32)
-            ).reshape(n, h, w * bs)
-    return rebuild(pool, [mx.take(a.reshape(-1, a.shape[3]), rows, axis=0)
-                          for a in parts(pool)])
+    at = index.rows(h, bs)
+    return rebuild(pool, [a[at] for a in parts(pool)])
 
 
 class BlockCache:

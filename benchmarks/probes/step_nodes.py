@@ -3,18 +3,16 @@
     python benchmarks/probes/step_nodes.py ARTIFACT [--prompt 512] [--dot FILE]
 
 The engine prefills --prompt tokens, then the decode program is called once uncompiled and
-its lazy outputs are written with mx.export_to_dot (MLX's own graph dump); the nodes are counted
-by primitive name. On MLX-CUDA with fuselm's kernels a "CustomKernel" node is one launch; Slice
-and Reshape nodes launch nothing but are evaluated one by one. Prints one JSON line.
+its lazy outputs' nodes are counted by primitive name (profile.graph_nodes, over
+mx.export_to_dot, MLX's own graph dump; --dot keeps the dump). On MLX-CUDA with fuselm's
+kernels a "CustomKernel" node is one launch; Slice and Reshape nodes launch nothing but are
+evaluated one by one. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import re
-import tempfile
 from pathlib import Path
 
 
@@ -30,6 +28,7 @@ def main() -> None:
     import numpy as np
 
     from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.mlx_engine.profile import graph_nodes
 
     engine = make_engine(args.artifact, "mlx")
     fast = engine.fast
@@ -39,11 +38,9 @@ def main() -> None:
     engine.forward((np.arange(1, args.prompt + 1) % 200)[None])  # the ids do not shape the graph
     kv = [a for c in fast.caches for a in c.buffers()]
     outputs = fast.program(mx.array(5, mx.uint32), mx.array(fast.caches[0].offset, mx.int32), *kv)
-    with tempfile.TemporaryDirectory() as tmp:
-        dot = args.dot or Path(tmp) / "step.dot"
-        mx.export_to_dot(str(dot), *outputs)
-        labels = re.findall(r'label\s*=\s*"([^"]*)"', dot.read_text())
-    counts = collections.Counter(label.split()[0] for label in labels if label)
+    if args.dot:
+        mx.export_to_dot(str(args.dot), *outputs)
+    counts = graph_nodes(*outputs)
     print(json.dumps({"artifact": str(args.artifact), "device": str(mx.default_device()),
                       "nodes": sum(counts.values()), "by_primitive": dict(counts.most_common())}))
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from fuselm.runtime_metal.cuda_kernels.selection import cuda_device
 from fuselm.runtime_metal.kv_cache import (
+    BlockIndex,
     Buffer,
     first,
     positions,
@@ -184,24 +185,25 @@ class Attention:
 
     def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
                    values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
-                   table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
+                   blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
         with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
         first `rows` cache rows (default s: a fresh prompt at offset 0; offset + s for a later
         chunk whose offset the caller knows), bottom-right aligned: MLX's fused causal path, no
-        mask read, no work on rows past the chunk. With a block `table` ([n, W]), keys/values
-        are block pools (kv_cache.BlockCache): one new position per row goes into its block,
-        and attention reads the W blocks of each row, gathered, under `mask` [n, 1, 1,
-        W * BLOCK]. Quantized buffers (kv_cache.Buffer triples) are written and read the same
-        way, the new rows quantized. Returns (y, keys', values')."""
-        qh, kh, vh = self.heads(q, k, v)
-        if table is not None:
-            keys, values = (write_blocks(keys, kh, table, offset),
-                            write_blocks(values, vh, table, offset))
-            y = self.attend(qh, read_blocks(keys, table), read_blocks(values, table), mask,
-                            may_empty=False)
+        mask read, no work on rows past the chunk. With `blocks` (a step's kv_cache.BlockIndex
+        over its table [n, W]), keys/values are block pools (kv_cache.BlockCache): each row's
+        new positions go into its blocks, and attention reads the W blocks of each row,
+        gathered, under `mask` [n, 1, s, W * BLOCK]. Quantized buffers (kv_cache.Buffer
+        triples) are written and read the same way, the new rows quantized. Returns (y,
+        keys', values')."""
+        if blocks is not None:  # new rows as the projection lays them out: no transpose
+            k, v = (x if x.ndim == 3 else x.transpose(0, 2, 1, 3) for x in (k, v))
+            keys, values = write_blocks(keys, k, blocks), write_blocks(values, v, blocks)
+            y = self.attend(to_heads(q, self.q_heads), read_blocks(keys, blocks),
+                            read_blocks(values, blocks), mask, may_empty=False)
             return (from_heads(y) if q.ndim == 3 else y), keys, values
+        qh, kh, vh = self.heads(q, k, v)
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]

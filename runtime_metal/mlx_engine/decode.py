@@ -55,7 +55,7 @@ from fuselm.config import RuntimeConfig
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.kv_cache import KVCache, join_layers, split_layers
+from fuselm.runtime_metal.kv_cache import BlockIndex, KVCache, join_layers, split_layers
 from fuselm.runtime_metal.mlx_engine import program_ops, qweight
 from fuselm.runtime_metal.mlx_engine.attention import Mask
 from fuselm.runtime_metal.mlx_engine.program_masks import (
@@ -242,6 +242,9 @@ class DecodeProgram:
         joined: dict[tuple[object, ...], mx.array] = {}
         # the attention kernel's positions, offset as [b]: made once a step for every layer
         offset_rows = mx.broadcast_to(offset.reshape(-1), ids.shape[:1])
+        # the block table's index math (where each row's positions lie in the pools), built
+        # once a step on first use and read by every layer that does not take the kernel
+        blocks = None if table is None else BlockIndex(table, offset_rows, s)
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.kernels and s == 1):
             for o in self.ops:
@@ -283,11 +286,11 @@ class DecodeProgram:
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
                             use_kernel, offset_rows, rows, qkv=parent,
-                            splits=None if self.split_attention else 0, table=table)
+                            splits=None if self.split_attention else 0, blocks=blocks)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            rows, table)
+                            rows, blocks)
                     out_kv[layer] = (k_new, v_new)
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue

@@ -1,14 +1,20 @@
-"""Per-node timing (the seed's step 1): each node evaluated on its own, warm-up passes skipped.
+"""Where a step's work goes: per-node timing (the seed's step 1), and the size of the MLX graph a
+compiled step hands to evaluation (`graph_nodes`).
 
-Evaluating node by node removes MLX's overlap between ops, so totals exceed a normal run; the
-ranking is what this is for.
+Per-node timing evaluates each node on its own, warm-up passes skipped; that removes MLX's
+overlap between ops, so totals exceed a normal run; the ranking is what it is for.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import re
+import tempfile
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import mlx.core as mx
 
 if TYPE_CHECKING:
     from fuselm.runtime_metal.mlx_engine.step import Step
@@ -61,3 +67,20 @@ class Profiler:
         lines += [f"{r['node'][:39]:<40}{r['op'][:23]:<24}{r['calls']:>7}{r['mean_us']:>10.1f}"
                   f"{r['total_ms']:>10.2f}{r['percent']:>7.1f}" for r in self.rows()[:top]]
         return "\n".join(lines)
+
+
+_PRIMITIVE = re.compile(r'\{ (\d+) \[label ="([^"]*)", shape=rectangle\]')
+
+
+def graph_nodes(*outputs: mx.array) -> Counter[str]:
+    """The primitives of the lazy graph behind `outputs`, by name: the nodes MLX evaluates for
+    them (a multi-output primitive once; inputs and evaluated arrays are no node). Read from
+    mx.export_to_dot, MLX's own walk of the graph; deterministic, nothing is evaluated. For a
+    compiled function's outputs these are its replayed tape (fused chains one "Compiled")."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(dot), *outputs)
+        found = dict(_PRIMITIVE.findall(dot.read_text()))
+    # a fused chain's label lists its ops ("CompiledExpMultiply..."): counted as one kind
+    return Counter("Compiled" if name.startswith("Compiled") else name.split()[0]
+                   for name in found.values())

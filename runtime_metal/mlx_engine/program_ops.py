@@ -21,7 +21,7 @@ import numpy as np
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
-from fuselm.runtime_metal.kv_cache import Buffer
+from fuselm.runtime_metal.kv_cache import BlockIndex, Buffer
 from fuselm.runtime_metal.mlx_engine.attention import Attention, Mask
 from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 from fuselm.runtime_metal.mlx_engine.step import Step, call_step
@@ -169,15 +169,17 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                    keys: Buffer, values: Buffer, offset: mx.array, mask: Mask,
                    use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
                    qkv: mx.array | None = None, splits: int | None = None,
-                   table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
+                   blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
     `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), `qkv`,
     the fused projection q, k and v were sliced from (read in place of the slices), and
     `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
-    a block per query head). `table`: keys/values are block pools and row r's positions lie
-    in the blocks table[r] (kv_cache.BlockCache). A quantized cache (kv_cache.Buffer triples)
-    never reaches the kernel (the caller's use_kernel is off): RoPE, then Attention."""
+    a block per query head). `blocks`: keys/values are block pools and row r's positions lie
+    in the blocks of its table row (kv_cache.BlockCache; the kernel reads blocks.table, the
+    plain path the step's index math over it, kv_cache.BlockIndex). A quantized cache
+    (kv_cache.Buffer triples) never reaches the kernel (the caller's use_kernel is off):
+    RoPE, then Attention."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -191,6 +193,7 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     ascale = float(ra.get("attention_scale", 1.0))  # type: ignore[arg-type]
     prm = (norm_eps, attn.scale_for(head_dim), ascale)
     # The kernel has plain softmax: other semantics (softcap, ...) take Attention's own path.
+    table = None if blocks is None else blocks.table
     if (use_kernel and attn.softcap == 0 and kernels.takes_float_bits(*prm)
             and kernels.rope_attend_fits(q, k, v, (qn, kn), keys, values, attn.q_heads,
                                          attn.kv_heads, head_dim, rotary, table)):
@@ -201,12 +204,12 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
             interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv,  # type: ignore[call-overload]
             splits=splits, table=table)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
-    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, table)  # type: ignore[arg-type]
+    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, blocks)  # type: ignore[arg-type]
 
 
 def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
            values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
-           table: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
+           blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """An Attention with no RoPE partner: Attention.over_cache."""
     return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask,
-                                                            rows, table)
+                                                            rows, blocks)

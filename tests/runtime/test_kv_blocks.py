@@ -14,7 +14,13 @@ from fuselm.runtime_metal.batch import BatchDecoder
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate
-from fuselm.runtime_metal.kv_cache import BLOCK, BlockPool, read_blocks, write_blocks
+from fuselm.runtime_metal.kv_cache import (
+    BLOCK,
+    BlockIndex,
+    BlockPool,
+    read_blocks,
+    write_blocks,
+)
 
 N = 8
 
@@ -53,11 +59,19 @@ def test_block_reads_and_writes_match_a_contiguous_cache() -> None:
     bt = mx.array(table)
     assert np.array_equal(np.array(read_blocks(mx.array(pool), bt)), contiguous)
     offsets = np.array([0, BLOCK + 5, 3 * BLOCK - 1], np.int32)
-    new = rng.normal(size=(rows, heads, 1, d)).astype(np.float32)
-    written = write_blocks(mx.array(pool), mx.array(new), bt, mx.array(offsets))
+    new = rng.normal(size=(rows, 1, heads, d)).astype(np.float32)  # [n, s, h, d]
+    written = write_blocks(mx.array(pool), mx.array(new), BlockIndex(bt, mx.array(offsets)))
     for r, p in enumerate(offsets):
-        contiguous[r, :, p] = new[r, :, 0]
-    assert np.array_equal(np.array(read_blocks(written, bt)), contiguous)
+        contiguous[r, :, p] = new[r, 0]
+    index = BlockIndex(bt)  # one step's index, read by both gathers below
+    assert np.array_equal(np.array(read_blocks(written, index)), contiguous)
+    # three positions a row (a speculative step's), across a block boundary
+    offsets = np.array([2, BLOCK - 2, 2 * BLOCK], np.int32)
+    new = rng.normal(size=(rows, 3, heads, d)).astype(np.float32)
+    written = write_blocks(written, mx.array(new), BlockIndex(bt, mx.array(offsets), 3))
+    for r, p in enumerate(offsets):
+        contiguous[r, :, p:p + 3] = new[r].transpose(1, 0, 2)
+    assert np.array_equal(np.array(read_blocks(written, index)), contiguous)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
