@@ -1,5 +1,5 @@
-"""Quantized blocks a checkpoint gives: a weight that arrives already quantized (a GGUF Q4_0,
-Q4_1, Q8_0, Q5_0, Q4_K or Q6_K tensor, an AWQ or GPTQ layer) in the one form fuselm stores, so the
+"""Quantized blocks a checkpoint gives: a weight that arrives already quantized (a GGUF tensor
+of export/gguf/blocks.py's EXACT_TYPES, an AWQ or GPTQ layer) in the one form fuselm stores, so the
 quantize pass (passes/quant/quantize.py) keeps its codes and scales instead of quantizing the
 dequantized values a second time.
 

@@ -72,13 +72,13 @@ passes/quant/q4_allocate.choose_8bit picks by measured sensitivity (MIXED_SHARE 
 weights), which take 8-bit blocks; the record's `mixed` names them, each tensor its `bits`.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
-quantized (a GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K tensor) is stored as given, its codes, scales
+quantized (a GGUF tensor of gguf/blocks.py's EXACT_TYPES) is stored as given, its codes, scales
 and zero points or biases unchanged, instead of being searched again; a packed projection is
 given when every part is, in one bits/block/form (its parts' blocks concatenated along N),
 else it is quantized from the dequantized values (recorded). The forms:
 
     integer zero points, 4 or 8 bits  DequantizeLinear(codes, scales, zp)      (as above)
-    float biases (Q4_1, Q4_K)         fuselm.DequantizeAffine(codes, scales, biases, axis,
+    float biases (Q4_1, Q4_K, ...)    fuselm.DequantizeAffine(codes, scales, biases, axis,
                                       block_size): w = codes*s + b (passes/ops.py)
 
 A scale or bias that the graph's float type does not hold exactly (Q4_K's d*sc in a float16

@@ -1,7 +1,8 @@
-"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K converted by default keeps its blocks
-(no second quantization), so fuselm's logits are those of the file's own dequantized weights
-run in float32 by transformers' GGUF loader, on both engines (Q6_K, kept in blocks of 16:
-tests/export/test_gguf_gemma3.py and test_gguf_blocks.py)."""
+"""Exact GGUF import: a GGUF in any type of export/gguf/blocks.py's EXACT_TYPES converted by
+default keeps its blocks (no second quantization), so fuselm's logits are those of the file's
+own dequantized weights run in float32 by transformers' GGUF loader, on both engines (Q6_K:
+tests/export/test_gguf_gemma3.py); a type with no exact form goes to 8-bit blocks, its error
+recorded."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 # llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
-         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")}
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS",
+                   "Q3_K", "Q2_K")}
+# the stored form's bits per code (Q5_*, IQ4_*: codes held in 8 bits)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
+        "IQ4_XS": 8, "Q3_K": 4, "Q2_K": 4}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
@@ -62,7 +67,7 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
     assert q is not None and q["given"] == {"kept": {f"gguf {kind}": len(q["tensors"])},
                                             "quantized": 0}
     assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
-    assert q["bits"] == (8 if kind in ("Q8_0", "Q5_0") else 4)  # Q5_0's codes held in 8 bits
+    assert q["bits"] == BITS[kind]
     from fuselm.converter.cli.quant_report_cmd import render
 
     text = render(q)
@@ -120,8 +125,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
     q = read_manifest(out).quantization
     assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
     assert q["calibration"] is None
-    head_q5k = {**dict.fromkeys(ROLES, "Q4_1"), "output": "Q5_K"}
-    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_q5k, seed=1, **SHAPE,
+    head_iq3 = {**dict.fromkeys(ROLES, "Q4_1"), "output": "IQ3_S"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_iq3, seed=1, **SHAPE,
                           **CASES["llama-Q4_1"][1])
     convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
     q = read_manifest(tmp_path / "mixed").quantization
@@ -131,10 +136,10 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
 
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
-    """Q5_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
+    """IQ2_XS / float matrices beside exact ones: 8-bit blocks, the loss in the record
     (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is
     quantized whole."""
-    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ2_XS",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
              "output": "Q4_0"}
     path, _ = write_gguf(tmp_path / "mixed.gguf", "llama", types, seed=9, **SHAPE,
