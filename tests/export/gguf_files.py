@@ -2,9 +2,10 @@
 
 Laid out as llama.cpp's convert_hf_to_gguf.py lays them out: llama.cpp tensor names, q/k rows
 permuted on llama files, norms in F32 (Gemma's with the 1 of its (1 + w) added, as llama.cpp's
-converter adds it), every other 2-D weight in the tensor type a test asks for. A gemma3 file
-gets Gemma's metadata and a small SentencePiece vocabulary laid out as Gemma's (specials, byte
-tokens, pieces in merge order, no merges); the others the random model's byte-level BPE.
+converter adds it), every other 2-D weight in the tensor type a test asks for. A gemma2 or
+gemma3 file gets Gemma's metadata and a small SentencePiece vocabulary laid out as Gemma's
+(specials, byte tokens, pieces in merge order, no merges); the others the random model's
+byte-level BPE.
 gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ1_0/TQ2_0/MXFP4 itself; for
 the K-quants and the IQ types it has no quantizer, so their blocks are random bytes with small,
 valid float16 scales (what matters here is that fuselm and transformers dequantize the same
@@ -141,6 +142,45 @@ def _gemma_metadata(writer: Any, config: dict[str, Any]) -> None:
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
 
 
+def _gemma2_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp reads of a Gemma 2 config beyond the common keys: the two soft-caps (the
+    window is written with the common keys). Nothing states the layer pattern (llama.cpp fixes
+    it: every other layer slides, layer 0 first) or the softmax scale (head_dim ** -0.5), so
+    the config must have them so."""
+    assert config["query_pre_attn_scalar"] == config["head_dim"]
+    assert config["layer_types"] == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                     for i in range(config["num_hidden_layers"])]
+    writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+
+
+def reference_model(path: Path, family: str):  # noqa: ANN201 - a transformers model
+    """transformers' model of the random checkpoint `path` was written from (its .hf config),
+    in float32, holding the file's weights as gguf.GGUFReader + gguf.quants.dequantize read
+    them (a norm less the 1 llama.cpp adds): the reference for a family whose GGUF transformers
+    does not load itself; nothing of fuselm's GGUF reading is used."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(str(path.with_suffix(".hf"))), dtype=torch.float32).eval()
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    owner = family_named(family)
+    state = {}
+    for name, p in model.state_dict().items():
+        t = tensors[gguf_name(name, owner) or ""] if name != "lm_head.weight" else None
+        if t is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(p.shape).astype(np.float32)
+        state[name] = torch.from_numpy(w - owner.norm_offset if name.endswith("norm.weight")
+                                       else w)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor
@@ -178,6 +218,9 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
         w.add_sliding_window(config["sliding_window"])
     if arch == "gemma3":
         _gemma_metadata(w, config)
+    elif arch == "gemma2":
+        _gemma2_metadata(w, config)
+    if arch in ("gemma2", "gemma3"):
         _gemma_tokenizer(w, config["vocab_size"])
     else:
         _tokenizer(w, hf_dir)
