@@ -1,8 +1,7 @@
 """Exact GGUF import: a GGUF in any type of export/gguf/blocks.py's EXACT_TYPES converted by
 default keeps its blocks (no second quantization), so fuselm's logits are those of the file's
-own dequantized weights run in float32 by transformers' GGUF loader, on both engines (Q6_K:
-tests/export/test_gguf_gemma3.py); a type with no exact form goes to 8-bit blocks, its error
-recorded."""
+own dequantized weights run in float32 by transformers' GGUF loader, on both engines; a type
+with no exact form goes to 8-bit blocks, its error recorded."""
 
 from __future__ import annotations
 
@@ -24,13 +23,13 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 # llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
-         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS",
-                   "Q3_K", "Q2_K")}
-# the stored form's bits per code (Q5_*, IQ4_*: codes held in 8 bits)
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q5_K": 8,
-        "IQ4_XS": 8, "Q3_K": 4, "Q2_K": 4}
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q3_K", "Q2_K")}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
+# (Q5_K, IQ4_XS and Q6_K: tests/export/test_gguf_gemma2.py and test_gguf_gemma3.py)
+# the stored form's bits per code (Q5_*, IQ4_NL: codes held in 8 bits)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q3_K": 4,
+        "Q2_K": 4}
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
 
 
