@@ -71,8 +71,41 @@ def test_rows_and_concatenation_keep_blocks() -> None:
     both = GivenBlocks.concat([g, g.take_rows(slice(0, 3))])
     assert both is not None and both.shape == (11, 256)
     np.testing.assert_array_equal(both.dequantize()[8:], g.dequantize()[:3])
-    q8 = given_blocks("Q8_0", quantize(w, GGMLQuantizationType.Q8_0).reshape(-1), w.shape)
-    assert GivenBlocks.concat([g, q8]) is None  # 4 and 8 bits cannot share one tensor
+
+
+def _raw(kind: str, w: np.ndarray) -> np.ndarray:
+    return (random_blocks(*w.shape, kind, np.random.default_rng(1)) if kind in RANDOM
+            else quantize(w, GGMLQuantizationType[kind]))
+
+
+def _given(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GivenBlocks:
+    g = given_blocks(kind, raw.reshape(-1), shape)
+    assert g is not None
+    return g
+
+
+# llama.cpp's mixes give v more bits than q/k: a packed projection's parts in different forms
+@pytest.mark.parametrize("kinds", [("Q4_0", "Q5_0"), ("Q5_1", "Q8_0"), ("Q4_K", "Q6_K"),
+                                   ("Q3_K", "Q4_1", "IQ4_NL")])
+def test_parts_in_different_forms_stack_in_one_that_holds_each(kinds: tuple[str, ...]) -> None:
+    """The most bits, the smallest block, float biases when a part has them: zero-point parts
+    alone stack exactly (a 4-bit code is an 8-bit one); a zero point turned into a bias gives
+    the same weights to float32 rounding."""
+    w = _weights()
+    raws = [_raw(kind, w) for kind in kinds]
+    parts = [_given(kind, raw, w.shape) for kind, raw in zip(kinds, raws, strict=True)]
+    both = GivenBlocks.concat(parts)
+    assert both is not None and both.shape == (8 * len(kinds), 256)
+    assert both.bits == max(p.bits for p in parts)
+    assert both.block_size == min(p.block_size for p in parts)
+    assert both.source == "+".join(sorted(f"gguf {k}" for k in kinds))
+    want = np.concatenate([dequantize(raw, GGMLQuantizationType[k])
+                           for k, raw in zip(kinds, raws, strict=True)])
+    if not any(p.affine for p in parts):
+        np.testing.assert_array_equal(both.dequantize(), want)
+    else:
+        assert both.affine
+        assert np.abs(both.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("kind", ["IQ2_XS", "IQ3_S", "TQ2_0"])

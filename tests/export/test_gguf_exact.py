@@ -136,8 +136,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
     """IQ2_XS / float matrices beside exact ones: 8-bit blocks, the loss in the record
-    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is
-    quantized whole."""
+    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is kept
+    in one that holds both (8 bits, blocks of 16, biases)."""
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ2_XS",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
              "output": "Q4_0"}
@@ -146,8 +146,10 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
     q = read_manifest(tmp_path / "out").quantization
     layers = SHAPE["num_hidden_layers"]
-    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1},
-                          "quantized": 3 * layers}
+    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1,
+                                   "gguf Q4_K+gguf Q6_K": layers}, "quantized": 2 * layers}
+    qkv = [t for t in q["tensors"] if t.get("given") == "gguf Q4_K+gguf Q6_K"]
+    assert {(t["bits"], t["block_size"]) for t in qkv} == {(8, 16)}
     again = [t for t in q["tensors"] if "given" not in t]
     assert {t["bits"] for t in again} == {8} and all(t["rel_rms_error"] > 0 for t in again)
     eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
