@@ -157,6 +157,18 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     assert rel(got, _hf_logits(path)) <= 2e-2
 
 
+def test_a_file_with_no_exact_type_converts_to_eight_bit_blocks(tmp_path: Path) -> None:
+    """Only IQ2_XS / IQ3_S matrices (and float norms): the default conversion still quantizes
+    (8-bit blocks, each tensor's error recorded), not float weights several times the file."""
+    types = dict.fromkeys(ROLES, "IQ2_XS") | {"ffn_down": "IQ3_S"}
+    path, _ = write_gguf(tmp_path / "iq.gguf", "llama", types, seed=4, **SHAPE,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
+    q = read_manifest(tmp_path / "out").quantization
+    assert q is not None and q["bits"] == 8 and q["given"] is None  # nothing kept
+    assert q["tensors"] and all(0 < t["rel_rms_error"] < 1e-2 for t in q["tensors"])
+
+
 def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Path]],
                                                  tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
