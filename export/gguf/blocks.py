@@ -24,6 +24,8 @@ Per block: the formula of the file's weight w from its code q, and the stored fo
                                                                        zp 4
     Q2_K  256: 16 bytes of 4-bit scale and min, 2-bit codes, d, dmin; per 16 weights j:
                w = (d·sc_j)·q - dmin·mn_j                              4 bits, block 16, bias
+    IQ2_XXS, IQ3_XXS, IQ3_S 256: d, grid indices, signs, 4-bit scales; per 32 weights j:
+               w = db_j·(±g), g a grid value (integers up to 62)       8 bits, g + 128, zp 128
 
 Nibbles: within a 32-weight group, byte i holds weight i in its low nibble and weight i + 16
 in its high one (Q4_K/Q5_K: byte i of a 64-weight chunk holds weight i of its first sub-block
@@ -31,8 +33,9 @@ low and of its second high; Q5_0/Q5_1: bit i of the little-endian 32-bit word is
 fifth bit; Q5_K: bit j of byte i is sub-block j's weight i's; Q6_K, Q3_K, Q2_K, IQ4_XS: as
 gguf's dequantizers unpack them). Scales and biases are computed in float32 as gguf's own
 dequantize computes them, and each product is the same float32 product, so
-`GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly. Other types (IQ2_*, IQ3_*,
-IQ1_*, TQ*, MXFP4, ...) have no exact form here: `given_blocks` answers None for them. Blocks
+`GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly (the grid types' codes are
+read back from gguf's own weights and kept only when they give them exactly). Other types
+(IQ2_XS, IQ2_S, IQ1_*, TQ*, MXFP4, ...) have no exact form here: `given_blocks` answers None. Blocks
 of 16 are narrower than MLX's packed groups (32 and up): that engine multiplies them as a
 dense matrix dequantized once at load, which is exact too.
 """
@@ -44,11 +47,12 @@ import numpy as np
 from fuselm.given_blocks import GivenBlocks
 
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS",
-               "Q6_K", "Q3_K", "Q2_K")
+               "Q6_K", "Q3_K", "Q2_K", "IQ2_XXS", "IQ3_XXS", "IQ3_S")
 # (weights, bytes) per block
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22),
            "Q5_1": (32, 24), "IQ4_NL": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
-           "IQ4_XS": (256, 136), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q2_K": (256, 84)}
+           "IQ4_XS": (256, 136), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q2_K": (256, 84),
+           "IQ2_XXS": (256, 66), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110)}
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl), held as 8-bit codes + 128
 _IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], np.int16)
@@ -112,7 +116,9 @@ def given_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Giv
     if type_name == "IQ4_NL":
         return GivenBlocks(_iq4(_nibbles(b[..., 2:])).reshape(n, k), _f16(b[..., 0:2]), 8, 32,
                            src, zero_points=_zp(n, k // 32, 128))
-    return _SUPER[type_name](b, n, k, src)
+    if type_name in _SUPER:
+        return _SUPER[type_name](b, n, k, src)
+    return _grid(type_name, raw, b, n, k, src)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,6 +205,37 @@ def _q2_k(b: np.ndarray, n: int, k: int, src: str) -> GivenBlocks:
     codes = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
     return GivenBlocks(codes.reshape(n, k).astype(np.uint8), scales.reshape(n, -1), 4, 16, src,
                        biases=biases.reshape(n, -1))
+
+
+def _grid(type_name: str, raw: np.ndarray, b: np.ndarray, n: int, k: int,
+          src: str) -> GivenBlocks | None:
+    """IQ2_XXS, IQ3_XXS, IQ3_S: each 32-weight sub-block is its scale db times grid values
+    with signs, small integers, and gguf's dequantizer computes fl(db·g). So the codes are the
+    file's weights over db (gguf's own db, from the block's float16 d and 4-bit scale), + 128,
+    taken only when they give the weights back bit for bit (None otherwise: the nearest
+    format then)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    d = _f16(b[..., 0:2])[..., None]  # [n, S, 1]
+    if type_name == "IQ2_XXS":  # the top 4 bits of every second 32-bit word
+        ls = np.ascontiguousarray(b[..., 2:66]).view("<u4").reshape(n, -1, 8, 2)[..., 1] >> 28
+        db = d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.25)
+    elif type_name == "IQ3_XXS":  # the top 4 bits of the 8 words after the grid indices
+        ls = np.ascontiguousarray(b[..., 66:98]).view("<u4").reshape(n, -1, 8) >> 28
+        db = d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.5)
+    else:  # IQ3_S: 8 nibbles, low first
+        s = b[..., 106:110]
+        sc = np.stack([s & np.uint8(15), s >> np.uint8(4)], axis=-1).reshape(n, -1, 8)
+        db = d * (1 + 2 * sc).astype(np.float32)
+    w = dequantize(raw.reshape(n, -1), GGMLQuantizationType[type_name]).reshape(n, -1, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(db[..., None] == 0, 0, np.rint(w / db[..., None]))
+    if np.abs(q).max(initial=0) > 127:
+        return None
+    given = GivenBlocks((q + 128).astype(np.uint8).reshape(n, k), db.reshape(n, -1), 8, 32, src,
+                        zero_points=_zp(n, k // 32, 128))
+    return given if np.array_equal(given.dequantize(), w.reshape(n, k)) else None
 
 
 _SUPER = {"Q4_K": _q4_k, "Q5_K": _q5_k, "IQ4_XS": _iq4_xs, "Q6_K": _q6_k, "Q3_K": _q3_k,

@@ -22,11 +22,10 @@ from fuselm.input_files import check_regular, open_regular
 
 # Tensor types fuselm reads, each dequantized to float32 by gguf's own dequantize: floats, the
 # block types a conversion keeps exactly (export/gguf/blocks.py), and the ones with no exact
-# form here (grid and ternary codes, microscaled floats), which a conversion takes to the
+# form here (more grid and ternary codes, microscaled floats), which a conversion takes to the
 # nearest format it stores, 8-bit blocks, their error recorded (quant-report).
 FLOAT_TYPES = ("F32", "F16", "BF16")
-NEAREST_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0",
-                 "TQ2_0", "MXFP4")
+NEAREST_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0", "MXFP4")
 SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + NEAREST_TYPES
 MAGIC = b"GGUF"
 SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time

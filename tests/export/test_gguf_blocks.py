@@ -42,7 +42,8 @@ def test_q4_1_round_trips_bit_exactly_into_codes_scales_and_mins() -> None:
 # type -> (bits, block size) of its stored form
 FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
          "IQ4_NL": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "IQ4_XS": (8, 32),
-         "Q6_K": (8, 16), "Q3_K": (4, 16), "Q2_K": (4, 16)}
+         "Q6_K": (8, 16), "Q3_K": (4, 16), "Q2_K": (4, 16), "IQ2_XXS": (8, 32),
+         "IQ3_XXS": (8, 32), "IQ3_S": (8, 32)}
 
 
 def test_every_exact_type_is_covered() -> None:
@@ -108,7 +109,7 @@ def test_parts_in_different_forms_stack_in_one_that_holds_each(kinds: tuple[str,
         assert np.abs(both.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("kind", ["IQ2_XS", "IQ3_S", "TQ2_0"])
+@pytest.mark.parametrize("kind", ["IQ2_XS", "IQ1_M", "TQ2_0"])
 def test_types_without_an_exact_form_give_none(kind: str) -> None:
     raw = (random_blocks(8, 256, kind, np.random.default_rng(0)) if kind in RANDOM
            else quantize(_weights(), GGMLQuantizationType[kind]))

@@ -23,13 +23,14 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 # llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
-         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q3_K", "Q2_K")}
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q3_K", "Q2_K",
+                   "IQ3_S")}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
 # (Q5_K, IQ4_XS and Q6_K: tests/export/test_gguf_gemma2.py and test_gguf_gemma3.py)
-# the stored form's bits per code (Q5_*, IQ4_NL: codes held in 8 bits)
+# the stored form's bits per code (Q5_*, IQ4_NL, IQ3_S: codes held in 8 bits)
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q3_K": 4,
-        "Q2_K": 4}
+        "Q2_K": 4, "IQ3_S": 8}
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
 
 
@@ -124,8 +125,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
     q = read_manifest(out).quantization
     assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
     assert q["calibration"] is None
-    head_iq3 = {**dict.fromkeys(ROLES, "Q4_1"), "output": "IQ3_S"}
-    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_iq3, seed=1, **SHAPE,
+    head_iq2 = {**dict.fromkeys(ROLES, "Q4_1"), "output": "IQ2_S"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_iq2, seed=1, **SHAPE,
                           **CASES["llama-Q4_1"][1])
     convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
     q = read_manifest(tmp_path / "mixed").quantization
@@ -158,9 +159,9 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
 
 
 def test_a_file_with_no_exact_type_converts_to_eight_bit_blocks(tmp_path: Path) -> None:
-    """Only IQ2_XS / IQ3_S matrices (and float norms): the default conversion still quantizes
+    """Only IQ2_XS / IQ1_S matrices (and float norms): the default conversion still quantizes
     (8-bit blocks, each tensor's error recorded), not float weights several times the file."""
-    types = dict.fromkeys(ROLES, "IQ2_XS") | {"ffn_down": "IQ3_S"}
+    types = dict.fromkeys(ROLES, "IQ2_XS") | {"ffn_down": "IQ1_S"}
     path, _ = write_gguf(tmp_path / "iq.gguf", "llama", types, seed=4, **SHAPE,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
