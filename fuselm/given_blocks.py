@@ -1,5 +1,5 @@
-"""Quantized blocks a checkpoint gives: a weight that arrives already quantized (a GGUF Q4_0,
-Q4_1, Q8_0, Q5_0, Q4_K or Q6_K tensor, an AWQ or GPTQ layer) in the one form fuselm stores, so the
+"""Quantized blocks a checkpoint gives: a weight that arrives already quantized (a GGUF tensor
+of export/gguf/blocks.py's EXACT_TYPES, an AWQ or GPTQ layer) in the one form fuselm stores, so the
 quantize pass (passes/quant/quantize.py) keeps its codes and scales instead of quantizing the
 dequantized values a second time.
 
@@ -16,7 +16,8 @@ point 128). Scales and biases are float32 arrays holding the checkpoint's values
 
 Blocks run along K, so output rows are independent: a row permutation or slice (llama.cpp's
 q/k row order, a fused projection cut into parts) and a concatenation along N (pairing q/k/v,
-gate/up) keep every block intact (`take_rows`, `concat`).
+gate/up) keep every block intact (`take_rows`, `concat`). Parts in different forms (llama.cpp's
+mixes give v more bits than q and k) are stacked in one form that holds each (`concat`).
 
 A leaf module (NumPy only) so that export/ (which makes them) and passes/ (which stores them)
 share it without importing each other.
@@ -88,20 +89,45 @@ class GivenBlocks:
                            self.block_size, self.source, pick(self.zero_points),
                            pick(self.biases))
 
+    def widened(self, bits: int, block_size: int, affine: bool) -> GivenBlocks:
+        """The same weights in a form of at least as many bits, a block size dividing this one
+        and, when `affine`, float biases: codes stay as they are (a 4-bit code is an 8-bit
+        one), a block's scale (zero point, bias) repeats over its sub-blocks, and a zero point
+        z becomes the bias -z·s (exact for a power-of-two z, as every GGUF type's; the weights
+        q·s + b then round once more than (q - z)·s: equal to float32 rounding of q·s)."""
+        if bits < self.bits or self.block_size % block_size or (self.affine and not affine):
+            raise ValueError(f"{self.bits}-bit blocks of {self.block_size} cannot be held as "
+                             f"{bits}-bit blocks of {block_size}")
+        r = self.block_size // block_size
+
+        def fine(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else np.repeat(a, r, axis=1)
+
+        scales, zero_points, biases = fine(self.scales), fine(self.zero_points), fine(self.biases)
+        if affine and zero_points is not None:
+            assert scales is not None
+            biases = -(zero_points.astype(np.float32) * scales.astype(np.float32))
+            zero_points = None
+        return GivenBlocks(self.codes, scales, bits, block_size,  # type: ignore[arg-type]
+                           self.source, zero_points, biases)
+
     @staticmethod
     def concat(parts: list[GivenBlocks]) -> GivenBlocks | None:
-        """The parts stacked along N (one packed projection), or None when they differ in
-        bits, block size or form (they cannot share one stored tensor)."""
-        first = parts[0]
-        if any((p.bits, p.block_size, p.affine) != (first.bits, first.block_size, first.affine)
-               for p in parts):
+        """The parts stacked along N (one packed projection), in the form that holds each
+        (`widened`: the most bits, the smallest block, float biases when any part has them);
+        None when one part's block size does not divide another's."""
+        bits = max(p.bits for p in parts)
+        block = min(p.block_size for p in parts)
+        affine = any(p.affine for p in parts)
+        if any(p.block_size % block for p in parts):
             return None
+        parts = [p if (p.bits, p.block_size, p.affine) == (bits, block, affine)
+                 else p.widened(bits, block, affine) for p in parts]
 
         def cat(name: str) -> np.ndarray | None:
             arrays = [getattr(p, name) for p in parts]
             return None if arrays[0] is None else np.concatenate(arrays, axis=0)
 
         sources = sorted({p.source for p in parts})
-        return GivenBlocks(cat("codes"), cat("scales"), first.bits,  # type: ignore[arg-type]
-                           first.block_size, "+".join(sources), cat("zero_points"),
-                           cat("biases"))
+        return GivenBlocks(cat("codes"), cat("scales"), bits,  # type: ignore[arg-type]
+                           block, "+".join(sources), cat("zero_points"), cat("biases"))

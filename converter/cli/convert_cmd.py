@@ -51,8 +51,8 @@ def _passes(value: str | None) -> list[str] | None:
     default=None,
     help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops); mixed: "
     "4 or 8 bits per tensor by measured error per added bit, under --bits-budget (5.75). "
-    "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks), which "
-    "keeps its blocks.",
+    "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant, IQ4, "
+    "IQ3 or IQ2_XXS blocks), which keeps its blocks.",
 )
 @click.option(
     "--block-size",

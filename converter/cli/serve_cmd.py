@@ -194,7 +194,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
                                           **options)
         decoder = make_decoder(model.engine, max_batch, max_context, prefill_chunk, kv_tokens,
                                **speculative)
-        described.update(model.engine.describe(), batch=decoder.describe())
+        described.update(model.engine.describe())  # the batch decoder's: /health, live
         if parallel:
             from fuselm.converter.serve.ranks import LeaderDecoder
 

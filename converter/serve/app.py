@@ -459,8 +459,12 @@ async def health(request: Request) -> Response:
     state: ServeState = request.app.state.serve
     ok = state.scheduler.alive()
     lost = {"error": state.scheduler.lost} if state.scheduler.lost else {}
+    # the batch decoder described now, not at start: its rows, free KV blocks and pipeline
+    # slot counters move while the server runs (ints and lengths, read as kv_stats reads)
+    decoder = state.scheduler.decoder
+    engine = {**state.engine, **({"batch": decoder.describe()} if decoder is not None else {})}
     return JSONResponse({"status": "ok" if ok else "error", "model": state.model_id,
-                         "engine": state.engine, **lost, **state.scheduler.stats()},
+                         "engine": engine, **lost, **state.scheduler.stats()},
                         status_code=200 if ok else 503)
 
 

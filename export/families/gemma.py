@@ -29,6 +29,26 @@ class Gemma2(Family):
         "post_norm": "pre_feedforward_layernorm",
         "mlp_out_norm": "post_feedforward_layernorm",
     }
+    gguf_architecture = "gemma2"
+    # llama.cpp's names of the sandwich norms: its ffn_norm is Gemma's pre-feedforward norm
+    gguf_layer_names = {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    }
+
+    def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
+                    keys: Any) -> None:
+        """Gemma 2 as llama.cpp reads its file (llama-model.cpp, LLM_ARCH_GEMMA2): every other
+        layer slides, layer 0 first, over the file's window (4096 when it states none); the
+        softmax scale as for Gemma 3 (the 27B model has 46 layers here); attention and final
+        logits always soft-capped, by the file's caps or llama.cpp's defaults 50 and 30."""
+        _gguf_gemma(config, big_layers=46)
+        config["sliding_window"] = window or 4096
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(int(config["num_hidden_layers"]))]
+        config["attn_logit_softcapping"] = keys.number("attn_logit_softcapping", 50.0)
+        config["final_logit_softcapping"] = keys.number("final_logit_softcapping", 30.0)
 
     def activation(self, hf: Any) -> str:
         act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
@@ -56,12 +76,6 @@ class Gemma2(Family):
 class Gemma3(Gemma2):
     model_type = "gemma3_text"
     gguf_architecture = "gemma3"
-    # llama.cpp's names of the sandwich norms: its ffn_norm is Gemma's pre-feedforward norm
-    gguf_layer_names = {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    }
 
     def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
                     keys: Any) -> None:
@@ -70,11 +84,10 @@ class Gemma3(Gemma2):
         (a period, default 6, or one flag per layer) makes it global; sliding layers rotate
         with base `rope.freq_base_swa` (default 10000), global ones with `rope.freq_base` and
         the file's scaling; the softmax scale is head_dim ** -0.5 except on the 62-layer
-        (27B) model, hidden / heads there — llama.cpp tells it by its layer count; final
-        logits are soft-capped when the file sets `final_logit_softcapping`."""
+        (27B) model (`_gguf_gemma`); final logits are soft-capped when the file sets
+        `final_logit_softcapping`."""
         layers = int(config["num_hidden_layers"])
-        del config["hidden_act"]
-        config["hidden_activation"] = "gelu_pytorch_tanh"
+        _gguf_gemma(config, big_layers=62)
         config["sliding_window"] = window
         config["layer_types"] = (_gguf_layer_types(keys, layers) if window
                                  else ["full_attention"] * layers)
@@ -83,8 +96,6 @@ class Gemma3(Gemma2):
             "full_attention": config["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": local}}
         config["rope_local_base_freq"] = local  # transformers 4.x
-        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
-                                           if layers == 62 else config["head_dim"])
         config["final_logit_softcapping"] = keys.number("final_logit_softcapping")
         config["attn_logit_softcapping"] = None  # llama.cpp's Gemma 3 has none
 
@@ -98,6 +109,17 @@ class Gemma3(Gemma2):
             return super().ropes(hf, head_dim, layers)
         per_type = {t: rope_spec(hf, head_dim, t) for t in set(types)}
         return [per_type[t] for t in types]
+
+
+def _gguf_gemma(config: dict[str, Any], big_layers: int) -> None:
+    """What llama.cpp fixes for every Gemma file: tanh GELU, and the softmax scale head_dim **
+    -0.5 except on the 27B model, which it tells by its layer count (`big_layers`): hidden /
+    heads there (gemma_pytorch's query_pre_attn_scalar)."""
+    del config["hidden_act"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                       if config["num_hidden_layers"] == big_layers
+                                       else config["head_dim"])
 
 
 def _gguf_layer_types(keys: Any, layers: int) -> list[str]:

@@ -16,12 +16,17 @@ from typing import Any
 import numpy as np
 
 from fuselm.export.errors import ExportError
+from fuselm.export.gguf.blocks import EXACT_TYPES
 from fuselm.export.gguf.header import HeaderError, Unreadable, read_header
 from fuselm.input_files import check_regular, open_regular
 
-# Tensor types fuselm reads (each dequantized to float32 by gguf's own dequantize).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
-                   "Q6_K")
+# Tensor types fuselm reads, each dequantized to float32 by gguf's own dequantize: floats, the
+# block types a conversion keeps exactly (export/gguf/blocks.py), and the ones with no exact
+# form here (more grid and ternary codes, microscaled floats), which a conversion takes to the
+# nearest format it stores, 8-bit blocks, their error recorded (quant-report).
+FLOAT_TYPES = ("F32", "F16", "BF16")
+NEAREST_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0", "MXFP4")
+SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + NEAREST_TYPES
 MAGIC = b"GGUF"
 SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time
 
@@ -115,16 +120,21 @@ class GGUFFile:
         t = self.tensors[name]
         raw = self.raw(name)
         qtype = GGMLQuantizationType[t.type_name]
-        if t.type_name in ("F32", "F16"):
-            return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(t.shape)
-        # Block formats: one row of bytes per output row, dequantized a slab of rows at a time
-        # into the result, so the dequantizer's float32 temporaries stay at one slab instead of
-        # twice the tensor (+120 MB on a 49152 x 576 embedding).
-        rows = raw.reshape(_rows(t.shape), -1)
-        out = np.empty((rows.shape[0], t.shape[-1]), np.float32)
-        step = max(1, SLAB_BYTES // (4 * t.shape[-1]))
-        for r in range(0, rows.shape[0], step):
-            out[r : r + step] = dequantize(rows[r : r + step], qtype)
+        try:
+            if t.type_name in ("F32", "F16"):
+                return np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(t.shape)
+            # Block formats: one row of bytes per output row, dequantized a slab of rows at a
+            # time into the result, so the dequantizer's float32 temporaries stay at one slab
+            # instead of twice the tensor (+120 MB on a 49152 x 576 embedding).
+            rows = raw.reshape(_rows(t.shape), -1)
+            out = np.empty((rows.shape[0], t.shape[-1]), np.float32)
+            step = max(1, SLAB_BYTES // (4 * t.shape[-1]))
+            for r in range(0, rows.shape[0], step):
+                out[r : r + step] = dequantize(rows[r : r + step], qtype)
+        except NotImplementedError as e:  # a gguf package older than this type's decoder
+            raise ExportError(
+                f"{self.path}: tensor {name} is {t.type_name}, which the installed gguf package "
+                f"cannot dequantize ({e}); pip install -U gguf") from None
         return out.reshape(t.shape)
 
 

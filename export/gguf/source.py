@@ -24,7 +24,7 @@ from fuselm.export.errors import ExportError
 from fuselm.export.family import Family
 from fuselm.export.gguf.blocks import EXACT_TYPES, given_blocks
 from fuselm.export.gguf.config import generation_config, hf_config
-from fuselm.export.gguf.file import GGUFFile
+from fuselm.export.gguf.file import FLOAT_TYPES, GGUFFile
 from fuselm.export.registry import decoder_spec, family_of
 from fuselm.given_blocks import GivenBlocks
 
@@ -128,9 +128,10 @@ class GGUFCheckpoint:
 
     @property
     def quantized(self) -> bool:
-        """Whether any matrix comes in a block format fuselm holds exactly (its conversion
-        then keeps the blocks by default)."""
-        return any(t.type_name in EXACT_TYPES and len(t.shape) == 2
+        """Whether any matrix comes in a block format (its conversion then keeps the blocks
+        fuselm holds exactly and takes the others to 8-bit ones by default, rather than to
+        float weights several times the file's size)."""
+        return any(t.type_name not in FLOAT_TYPES and len(t.shape) == 2
                    for t in self.gguf.tensors.values())
 
     def tensor_types(self) -> dict[str, int]:

@@ -74,13 +74,13 @@ bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names t
 each tensor its `bits` and block size.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
-quantized (a GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K tensor) is stored as given, its codes, scales
+quantized (a GGUF tensor of gguf/blocks.py's EXACT_TYPES) is stored as given, its codes, scales
 and zero points or biases unchanged, instead of being searched again; a packed projection is
-given when every part is, in one bits/block/form (its parts' blocks concatenated along N),
-else it is quantized from the dequantized values (recorded). The forms:
+given when every part is (its parts' blocks concatenated along N, in one form that holds
+each: GivenBlocks.concat), else it is quantized from the dequantized values (recorded). The forms:
 
     integer zero points, 4 or 8 bits  DequantizeLinear(codes, scales, zp)      (as above)
-    float biases (Q4_1, Q4_K)         fuselm.DequantizeAffine(codes, scales, biases, axis,
+    float biases (Q4_1, Q4_K, ...)    fuselm.DequantizeAffine(codes, scales, biases, axis,
                                       block_size): w = codes*s + b (passes/ops.py)
 
 A scale or bias that the graph's float type does not hold exactly (Q4_K's d*sc in a float16
@@ -466,7 +466,8 @@ def _rounds(jobs: list[_Job], calib: Calibration | None, eight: set[str]
 def _given_of(t: gs.Constant, given: Given) -> GivenBlocks | None:
     """The blocks the checkpoint gives for weight `t` ([N, K]): its own, or for a packed
     projection (pairing's recipe, its parts [K, N_i] concatenated along axis 1) its parts'
-    blocks concatenated along N. None when any part comes as floats or the parts differ."""
+    blocks concatenated along N. None when any part comes as floats (or the parts' blocks
+    share no form: GivenBlocks.concat)."""
     own = given(t.name)
     if own is not None:
         return own

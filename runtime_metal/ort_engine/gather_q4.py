@@ -12,8 +12,13 @@ quantize_axis 0 for the [H, V] layout), with the same zero points and scales: th
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+
+from fuselm.runtime_metal.loader import is_external, read_bytes
 
 MS = "com.microsoft"
 
@@ -22,9 +27,30 @@ def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
-def packed_gathers(g: onnx.GraphProto) -> int:
+def _half_exact(name: str, producer: dict[str, onnx.NodeProto],
+                inits: dict[str, onnx.TensorProto], base_dir: Path) -> bool:
+    """Whether the scales `name` (an initializer, or one read through Casts) survive the
+    float16 round trip below unchanged: fuselm's own are float16 values; a checkpoint's given
+    ones need not be (GGUF Q3_K's d·(sc - 32) in float32), and such a table keeps the plain
+    lookup."""
+    while name not in inits and getattr(producer.get(name), "op_type", "") == "Cast":
+        name = producer[name].input[0]
+    t = inits.get(name)
+    if t is None:
+        return False
+    if t.data_type == TensorProto.FLOAT16:
+        return True
+    if is_external(t):
+        a = np.frombuffer(read_bytes(t, base_dir), helper.tensor_dtype_to_np_dtype(t.data_type))
+    else:
+        a = numpy_helper.to_array(t)
+    return bool(np.array_equal(a.astype(np.float16).astype(a.dtype), a))
+
+
+def packed_gathers(g: onnx.GraphProto, base_dir: Path) -> int:
     """Replace each row lookup of a Q4 table (the pattern above) by GatherBlockQuantized, in
-    place; the number replaced. Nodes left unread are the caller's to prune."""
+    place; the number replaced. Nodes left unread are the caller's to prune. `base_dir`:
+    the folder of the graph's external data."""
     producer = {o: n for n in g.node for o in n.output}
     inits = {t.name: t for t in g.initializer}
 
@@ -57,7 +83,8 @@ def packed_gathers(g: onnx.GraphProto) -> int:
         code_t, zp_t = inits.get(codes), inits.get(zps)
         if (code_t is None or zp_t is None or code_t.data_type != TensorProto.UINT4
                 or zp_t.data_type != TensorProto.UINT4 or not t0 == t1 == t2
-                or not ids == ids1 == ids2 or _attr(dq, "axis", 1) not in (-1, 1)):
+                or not ids == ids1 == ids2 or _attr(dq, "axis", 1) not in (-1, 1)
+                or not _half_exact(scale_src, producer, inits, base_dir)):
             continue
         out = dq.output[0]
         # The scales' own copy for the lookup: a round trip through float16 (exact, their

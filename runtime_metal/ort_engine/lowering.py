@@ -90,7 +90,7 @@ def lower_for_cpu(model_file: Path, manifest: Manifest, exact_rows: bool = False
     inputs = onnx_inputs(model)
     past_dtype = _past_dtype(model)
     try:
-        model, positions = _lower(model, manifest, exact_rows)
+        model, positions = _lower(model, manifest, exact_rows, Path(model_file).parent)
     except NotLowered as e:
         return str(e)
     values = symmetric_to_int4(model, Path(model_file).parent)
@@ -115,7 +115,7 @@ def _past_dtype(model: onnx.ModelProto) -> str | None:
     return {F16: "float16", BF16: "bfloat16", F32: "float32"}.get(next(iter(kv_types), 0))
 
 
-def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
+def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool, base_dir: Path
            ) -> tuple[onnx.ModelProto, int]:
     if manifest.model.head_dim % 16:
         raise NotLowered(f"head_dim {manifest.model.head_dim} (GroupQueryAttention on CPU needs "
@@ -171,7 +171,7 @@ def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool
     del g.node[:]
     g.node.extend(new_nodes + kept)
     g.initializer.extend(inits)
-    packed_gathers(g)
+    packed_gathers(g, base_dir)
     _topological(g)
     _logits_from(g)
     _prune(model)

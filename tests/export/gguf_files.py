@@ -2,12 +2,14 @@
 
 Laid out as llama.cpp's convert_hf_to_gguf.py lays them out: llama.cpp tensor names, q/k rows
 permuted on llama files, norms in F32 (Gemma's with the 1 of its (1 + w) added, as llama.cpp's
-converter adds it), every other 2-D weight in the tensor type a test asks for. A gemma3 file
-gets Gemma's metadata and a small SentencePiece vocabulary laid out as Gemma's (specials, byte
-tokens, pieces in merge order, no merges); the others the random model's byte-level BPE.
-gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1 itself; for the K-quants it has no
-quantizer, so their blocks are random bytes with small, valid float16 scales (what matters
-here is that fuselm and transformers dequantize the same bytes the same way).
+converter adds it), every other 2-D weight in the tensor type a test asks for. A gemma2 or
+gemma3 file gets Gemma's metadata and a small SentencePiece vocabulary laid out as Gemma's
+(specials, byte tokens, pieces in merge order, no merges); the others the random model's
+byte-level BPE.
+gguf's Python package quantizes F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/TQ1_0/TQ2_0/MXFP4 itself; for
+the K-quants and the IQ types it has no quantizer, so their blocks are random bytes with small,
+valid float16 scales (what matters here is that fuselm and transformers dequantize the same
+bytes the same way).
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ from fuselm.converter.models.builtin import build_model
 from fuselm.export.gguf.source import gguf_name
 from fuselm.export.registry import family_named
 
-# K-quant block layouts: (bytes per 256 values, byte offsets of float16 d/dmin fields)
-_K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+# Types gguf's package has no quantizer for: (bytes per 256 weights, byte offsets of the
+# float16 scale fields in them, the range those scales are drawn from: weights come out of the
+# order of a trained model's, ~0.01)
+_K = (2e-5, 6e-5)
+RANDOM = {"Q2_K": (84, (80, 82), (2e-4, 4e-4)), "Q3_K": (110, (108,), (1e-4, 3e-4)),
+           "Q4_K": (144, (0, 2), _K), "Q5_K": (176, (0, 2), _K), "Q6_K": (210, (208,), _K),
+           "IQ4_NL": (144, tuple(range(0, 144, 18)), (1e-4, 3e-4)),
+           "IQ4_XS": (136, (0,), (5e-6, 1e-5)), "IQ1_S": (50, (0,), (1e-3, 3e-3)),
+           "IQ1_M": (56, (), (1e-3, 3e-3)), "IQ2_XXS": (66, (0,), (2e-4, 5e-4)),
+           "IQ2_XS": (74, (0,), (2e-4, 5e-4)), "IQ2_S": (82, (0,), (2e-4, 5e-4)),
+           "IQ3_XXS": (98, (0,), (1e-4, 2.5e-4)), "IQ3_S": (110, (0,), (1e-4, 2.5e-4))}
 
 
 def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
@@ -33,12 +44,18 @@ def permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def k_quant_bytes(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
-    size, scale_at = _K_QUANTS[kind]
+def random_blocks(rows: int, cols: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of `kind` (rows x cols weights) with small, valid float16 scales."""
+    size, scale_at, (low, high) = RANDOM[kind]
     blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
     for at in scale_at:
-        d = rng.uniform(2e-5, 6e-5, size=blocks.shape[0]).astype(np.float16)
+        d = rng.uniform(low, high, size=blocks.shape[0]).astype(np.float16)
         blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    if kind == "IQ1_M":  # its float16 d is four nibbles: the top nibble of each 16-bit scale
+        d = rng.uniform(low, high, size=blocks.shape[0]).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            nibble = ((d >> np.uint16(4 * i)) & np.uint16(15)).astype(np.uint8)
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & np.uint8(15)) | (nibble << 4)
     return blocks.reshape(rows, -1)
 
 
@@ -49,8 +66,8 @@ def _tensor(writer: Any, name: str, w: np.ndarray, kind: str, rng: np.random.Gen
     qtype = GGMLQuantizationType[kind]
     if w.ndim == 1 or kind == "F32":
         writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
-    elif kind in _K_QUANTS:
-        writer.add_tensor(name, k_quant_bytes(*w.shape, kind, rng), raw_dtype=qtype)
+    elif kind in RANDOM:
+        writer.add_tensor(name, random_blocks(*w.shape, kind, rng), raw_dtype=qtype)
     else:
         writer.add_tensor(name, quantize(np.ascontiguousarray(w, np.float32), qtype),
                           raw_dtype=qtype)
@@ -125,6 +142,45 @@ def _gemma_metadata(writer: Any, config: dict[str, Any]) -> None:
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
 
 
+def _gemma2_metadata(writer: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp reads of a Gemma 2 config beyond the common keys: the two soft-caps (the
+    window is written with the common keys). Nothing states the layer pattern (llama.cpp fixes
+    it: every other layer slides, layer 0 first) or the softmax scale (head_dim ** -0.5), so
+    the config must have them so."""
+    assert config["query_pre_attn_scalar"] == config["head_dim"]
+    assert config["layer_types"] == ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                     for i in range(config["num_hidden_layers"])]
+    writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+
+
+def reference_model(path: Path, family: str):  # noqa: ANN201 - a transformers model
+    """transformers' model of the random checkpoint `path` was written from (its .hf config),
+    in float32, holding the file's weights as gguf.GGUFReader + gguf.quants.dequantize read
+    them (a norm less the 1 llama.cpp adds): the reference for a family whose GGUF transformers
+    does not load itself; nothing of fuselm's GGUF reading is used."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(str(path.with_suffix(".hf"))), dtype=torch.float32).eval()
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    owner = family_named(family)
+    state = {}
+    for name, p in model.state_dict().items():
+        t = tensors[gguf_name(name, owner) or ""] if name != "lm_head.weight" else None
+        if t is None:
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(p.shape).astype(np.float32)
+        state[name] = torch.from_numpy(w - owner.norm_offset if name.endswith("norm.weight")
+                                       else w)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor
@@ -162,6 +218,9 @@ def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None 
         w.add_sliding_window(config["sliding_window"])
     if arch == "gemma3":
         _gemma_metadata(w, config)
+    elif arch == "gemma2":
+        _gemma2_metadata(w, config)
+    if arch in ("gemma2", "gemma3"):
         _gemma_tokenizer(w, config["vocab_size"])
     else:
         _tokenizer(w, hf_dir)

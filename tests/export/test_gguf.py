@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from gguf import GGMLQuantizationType
 
 from fuselm.converter.cli.main import cli
 from fuselm.export.errors import ExportError
@@ -17,24 +18,24 @@ from fuselm.export.gguf.source import GGUFCheckpoint, unpermute_qk
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 from fuselm.runtime_metal.validate import rel
-from tests.export.gguf_files import permute_qk, write_gguf
+from tests.export.gguf_files import permute_qk, rewrite_gguf, write_gguf
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384)
-# Each supported type appears in every role across the three files. llama: GQA 4:1 and
-# head_dim 64 != 256 / 8; q/k kept float so the unpermuted rows compare to HF's directly.
+# Each supported type appears once across the three files. llama: GQA 4:1 and head_dim 64 !=
+# 256 / 8; q/k kept float so the unpermuted rows compare to HF's directly.
 CASES = {
     "llama": (dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64), {
         "attn_q": "F16", "attn_k": "F32", "attn_v": "Q4_K", "attn_output": "Q5_K",
         "ffn_gate": "Q6_K", "ffn_up": "Q4_0", "ffn_down": "Q4_1", "token_embd": "Q8_0",
         "output": "BF16"}),
     "qwen2": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64), {
-        "attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q5_K", "attn_output": "Q8_0",
-        "ffn_gate": "BF16", "ffn_up": "F16", "ffn_down": "Q4_0", "token_embd": "Q4_1",
+        "attn_q": "Q5_1", "attn_k": "Q3_K", "attn_v": "Q2_K", "attn_output": "IQ4_XS",
+        "ffn_gate": "IQ4_NL", "ffn_up": "IQ1_S", "ffn_down": "IQ1_M", "token_embd": "IQ2_XXS",
         "output": "Q5_0"}),
     # transformers reads no head_dim for qwen3 GGUF (its config default, 128, applies)
     "qwen3": (dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128), {
-        "attn_q": "BF16", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "Q4_K",
-        "ffn_gate": "Q8_0", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "F16"}),
+        "attn_q": "IQ2_XS", "attn_k": "IQ2_S", "attn_v": "IQ3_XXS", "attn_output": "IQ3_S",
+        "ffn_gate": "TQ1_0", "ffn_up": "TQ2_0", "ffn_down": "MXFP4", "token_embd": "F16"}),
 }
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
 
@@ -150,10 +151,18 @@ def test_unsupported_architecture_and_type(tmp_path: Path) -> None:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o1")])
     assert "'gemma' is not supported" in msg and "llama, qwen2, qwen3" in msg
-    path, _ = write_gguf(tmp_path / "q5_1.gguf", "llama", {"ffn_up": "Q5_1"}, **SHAPE,
+    path, _ = write_gguf(tmp_path / "q4_0.gguf", "llama", {"ffn_up": "Q4_0"}, **SHAPE,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    msg = _cli_error(["convert", str(path), "-o", str(tmp_path / "o2")])
-    assert "tensor type Q5_1 is not supported" in msg and "Q4_K" in msg
+
+    def nvfp4(table: list) -> None:  # NVFP4 blocks take the bytes Q4_0's do (36 per 64)
+        for row in table:
+            if row[0] == "blk.1.ffn_up.weight":
+                row[2] = int(GGMLQuantizationType.NVFP4)
+
+    bad = rewrite_gguf(path, tmp_path / "nvfp4.gguf", tensors=nvfp4)
+    msg = _cli_error(["convert", str(bad), "-o", str(tmp_path / "o2")])
+    assert "tensor type NVFP4 is not supported (tensor blk.1.ffn_up.weight)" in msg
+    assert "Q5_1" in msg and "IQ4_XS" in msg
 
 
 def _maps_of(path: Path) -> list[str]:

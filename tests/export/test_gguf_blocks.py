@@ -8,9 +8,9 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from fuselm.export.gguf.blocks import given_blocks
+from fuselm.export.gguf.blocks import EXACT_TYPES, given_blocks
 from fuselm.given_blocks import GivenBlocks
-from tests.export.gguf_files import k_quant_bytes
+from tests.export.gguf_files import RANDOM, random_blocks
 
 
 def _weights(n: int = 8, k: int = 256) -> np.ndarray:
@@ -39,15 +39,25 @@ def test_q4_1_round_trips_bit_exactly_into_codes_scales_and_mins() -> None:
     np.testing.assert_array_equal(again.reshape(raw.shape), raw)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+# type -> (bits, block size) of its stored form
+FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
+         "IQ4_NL": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "IQ4_XS": (8, 32),
+         "Q6_K": (8, 16), "Q3_K": (4, 16), "Q2_K": (4, 16), "IQ2_XXS": (8, 32),
+         "IQ3_XXS": (8, 32), "IQ3_S": (8, 32)}
+
+
+def test_every_exact_type_is_covered() -> None:
+    assert set(FORMS) == set(EXACT_TYPES)
+
+
+@pytest.mark.parametrize("kind", list(FORMS))
 def test_given_blocks_dequantize_to_ggufs_own_values(kind: str) -> None:
     qtype = GGMLQuantizationType[kind]
     w = _weights()
-    raw = (k_quant_bytes(*w.shape, kind, np.random.default_rng(1)) if kind.endswith("_K")
+    raw = (random_blocks(*w.shape, kind, np.random.default_rng(1)) if kind in RANDOM
            else quantize(w, qtype))
     g = given_blocks(kind, raw.reshape(-1), w.shape)
-    assert g is not None and g.bits == (8 if kind in ("Q8_0", "Q6_K") else 4)
-    assert g.block_size == (16 if kind == "Q6_K" else 32)
+    assert g is not None and (g.bits, g.block_size) == FORMS[kind]
     assert g.codes.max() < 2 ** g.bits
     np.testing.assert_array_equal(g.dequantize(), dequantize(raw, qtype))
 
@@ -62,10 +72,45 @@ def test_rows_and_concatenation_keep_blocks() -> None:
     both = GivenBlocks.concat([g, g.take_rows(slice(0, 3))])
     assert both is not None and both.shape == (11, 256)
     np.testing.assert_array_equal(both.dequantize()[8:], g.dequantize()[:3])
-    q8 = given_blocks("Q8_0", quantize(w, GGMLQuantizationType.Q8_0).reshape(-1), w.shape)
-    assert GivenBlocks.concat([g, q8]) is None  # 4 and 8 bits cannot share one tensor
 
 
-def test_types_without_an_exact_form_give_none() -> None:
-    raw = k_quant_bytes(8, 256, "Q5_K", np.random.default_rng(0))
-    assert given_blocks("Q5_K", raw.reshape(-1), (8, 256)) is None
+def _raw(kind: str, w: np.ndarray) -> np.ndarray:
+    return (random_blocks(*w.shape, kind, np.random.default_rng(1)) if kind in RANDOM
+            else quantize(w, GGMLQuantizationType[kind]))
+
+
+def _given(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> GivenBlocks:
+    g = given_blocks(kind, raw.reshape(-1), shape)
+    assert g is not None
+    return g
+
+
+# llama.cpp's mixes give v more bits than q/k: a packed projection's parts in different forms
+@pytest.mark.parametrize("kinds", [("Q4_0", "Q5_0"), ("Q5_1", "Q8_0"), ("Q4_K", "Q6_K"),
+                                   ("Q3_K", "Q4_1", "IQ4_NL")])
+def test_parts_in_different_forms_stack_in_one_that_holds_each(kinds: tuple[str, ...]) -> None:
+    """The most bits, the smallest block, float biases when a part has them: zero-point parts
+    alone stack exactly (a 4-bit code is an 8-bit one); a zero point turned into a bias gives
+    the same weights to float32 rounding."""
+    w = _weights()
+    raws = [_raw(kind, w) for kind in kinds]
+    parts = [_given(kind, raw, w.shape) for kind, raw in zip(kinds, raws, strict=True)]
+    both = GivenBlocks.concat(parts)
+    assert both is not None and both.shape == (8 * len(kinds), 256)
+    assert both.bits == max(p.bits for p in parts)
+    assert both.block_size == min(p.block_size for p in parts)
+    assert both.source == "+".join(sorted(f"gguf {k}" for k in kinds))
+    want = np.concatenate([dequantize(raw, GGMLQuantizationType[k])
+                           for k, raw in zip(kinds, raws, strict=True)])
+    if not any(p.affine for p in parts):
+        np.testing.assert_array_equal(both.dequantize(), want)
+    else:
+        assert both.affine
+        assert np.abs(both.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", ["IQ2_XS", "IQ1_M", "TQ2_0"])
+def test_types_without_an_exact_form_give_none(kind: str) -> None:
+    raw = (random_blocks(8, 256, kind, np.random.default_rng(0)) if kind in RANDOM
+           else quantize(_weights(), GGMLQuantizationType[kind]))
+    assert given_blocks(kind, raw.reshape(-1), (8, 256)) is None

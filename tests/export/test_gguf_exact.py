@@ -1,7 +1,7 @@
-"""Exact GGUF import: a GGUF in Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K converted by default keeps its blocks
-(no second quantization), so fuselm's logits are those of the file's own dequantized weights
-run in float32 by transformers' GGUF loader, on both engines (Q6_K, kept in blocks of 16:
-tests/export/test_gguf_gemma3.py and test_gguf_blocks.py)."""
+"""Exact GGUF import: a GGUF in any type of export/gguf/blocks.py's EXACT_TYPES converted by
+default keeps its blocks (no second quantization), so fuselm's logits are those of the file's
+own dequantized weights run in float32 by transformers' GGUF loader, on both engines; a type
+with no exact form goes to 8-bit blocks, its error recorded."""
 
 from __future__ import annotations
 
@@ -23,9 +23,14 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 # llama: q/k rows permuted in the file, untied head; qwen3: a tied embedding / LM head
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
-         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")}
+         for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q3_K", "Q2_K",
+                   "IQ3_S")}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
+# (Q5_K, IQ4_XS and Q6_K: tests/export/test_gguf_gemma2.py and test_gguf_gemma3.py)
+# the stored form's bits per code (Q5_*, IQ4_NL, IQ3_S: codes held in 8 bits)
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q3_K": 4,
+        "Q2_K": 4, "IQ3_S": 8}
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
 
 
@@ -62,7 +67,7 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
     assert q is not None and q["given"] == {"kept": {f"gguf {kind}": len(q["tensors"])},
                                             "quantized": 0}
     assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
-    assert q["bits"] == (8 if kind in ("Q8_0", "Q5_0") else 4)  # Q5_0's codes held in 8 bits
+    assert q["bits"] == BITS[kind]
     from fuselm.converter.cli.quant_report_cmd import render
 
     text = render(q)
@@ -120,8 +125,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
     q = read_manifest(out).quantization
     assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
     assert q["calibration"] is None
-    head_q5k = {**dict.fromkeys(ROLES, "Q4_1"), "output": "Q5_K"}
-    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_q5k, seed=1, **SHAPE,
+    head_iq2 = {**dict.fromkeys(ROLES, "Q4_1"), "output": "IQ2_S"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_iq2, seed=1, **SHAPE,
                           **CASES["llama-Q4_1"][1])
     convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
     q = read_manifest(tmp_path / "mixed").quantization
@@ -131,10 +136,10 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
 
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
-    """Q5_K / float matrices beside exact ones: 8-bit blocks, the loss in the record
-    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is
-    quantized whole."""
-    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+    """IQ2_XS / float matrices beside exact ones: 8-bit blocks, the loss in the record
+    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is kept
+    in one that holds both (8 bits, blocks of 16, biases)."""
+    types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ2_XS",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
              "output": "Q4_0"}
     path, _ = write_gguf(tmp_path / "mixed.gguf", "llama", types, seed=9, **SHAPE,
@@ -142,13 +147,27 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
     q = read_manifest(tmp_path / "out").quantization
     layers = SHAPE["num_hidden_layers"]
-    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1},
-                          "quantized": 3 * layers}
+    assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1,
+                                   "gguf Q4_K+gguf Q6_K": layers}, "quantized": 2 * layers}
+    qkv = [t for t in q["tensors"] if t.get("given") == "gguf Q4_K+gguf Q6_K"]
+    assert {(t["bits"], t["block_size"]) for t in qkv} == {(8, 16)}
     again = [t for t in q["tensors"] if "given" not in t]
     assert {t["bits"] for t in again} == {8} and all(t["rel_rms_error"] > 0 for t in again)
     eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
     got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
     assert rel(got, _hf_logits(path)) <= 2e-2
+
+
+def test_a_file_with_no_exact_type_converts_to_eight_bit_blocks(tmp_path: Path) -> None:
+    """Only IQ2_XS / IQ1_S matrices (and float norms): the default conversion still quantizes
+    (8-bit blocks, each tensor's error recorded), not float weights several times the file."""
+    types = dict.fromkeys(ROLES, "IQ2_XS") | {"ffn_down": "IQ1_S"}
+    path, _ = write_gguf(tmp_path / "iq.gguf", "llama", types, seed=4, **SHAPE,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
+    q = read_manifest(tmp_path / "out").quantization
+    assert q is not None and q["bits"] == 8 and q["given"] is None  # nothing kept
+    assert q["tensors"] and all(0 < t["rel_rms_error"] < 1e-2 for t in q["tensors"])
 
 
 def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Path]],

@@ -15,13 +15,12 @@ import pytest
 
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.errors import ExportError
-from fuselm.export.gguf.source import GGUFCheckpoint, gguf_name
-from fuselm.export.registry import family_named
+from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, rel
-from tests.export.gguf_files import STRING, gguf_value, rewrite_gguf, write_gguf
+from tests.export.gguf_files import STRING, gguf_value, reference_model, rewrite_gguf, write_gguf
 
 # head_dim 64 = query_pre_attn_scalar (llama.cpp's scale); 4 heads x 64 = 256: a whole Q4_K
 # super-block along o_proj's K. Window 4 < the prompt; layer 0 slides, layer 1 is global.
@@ -52,29 +51,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def reference(gemma: tuple[Path, Path]):  # noqa: ANN201 - a transformers model
-    """transformers' Gemma 3 from the random model's config, with the file's weights as
-    gguf.GGUFReader + gguf.quants.dequantize read them (a norm less the 1 llama.cpp adds)."""
-    import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path, _ = gemma
-    hf_dir = path.with_suffix(".hf")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(hf_dir)),
-                                             dtype=torch.float32).eval()
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    family = family_named("gemma3_text")
-    state = {}
-    for name, p in model.state_dict().items():
-        t = tensors[gguf_name(name, family) or ""] if name != "lm_head.weight" else None
-        if t is None:
-            continue
-        w = dequantize(t.data, t.tensor_type).reshape(p.shape).astype(np.float32)
-        state[name] = torch.from_numpy(w - 1 if name.endswith("norm.weight") else w)
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    return model
+    return reference_model(gemma[0], "gemma3_text")
 
 
 def _hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001

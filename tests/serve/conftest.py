@@ -199,10 +199,12 @@ def guarded(serve_artifact: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="session")
 def smol_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`fuselm serve` on the real SmolLM2-135M Q4 (onnxruntime, lowered: batched rows), at
-    accuracy level 0: at level 4 a several-row matmul quantizes its activations unlike a
-    one-row one (tests/runtime/test_ort_row_batch.py), so a batched row may pick another token
-    at a near-tie, as prefill and decode may. Shared by the delivery and structured-output
-    tests (one conversion per session)."""
+    accuracy level 0: at level 4 a step of several tokens of one sequence (a prefill, the
+    uncached rest of a prompt) computes unlike one-token steps (GroupQueryAttention's
+    several-row kernel, a 1-ulp difference the int8 activations amplify:
+    benchmarks/probes/verify_rows.py), so a served row may pick another token at a near-tie
+    than a reference that reached the same position another way. Shared by the delivery and
+    structured-output tests (one conversion per session)."""
     from fuselm.converter.models.smollm2 import bundled_gguf
     from fuselm.converter.pipeline import ConvertOptions, convert
 

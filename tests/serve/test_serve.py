@@ -46,6 +46,23 @@ def test_models_and_health(server: Server) -> None:
     assert h["status"] == "ok" and h["max_batch"] == MAX_BATCH
 
 
+def test_health_describes_the_batch_decoder_as_it_is_now(any_server: Server) -> None:
+    """/health's `engine.batch` is the batch decoder described at the request: without a
+    pipeline it has no slot counters, and its counts move as the server works (MLX: the KV
+    blocks a finished request's cached prefix holds are those `kv.held_tokens` counts)."""
+    chat(any_server, PROMPTS[2], 4)
+    h = _wait_idle(any_server)
+    batch = h["engine"]["batch"]
+    shape = {"mode", "max_batch", "max_context", "active", "kv_budget_tokens"}
+    if any_server.engine == "mlx":
+        assert set(batch) == shape | {"kv_block", "kv_blocks", "kv_blocks_free"}
+        held = (batch["kv_blocks"] - batch["kv_blocks_free"]) * batch["kv_block"]
+        assert held == h["kv"]["held_tokens"] > 0
+    else:
+        assert set(batch) == shape
+    assert batch["active"] == h["active"] == 0 and batch["max_batch"] == MAX_BATCH
+
+
 def test_chat_greedy_equals_fuselm_run(any_server: Server) -> None:
     server = any_server
     want = fuselm_run(server, PROMPTS[0], 12)

@@ -1,0 +1,95 @@
+"""Gemma 2 GGUF input: a seeded random Gemma 2 written as llama.cpp writes a gemma2 file
+(sandwich norms under llama.cpp's names, norm weights with their +1, the window and both
+soft-caps in the metadata, nothing stating the alternating layer pattern, a tied Q8_0 table, a
+Gemma-style SentencePiece vocabulary), in block types llama.cpp's small quantizations use,
+converted by default (every block kept). The reference is transformers' Gemma2ForCausalLM in
+float32 built from the random model's own config, holding the file's weights as gguf's own
+dequantizer reads them (gguf_files.reference_model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuselm.converter.pipeline import ConvertOptions, convert
+from fuselm.export.gguf.source import GGUFCheckpoint
+from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.engine import make_engine
+from fuselm.runtime_metal.generate import generate
+from fuselm.runtime_metal.validate import engine_logits, rel
+from tests.export.gguf_files import reference_model, rewrite_gguf, write_gguf
+
+# head_dim 64 = query_pre_attn_scalar (llama.cpp's scale for all but the 46-layer model);
+# window 4 < the prompt; layer 0 slides, layer 1 is global, as llama.cpp fixes it; caps small
+# enough to bite on a random model's logits.
+CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384,
+              num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+              query_pre_attn_scalar=64, sliding_window=4, tie_word_embeddings=True,
+              layer_types=["sliding_attention", "full_attention"],
+              attn_logit_softcapping=1.0, final_logit_softcapping=5.0)
+# each fused projection in one stored form: q/k/v Q5_1 (8-bit, bias), gate/up Q5_K (8-bit,
+# bias), o Q3_K (4-bit in blocks of 16), down IQ4_XS (non-linear levels in 8 bits)
+TYPES = {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q5_1", "attn_output": "Q3_K",
+         "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "IQ4_XS", "token_embd": "Q8_0"}
+PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("gguf_gemma2")
+    path, _ = write_gguf(root / "g.gguf", "gemma2", TYPES, seed=5, **CONFIG)
+    out = root / "out"
+    convert(path, out, ConvertOptions(dtype="float32"))
+    return path, out
+
+
+@pytest.fixture(scope="module")
+def reference(gemma: tuple[Path, Path]):  # noqa: ANN201 - a transformers model
+    return reference_model(gemma[0], "gemma2")
+
+
+def _hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_config_reads_as_the_hf_models(gemma: tuple[Path, Path], tmp_path: Path) -> None:
+    """The file's window and caps, llama.cpp's layer pattern and scale; a file without the
+    caps or the window gets llama.cpp's defaults (50, 30, 4096: Gemma 2's own)."""
+    path, _ = gemma
+    got = GGUFCheckpoint(path).config
+    want = json.loads((path.with_suffix(".hf") / "config.json").read_text())
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "head_dim",
+                "attn_logit_softcapping", "final_logit_softcapping", "tie_word_embeddings",
+                "hidden_activation"):
+        assert got[key] == want[key], key
+    bare = rewrite_gguf(path, tmp_path / "bare.gguf", {
+        f"gemma2.{k}": None for k in ("attn_logit_softcapping", "final_logit_softcapping",
+                                      "attention.sliding_window")})
+    c = GGUFCheckpoint(bare).config
+    assert (c["attn_logit_softcapping"], c["final_logit_softcapping"], c["sliding_window"]) == (
+        50.0, 30.0, 4096)
+
+
+def test_default_convert_keeps_the_files_blocks(gemma: tuple[Path, Path]) -> None:
+    q = read_manifest(gemma[1]).quantization
+    assert q is not None and q["given"]["quantized"] == 0
+    assert set(q["given"]["kept"]) == {f"gguf {t}" for t in TYPES.values()}
+    assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
+def test_logits_and_greedy_equal_the_files_dequantized_weights(
+        gemma: tuple[Path, Path], reference, engine: str) -> None:  # noqa: ANN001
+    _, out = gemma
+    eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
+    assert rel(engine_logits(eng, PROMPT, None), _hf_logits(reference, PROMPT)) <= 1e-4
+    ids = list(PROMPT)
+    for _ in range(6):  # greedy by full forwards: no cache on the reference's side
+        ids.append(int(_hf_logits(reference, ids)[-1].argmax()))
+    assert generate(eng, PROMPT, max_new_tokens=6).tokens == ids[len(PROMPT):]
