@@ -181,6 +181,14 @@ def reference_model(path: Path, family: str):  # noqa: ANN201 - a transformers m
     return model
 
 
+def hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001 - a transformers model
+    """The reference model's float32 logits for one prompt, [len(ids), vocab]."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from fuselm.converter.pipeline import ConvertOptions, convert
@@ -20,7 +19,7 @@ from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.validate import engine_logits, rel
-from tests.export.gguf_files import reference_model, rewrite_gguf, write_gguf
+from tests.export.gguf_files import hf_logits, reference_model, rewrite_gguf, write_gguf
 
 # head_dim 64 = query_pre_attn_scalar (llama.cpp's scale for all but the 46-layer model);
 # window 4 < the prompt; layer 0 slides, layer 1 is global, as llama.cpp fixes it; caps small
@@ -49,13 +48,6 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def reference(gemma: tuple[Path, Path]):  # noqa: ANN201 - a transformers model
     return reference_model(gemma[0], "gemma2")
-
-
-def _hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
 
 
 def test_config_reads_as_the_hf_models(gemma: tuple[Path, Path], tmp_path: Path) -> None:
@@ -88,8 +80,8 @@ def test_logits_and_greedy_equal_the_files_dequantized_weights(
         gemma: tuple[Path, Path], reference, engine: str) -> None:  # noqa: ANN001
     _, out = gemma
     eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
-    assert rel(engine_logits(eng, PROMPT, None), _hf_logits(reference, PROMPT)) <= 1e-4
+    assert rel(engine_logits(eng, PROMPT, None), hf_logits(reference, PROMPT)) <= 1e-4
     ids = list(PROMPT)
     for _ in range(6):  # greedy by full forwards: no cache on the reference's side
-        ids.append(int(_hf_logits(reference, ids)[-1].argmax()))
+        ids.append(int(hf_logits(reference, ids)[-1].argmax()))
     assert generate(eng, PROMPT, max_new_tokens=6).tokens == ids[len(PROMPT):]
