@@ -26,6 +26,16 @@ Per block: the formula of the file's weight w from its code q, and the stored fo
                w = (d·sc_j)·q - dmin·mn_j                              4 bits, block 16, bias
     IQ2_XXS, IQ3_XXS, IQ3_S 256: d, grid indices, signs, 4-bit scales; per 32 weights j:
                w = db_j·(±g), g a grid value (integers up to 62)       8 bits, g + 128, zp 128
+    IQ2_XS, IQ2_S 256: the same per 16 weights (g: 8, 25, 43)          8 bits, block 16, as above
+    IQ1_S  256: d, grid indices, 3-bit scales, delta signs; per 32 weights j:
+               w = dl_j·(g ± 1/8), g in -1..1                          8 bits, 8g ± 1 + 128, zp
+                                                                       128, scale dl_j / 8
+    IQ1_M  256: the same per 16 weights, d in four nibbles             8 bits, block 16, as above
+    TQ1_0, TQ2_0 256: base-3 or 2-bit ternary codes, d; w = d·t, t in -1..1 (TQ2_0's code 3
+               gives 2)                                                4 bits, t + 1, zp 1,
+                                                                       block 32, scale d
+    MXFP4   32: e8m0 exponent e, 16 bytes of nibbles: w = 2^(e-128)·v, v in -12..12 (E2M1
+               values doubled)                                         8 bits, v + 128, zp 128
 
 Nibbles: within a 32-weight group, byte i holds weight i in its low nibble and weight i + 16
 in its high one (Q4_K/Q5_K: byte i of a 64-weight chunk holds weight i of its first sub-block
@@ -33,11 +43,11 @@ low and of its second high; Q5_0/Q5_1: bit i of the little-endian 32-bit word is
 fifth bit; Q5_K: bit j of byte i is sub-block j's weight i's; Q6_K, Q3_K, Q2_K, IQ4_XS: as
 gguf's dequantizers unpack them). Scales and biases are computed in float32 as gguf's own
 dequantize computes them, and each product is the same float32 product, so
-`GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly (the grid types' codes are
-read back from gguf's own weights and kept only when they give them exactly). Other types
-(IQ2_XS, IQ2_S, IQ1_*, TQ*, MXFP4, ...) have no exact form here: `given_blocks` answers None. Blocks
-of 16 are narrower than MLX's packed groups (32 and up): that engine multiplies them as a
-dense matrix dequantized once at load, which is exact too.
+`GivenBlocks.dequantize()` equals `gguf.quants.dequantize` exactly (the grid, ternary and
+MXFP4 types' codes are read back from gguf's own weights and kept only when they give them
+exactly: `given_blocks` answers None otherwise, and the tensor goes to the nearest format).
+Blocks of 16 are narrower than MLX's packed groups (32 and up): that engine multiplies them as
+a dense matrix dequantized once at load, which is exact too.
 """
 
 from __future__ import annotations
@@ -47,12 +57,15 @@ import numpy as np
 from fuselm.given_blocks import GivenBlocks
 
 EXACT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "IQ4_XS",
-               "Q6_K", "Q3_K", "Q2_K", "IQ2_XXS", "IQ3_XXS", "IQ3_S")
+               "Q6_K", "Q3_K", "Q2_K", "IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S",
+               "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4")
 # (weights, bytes) per block
 _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22),
            "Q5_1": (32, 24), "IQ4_NL": (32, 18), "Q4_K": (256, 144), "Q5_K": (256, 176),
            "IQ4_XS": (256, 136), "Q6_K": (256, 210), "Q3_K": (256, 110), "Q2_K": (256, 84),
-           "IQ2_XXS": (256, 66), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110)}
+           "IQ2_XXS": (256, 66), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110),
+           "IQ2_XS": (256, 74), "IQ2_S": (256, 82), "IQ1_S": (256, 50), "IQ1_M": (256, 56),
+           "TQ1_0": (256, 54), "TQ2_0": (256, 66), "MXFP4": (32, 17)}
 # IQ4_NL's and IQ4_XS's 16 levels (ggml-common.h kvalues_iq4nl), held as 8-bit codes + 128
 _IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                         113], np.int16)
@@ -118,7 +131,7 @@ def given_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Giv
                            src, zero_points=_zp(n, k // 32, 128))
     if type_name in _SUPER:
         return _SUPER[type_name](b, n, k, src)
-    return _grid(type_name, raw, b, n, k, src)
+    return _read_back(type_name, raw, b, n, k, src)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -207,35 +220,82 @@ def _q2_k(b: np.ndarray, n: int, k: int, src: str) -> GivenBlocks:
                        biases=biases.reshape(n, -1))
 
 
-def _grid(type_name: str, raw: np.ndarray, b: np.ndarray, n: int, k: int,
-          src: str) -> GivenBlocks | None:
-    """IQ2_XXS, IQ3_XXS, IQ3_S: each 32-weight sub-block is its scale db times grid values
-    with signs, small integers, and gguf's dequantizer computes fl(db·g). So the codes are the
-    file's weights over db (gguf's own db, from the block's float16 d and 4-bit scale), + 128,
-    taken only when they give the weights back bit for bit (None otherwise: the nearest
-    format then)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+def _f32(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float32)
 
+
+def _iq2_step(d: np.ndarray, s: np.ndarray, n: int) -> np.ndarray:
+    """IQ2_XS / IQ2_S: 16 4-bit scales (low nibble first), db = d·(0.5 + s)·0.25 per 16."""
+    sc = np.stack([s & np.uint8(15), s >> np.uint8(4)], axis=-1).reshape(n, -1, 16)
+    return d * (np.float32(0.5) + _f32(sc)) * np.float32(0.25)
+
+
+def _steps(type_name: str, b: np.ndarray, n: int) -> np.ndarray:
+    """The step of each sub-block [n, S, sub-blocks per block]: the float32 number gguf's
+    dequantizer multiplies the type's integer levels by, computed as it computes it."""
+    if type_name == "MXFP4":  # e8m0 exponent e: 2^(e - 127) / 2 (ggml_e8m0_to_fp32_half)
+        e = b[..., 0:1].astype(np.uint32)
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+        return bits.astype(np.uint32).view(np.float32)
+    if type_name in ("TQ1_0", "TQ2_0"):  # one float16 d (the block's last two bytes) per 256
+        return np.repeat(_f16(b[..., -2:])[..., None], 8, axis=-1)
+    if type_name in ("IQ1_S", "IQ1_M"):  # dl = d·(2s + 1) per 32 (IQ1_M: per 16); the levels
+        if type_name == "IQ1_S":  # g ± 1/8 are eighths, so the step is dl/8 (exact)
+            d = _f16(b[..., 0:2])[..., None]
+            s = np.ascontiguousarray(b[..., 34:50]).view("<u2") >> 12  # [n, S, 8]
+        else:  # d's four nibbles are the tops of four 16-bit words; each holds 4 3-bit scales
+            w = np.ascontiguousarray(b[..., 48:56]).view("<u2")  # [n, S, 4]
+            top = (w & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], np.uint16)
+            d = (top[..., 0] | top[..., 1] | top[..., 2] | top[..., 3])[..., None]
+            d = d.view(np.float16).astype(np.float32)
+            s = (w[..., None] >> np.array([0, 3, 6, 9], np.uint16)).reshape(n, -1, 16)
+        return d * _f32(2 * (s & 7) + 1) * np.float32(0.125)
     d = _f16(b[..., 0:2])[..., None]  # [n, S, 1]
     if type_name == "IQ2_XXS":  # the top 4 bits of every second 32-bit word
         ls = np.ascontiguousarray(b[..., 2:66]).view("<u4").reshape(n, -1, 8, 2)[..., 1] >> 28
-        db = d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.25)
-    elif type_name == "IQ3_XXS":  # the top 4 bits of the 8 words after the grid indices
+        return d * (np.float32(0.5) + _f32(ls)) * np.float32(0.25)
+    if type_name == "IQ2_XS":
+        return _iq2_step(d, b[..., 66:74], n)
+    if type_name == "IQ2_S":
+        return _iq2_step(d, b[..., 74:82], n)
+    if type_name == "IQ3_XXS":  # the top 4 bits of the 8 words after the grid indices
         ls = np.ascontiguousarray(b[..., 66:98]).view("<u4").reshape(n, -1, 8) >> 28
-        db = d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.5)
-    else:  # IQ3_S: 8 nibbles, low first
-        s = b[..., 106:110]
-        sc = np.stack([s & np.uint8(15), s >> np.uint8(4)], axis=-1).reshape(n, -1, 8)
-        db = d * (1 + 2 * sc).astype(np.float32)
-    w = dequantize(raw.reshape(n, -1), GGMLQuantizationType[type_name]).reshape(n, -1, 8, 32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(db[..., None] == 0, 0, np.rint(w / db[..., None]))
-    if np.abs(q).max(initial=0) > 127:
+        return d * (np.float32(0.5) + _f32(ls)) * np.float32(0.5)
+    # IQ3_S: 8 nibbles, low first
+    s = b[..., 106:110]
+    sc = np.stack([s & np.uint8(15), s >> np.uint8(4)], axis=-1).reshape(n, -1, 8)
+    return d * _f32(1 + 2 * sc)
+
+
+def _read_back(type_name: str, raw: np.ndarray, b: np.ndarray, n: int, k: int,
+               src: str) -> GivenBlocks | None:
+    """The grid, ternary and microscaled types: each sub-block is one step times small
+    integers (grid values with signs, g ± 1/8 in eighths, -1..1, doubled E2M1 values), and
+    gguf's dequantizer computes each weight as one float32 product of the step and the value.
+    So the codes are the file's weights over the step (gguf's own step, `_steps`), + the
+    zero point, taken only when they give the weights back bit for bit (None otherwise: the
+    nearest format then)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    step = _steps(type_name, b, n)  # [n, S, m]
+    bits, zp = _READ_BACK[type_name]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # inf / NaN: None
+        w = dequantize(raw.reshape(n, -1), GGMLQuantizationType[type_name])
+        w = w.reshape(*step.shape, -1)
+        q = np.where(step[..., None] == 0, 0, np.rint(w / step[..., None]))
+    if not np.isfinite(q).all() or q.min(initial=0) < -zp or q.max(initial=0) >= 2 ** bits - zp:
         return None
-    given = GivenBlocks((q + 128).astype(np.uint8).reshape(n, k), db.reshape(n, -1), 8, 32, src,
-                        zero_points=_zp(n, k // 32, 128))
+    block = k // (step.shape[1] * step.shape[2])
+    given = GivenBlocks((q + zp).astype(np.uint8).reshape(n, k), step.reshape(n, -1), bits,
+                        block, src, zero_points=_zp(n, k // block, zp))
     return given if np.array_equal(given.dequantize(), w.reshape(n, k)) else None
+
+
+# the read-back types' stored form: bits per code, zero point
+_READ_BACK = {"IQ2_XXS": (8, 128), "IQ3_XXS": (8, 128), "IQ3_S": (8, 128), "IQ2_XS": (8, 128),
+              "IQ2_S": (8, 128), "IQ1_S": (8, 128), "IQ1_M": (8, 128), "TQ1_0": (4, 1),
+              "TQ2_0": (4, 1), "MXFP4": (8, 128)}
 
 
 _SUPER = {"Q4_K": _q4_k, "Q5_K": _q5_k, "IQ4_XS": _iq4_xs, "Q6_K": _q6_k, "Q3_K": _q3_k,

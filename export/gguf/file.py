@@ -20,13 +20,12 @@ from fuselm.export.gguf.blocks import EXACT_TYPES
 from fuselm.export.gguf.header import HeaderError, Unreadable, read_header
 from fuselm.input_files import check_regular, open_regular
 
-# Tensor types fuselm reads, each dequantized to float32 by gguf's own dequantize: floats, the
-# block types a conversion keeps exactly (export/gguf/blocks.py), and the ones with no exact
-# form here (more grid and ternary codes, microscaled floats), which a conversion takes to the
-# nearest format it stores, 8-bit blocks, their error recorded (quant-report).
+# Tensor types fuselm reads, each dequantized to float32 by gguf's own dequantize: floats and
+# the block types a conversion keeps exactly (export/gguf/blocks.py; a tensor whose blocks do
+# not reproduce gguf's weights there goes to the nearest format it stores, 8-bit blocks, its
+# error recorded in quant-report).
 FLOAT_TYPES = ("F32", "F16", "BF16")
-NEAREST_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0", "MXFP4")
-SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES + NEAREST_TYPES
+SUPPORTED_TYPES = FLOAT_TYPES + EXACT_TYPES
 MAGIC = b"GGUF"
 SLAB_BYTES = 16 << 20  # float32 output bytes dequantized at a time
 

@@ -166,8 +166,8 @@ def quant_options(
 
 # What a checkpoint that comes quantized (a GGUF in export/gguf/blocks.py's EXACT_TYPES) is
 # converted with when no quantization is asked for: its blocks kept as they are (the quantize
-# pass's given blocks), and what has no exact form here (an IQ2_XS tensor, a float matrix beside the
-# quantized ones) in 8-bit blocks, the nearest fuselm holds; its embedding table too.
+# pass's given blocks), and what has no exact form here (a float matrix beside the quantized
+# ones) in 8-bit blocks, the nearest fuselm holds; its embedding table too.
 SOURCE_DEFAULT = QuantOptions(bits=8, default_calibration=False, embeddings=True)
 
 # The flag names `quant_options` takes (the Python API tells them from its other options).

@@ -43,7 +43,9 @@ def test_q4_1_round_trips_bit_exactly_into_codes_scales_and_mins() -> None:
 FORMS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q5_0": (8, 32), "Q5_1": (8, 32),
          "IQ4_NL": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "IQ4_XS": (8, 32),
          "Q6_K": (8, 16), "Q3_K": (4, 16), "Q2_K": (4, 16), "IQ2_XXS": (8, 32),
-         "IQ3_XXS": (8, 32), "IQ3_S": (8, 32)}
+         "IQ3_XXS": (8, 32), "IQ3_S": (8, 32), "IQ2_XS": (8, 16), "IQ2_S": (8, 16),
+         "IQ1_S": (8, 32), "IQ1_M": (8, 16), "TQ1_0": (4, 32), "TQ2_0": (4, 32),
+         "MXFP4": (8, 32)}
 
 
 def test_every_exact_type_is_covered() -> None:
@@ -109,8 +111,22 @@ def test_parts_in_different_forms_stack_in_one_that_holds_each(kinds: tuple[str,
         assert np.abs(both.dequantize() - want).max() <= 1e-6 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("kind", ["IQ2_XS", "IQ1_M", "TQ2_0"])
-def test_types_without_an_exact_form_give_none(kind: str) -> None:
-    raw = (random_blocks(8, 256, kind, np.random.default_rng(0)) if kind in RANDOM
-           else quantize(_weights(), GGMLQuantizationType[kind]))
+# the byte offset of each type's scale, and a value it cannot hold as a step of finite weights:
+# float16 inf / NaN (d), an e8m0 exponent whose weights overflow float32
+BROKEN = {"TQ2_0": (64, b"\x00\x7c"), "IQ1_S": (0, b"\x00\x7e"), "MXFP4": (0, b"\xfe")}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_blocks_that_do_not_give_ggufs_weights_back_give_none(kind: str) -> None:
+    """The read-back types keep a tensor only when every block reproduces gguf's weights bit
+    for bit; one block that does not sends the whole tensor to the nearest format (None)."""
+    raw = _raw(kind, _weights())
+    assert given_blocks(kind, raw.reshape(-1), (8, 256)) is not None
+    at, value = BROKEN[kind]
+    blocks = raw.reshape(-1, raw.size // (8 * (256 // _per(kind))))
+    blocks[3, at:at + len(value)] = np.frombuffer(value, np.uint8)
     assert given_blocks(kind, raw.reshape(-1), (8, 256)) is None
+
+
+def _per(kind: str) -> int:
+    return 32 if kind == "MXFP4" else 256

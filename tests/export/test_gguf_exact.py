@@ -1,7 +1,7 @@
 """Exact GGUF import: a GGUF in any type of export/gguf/blocks.py's EXACT_TYPES converted by
 default keeps its blocks (no second quantization), so fuselm's logits are those of the file's
-own dequantized weights run in float32 by transformers' GGUF loader, on both engines; a type
-with no exact form goes to 8-bit blocks, its error recorded."""
+own dequantized weights run in float32 by transformers' GGUF loader, on both engines; a float
+matrix beside them goes to 8-bit blocks, its error recorded."""
 
 from __future__ import annotations
 
@@ -24,13 +24,18 @@ ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn
 CASES = {f"llama-{t}": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
                                       head_dim=64), t)
          for t in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q3_K", "Q2_K",
-                   "IQ3_S")}
+                   "IQ3_S", "MXFP4", "TQ2_0", "IQ1_M")}
 CASES |= {f"qwen3-{t}": ("qwen3", dict(num_attention_heads=2, num_key_value_heads=1,
                                        head_dim=128), t) for t in ("Q4_1", "Q8_0")}
 # (Q5_K, IQ4_XS and Q6_K: tests/export/test_gguf_gemma2.py and test_gguf_gemma3.py)
-# the stored form's bits per code (Q5_*, IQ4_NL, IQ3_S: codes held in 8 bits)
+# the stored form's bits per code (Q5_*, IQ4_NL, the grid types, MXFP4: codes held in 8 bits)
 BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "IQ4_NL": 8, "Q4_K": 4, "Q3_K": 4,
-        "Q2_K": 4, "IQ3_S": 8}
+        "Q2_K": 4, "IQ3_S": 8, "MXFP4": 8, "TQ2_0": 4, "IQ1_M": 8}
+# the other read-back types, one per role (q/k/v and gate/up stacked in one form holding each)
+MIX = {"attn_q": "IQ2_XS", "attn_k": "IQ2_XS", "attn_v": "IQ2_S", "attn_output": "IQ1_S",
+       "ffn_gate": "TQ1_0", "ffn_up": "MXFP4", "ffn_down": "IQ2_S", "token_embd": "TQ1_0",
+       "output": "IQ1_S"}
+CASES["llama-mix"] = ("llama", CASES["llama-Q4_0"][1], "mix")
 PROMPT = [5, 17, 99, 200, 3, 42, 7, 300, 11]
 
 
@@ -41,8 +46,8 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     root = tmp_path_factory.mktemp("gguf_exact")
     out = {}
     for i, (name, (family, shape, kind)) in enumerate(CASES.items()):
-        path, _ = write_gguf(root / f"{name}.gguf", family, dict.fromkeys(ROLES, kind), seed=i,
-                             **SHAPE, **shape)
+        types = MIX if kind == "mix" else dict.fromkeys(ROLES, kind)
+        path, _ = write_gguf(root / f"{name}.gguf", family, types, seed=i, **SHAPE, **shape)
         convert(path, root / name, ConvertOptions(dtype="float32"))
         out[name] = (path, root / name)
     return out
@@ -58,7 +63,7 @@ def _hf_logits(path: Path) -> np.ndarray:
         return hf(torch.tensor([PROMPT])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "llama-mix"])
 def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Path]],
                                                 name: str) -> None:
     _, out = exact[name]
@@ -73,6 +78,21 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
     text = render(q)
     assert f"kept from the checkpoint: gguf {kind} x{len(q['tensors'])}, 0 quantized" in text
     assert text.count(f"(gguf {kind})") == len(q["tensors"])
+
+
+def test_every_read_back_type_is_kept_beside_the_others(
+        exact: dict[str, tuple[Path, Path]]) -> None:
+    """IQ2_XS, IQ2_S, IQ1_S, TQ1_0, MXFP4 in one file: every tensor kept, none quantized
+    again; q/k/v and gate/up stacked in one form that holds each part (8 bits, blocks of 16
+    where a part has them)."""
+    q = read_manifest(exact["llama-mix"][1]).quantization
+    layers = SHAPE["num_hidden_layers"]
+    assert q["given"] == {"kept": {"gguf IQ2_S+gguf IQ2_XS": layers, "gguf MXFP4+gguf TQ1_0":
+                                   layers, "gguf IQ1_S": layers + 1, "gguf IQ2_S": layers,
+                                   "gguf TQ1_0": 1}, "quantized": 0}
+    assert all(t["rel_rms_error"] == 0 for t in q["tensors"])
+    forms = {t["given"]: (t.get("bits", 4), t["block_size"]) for t in q["tensors"]}
+    assert forms["gguf IQ2_S+gguf IQ2_XS"] == (8, 16) and forms["gguf MXFP4+gguf TQ1_0"] == (8, 32)
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
@@ -125,8 +145,8 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
     q = read_manifest(out).quantization
     assert q["given"] == {"kept": {"gguf Q4_1": len(q["tensors"])}, "quantized": 0}
     assert q["calibration"] is None
-    head_iq2 = {**dict.fromkeys(ROLES, "Q4_1"), "output": "IQ2_S"}
-    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", head_iq2, seed=1, **SHAPE,
+    float_head = {**dict.fromkeys(ROLES, "Q4_1"), "output": "F16"}
+    mixed, _ = write_gguf(tmp_path / "mixed.gguf", "llama", float_head, seed=1, **SHAPE,
                           **CASES["llama-Q4_1"][1])
     convert(mixed, tmp_path / "mixed", ConvertOptions.from_flags(quant="q4", dtype="float32"))
     q = read_manifest(tmp_path / "mixed").quantization
@@ -136,9 +156,9 @@ def test_q4_calibrates_only_what_it_quantizes(exact: dict[str, tuple[Path, Path]
 
 def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
         tmp_path: Path) -> None:
-    """IQ2_XS / float matrices beside exact ones: 8-bit blocks, the loss in the record
-    (quant-report); a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is kept
-    in one that holds both (8 bits, blocks of 16, biases)."""
+    """A float matrix beside exact ones: 8-bit blocks, the loss in the record (quant-report);
+    a packed projection whose parts differ in form (Q4_K q/k, Q6_K v) is kept in one that
+    holds both (8 bits, blocks of 16, biases)."""
     types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ2_XS",
              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "F16", "token_embd": "Q8_0",
              "output": "Q4_0"}
@@ -148,7 +168,8 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     q = read_manifest(tmp_path / "out").quantization
     layers = SHAPE["num_hidden_layers"]
     assert q["given"] == {"kept": {"gguf Q4_1": layers, "gguf Q8_0": 1, "gguf Q4_0": 1,
-                                   "gguf Q4_K+gguf Q6_K": layers}, "quantized": 2 * layers}
+                                   "gguf Q4_K+gguf Q6_K": layers, "gguf IQ2_XS": layers},
+                          "quantized": layers}
     qkv = [t for t in q["tensors"] if t.get("given") == "gguf Q4_K+gguf Q6_K"]
     assert {(t["bits"], t["block_size"]) for t in qkv} == {(8, 16)}
     again = [t for t in q["tensors"] if "given" not in t]
@@ -156,18 +177,6 @@ def test_types_without_an_exact_form_go_to_eight_bits_with_their_error_recorded(
     eng = OrtEngine(tmp_path / "out", read_manifest(tmp_path / "out"), accuracy_level=0)
     got = eng.forward(np.asarray(PROMPT)[None], all_logits=True)
     assert rel(got, _hf_logits(path)) <= 2e-2
-
-
-def test_a_file_with_no_exact_type_converts_to_eight_bit_blocks(tmp_path: Path) -> None:
-    """Only IQ2_XS / IQ1_S matrices (and float norms): the default conversion still quantizes
-    (8-bit blocks, each tensor's error recorded), not float weights several times the file."""
-    types = dict.fromkeys(ROLES, "IQ2_XS") | {"ffn_down": "IQ1_S"}
-    path, _ = write_gguf(tmp_path / "iq.gguf", "llama", types, seed=4, **SHAPE,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-    convert(path, tmp_path / "out", ConvertOptions(dtype="float32"))
-    q = read_manifest(tmp_path / "out").quantization
-    assert q is not None and q["bits"] == 8 and q["given"] is None  # nothing kept
-    assert q["tensors"] and all(0 < t["rel_rms_error"] < 1e-2 for t in q["tensors"])
 
 
 def test_the_torch_exporter_keeps_the_blocks_too(exact: dict[str, tuple[Path, Path]],
