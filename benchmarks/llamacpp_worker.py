@@ -24,7 +24,7 @@ import numpy as np
 FTYPES = {  # llama.h's llama_ftype values
     "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
     "Q3_K_M": 12, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
-    "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30,
+    "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30, "TQ1_0": 36, "TQ2_0": 37,
 }
 
 
