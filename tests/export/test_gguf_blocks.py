@@ -130,3 +130,14 @@ def test_blocks_that_do_not_give_ggufs_weights_back_give_none(kind: str) -> None
 
 def _per(kind: str) -> int:
     return 32 if kind == "MXFP4" else 256
+
+
+def test_mxfp4_blocks_of_every_finite_exponent_are_kept() -> None:
+    """MXFP4's scale is 2^(e - 128) from its e8m0 byte, subnormal float32 for e < 2: blocks of
+    every exponent whose weights stay finite (e <= 250) and random nibbles, bit for bit."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256) % 251
+    raw = blocks.reshape(8, -1)
+    g = _given("MXFP4", raw, (8, 1024))
+    np.testing.assert_array_equal(g.dequantize(), dequantize(raw, GGMLQuantizationType.MXFP4))
