@@ -95,12 +95,17 @@ def test_two_processes_swapping_into_one_output(tmp_path: Path) -> None:
         assert p.returncode == 0 and not stderr.strip(), stderr  # no FileNotFoundError
         results.append(json.loads(stdout))
     assert all(set(r) <= {"swapped", "refused"} for r in results), results
-    assert sum(r.get("swapped", 0) for r in results) >= 20  # every round ran or was refused
+    # Every round either swapped or was refused (how many of each depends on how the two
+    # processes interleave, so only "some swapped" is certain), and the swapped-in data is
+    # one round's whole.
+    assert sum(r.get("swapped", 0) for r in results) >= 1
     assert sum(sum(r.values()) for r in results) == 40
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.tmp/.old/.lock
     assert sorted(p.name for p in out.iterdir()) == ["fuselm.json", "model.onnx.data",
                                                      "notes.txt"]
     assert (out / "notes.txt").read_text() == "mine"
+    data = (out / "model.onnx.data").read_bytes()  # one round's data, whole
+    assert any(data == f"{tag} {i}".encode() * 4096 for tag in "ab" for i in range(20))
 
 
 def test_killed_gguf_conversion_leaves_nothing_the_next_one_keeps(tmp_path: Path,
