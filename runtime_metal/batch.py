@@ -313,7 +313,7 @@ class BatchDecoder:
         else:
             slot = max(free, key=lambda i: (_common(self.slots[i].cached, prompt), -i))
             keep = min(_common(self.slots[slot].cached, prompt), len(prompt) - 1)
-            logits = self._prefill_sequential(slot, prompt, keep)
+            logits, keep = self._prefill_sequential(slot, prompt, keep)
         self.reused_tokens += keep
         self._start(slot, prompt, keep, logits, opts, top_logprobs, constraint)
         return slot
@@ -407,16 +407,21 @@ class BatchDecoder:
         s = self.slots[slot]
         return s.logprobs.pop(0) if s.top_logprobs is not None and s.logprobs else None
 
-    def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
+    def _prefill_sequential(self, slot: int, prompt: list[int], keep: int
+                            ) -> tuple[np.ndarray, int]:
+        """The prompt after its first `keep` tokens, which the slot's cache holds, prefilled
+        into it; returns its logits and the tokens kept (fewer than `keep` where the trim
+        forgets more: a 4-bit cache's keys, kv_cache.KVCache.trim)."""
         engine, s = self.engine, self.slots[slot]
         saved = engine.swap_cache(s.state)
         try:
             engine.trim(engine.offset - keep)
+            keep = engine.offset
             engine.reserve(self.capacity)
             logits = prefill(engine, prompt[keep:], self.prefill_chunk)
         finally:
             s.state = engine.swap_cache(saved)
-        return logits
+        return logits, keep
 
     # ---- the block cache (batched mode) ------------------------------------------------------
 

@@ -75,6 +75,14 @@ class KVQuant:
         """Stored bytes per cached value: the packed bits plus a scale and a bias per group."""
         return self.bits / 8 + 2 * dtype.size / self.group_size
 
+    @property
+    def keys_per_channel(self) -> bool:
+        """Whether keys are stored per channel (KIVI: `key_groups_zeros`): at 4 bits, where
+        per-token key groups cost SmolLM2 +3.3 % perplexity and per-channel ones +1.2 %; at
+        8 bits per-token groups already read within 0.02 % of float (BENCHMARKS.md
+        "Quantized KV cache") and need no float tail."""
+        return self.bits == 4
+
     def misfit(self, dim: int) -> str:
         """Why a head of `dim` values cannot be stored so ("" when it can)."""
         if dim % self.group_size:
@@ -128,7 +136,9 @@ def rebuild(like: Buffer, arrays: list[mx.array] | tuple[mx.array, ...]) -> Buff
 
 
 def positions(buf: Buffer) -> int:
-    """The positions a buffer holds (axis 2)."""
+    """The positions a buffer holds (axis 2; a per-channel key buffer's capacity)."""
+    if is_key_groups(buf):
+        return key_group_positions(buf)  # type: ignore[arg-type]
     return parts(buf)[0].shape[2]
 
 
@@ -143,19 +153,23 @@ def stored_values(buf: Buffer, dim: int) -> mx.array:
 
 def dequantized(buf: Buffer, dim: int) -> mx.array:
     """The float values of a buffer's rows as written (a quantized buffer's rotated back; a
-    float buffer as it is)."""
+    float buffer as it is; a per-channel key buffer's up to its capacity)."""
+    if is_key_groups(buf):
+        return key_group_values(buf)  # type: ignore[arg-type]
     return unrotate(stored_values(buf, dim)) if isinstance(buf, tuple) else buf
 
 
 def split_layers(arrays: list[mx.array] | tuple[mx.array, ...], layers: int
                  ) -> list[tuple[Buffer, Buffer]]:
     """The compiled program's flat cache arrays (KVCache.buffers of every layer, in order)
-    back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized."""
-    per = len(arrays) // layers // 2
+    back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized, 7 with keys
+    per channel (4 of them the keys')."""
+    per = len(arrays) // layers
+    nk = (per + 1) // 2
     out: list[tuple[Buffer, Buffer]] = []
     for i in range(layers):
-        k, v = arrays[2 * per * i: 2 * per * i + per], arrays[2 * per * i + per: 2 * per * (i + 1)]
-        out.append((tuple(k), tuple(v)) if per > 1 else (k[0], v[0]))
+        k, v = arrays[per * i: per * i + nk], arrays[per * i + nk: per * (i + 1)]
+        out.append((tuple(k), tuple(v)) if per > 2 else (k[0], v[0]))
     return out
 
 
@@ -188,7 +202,9 @@ def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
     One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
     whole destination (measured: the cost grows with the cache's capacity) plus an offset
     kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
-    each of its arrays written so."""
+    each of its arrays written so. A per-channel key buffer: write_key_groups."""
+    if is_key_groups(buf):
+        return write_key_groups(buf, rows, offset)  # type: ignore[arg-type]
     off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return rebuild(buf, [_write_one(b, r, off)
                          for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
@@ -203,7 +219,11 @@ def write_stored(buf: Buffer, rows: Buffer, start: int) -> Buffer:
 
 
 def first(buf: Buffer, n: int) -> Buffer:
-    """Positions 0..n-1 of a buffer (views)."""
+    """Positions 0..n-1 of a buffer (views). A per-channel key buffer: its groups up to the
+    one holding position n-1 and the spare (attention reads as many keys as values)."""
+    if is_key_groups(buf):
+        g = -(-n // KEY_GROUP) + 1
+        return (buf[0][..., :g * KEY_GROUP * 4 // 32], buf[1][..., :g], buf[2][..., :g], buf[3])
     return rebuild(buf, [a[:, :, :n] for a in parts(buf)])
 
 
@@ -215,6 +235,8 @@ class KVCache:
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.offset = 0
+        # a per-channel key buffer's tail holds the float keys of positions tail_from..offset-1
+        self.tail_from = 0
 
     @property
     def capacity(self) -> int:
@@ -225,13 +247,24 @@ class KVCache:
         """The bytes the buffers hold (every position up to capacity)."""
         return sum(a.nbytes for a in self.buffers()) if self.keys is not None else 0
 
+    @property
+    def fixed_nbytes(self) -> int:
+        """The part of nbytes that is not per position: a per-channel key buffer's float tail
+        and its spare group (0 for the other forms)."""
+        if self.keys is None or not is_key_groups(self.keys):
+            return 0
+        spare = sum(a.nbytes for a in self.keys[:3]) * KEY_GROUP // (self.capacity + KEY_GROUP)
+        return self.keys[3].nbytes + spare
+
     def allocate(self, batch: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  capacity: int = 0) -> None:
         """Empty buffers (capacity rounded up to whole blocks); drops what was cached."""
         n = -(-capacity // self.step) * self.step
-        self.keys = empty(self.quant, (batch, kv_heads, n), k_dim, dtype)
+        self.keys = (key_groups_zeros((batch, kv_heads), n, k_dim, dtype)
+                     if self.quant and self.quant.keys_per_channel
+                     else empty(self.quant, (batch, kv_heads, n), k_dim, dtype))
         self.values = empty(self.quant, (batch, kv_heads, n), v_dim, dtype)
-        self.offset = 0
+        self.offset = self.tail_from = 0
 
     def reserve(self, n: int) -> None:
         """Capacity for n positions, grown in whole blocks (each capacity is one compiled
@@ -242,6 +275,11 @@ class KVCache:
         extra = -(-(n - self.capacity) // self.step) * self.step
 
         def grow(buf: Buffer) -> Buffer:
+            if is_key_groups(buf):  # positions last (packed 8 a word, a scale per group)
+                return tuple(mx.concatenate(
+                    [a, mx.zeros((*a.shape[:3], extra * a.shape[3] // (positions(buf)
+                                                                       + KEY_GROUP)),
+                                 a.dtype)], axis=3) for a in buf[:3]) + (buf[3],)
             return rebuild(buf, [mx.concatenate(
                 [a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
                 for a in parts(buf)])
@@ -259,7 +297,15 @@ class KVCache:
         self.keys = write_rows(self.keys, keys, prev)
         self.values = write_rows(self.values, values, prev)
         self.offset = prev + keys.shape[2]
+        self.wrote(prev)
         return self.state()
+
+    def wrote(self, prev: int) -> None:
+        """Positions prev..offset-1 were just written: the tail now holds the floats of the
+        KEY_TAIL positions before offset, and of any earlier ones it held that no new position
+        overwrote."""
+        self.tail_from = max(self.tail_from if prev >= self.tail_from else prev,
+                             self.offset - KEY_TAIL)
 
     def buffers(self) -> list[mx.array]:
         """The whole buffers' arrays (every position up to capacity; K's then V's), for the
@@ -272,10 +318,11 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         if [a.shape for a in arrays] != [a.shape for a in self.buffers()]:
             raise ValueError("adopted buffers must keep the cache's shape")
-        half = len(arrays) // 2
+        half = len(parts(self.keys))
         self.keys, self.values = rebuild(self.keys, arrays[:half]), rebuild(self.values,
                                                                             arrays[half:])
-        self.offset = offset
+        prev, self.offset = self.offset, offset
+        self.wrote(prev)
 
     def state(self) -> tuple[Buffer, Buffer]:
         assert self.keys is not None and self.values is not None
@@ -284,14 +331,26 @@ class KVCache:
     def dense(self, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
         """The cached positions in float (a graph fed past K/V as inputs reads these)."""
         k, v = self.state()
+        if is_key_groups(k):
+            return key_group_values(k, self.offset), dequantized(v, v_dim)  # type: ignore
         return dequantized(k, k_dim), dequantized(v, v_dim)
 
     def trim(self, n: int) -> None:
-        """Forget the last n positions (the buffer is kept)."""
+        """Forget the last n positions (the buffer is kept). With keys per channel, the next
+        write quantizes the group holding the new end again from the tail's floats; a trim past
+        what the tail holds (more than a group back: a new prompt's common prefix, not a
+        rejected draft) forgets back to that group's start instead, and `offset` says so
+        (callers re-read it)."""
         self.offset = max(self.offset - n, 0)
+        if self.keys is not None and is_key_groups(self.keys):
+            start = self.offset // KEY_GROUP * KEY_GROUP
+            if start < self.tail_from:
+                self.offset = start
+            self.tail_from = min(self.tail_from, self.offset)
 
     def reset(self) -> None:
         self.offset = 0
+        self.tail_from = 0
 
 
 # ---- the block cache (batch.py): fixed-size blocks, a free list, shared prefixes --------------
@@ -477,3 +536,96 @@ def _sized(pool: Buffer, n: int) -> Buffer:
     cap = -(-n // KVCache.step) * KVCache.step
     return rebuild(pool, [mx.zeros((1, a.shape[1], cap, a.shape[3]), a.dtype)
                           for a in parts(pool)])
+
+
+# ---- keys per channel (KIVI): the 4-bit cache's keys ------------------------------------------
+
+KEY_GROUP = 64  # positions one per-channel key group spans (the block cache's BLOCK)
+KEY_TAIL = 2 * KEY_GROUP  # float positions kept per row: the newest group and the one before
+
+
+def key_groups_zeros(lead: tuple[int, int], capacity: int, dim: int, dtype: mx.Dtype
+                     ) -> tuple[mx.array, ...]:
+    """An empty per-channel key buffer for `capacity` positions (a multiple of KEY_GROUP):
+    (packed [b, h, d, (capacity + G) / 8] uint32, scales and biases [b, h, d, capacity / G + 1]
+    in `dtype`, tail [b, h, KEY_TAIL, d] in `dtype`). Keys are stored transposed (positions
+    last: mx.quantize groups the last axis, so each channel gets its own scale and bias per
+    KEY_GROUP positions) and unrotated (a rotation would mix the channels this separates).
+    One spare group past the capacity takes the groups a write of s > 1 positions at a device
+    offset may touch past its last one (their contents are never read)."""
+    n = capacity // KEY_GROUP + 1
+    return (mx.zeros((*lead, dim, n * KEY_GROUP * 4 // 32), mx.uint32),
+            mx.zeros((*lead, dim, n), dtype), mx.zeros((*lead, dim, n), dtype),
+            mx.zeros((*lead, KEY_TAIL, dim), dtype))
+
+
+def is_key_groups(buf: Buffer) -> bool:
+    """Whether a buffer is a per-channel key buffer (key_groups_zeros' four arrays)."""
+    return isinstance(buf, tuple) and len(buf) == 4
+
+
+def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
+                     ) -> tuple[mx.array, ...]:
+    """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
+    per-channel key buffer. Every group the write touches is quantized again from float: its
+    positions before `offset` from the tail (the float copy of each row's two newest groups),
+    the new ones from `rows`, and the positions after the write (not yet written) filled with
+    the group's first key, so that they do not widen any channel's range. A group is therefore
+    always stored as mx.quantize of exactly its written keys, whatever chunks wrote them; once
+    full it is the KIVI group. The tail then takes the new rows (the last KEY_TAIL of them)."""
+    packed, scales, biases, tail = buf
+    b, h, s, d = rows.shape
+    dt = scales.dtype
+    rows = rows.astype(dt)
+    if isinstance(offset, int):
+        groups = (offset + s - 1) // KEY_GROUP - offset // KEY_GROUP + 1
+        off = mx.array([offset], mx.int32)
+    else:
+        groups = (s + KEY_GROUP - 2) // KEY_GROUP + 1  # the most a write of s may touch
+        off = offset.reshape(-1).astype(mx.int32)
+    off = off.reshape(-1, 1)  # [1 or b, 1]
+    span = groups * KEY_GROUP
+    base = (off // KEY_GROUP) * KEY_GROUP
+    pos = base + mx.arange(span, dtype=mx.int32)  # [1 or b, span]
+
+    def at(src: mx.array, idx: mx.array) -> mx.array:
+        return mx.take_along_axis(src, mx.broadcast_to(idx[:, None, :, None],
+                                                       (b, h, idx.shape[1], d)), axis=2)
+    old = at(tail, pos % KEY_TAIL)
+    new = at(rows, mx.clip(pos - off, 0, s - 1))
+    keys = mx.where((pos < off)[:, None, :, None], old, new)
+    firsts = keys.reshape(b, h, groups, KEY_GROUP, d)[:, :, :, :1]
+    firsts = mx.broadcast_to(firsts, (b, h, groups, KEY_GROUP, d)).reshape(b, h, span, d)
+    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
+    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+    g0 = base // KEY_GROUP  # [1 or b, 1]
+
+    def put(dst: mx.array, src: mx.array, start: mx.array) -> mx.array:
+        idx = start + mx.arange(src.shape[-1], dtype=mx.int32)  # [1 or b, width]
+        return mx.put_along_axis(dst, mx.broadcast_to(idx[:, None, None, :], src.shape), src,
+                                 axis=3)
+    words = KEY_GROUP * 4 // 32
+    packed = put(packed, q[0], g0 * words)
+    scales, biases = put(scales, q[1].astype(dt), g0), put(biases, q[2].astype(dt), g0)
+    k = min(s, KEY_TAIL)
+    slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [1 or b, k]
+    tail = mx.put_along_axis(tail, mx.broadcast_to(slot[:, None, :, None], (b, h, k, d)),
+                             rows[:, :, s - k:], axis=2)
+    return packed, scales, biases, tail
+
+
+def key_group_values(buf: tuple[mx.array, ...], n: int | None = None) -> mx.array:
+    """The float keys a per-channel key buffer stores, [b, h, n, d] (n: every position up to
+    the capacity by default), as attention reads them where it cannot use the quantized
+    matmul (MLX-CUDA) or the tests compare."""
+    packed, scales, biases, _ = buf
+    n = key_group_positions(buf) if n is None else n
+    g = -(-n // KEY_GROUP)
+    k = mx.dequantize(packed[..., :g * KEY_GROUP * 4 // 32], scales[..., :g], biases[..., :g],
+                      group_size=KEY_GROUP, bits=4)
+    return k.swapaxes(-1, -2)[:, :, :n]
+
+
+def key_group_positions(buf: tuple[mx.array, ...]) -> int:
+    """The positions a per-channel key buffer holds (its capacity: the spare group aside)."""
+    return (buf[1].shape[-1] - 1) * KEY_GROUP

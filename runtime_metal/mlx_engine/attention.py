@@ -11,8 +11,11 @@ A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
 between; no float copy of the cache is made. Its rows are stored rotated (kv_cache.rotate):
 the queries are rotated alike, which leaves q·kᵀ as it was, and the output, a mix of rotated
-values, is rotated back. On MLX-CUDA, whose quantized matmul lacks most of these shapes, a
-layer's keys and values are dequantized (still rotated) for its attention instead.
+values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated
+(kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over the transposed keys, with
+the queries as they are, the values' side unchanged. On MLX-CUDA, whose quantized matmul
+lacks most of these shapes, a layer's keys and values are dequantized (values still rotated)
+for its attention instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from fuselm.runtime_metal.kv_cache import (
     BlockIndex,
     Buffer,
     first,
+    is_key_groups,
+    key_group_values,
     positions,
     read_blocks,
     rotate,
@@ -100,20 +105,26 @@ class Attention:
         sc = self.scale_for(qh.shape[-1])
         if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
             mask = mask.astype(qh.dtype)
-        rotated = isinstance(kh, tuple)
-        if rotated:
+        rotated = isinstance(vh, tuple)  # the values' basis: the output's
+        if isinstance(kh, tuple) and not is_key_groups(kh):
             qh = rotate(qh)
         if rotated and cuda_device():
             # MLX-CUDA's quantized matmul has no kernel for most of attention's shapes (a
             # prefill chunk's queries, a batch's grouped heads: "No implementation for problem
             # shape"): there the cache is read dequantized, one layer's keys and values at a
             # time, in the basis it is stored in; it stays stored quantized
-            group = spec_of(kh, qh.shape[-1]).group_size  # type: ignore[arg-type]
-            vdim = vh[1].shape[-1] * group  # type: ignore[index]
-            kh, vh = stored_values(kh, qh.shape[-1]), stored_values(vh, vdim)
+            t = positions(vh)
+            if is_key_groups(kh):
+                vdim = vh[0].shape[-1] * 8  # type: ignore[index]  # 4 bits: 8 a word
+                kh = key_group_values(kh, t)  # type: ignore[arg-type]
+            else:
+                group = spec_of(kh, qh.shape[-1]).group_size  # type: ignore[arg-type]
+                vdim = vh[1].shape[-1] * group  # type: ignore[index]
+                kh = stored_values(kh, qh.shape[-1])
+            vh = stored_values(vh, vdim)
         if isinstance(kh, tuple) or isinstance(vh, tuple):
             if isinstance(mask, str):
-                n, t = qh.shape[2], positions(kh)
+                n, t = qh.shape[2], positions(vh)
                 mask = mx.array(causal(n, t, t - n))
             y = self._quantized(qh, kh, vh, mask, sc)
         elif self.softcap > 0:
@@ -152,10 +163,16 @@ class Attention:
         b, hq, s, d = q.shape
         hk = k[0].shape[1]
         dt = k[1].dtype
-        kq, vq = spec_of(k, d), spec_of(v, v[1].shape[-1] * spec_of(k, d).group_size)
         qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
-        scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
-                                     group_size=kq.group_size, bits=kq.bits)
+        if is_key_groups(k):  # keys [.., d, positions] per channel: q·Kᵀ untransposed
+            vq = spec_of(v, v[0].shape[-1] * 8)
+            scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k[:3]], transpose=False,
+                                         group_size=64, bits=4)[..., :positions(v)]
+        else:
+            kq = spec_of(k, d)
+            vq = spec_of(v, v[1].shape[-1] * kq.group_size)
+            scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
+                                         group_size=kq.group_size, bits=kq.bits)
         if self.softcap > 0:
             scores = mx.tanh(scores / self.softcap) * self.softcap
         if mask is not None:

@@ -206,7 +206,8 @@ class DecodeProgram:
             # embedding kernel reads it; a cast would be one more launch a step)
             ids = ids.astype(mx.int32)
         s = ids.shape[1]
-        capacity = kv[0].shape[2] * (1 if table is None else table.shape[1])
+        # positions: axis 2 of a value array (a per-channel key buffer has them last)
+        capacity = kv[-1].shape[2] * (1 if table is None else table.shape[1])
         rows = s if fresh else None if prefix is None else prefix + s
         masks: dict[int | None, Mask] = {}
 
@@ -461,7 +462,10 @@ class FastDecoder:
         if not 0 < n <= width:
             raise ValueError(f"a chunk of {n} tokens padded to {width}")
         c0 = self.caches[0]
-        if c0.keys is None or c0.offset or width > c0.capacity:
+        # keys per channel (a 4-bit cache): the dummies' keys would be quantized into the
+        # prompt's last group, and its floats may be gone from the tail when they are trimmed
+        if (c0.keys is None or c0.offset or width > c0.capacity
+                or (c0.quant is not None and c0.quant.keys_per_channel)):
             return self.prefill(ids)
         if self._padded is None:
             self._padded = mx.compile(self.program.padded) if self.compiled else (
