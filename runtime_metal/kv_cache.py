@@ -237,6 +237,7 @@ class KVCache:
         self.offset = 0
         # a per-channel key buffer's tail holds the float keys of positions tail_from..offset-1
         self.tail_from = 0
+        self.recent: RecentKeys | None = None  # the last update_and_fetch's (attention's)
 
     @property
     def capacity(self) -> int:
@@ -294,6 +295,8 @@ class KVCache:
         prev = self.offset
         self.reserve(prev + keys.shape[2])
         assert self.keys is not None and self.values is not None
+        self.recent = (recent_keys(self.keys, keys, prev)  # type: ignore[arg-type]
+                       if is_key_groups(self.keys) else None)
         self.keys = write_rows(self.keys, keys, prev)
         self.values = write_rows(self.values, values, prev)
         self.offset = prev + keys.shape[2]
@@ -564,19 +567,27 @@ def is_key_groups(buf: Buffer) -> bool:
     return isinstance(buf, tuple) and len(buf) == 4
 
 
-def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
-                     ) -> tuple[mx.array, ...]:
-    """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
-    per-channel key buffer. Every group the write touches is quantized again from float: its
-    positions before `offset` from the tail (the float copy of each row's two newest groups),
-    the new ones from `rows`, and the positions after the write (not yet written) filled with
-    the group's first key, so that they do not widen any channel's range. A group is therefore
-    always stored as mx.quantize of exactly its written keys, whatever chunks wrote them; once
-    full it is the KIVI group. The tail then takes the new rows (the last KEY_TAIL of them)."""
-    packed, scales, biases, tail = buf
+@dataclass(frozen=True)
+class RecentKeys:
+    """The float keys of the key groups a write of s positions at `offset` touches, before
+    any is quantized: keys [b, h, L, d] at positions pos [1 or b, L] (L = whole groups from
+    the one holding offset; positions at or past offset + s hold copies of the new rows, not
+    keys), and the new positions query [1 or b, s]. Attention reads a query's own group from
+    these while the group is not full (Attention.attend)."""
+
+    keys: mx.array
+    pos: mx.array
+    query: mx.array
+
+
+def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
+                ) -> RecentKeys:
+    """RecentKeys of a write of keys [b, h, s, d] at `offset` (an int, a scalar array, or [b]
+    per row) into a per-channel key buffer, taken before the write: the positions before
+    offset from its tail, the new ones from `rows`."""
+    tail = buf[3]
     b, h, s, d = rows.shape
-    dt = scales.dtype
-    rows = rows.astype(dt)
+    rows = rows.astype(tail.dtype)
     if isinstance(offset, int):
         groups = (offset + s - 1) // KEY_GROUP - offset // KEY_GROUP + 1
         off = mx.array([offset], mx.int32)
@@ -584,16 +595,35 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
         groups = (s + KEY_GROUP - 2) // KEY_GROUP + 1  # the most a write of s may touch
         off = offset.reshape(-1).astype(mx.int32)
     off = off.reshape(-1, 1)  # [1 or b, 1]
-    span = groups * KEY_GROUP
-    base = (off // KEY_GROUP) * KEY_GROUP
-    pos = base + mx.arange(span, dtype=mx.int32)  # [1 or b, span]
+    pos = (off // KEY_GROUP) * KEY_GROUP + mx.arange(groups * KEY_GROUP, dtype=mx.int32)
 
     def at(src: mx.array, idx: mx.array) -> mx.array:
         return mx.take_along_axis(src, mx.broadcast_to(idx[:, None, :, None],
                                                        (b, h, idx.shape[1], d)), axis=2)
-    old = at(tail, pos % KEY_TAIL)
-    new = at(rows, mx.clip(pos - off, 0, s - 1))
-    keys = mx.where((pos < off)[:, None, :, None], old, new)
+    keys = mx.where((pos < off)[:, None, :, None], at(tail, pos % KEY_TAIL),
+                    at(rows, mx.clip(pos - off, 0, s - 1)))
+    return RecentKeys(keys, pos, off + mx.arange(s, dtype=mx.int32))
+
+
+def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
+                     ) -> tuple[mx.array, ...]:
+    """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
+    per-channel key buffer. Every group the write touches is quantized again from float
+    (recent_keys: its positions before `offset` from the tail, the float copy of each row's
+    two newest groups; the new ones from `rows`), the positions after the write (not yet
+    written) filled with the group's first key, so that they do not widen any channel's range.
+    A group is therefore always stored as mx.quantize of exactly its written keys, whatever
+    chunks wrote them; once full it is the KIVI group. The tail then takes the new rows (the
+    last KEY_TAIL of them)."""
+    packed, scales, biases, tail = buf
+    b, h, s, d = rows.shape
+    dt = scales.dtype
+    rows = rows.astype(dt)
+    recent = recent_keys(buf, rows, offset)
+    keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
+    span = pos.shape[1]
+    groups = span // KEY_GROUP
+    base = pos[:, :1]
     firsts = keys.reshape(b, h, groups, KEY_GROUP, d)[:, :, :, :1]
     firsts = mx.broadcast_to(firsts, (b, h, groups, KEY_GROUP, d)).reshape(b, h, span, d)
     keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)

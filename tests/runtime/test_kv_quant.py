@@ -311,8 +311,8 @@ def test_speculative_greedy_equals_plain_with_4bit_keys(mistral: Path) -> None:
     positions at once across key-group boundaries, the rejected ones trimmed) gives plain
     greedy decoding's tokens over the same cache."""
     engine = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32)
-    base = [int(t) for t in np.random.default_rng(9).integers(4, 384, 30)]
-    prompt = base + base[:20] + base
-    want = generate(engine, prompt, max_new_tokens=40).tokens
-    got = generate(engine, prompt, max_new_tokens=40, drafter=PromptLookup(), num_draft=6)
+    base = [int(t) for t in np.random.default_rng(9).integers(4, 384, 20)]
+    prompt = base + base[:10] + base  # 50 tokens: the drafts cross position 64
+    want = generate(engine, prompt, max_new_tokens=24).tokens
+    got = generate(engine, prompt, max_new_tokens=24, drafter=PromptLookup(), num_draft=6)
     assert got.tokens == want
