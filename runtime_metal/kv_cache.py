@@ -29,6 +29,13 @@ alone (QuaRot's idea); every group then rounds values of one size, and a 4-bit c
 less (BENCHMARKS.md "Quantized KV cache"). Attention rotates the queries the same way (q·kᵀ is
 unchanged by an orthogonal matrix) and rotates its output back (p·V is in V's rotated basis);
 `dequantized` returns the rows as they were written (rotated back).
+
+A 4-bit cache stores its keys per channel instead (KIVI; `KVQuant.keys_per_channel`): a
+single-sequence cache's key buffer is four arrays, the keys transposed (positions last) and
+quantized in groups of KEY_GROUP positions, each channel with its own scale and bias per group,
+unrotated, plus a float tail, the keys of the row's two newest groups (`write_key_groups`).
+Attention reads each query's own group from those floats until it is full (`recent_keys`), the
+rest as stored. The block cache does not hold this form: a 4-bit engine batches sequentially.
 """
 
 from __future__ import annotations

@@ -118,26 +118,20 @@ class Attention:
             if may_empty and isinstance(mask, mx.array) and mask.dtype == mx.bool_:
                 y = mx.where(mask.any(axis=-1, keepdims=True), y, mx.zeros((), y.dtype))
             return y
-        rotated = isinstance(vh, tuple)  # the values' basis: the output's
-        if isinstance(kh, tuple) and not is_key_groups(kh):
+        rotated = isinstance(kh, tuple)
+        if rotated:
             qh = rotate(qh)
         if rotated and cuda_device():
             # MLX-CUDA's quantized matmul has no kernel for most of attention's shapes (a
             # prefill chunk's queries, a batch's grouped heads: "No implementation for problem
             # shape"): there the cache is read dequantized, one layer's keys and values at a
             # time, in the basis it is stored in; it stays stored quantized
-            t = positions(vh)
-            if is_key_groups(kh):
-                vdim = vh[0].shape[-1] * 8  # type: ignore[index]  # 4 bits: 8 a word
-                kh = key_group_values(kh, t)  # type: ignore[arg-type]
-            else:
-                group = spec_of(kh, qh.shape[-1]).group_size  # type: ignore[arg-type]
-                vdim = vh[1].shape[-1] * group  # type: ignore[index]
-                kh = stored_values(kh, qh.shape[-1])
-            vh = stored_values(vh, vdim)
+            group = spec_of(kh, qh.shape[-1]).group_size  # type: ignore[arg-type]
+            vdim = vh[1].shape[-1] * group  # type: ignore[index]
+            kh, vh = stored_values(kh, qh.shape[-1]), stored_values(vh, vdim)
         if isinstance(kh, tuple) or isinstance(vh, tuple):
             if isinstance(mask, str):
-                n, t = qh.shape[2], positions(vh)
+                n, t = qh.shape[2], positions(kh)
                 mask = mx.array(causal(n, t, t - n))
             y = self._quantized(qh, kh, vh, mask, sc)
         elif self.softcap > 0:
@@ -177,15 +171,10 @@ class Attention:
         hk = k[0].shape[1]
         dt = k[1].dtype
         qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
-        if is_key_groups(k):  # keys [.., d, positions] per channel: q·Kᵀ untransposed
-            vq = spec_of(v, v[0].shape[-1] * 8)
-            scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k[:3]], transpose=False,
-                                         group_size=64, bits=4)[..., :positions(v)]
-        else:
-            kq = spec_of(k, d)
-            vq = spec_of(v, v[1].shape[-1] * kq.group_size)
-            scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
-                                         group_size=kq.group_size, bits=kq.bits)
+        kq = spec_of(k, d)
+        vq = spec_of(v, v[1].shape[-1] * kq.group_size)
+        scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
+                                     group_size=kq.group_size, bits=kq.bits)
         if self.softcap > 0:
             scores = mx.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
