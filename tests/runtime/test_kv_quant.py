@@ -316,3 +316,33 @@ def test_speculative_greedy_equals_plain_with_4bit_keys(mistral: Path) -> None:
     want = generate(engine, prompt, max_new_tokens=24).tokens
     got = generate(engine, prompt, max_new_tokens=24, drafter=PromptLookup(), num_draft=6)
     assert got.tokens == want
+
+
+def test_keys_per_channel_chunk_reads_what_steps_read() -> None:
+    """A 4-bit cache's chunk of 8 queries crossing a key-group boundary (positions 60..67, as
+    a speculative check writes them) gives each query the output it gets written one position
+    at a time: a query reads its own unfilled group in float (kv_cache.recent_keys), never
+    the group quantized with the keys after it."""
+    rng = np.random.default_rng(10)
+    q, k, v = (mx.array(rng.normal(size=(1, 6 if i == 0 else 2, 68, 64)).astype(np.float32))
+               for i in range(3))
+    attn, quant = Attention(6, 2, is_causal=True), KVQuant(4)
+
+    def fresh() -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        return key_groups_zeros((1, 2), 256, 64, mx.float32), quant.zeros((1, 2, 256), 64,
+                                                                          mx.float32)
+    keys, values = fresh()
+    _, keys, values = attn.over_cache(q[:, :, :60], k[:, :, :60], v[:, :, :60], keys, values,
+                                      mx.array(0, mx.int32), "causal")
+    chunk, _, _ = attn.over_cache(q[:, :, 60:], k[:, :, 60:], v[:, :, 60:], keys, values,
+                                  mx.array(60, mx.int32), "causal", rows=68)
+    keys, values = fresh()
+    _, keys, values = attn.over_cache(q[:, :, :60], k[:, :, :60], v[:, :, :60], keys, values,
+                                      mx.array(0, mx.int32), "causal")
+    steps = []
+    for p in range(60, 68):
+        y, keys, values = attn.over_cache(q[:, :, p:p + 1], k[:, :, p:p + 1], v[:, :, p:p + 1],
+                                          keys, values, mx.array(p, mx.int32), "causal",
+                                          rows=p + 1)
+        steps.append(y)
+    assert float(mx.abs(chunk - mx.concatenate(steps, axis=2)).max()) < 1e-5
