@@ -421,10 +421,12 @@ class BlockIndex:
     layer that reads or writes through it (write_blocks, read_blocks; memoized by the pools'
     heads and block size): each layer then adds a gather or a scatter and nothing else.
     offset [n]: each row's first new position, s new positions a row (the writes').
+    tails [n]: each row's slot in the key tail pools (a 4-bit cache's: BlockCache).
     Nothing is built until a layer asks: the CUDA attention kernel reads `table` itself."""
 
-    def __init__(self, table: mx.array, offset: mx.array | None = None, s: int = 1) -> None:
-        self.table, self.offset, self.s = table, offset, s
+    def __init__(self, table: mx.array, offset: mx.array | None = None, s: int = 1,
+                 tails: mx.array | None = None) -> None:
+        self.table, self.offset, self.s, self.tails = table, offset, s, tails
         self._rows: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
         self._slots: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
 
@@ -466,7 +468,10 @@ def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex) -> Buffer:
     projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
     block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
     of it in between: the compiled program's donated pool is updated in place); a quantized
-    pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts."""
+    pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts.
+    A per-channel key pool: write_key_blocks."""
+    if is_key_groups(pool):
+        return write_key_blocks(pool, rows, index)  # type: ignore[arg-type]
     n, s = rows.shape[:2]
     h = parts(pool)[0].shape[1]
     at = index.slots(h, positions(pool))
@@ -481,6 +486,8 @@ def read_blocks(pool: Buffer, index: BlockIndex | mx.array) -> Buffer:
     array of a quantized pool."""
     if not isinstance(index, BlockIndex):
         index = BlockIndex(index)
+    if is_key_groups(pool):
+        return read_key_blocks(pool, index)  # type: ignore[arg-type]
     _, h, bs, _ = parts(pool)[0].shape
     at = index.rows(h, bs)
     return rebuild(pool, [a[at] for a in parts(pool)])
@@ -488,13 +495,18 @@ def read_blocks(pool: Buffer, index: BlockIndex | mx.array) -> Buffer:
 
 class BlockCache:
     """Every layer's K/V pool ([blocks, kv_heads, BLOCK, head_dim] each; quantized triples
-    with `quant`) and their one BlockPool: a block id names the same block in every layer."""
+    with `quant`) and their one BlockPool: a block id names the same block in every layer.
+    Keys per channel (a 4-bit cache): each layer's key pool is key_blocks_zeros', a block one
+    key group, with a float tail per decoder slot (`rows` of them; a step's BlockIndex.tails
+    says which row uses which)."""
 
     def __init__(self, layout: list[tuple[int, int, int, mx.Dtype]], blocks: int,
-                 quant: KVQuant | None = None) -> None:
+                 quant: KVQuant | None = None, rows: int = 1) -> None:
         self.pool = BlockPool(blocks)
         self.quant = quant
-        self.keys = [empty(quant, (blocks, hk, BLOCK), dk, dt) for hk, dk, _, dt in layout]
+        self.keys = [key_blocks_zeros(blocks, rows, hk, dk, dt)
+                     if quant is not None and quant.keys_per_channel
+                     else empty(quant, (blocks, hk, BLOCK), dk, dt) for hk, dk, _, dt in layout]
         self.values = [empty(quant, (blocks, hk, BLOCK), dv, dt) for hk, _, dv, dt in layout]
 
     def buffers(self) -> list[mx.array]:
@@ -508,10 +520,11 @@ class BlockCache:
         self.keys, self.values = [k for k, _ in pairs], [v for _, v in pairs]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """dst's contents := src's, in every layer (the copy of copy on write)."""
+        """dst's contents := src's, in every layer (the copy of copy on write; a per-channel
+        key pool's blocks, not its tails, which are the decoder slots')."""
         for buffers in (self.keys, self.values):
             for buf in buffers:
-                for a in parts(buf):
+                for a in parts(buf)[:3]:
                     a[dst:dst + 1] = a[src:src + 1]
 
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
@@ -592,7 +605,7 @@ def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | in
     """RecentKeys of a write of keys [b, h, s, d] at `offset` (an int, a scalar array, or [b]
     per row) into a per-channel key buffer, taken before the write: the positions before
     offset from its tail, the new ones from `rows`."""
-    tail = buf[3]
+    tail = buf[-1]
     b, h, s, d = rows.shape
     rows = rows.astype(tail.dtype)
     if isinstance(offset, int):
@@ -666,3 +679,87 @@ def key_group_values(buf: tuple[mx.array, ...], n: int | None = None) -> mx.arra
 def key_group_positions(buf: tuple[mx.array, ...]) -> int:
     """The positions a per-channel key buffer holds (its capacity: the spare group aside)."""
     return (buf[1].shape[-1] - 1) * KEY_GROUP
+
+
+# ---- keys per channel in the block cache ------------------------------------------------------
+
+
+def key_blocks_zeros(blocks: int, rows: int, heads: int, dim: int, dtype: mx.Dtype
+                     ) -> tuple[mx.array, ...]:
+    """An empty per-channel key pool: (packed [blocks, h, d, BLOCK / 8] uint32, scales and
+    biases [blocks, h, d, 1] in `dtype`: a block is one key group, positions last, as
+    key_groups_zeros stores a sequence's; tails [rows, h, KEY_TAIL, d] in `dtype`: each
+    decoder slot's float keys of its two newest groups, as a sequence's tail)."""
+    return (mx.zeros((blocks, heads, dim, BLOCK * 4 // 32), mx.uint32),
+            mx.zeros((blocks, heads, dim, 1), dtype), mx.zeros((blocks, heads, dim, 1), dtype),
+            mx.zeros((rows, heads, KEY_TAIL, dim), dtype))
+
+
+def block_recent(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
+                 ) -> RecentKeys:
+    """recent_keys of a step's new keys (rows [n, s, h * d] or [n, s, h, d], the
+    projection's layout) written through `index` into a per-channel key pool: each row's
+    positions before its offset from its tail (index.tails), taken before the write."""
+    assert index.offset is not None and index.tails is not None
+    n, s = rows.shape[:2]
+    tail = pool[3][index.tails]
+    kh = rows.reshape(n, s, tail.shape[1], -1).transpose(0, 2, 1, 3)
+    return recent_keys((tail,), kh, index.offset)
+
+
+def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
+                     ) -> tuple[mx.array, ...]:
+    """write_key_groups through a block table: every group a row's write touches quantized
+    again from its floats (block_recent) into the row's block of that group, and the row's
+    tail (index.tails) given the new keys. The groups a write of s > 1 positions may reach
+    past its last one (recent_keys' span) write their row's first group again, with its
+    contents: no scatter lands in a block past the row's (a padded table entry is block 0)."""
+    packed, scales, biases, tail = pool
+    assert index.offset is not None and index.tails is not None
+    n, s = rows.shape[:2]
+    h, d = tail.shape[1], tail.shape[3]
+    dt = scales.dtype
+    kh = rows.reshape(n, s, h, d).transpose(0, 2, 1, 3).astype(dt)
+    recent = block_recent(pool, rows, index)
+    keys, pos = recent.keys, recent.pos
+    off = index.offset.reshape(n, 1).astype(mx.int32)
+    span = pos.shape[1]
+    groups = span // KEY_GROUP
+    firsts = keys.reshape(n, h, groups, KEY_GROUP, d)[:, :, :, :1]
+    firsts = mx.broadcast_to(firsts, (n, h, groups, KEY_GROUP, d)).reshape(n, h, span, d)
+    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
+    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+    g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
+    touched = g * KEY_GROUP < off + s
+    w = index.table.shape[1]
+    blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
+    blk = mx.where(touched, blk, blk[:, :1]).reshape(-1)
+
+    def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, h, d, x]
+        a = a.reshape(n, h, d, groups, -1)
+        a = mx.where(touched[:, None, None, :, None], a, a[:, :, :, :1])
+        return a.transpose(0, 3, 1, 2, 4).reshape(n * groups, h, d, -1)
+    packed[blk] = per_group(q[0])
+    scales[blk] = per_group(q[1].astype(dt))
+    biases[blk] = per_group(q[2].astype(dt))
+    k = min(s, KEY_TAIL)
+    slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [n, k]
+    assert index.tails is not None
+    ti = mx.broadcast_to(index.tails.reshape(n, 1, 1), (n, h, k))
+    hi = mx.broadcast_to(mx.arange(h, dtype=mx.int32).reshape(1, h, 1), (n, h, k))
+    si = mx.broadcast_to(slot[:, None, :], (n, h, k))
+    tail[ti, hi, si] = kh[:, :, s - k:]
+    return packed, scales, biases, tail
+
+
+def read_key_blocks(pool: tuple[mx.array, ...], index: BlockIndex) -> tuple[mx.array, ...]:
+    """The per-channel keys a block table [n, W] holds, as a sequence's key buffer of W * BLOCK
+    positions (positions last; no spare group: attention reads them all): packed
+    [n, h, d, W * BLOCK / 8], scales and biases [n, h, d, W], and the rows' tails."""
+    n, w = index.table.shape
+
+    def gather(a: mx.array) -> mx.array:  # [blocks, h, d, x] -> [n, h, d, W * x]
+        g = a[index.table]  # [n, W, h, d, x]
+        return g.transpose(0, 2, 3, 1, 4).reshape(n, g.shape[2], g.shape[3], -1)
+    tail = pool[3] if index.tails is None else pool[3][index.tails]
+    return gather(pool[0]), gather(pool[1]), gather(pool[2]), tail

@@ -32,6 +32,7 @@ from fuselm.runtime_metal.kv_cache import (
     BlockIndex,
     Buffer,
     RecentKeys,
+    block_recent,
     first,
     is_key_groups,
     key_group_values,
@@ -266,9 +267,11 @@ class Attention:
         keys', values')."""
         if blocks is not None:  # new rows as the projection lays them out: no transpose
             k, v = (x if x.ndim == 3 else x.transpose(0, 2, 1, 3) for x in (k, v))
+            recent = (block_recent(keys, k, blocks)  # type: ignore[arg-type]
+                      if is_key_groups(keys) else None)
             keys, values = write_blocks(keys, k, blocks), write_blocks(values, v, blocks)
             y = self.attend(to_heads(q, self.q_heads), read_blocks(keys, blocks),
-                            read_blocks(values, blocks), mask, may_empty=False)
+                            read_blocks(values, blocks), mask, may_empty=False, recent=recent)
             return (from_heads(y) if q.ndim == 3 else y), keys, values
         qh, kh, vh = self.heads(q, k, v)
         recent = recent_keys(keys, kh, offset) if is_key_groups(keys) else None  # type: ignore[arg-type]

@@ -23,13 +23,17 @@ from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import generate
 from fuselm.runtime_metal.kv_cache import (
+    BLOCK,
     KEY_GROUP,
     KEY_TAIL,
+    BlockCache,
+    BlockIndex,
     KVCache,
     KVQuant,
     dequantized,
     key_group_values,
     key_groups_zeros,
+    read_blocks,
     rotate,
     stored_values,
     unrotate,
@@ -346,3 +350,51 @@ def test_keys_per_channel_chunk_reads_what_steps_read() -> None:
                                           rows=p + 1)
         steps.append(y)
     assert float(mx.abs(chunk - mx.concatenate(steps, axis=2)).max()) < 1e-5
+
+
+def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
+    """Two rows written through block tables into a per-channel key pool (a prompt chunk,
+    single steps across a group boundary, then a speculative chunk of 5 crossing the next),
+    each row's tail its own: the keys read back through the table are the single-sequence
+    buffer's, and attention over the blocks gives the single-sequence outputs."""
+    rng = np.random.default_rng(11)
+    x = [_channel_keys(200), _channel_keys(200)[:, :, ::-1].copy()]
+    q = [mx.array(rng.normal(size=(1, 6, 200, 64)).astype(np.float32)) for _ in range(2)]
+    v = [mx.array(rng.normal(size=(1, 2, 200, 64)).astype(np.float32)) for _ in range(2)]
+    attn, quant = Attention(6, 2, is_causal=True), KVQuant(4)
+    cache = BlockCache([(2, 64, 64, mx.float32)], 8, quant, rows=3)
+    keys, values = cache.keys[0], cache.values[0]
+    table = mx.array([[5, 2, 7, 0], [1, 3, 4, 6]], mx.int32)
+    tails = mx.array([2, 0], mx.int32)
+    solo = [(key_groups_zeros((1, 2), 256, 64, mx.float32), quant.zeros((1, 2, 256), 64,
+                                                                         mx.float32))
+            for _ in range(2)]
+    off, t = [0, 0], 4 * BLOCK
+    for s, rows in [(7, [1]), (57, [0, 1]), (1, [0, 1]), (1, [0, 1]), (1, [0, 1]),
+                    (1, [0, 1]), (1, [0, 1]), (1, [0, 1]), (5, [0, 1]), (40, [0, 1]),
+                    (5, [0, 1])]:
+        index = BlockIndex(table[mx.array(rows)], mx.array([off[r] for r in rows], mx.int32),
+                           s, tails[mx.array(rows)])
+        pos = [off[r] + np.arange(s) for r in rows]
+        m = mx.array(np.stack([np.arange(t)[None] <= p[:, None] for p in pos]))[:, None]
+        y, keys, values = attn.over_cache(
+            mx.concatenate([q[r][:, :, off[r]:off[r] + s] for r in rows]),
+            mx.concatenate([mx.array(x[r][:, :, off[r]:off[r] + s]) for r in rows]),
+            mx.concatenate([v[r][:, :, off[r]:off[r] + s] for r in rows]),
+            keys, values, index.offset, m, blocks=index)  # type: ignore[arg-type]
+        y = dict(zip(rows, mx.split(y, len(rows)), strict=True))
+        for r in rows:
+            sk, sv = solo[r]
+            want, sk, sv = attn.over_cache(q[r][:, :, off[r]:off[r] + s],
+                                           mx.array(x[r][:, :, off[r]:off[r] + s]),
+                                           v[r][:, :, off[r]:off[r] + s], sk, sv,
+                                           mx.array(off[r], mx.int32), "causal",
+                                           rows=off[r] + s)
+            solo[r] = (sk, sv)
+            assert float(mx.abs(y[r] - want).max()) < 1e-5
+            off[r] += s
+        got = read_blocks(keys, BlockIndex(table))
+        for r in range(2):
+            n = off[r]
+            assert np.array_equal(np.array(key_group_values(got, t)[r:r + 1, :, :n]),
+                                  np.array(key_group_values(solo[r][0], n)))
