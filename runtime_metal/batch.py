@@ -213,7 +213,7 @@ class BatchDecoder:
             if n < 1:
                 raise RuntimeUserError(f"a KV budget of {kv_tokens} tokens holds no block of "
                                        f"{BLOCK} positions; give at least {BLOCK}")
-            self.cache = BlockCache(layout, n, engine.kv_quant)
+            self.cache = BlockCache(layout, n, engine.kv_quant, rows=max_batch)
             self._fn = fn
             verify = getattr(engine, "batch_verify", None)
             self._verify = verify() if verify is not None and drafter is not None else None
@@ -351,6 +351,8 @@ class BatchDecoder:
             s, pool = self.slots[new], self.cache.pool
             pool.release(s.blocks)
             s.blocks = [pool.share(b) for b in src.blocks]
+            if self.cache.keys_per_channel:  # the prompt's newest keys in float
+                self.cache.copy_tail(slot, new)
             s.epoch += 1
             s.used = self._tick()
         self.reused_tokens += len(prompt)
@@ -432,6 +434,8 @@ class BatchDecoder:
         src = max(range(self.max_batch), key=lambda i: (_common(slots[i].cached, prompt),
                                                         slots[i].active, -i))
         keep = min(_common(slots[src].cached, prompt), len(prompt) - 1)
+        if self.cache.keys_per_channel:  # whole key groups: the source's tail is not read
+            keep -= keep % BLOCK
         # the slot: the source itself when free and shared (its blocks stay where they are),
         # else a free one holding nothing, else the least recently used
         slot = src if src in free and keep else min(free, key=lambda i: (bool(slots[i].blocks),
@@ -458,9 +462,10 @@ class BatchDecoder:
                 "wait for a sequence to finish") from None
         s.blocks = table
         s.used = self._tick()
-        return slot, keep, self._prefill_blocks(table, prompt, keep)
+        return slot, keep, self._prefill_blocks(table, prompt, keep, slot)
 
-    def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
+    def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int, slot: int
+                        ) -> np.ndarray:
         """The prompt past `keep` through the engine's single-sequence path into a scratch
         cache at the decoder's capacity, then into its blocks. A new prompt (no prefix reused)
         of one prefill chunk at most is padded to a multiple of PAD tokens (padded_width), so
@@ -481,7 +486,7 @@ class BatchDecoder:
                 logits = pad(np.asarray(prompt, np.int64), padded_width(len(prompt)))
             else:
                 logits = prefill(engine, prompt[keep:], self.prefill_chunk)
-            self.cache.scatter(scratch, table, keep, len(prompt))
+            self.cache.scatter(scratch, table, keep, len(prompt), slot)
             mx.eval(self.cache.buffers())
         finally:
             engine.swap_cache(saved)
@@ -922,10 +927,13 @@ class BatchDecoder:
             need = max(len(self.slots[i].cached) for i in feed) + ahead
             span = -(-need // self._span_step) * self._span_step
             w = min(w, -(-span // BLOCK))
-        table = np.zeros((len(feed), w), np.int32)
+        tails = self.cache.keys_per_channel  # a last column: each row's tail slot
+        table = np.zeros((len(feed), w + tails), np.int32)
         for r, i in enumerate(feed):
             b = self.slots[i].blocks
             table[r, :len(b)] = b
+            if tails:
+                table[r, -1] = i
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = (table, mx.array(table))
         return self._table[1]

@@ -35,7 +35,8 @@ single-sequence cache's key buffer is four arrays, the keys transposed (position
 quantized in groups of KEY_GROUP positions, each channel with its own scale and bias per group,
 unrotated, plus a float tail, the keys of the row's two newest groups (`write_key_groups`).
 Attention reads each query's own group from those floats until it is full (`recent_keys`), the
-rest as stored. The block cache does not hold this form: a 4-bit engine batches sequentially.
+rest as stored. The block cache holds this form too (`key_blocks_zeros`): a block is one key
+group, and each decoder slot has its own float tail (BlockIndex.tails).
 """
 
 from __future__ import annotations
@@ -527,24 +528,57 @@ class BlockCache:
                 for a in parts(buf)[:3]:
                     a[dst:dst + 1] = a[src:src + 1]
 
+    @property
+    def keys_per_channel(self) -> bool:
+        """Whether the key pools are per-channel (key_blocks_zeros: a block one key group)."""
+        return is_key_groups(self.keys[0])
+
+    def copy_tail(self, src: int, dst: int) -> None:
+        """Decoder slot dst's key tails := src's, in every layer (a fork: its next write
+        quantizes the shared partial group again from these floats)."""
+        for buf in self.keys:
+            buf[3][dst:dst + 1] = buf[3][src:src + 1]
+
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
         """Positions 0..n-1 of the blocks, as one single-sequence cache per layer (the stored
-        form copied as it is)."""
+        form copied as it is; per-channel keys: n a whole number of key groups, which their
+        later writes do not quantize again, so the cache's tail holds nothing)."""
         out = []
         idx = mx.array(np.asarray(blocks, np.int32).reshape(1, -1))
         for k, v in zip(self.keys, self.values, strict=True):
             c = KVCache(self.quant)
-            c.keys = write_stored(_sized(k, n), first(read_blocks(k, idx), n), 0)
+            if is_key_groups(k):
+                assert n % KEY_GROUP == 0, "per-channel keys gathered by whole groups"
+                cap = -(-n // KVCache.step) * KVCache.step
+                seq = key_groups_zeros((1, k[0].shape[1]), cap, k[0].shape[2], k[1].dtype)
+                got = read_key_blocks(k, BlockIndex(idx[:, :n // KEY_GROUP]))
+                c.keys = tuple(mx.concatenate([g, a[..., g.shape[-1]:]], axis=-1)
+                               for g, a in zip(got[:3], seq[:3], strict=True)) + (seq[3],)
+                c.tail_from = n
+            else:
+                c.keys = write_stored(_sized(k, n), first(read_blocks(k, idx), n), 0)
             c.values = write_stored(_sized(v, n), first(read_blocks(v, idx), n), 0)
             c.offset = n
             out.append(c)
         return out
 
-    def scatter(self, caches: list[KVCache], blocks: list[int], start: int, end: int) -> None:
+    def scatter(self, caches: list[KVCache], blocks: list[int], start: int, end: int,
+                row: int = 0) -> None:
         """Positions start..end-1 of single-sequence `caches` into `blocks` (the table that
-        holds them alone: writable)."""
+        holds them alone: writable); per-channel keys: the groups holding them, and the
+        caches' tails into decoder slot `row`'s."""
         for i, c in enumerate(caches):
-            for buffers, src in zip((self.keys, self.values), c.state(), strict=True):
+            if self.keys_per_channel:
+                k, src = self.keys[i], c.state()[0]
+                words = KEY_GROUP * 4 // 32
+                for g in range(start // KEY_GROUP, -(-end // KEY_GROUP)):
+                    b = blocks[g]
+                    k[0][b:b + 1] = src[0][..., g * words:(g + 1) * words]
+                    k[1][b:b + 1] = src[1][..., g:g + 1]
+                    k[2][b:b + 1] = src[2][..., g:g + 1]
+                k[3][row:row + 1] = src[3]
+            for buffers, src in zip((self.keys, self.values)[self.keys_per_channel:],
+                                    c.state()[self.keys_per_channel:], strict=True):
                 for a, rows in zip(parts(buffers[i]), parts(src), strict=True):
                     p = start
                     while p < end:

@@ -161,12 +161,8 @@ class MLXEngine:
         with the cache layout and the span step (Engine.batch_program); None when the program
         is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
         (no sliding window), attention already stops at each row's length: one span, one
-        trace per row count (not with a quantized cache, which the kernel does not read).
-        None with a 4-bit cache too: the block cache does not store keys per channel
-        (kv_cache.KVQuant.keys_per_channel), so its rows batch sequentially, each in its own
-        single-sequence cache."""
-        if self.fast is None or self.fast.program.kv_layout is None or (
-                self.kv_quant is not None and self.kv_quant.keys_per_channel):
+        trace per row count (not with a quantized cache, which the kernel does not read)."""
+        if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
         fn = self._compiled_once("paged")

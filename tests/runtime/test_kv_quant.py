@@ -138,24 +138,21 @@ def test_attention_over_the_triples_is_attention_over_their_values(mask: str | N
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_batched_rows_and_shared_prefixes_equal_solo(mistral: Path, bits: int) -> None:
-    """An 8-bit block cache: two rows decoded together, the second sharing the first's
-    70-token prefix by reference (a whole block and a copied partial one), give each prompt's
-    solo greedy tokens over the single-sequence quantized cache. A 4-bit cache (keys per
-    channel, which the block cache does not store) batches sequentially, each row in its own
-    single-sequence cache: the same tokens, and a third prompt in a finished row's slot reuses
-    the 70 tokens it shares (the cache trimmed back into a key group, from the tail)."""
+    """A quantized block cache: two rows decoded together, the second sharing the first's
+    70-token prefix by reference, give each prompt's solo greedy tokens over the
+    single-sequence quantized cache; so does a third prompt in a finished row's slot, which
+    reuses the prefix it shares. 8 bits share the 70 tokens (a whole block and a copied
+    partial one); 4 bits (keys per channel, a block one key group) whole blocks only: 64."""
     engine = make_engine(mistral, "mlx", kv_bits=bits, kv_group_size=32)
     base = [int(t) for t in np.random.default_rng(3).integers(4, 384, 70)]
     prompts = [base + [5, 6], base + [7, 8, 9], base + [10]]
     want = [generate(engine, p, max_new_tokens=N).tokens for p in prompts]
     dec = BatchDecoder(engine, max_batch=2, max_context=160)
-    if bits == 8:
-        assert dec.mode == "batched" and dec.cache.quant == KVQuant(bits, 32)
-    else:
-        assert dec.mode == "sequential"
+    assert dec.mode == "batched" and dec.cache.quant == KVQuant(bits, 32)
+    assert dec.cache.keys_per_channel == (bits == 4)
+    shared = 70 if bits == 8 else KEY_GROUP
     slots = [dec.add(p) for p in prompts[:2]]
-    if bits == 8:
-        assert dec.slots[slots[1]].reused == 70
+    assert dec.slots[slots[1]].reused == shared
 
     def run(slots: list[int]) -> list[list[int]]:
         got: dict[int, list[int]] = {s: [] for s in slots}
@@ -164,11 +161,10 @@ def test_batched_rows_and_shared_prefixes_equal_solo(mistral: Path, bits: int) -
                 got[slot].append(token)
         return [got[s] for s in slots]
     assert run(slots) == want[:2]
-    if bits == 4:
-        for s in slots:
-            dec.remove(s)
-        third = dec.add(prompts[2])
-        assert dec.slots[third].reused == 70 and run([third]) == want[2:]
+    for s in slots:
+        dec.remove(s)
+    third = dec.add(prompts[2])
+    assert dec.slots[third].reused == shared and run([third]) == want[2:]
 
 
 def test_close_to_the_float_cache(mistral: Path) -> None:

@@ -249,10 +249,9 @@ def test_bench_speculative_json(models: dict[str, Path], capsys: pytest.CaptureF
 @pytest.mark.parametrize("bits", [8, 4])
 def test_over_a_quantized_kv_cache(models: dict[str, Path], bits: int) -> None:
     """MLX with an 8- or 4-bit KV cache (--kv-bits): the drafted positions are written
-    quantized like single steps' and rolled back the same way, so speculative greedy equals
-    plain greedy over the same quantized cache, one sequence and the batched program (8 bits;
-    a 4-bit cache, whose keys the block cache does not store per channel, batches
-    sequentially, each row checking its drafts in its own cache)."""
+    quantized like single steps' and rolled back the same way (4 bits: keys per channel, each
+    query reading its own key group in float), so speculative greedy equals plain greedy over
+    the same quantized cache, one sequence and the batched program over the block cache."""
     engine = make_engine(models["target"], "mlx", kv_bits=bits, kv_group_size=32)
     prompts = _prompts()
     want = [generate(engine, p, max_new_tokens=n).tokens
@@ -262,7 +261,7 @@ def test_over_a_quantized_kv_cache(models: dict[str, Path], bits: int) -> None:
         assert res.tokens == w
     dec = BatchDecoder(engine, max_batch=4, max_context=96, drafter=PromptLookup(),
                        num_draft=4)
-    assert dec.mode == ("batched" if bits == 8 else "sequential")
+    assert dec.mode == "batched"
     assert _serve(dec, prompts) == want
     assert dec.drafted > 0
 
