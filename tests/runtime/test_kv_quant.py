@@ -167,6 +167,30 @@ def test_batched_rows_and_shared_prefixes_equal_solo(mistral: Path, bits: int) -
     assert dec.slots[third].reused == shared and run([third]) == want[2:]
 
 
+def test_forks_over_4bit_keys_equal_solo(mistral: Path) -> None:
+    """Two forks of a 70-token prompt over a 4-bit block cache share its blocks, the partial
+    key group among them (each fork's first write copies that block and quantizes the group
+    again from its own copy of the prompt's float tail): every row gives the solo tokens,
+    with the first row's logprobs."""
+    engine = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32)
+    prompt = [int(t) for t in np.random.default_rng(12).integers(4, 384, 70)]
+    want = generate(engine, prompt, max_new_tokens=N).tokens
+    dec = BatchDecoder(engine, max_batch=3, max_context=96)
+    first = dec.add(prompt, top_logprobs=1)
+    slots = [first, dec.fork(first, top_logprobs=1), dec.fork(first, top_logprobs=1)]
+    got: dict[int, list[int]] = {s: [] for s in slots}
+    lps: dict[int, list[float]] = {s: [] for s in slots}
+    for _ in range(N):
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+            lp = dec.logprobs(slot)
+            assert lp is not None
+            lps[slot].append(lp.logprob)
+    assert list(got.values()) == [want] * 3
+    for s in slots[1:]:
+        assert lps[s] == pytest.approx(lps[first], abs=1e-5)
+
+
 def test_close_to_the_float_cache(mistral: Path) -> None:
     """The quantized caches' prompt logits against the float cache's (the tiny random model's
     logits are small: absolute bounds)."""
