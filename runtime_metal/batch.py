@@ -30,7 +30,9 @@ Two ways to run, chosen per engine (`mode`):
   until the pool needs them, least recently used first), and prefills only the rest (at least
   the last prompt token is fed again, for its logits). A block held by two tables is written by
   neither: the one that writes into it first takes a copy (copy on write: the partly shared
-  last block of a prefix).
+  last block of a prefix). A 4-bit cache's keys per channel (a block one key group, a float
+  tail per slot: its index the table's last column) share whole blocks only, and a fork
+  copies the prompt's tail with its blocks.
   The step is pipelined like generate's loop: `step()` queues the next step, fed with the
   device argmax of the one before (the same rows: tokens and offsets never leave the device),
   and only then reads that one's tokens, so the device never waits for the host between
