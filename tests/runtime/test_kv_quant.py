@@ -375,8 +375,9 @@ def test_keys_per_channel_chunk_reads_what_steps_read() -> None:
 def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
     """Two rows written through block tables into a per-channel key pool (a prompt chunk,
     single steps across a group boundary, then a speculative chunk of 5 crossing the next),
-    each row's tail its own: the keys read back through the table are the single-sequence
-    buffer's, and attention over the blocks gives the single-sequence outputs."""
+    each row's tail its own, and a last chunk through a table that ends at the rows' last
+    block): the keys read back through the table are the single-sequence buffer's, and
+    attention over the blocks gives the single-sequence outputs."""
     rng = np.random.default_rng(11)
     x = [_channel_keys(200), _channel_keys(200)[:, :, ::-1].copy()]
     q = [mx.array(rng.normal(size=(1, 6, 200, 64)).astype(np.float32)) for _ in range(2)]
@@ -389,12 +390,15 @@ def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
     solo = [(key_groups_zeros((1, 2), 256, 64, mx.float32), quant.zeros((1, 2, 256), 64,
                                                                          mx.float32))
             for _ in range(2)]
-    off, t = [0, 0], 4 * BLOCK
-    for s, rows in [(7, [1]), (57, [0, 1]), (1, [0, 1]), (1, [0, 1]), (1, [0, 1]),
-                    (1, [0, 1]), (1, [0, 1]), (1, [0, 1]), (5, [0, 1]), (40, [0, 1]),
-                    (5, [0, 1])]:
-        index = BlockIndex(table[mx.array(rows)], mx.array([off[r] for r in rows], mx.int32),
-                           s, tails[mx.array(rows)])
+    off = [0, 0]
+    # the last write: a table of the rows' two blocks, the group past them not in it
+    for s, rows, w in [(7, [1], 4), (57, [0, 1], 4), (1, [0, 1], 4), (1, [0, 1], 4),
+                       (1, [0, 1], 4), (1, [0, 1], 4), (1, [0, 1], 4), (1, [0, 1], 4),
+                       (5, [0, 1], 4), (40, [0, 1], 4), (5, [0, 1], 4), (4, [0, 1], 2)]:
+        t = w * BLOCK
+        index = BlockIndex(table[mx.array(rows), :w],
+                           mx.array([off[r] for r in rows], mx.int32), s,
+                           tails[mx.array(rows)])
         pos = [off[r] + np.arange(s) for r in rows]
         m = mx.array(np.stack([np.arange(t)[None] <= p[:, None] for p in pos]))[:, None]
         y, keys, values = attn.over_cache(
@@ -413,7 +417,7 @@ def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
             solo[r] = (sk, sv)
             assert float(mx.abs(y[r] - want).max()) < 1e-5
             off[r] += s
-        got = read_blocks(keys, BlockIndex(table))
+        got = read_blocks(keys, BlockIndex(table[:, :w]))
         for r in range(2):
             n = off[r]
             assert np.array_equal(np.array(key_group_values(got, t)[r:r + 1, :, :n]),
