@@ -30,7 +30,9 @@ Two ways to run, chosen per engine (`mode`):
   until the pool needs them, least recently used first), and prefills only the rest (at least
   the last prompt token is fed again, for its logits). A block held by two tables is written by
   neither: the one that writes into it first takes a copy (copy on write: the partly shared
-  last block of a prefix).
+  last block of a prefix). A 4-bit cache's keys per channel (a block one key group, a float
+  tail per slot: its index the table's last column) share whole blocks only, and a fork
+  copies the prompt's tail with its blocks.
   The step is pipelined like generate's loop: `step()` queues the next step, fed with the
   device argmax of the one before (the same rows: tokens and offsets never leave the device),
   and only then reads that one's tokens, so the device never waits for the host between
@@ -213,7 +215,7 @@ class BatchDecoder:
             if n < 1:
                 raise RuntimeUserError(f"a KV budget of {kv_tokens} tokens holds no block of "
                                        f"{BLOCK} positions; give at least {BLOCK}")
-            self.cache = BlockCache(layout, n, engine.kv_quant)
+            self.cache = BlockCache(layout, n, engine.kv_quant, rows=max_batch)
             self._fn = fn
             verify = getattr(engine, "batch_verify", None)
             self._verify = verify() if verify is not None and drafter is not None else None
@@ -313,7 +315,7 @@ class BatchDecoder:
         else:
             slot = max(free, key=lambda i: (_common(self.slots[i].cached, prompt), -i))
             keep = min(_common(self.slots[slot].cached, prompt), len(prompt) - 1)
-            logits = self._prefill_sequential(slot, prompt, keep)
+            logits, keep = self._prefill_sequential(slot, prompt, keep)
         self.reused_tokens += keep
         self._start(slot, prompt, keep, logits, opts, top_logprobs, constraint)
         return slot
@@ -351,6 +353,8 @@ class BatchDecoder:
             s, pool = self.slots[new], self.cache.pool
             pool.release(s.blocks)
             s.blocks = [pool.share(b) for b in src.blocks]
+            if self.cache.keys_per_channel:  # the prompt's newest keys in float
+                self.cache.copy_tail(slot, new)
             s.epoch += 1
             s.used = self._tick()
         self.reused_tokens += len(prompt)
@@ -407,16 +411,21 @@ class BatchDecoder:
         s = self.slots[slot]
         return s.logprobs.pop(0) if s.top_logprobs is not None and s.logprobs else None
 
-    def _prefill_sequential(self, slot: int, prompt: list[int], keep: int) -> np.ndarray:
+    def _prefill_sequential(self, slot: int, prompt: list[int], keep: int
+                            ) -> tuple[np.ndarray, int]:
+        """The prompt after its first `keep` tokens, which the slot's cache holds, prefilled
+        into it; returns its logits and the tokens kept (fewer than `keep` where the trim
+        forgets more: a 4-bit cache's keys, kv_cache.KVCache.trim)."""
         engine, s = self.engine, self.slots[slot]
         saved = engine.swap_cache(s.state)
         try:
             engine.trim(engine.offset - keep)
+            keep = engine.offset
             engine.reserve(self.capacity)
             logits = prefill(engine, prompt[keep:], self.prefill_chunk)
         finally:
             s.state = engine.swap_cache(saved)
-        return logits
+        return logits, keep
 
     # ---- the block cache (batched mode) ------------------------------------------------------
 
@@ -427,6 +436,8 @@ class BatchDecoder:
         src = max(range(self.max_batch), key=lambda i: (_common(slots[i].cached, prompt),
                                                         slots[i].active, -i))
         keep = min(_common(slots[src].cached, prompt), len(prompt) - 1)
+        if self.cache.keys_per_channel:  # whole key groups: the source's tail is not read
+            keep -= keep % BLOCK
         # the slot: the source itself when free and shared (its blocks stay where they are),
         # else a free one holding nothing, else the least recently used
         slot = src if src in free and keep else min(free, key=lambda i: (bool(slots[i].blocks),
@@ -453,9 +464,10 @@ class BatchDecoder:
                 "wait for a sequence to finish") from None
         s.blocks = table
         s.used = self._tick()
-        return slot, keep, self._prefill_blocks(table, prompt, keep)
+        return slot, keep, self._prefill_blocks(table, prompt, keep, slot)
 
-    def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int) -> np.ndarray:
+    def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int, slot: int
+                        ) -> np.ndarray:
         """The prompt past `keep` through the engine's single-sequence path into a scratch
         cache at the decoder's capacity, then into its blocks. A new prompt (no prefix reused)
         of one prefill chunk at most is padded to a multiple of PAD tokens (padded_width), so
@@ -476,7 +488,7 @@ class BatchDecoder:
                 logits = pad(np.asarray(prompt, np.int64), padded_width(len(prompt)))
             else:
                 logits = prefill(engine, prompt[keep:], self.prefill_chunk)
-            self.cache.scatter(scratch, table, keep, len(prompt))
+            self.cache.scatter(scratch, table, keep, len(prompt), slot)
             mx.eval(self.cache.buffers())
         finally:
             engine.swap_cache(saved)
@@ -917,10 +929,13 @@ class BatchDecoder:
             need = max(len(self.slots[i].cached) for i in feed) + ahead
             span = -(-need // self._span_step) * self._span_step
             w = min(w, -(-span // BLOCK))
-        table = np.zeros((len(feed), w), np.int32)
+        tails = self.cache.keys_per_channel  # a last column: each row's tail slot
+        table = np.zeros((len(feed), w + tails), np.int32)
         for r, i in enumerate(feed):
             b = self.slots[i].blocks
             table[r, :len(b)] = b
+            if tails:
+                table[r, -1] = i
         if self._table is None or not np.array_equal(self._table[0], table):
             self._table = (table, mx.array(table))
         return self._table[1]

@@ -29,6 +29,14 @@ alone (QuaRot's idea); every group then rounds values of one size, and a 4-bit c
 less (BENCHMARKS.md "Quantized KV cache"). Attention rotates the queries the same way (q·kᵀ is
 unchanged by an orthogonal matrix) and rotates its output back (p·V is in V's rotated basis);
 `dequantized` returns the rows as they were written (rotated back).
+
+A 4-bit cache stores its keys per channel instead (KIVI; `KVQuant.keys_per_channel`): a
+single-sequence cache's key buffer is four arrays, the keys transposed (positions last) and
+quantized in groups of KEY_GROUP positions, each channel with its own scale and bias per group,
+unrotated, plus a float tail, the keys of the row's two newest groups (`write_key_groups`).
+Attention reads each query's own group from those floats until it is full (`recent_keys`), the
+rest as stored. The block cache holds this form too (`key_blocks_zeros`): a block is one key
+group, and each decoder slot has its own float tail (BlockIndex.tails).
 """
 
 from __future__ import annotations
@@ -74,6 +82,14 @@ class KVQuant:
     def bytes_per_value(self, dtype: mx.Dtype) -> float:
         """Stored bytes per cached value: the packed bits plus a scale and a bias per group."""
         return self.bits / 8 + 2 * dtype.size / self.group_size
+
+    @property
+    def keys_per_channel(self) -> bool:
+        """Whether keys are stored per channel (KIVI: `key_groups_zeros`): at 4 bits, where
+        per-token key groups cost SmolLM2 +3.3 % perplexity and per-channel ones +1.2 %; at
+        8 bits per-token groups already read within 0.02 % of float (BENCHMARKS.md
+        "Quantized KV cache") and need no float tail."""
+        return self.bits == 4
 
     def misfit(self, dim: int) -> str:
         """Why a head of `dim` values cannot be stored so ("" when it can)."""
@@ -128,7 +144,9 @@ def rebuild(like: Buffer, arrays: list[mx.array] | tuple[mx.array, ...]) -> Buff
 
 
 def positions(buf: Buffer) -> int:
-    """The positions a buffer holds (axis 2)."""
+    """The positions a buffer holds (axis 2; a per-channel key buffer's capacity)."""
+    if is_key_groups(buf):
+        return key_group_positions(buf)  # type: ignore[arg-type]
     return parts(buf)[0].shape[2]
 
 
@@ -143,19 +161,23 @@ def stored_values(buf: Buffer, dim: int) -> mx.array:
 
 def dequantized(buf: Buffer, dim: int) -> mx.array:
     """The float values of a buffer's rows as written (a quantized buffer's rotated back; a
-    float buffer as it is)."""
+    float buffer as it is; a per-channel key buffer's up to its capacity)."""
+    if is_key_groups(buf):
+        return key_group_values(buf)  # type: ignore[arg-type]
     return unrotate(stored_values(buf, dim)) if isinstance(buf, tuple) else buf
 
 
 def split_layers(arrays: list[mx.array] | tuple[mx.array, ...], layers: int
                  ) -> list[tuple[Buffer, Buffer]]:
     """The compiled program's flat cache arrays (KVCache.buffers of every layer, in order)
-    back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized."""
-    per = len(arrays) // layers // 2
+    back into each layer's (K, V) buffers: 2 arrays a layer float, 6 quantized, 7 with keys
+    per channel (4 of them the keys')."""
+    per = len(arrays) // layers
+    nk = (per + 1) // 2
     out: list[tuple[Buffer, Buffer]] = []
     for i in range(layers):
-        k, v = arrays[2 * per * i: 2 * per * i + per], arrays[2 * per * i + per: 2 * per * (i + 1)]
-        out.append((tuple(k), tuple(v)) if per > 1 else (k[0], v[0]))
+        k, v = arrays[per * i: per * i + nk], arrays[per * i + nk: per * (i + 1)]
+        out.append((tuple(k), tuple(v)) if per > 2 else (k[0], v[0]))
     return out
 
 
@@ -188,7 +210,9 @@ def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
     One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
     whole destination (measured: the cost grows with the cache's capacity) plus an offset
     kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
-    each of its arrays written so."""
+    each of its arrays written so. A per-channel key buffer: write_key_groups."""
+    if is_key_groups(buf):
+        return write_key_groups(buf, rows, offset)  # type: ignore[arg-type]
     off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return rebuild(buf, [_write_one(b, r, off)
                          for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
@@ -203,7 +227,11 @@ def write_stored(buf: Buffer, rows: Buffer, start: int) -> Buffer:
 
 
 def first(buf: Buffer, n: int) -> Buffer:
-    """Positions 0..n-1 of a buffer (views)."""
+    """Positions 0..n-1 of a buffer (views). A per-channel key buffer: its groups up to the
+    one holding position n-1 and the spare (attention reads as many keys as values)."""
+    if is_key_groups(buf):
+        g = -(-n // KEY_GROUP) + 1
+        return (buf[0][..., :g * KEY_GROUP * 4 // 32], buf[1][..., :g], buf[2][..., :g], buf[3])
     return rebuild(buf, [a[:, :, :n] for a in parts(buf)])
 
 
@@ -215,6 +243,9 @@ class KVCache:
         self.keys: Buffer | None = None
         self.values: Buffer | None = None
         self.offset = 0
+        # a per-channel key buffer's tail holds the float keys of positions tail_from..offset-1
+        self.tail_from = 0
+        self.recent: RecentKeys | None = None  # the last update_and_fetch's (attention's)
 
     @property
     def capacity(self) -> int:
@@ -225,13 +256,24 @@ class KVCache:
         """The bytes the buffers hold (every position up to capacity)."""
         return sum(a.nbytes for a in self.buffers()) if self.keys is not None else 0
 
+    @property
+    def fixed_nbytes(self) -> int:
+        """The part of nbytes that is not per position: a per-channel key buffer's float tail
+        and its spare group (0 for the other forms)."""
+        if self.keys is None or not is_key_groups(self.keys):
+            return 0
+        spare = sum(a.nbytes for a in self.keys[:3]) * KEY_GROUP // (self.capacity + KEY_GROUP)
+        return self.keys[3].nbytes + spare
+
     def allocate(self, batch: int, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  capacity: int = 0) -> None:
         """Empty buffers (capacity rounded up to whole blocks); drops what was cached."""
         n = -(-capacity // self.step) * self.step
-        self.keys = empty(self.quant, (batch, kv_heads, n), k_dim, dtype)
+        self.keys = (key_groups_zeros((batch, kv_heads), n, k_dim, dtype)
+                     if self.quant and self.quant.keys_per_channel
+                     else empty(self.quant, (batch, kv_heads, n), k_dim, dtype))
         self.values = empty(self.quant, (batch, kv_heads, n), v_dim, dtype)
-        self.offset = 0
+        self.offset = self.tail_from = 0
 
     def reserve(self, n: int) -> None:
         """Capacity for n positions, grown in whole blocks (each capacity is one compiled
@@ -242,6 +284,11 @@ class KVCache:
         extra = -(-(n - self.capacity) // self.step) * self.step
 
         def grow(buf: Buffer) -> Buffer:
+            if is_key_groups(buf):  # positions last (packed 8 a word, a scale per group)
+                return tuple(mx.concatenate(
+                    [a, mx.zeros((*a.shape[:3], extra * a.shape[3] // (positions(buf)
+                                                                       + KEY_GROUP)),
+                                 a.dtype)], axis=3) for a in buf[:3]) + (buf[3],)
             return rebuild(buf, [mx.concatenate(
                 [a, mx.zeros((*a.shape[:2], extra, a.shape[3]), a.dtype)], axis=2)
                 for a in parts(buf)])
@@ -256,10 +303,20 @@ class KVCache:
         prev = self.offset
         self.reserve(prev + keys.shape[2])
         assert self.keys is not None and self.values is not None
+        self.recent = (recent_keys(self.keys, keys, prev)  # type: ignore[arg-type]
+                       if is_key_groups(self.keys) else None)
         self.keys = write_rows(self.keys, keys, prev)
         self.values = write_rows(self.values, values, prev)
         self.offset = prev + keys.shape[2]
+        self.wrote(prev)
         return self.state()
+
+    def wrote(self, prev: int) -> None:
+        """Positions prev..offset-1 were just written: the tail now holds the floats of the
+        KEY_TAIL positions before offset, and of any earlier ones it held that no new position
+        overwrote."""
+        self.tail_from = max(self.tail_from if prev >= self.tail_from else prev,
+                             self.offset - KEY_TAIL)
 
     def buffers(self) -> list[mx.array]:
         """The whole buffers' arrays (every position up to capacity; K's then V's), for the
@@ -272,10 +329,11 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         if [a.shape for a in arrays] != [a.shape for a in self.buffers()]:
             raise ValueError("adopted buffers must keep the cache's shape")
-        half = len(arrays) // 2
+        half = len(parts(self.keys))
         self.keys, self.values = rebuild(self.keys, arrays[:half]), rebuild(self.values,
                                                                             arrays[half:])
-        self.offset = offset
+        prev, self.offset = self.offset, offset
+        self.wrote(prev)
 
     def state(self) -> tuple[Buffer, Buffer]:
         assert self.keys is not None and self.values is not None
@@ -284,14 +342,26 @@ class KVCache:
     def dense(self, k_dim: int, v_dim: int) -> tuple[mx.array, mx.array]:
         """The cached positions in float (a graph fed past K/V as inputs reads these)."""
         k, v = self.state()
+        if is_key_groups(k):
+            return key_group_values(k, self.offset), dequantized(v, v_dim)  # type: ignore
         return dequantized(k, k_dim), dequantized(v, v_dim)
 
     def trim(self, n: int) -> None:
-        """Forget the last n positions (the buffer is kept)."""
+        """Forget the last n positions (the buffer is kept). With keys per channel, the next
+        write quantizes the group holding the new end again from the tail's floats; a trim past
+        what the tail holds (more than a group back: a new prompt's common prefix, not a
+        rejected draft) forgets back to that group's start instead, and `offset` says so
+        (callers re-read it)."""
         self.offset = max(self.offset - n, 0)
+        if self.keys is not None and is_key_groups(self.keys):
+            start = self.offset // KEY_GROUP * KEY_GROUP
+            if start < self.tail_from:
+                self.offset = start
+            self.tail_from = min(self.tail_from, self.offset)
 
     def reset(self) -> None:
         self.offset = 0
+        self.tail_from = 0
 
 
 # ---- the block cache (batch.py): fixed-size blocks, a free list, shared prefixes --------------
@@ -352,10 +422,12 @@ class BlockIndex:
     layer that reads or writes through it (write_blocks, read_blocks; memoized by the pools'
     heads and block size): each layer then adds a gather or a scatter and nothing else.
     offset [n]: each row's first new position, s new positions a row (the writes').
+    tails [n]: each row's slot in the key tail pools (a 4-bit cache's: BlockCache).
     Nothing is built until a layer asks: the CUDA attention kernel reads `table` itself."""
 
-    def __init__(self, table: mx.array, offset: mx.array | None = None, s: int = 1) -> None:
-        self.table, self.offset, self.s = table, offset, s
+    def __init__(self, table: mx.array, offset: mx.array | None = None, s: int = 1,
+                 tails: mx.array | None = None) -> None:
+        self.table, self.offset, self.s, self.tails = table, offset, s, tails
         self._rows: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
         self._slots: dict[tuple[int, int], tuple[mx.array, mx.array, mx.array]] = {}
 
@@ -397,7 +469,10 @@ def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex) -> Buffer:
     projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
     block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
     of it in between: the compiled program's donated pool is updated in place); a quantized
-    pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts."""
+    pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts.
+    A per-channel key pool: write_key_blocks."""
+    if is_key_groups(pool):
+        return write_key_blocks(pool, rows, index)  # type: ignore[arg-type]
     n, s = rows.shape[:2]
     h = parts(pool)[0].shape[1]
     at = index.slots(h, positions(pool))
@@ -412,6 +487,8 @@ def read_blocks(pool: Buffer, index: BlockIndex | mx.array) -> Buffer:
     array of a quantized pool."""
     if not isinstance(index, BlockIndex):
         index = BlockIndex(index)
+    if is_key_groups(pool):
+        return read_key_blocks(pool, index)  # type: ignore[arg-type]
     _, h, bs, _ = parts(pool)[0].shape
     at = index.rows(h, bs)
     return rebuild(pool, [a[at] for a in parts(pool)])
@@ -419,13 +496,18 @@ def read_blocks(pool: Buffer, index: BlockIndex | mx.array) -> Buffer:
 
 class BlockCache:
     """Every layer's K/V pool ([blocks, kv_heads, BLOCK, head_dim] each; quantized triples
-    with `quant`) and their one BlockPool: a block id names the same block in every layer."""
+    with `quant`) and their one BlockPool: a block id names the same block in every layer.
+    Keys per channel (a 4-bit cache): each layer's key pool is key_blocks_zeros', a block one
+    key group, with a float tail per decoder slot (`rows` of them; a step's BlockIndex.tails
+    says which row uses which)."""
 
     def __init__(self, layout: list[tuple[int, int, int, mx.Dtype]], blocks: int,
-                 quant: KVQuant | None = None) -> None:
+                 quant: KVQuant | None = None, rows: int = 1) -> None:
         self.pool = BlockPool(blocks)
         self.quant = quant
-        self.keys = [empty(quant, (blocks, hk, BLOCK), dk, dt) for hk, dk, _, dt in layout]
+        self.keys = [key_blocks_zeros(blocks, rows, hk, dk, dt)
+                     if quant is not None and quant.keys_per_channel
+                     else empty(quant, (blocks, hk, BLOCK), dk, dt) for hk, dk, _, dt in layout]
         self.values = [empty(quant, (blocks, hk, BLOCK), dv, dt) for hk, _, dv, dt in layout]
 
     def buffers(self) -> list[mx.array]:
@@ -439,30 +521,64 @@ class BlockCache:
         self.keys, self.values = [k for k, _ in pairs], [v for _, v in pairs]
 
     def copy_block(self, src: int, dst: int) -> None:
-        """dst's contents := src's, in every layer (the copy of copy on write)."""
+        """dst's contents := src's, in every layer (the copy of copy on write; a per-channel
+        key pool's blocks, not its tails, which are the decoder slots')."""
         for buffers in (self.keys, self.values):
             for buf in buffers:
-                for a in parts(buf):
+                for a in parts(buf)[:3]:
                     a[dst:dst + 1] = a[src:src + 1]
+
+    @property
+    def keys_per_channel(self) -> bool:
+        """Whether the key pools are per-channel (key_blocks_zeros: a block one key group)."""
+        return is_key_groups(self.keys[0])
+
+    def copy_tail(self, src: int, dst: int) -> None:
+        """Decoder slot dst's key tails := src's, in every layer (a fork: its next write
+        quantizes the shared partial group again from these floats)."""
+        for buf in self.keys:
+            buf[3][dst:dst + 1] = buf[3][src:src + 1]
 
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
         """Positions 0..n-1 of the blocks, as one single-sequence cache per layer (the stored
-        form copied as it is)."""
+        form copied as it is; per-channel keys: n a whole number of key groups, which their
+        later writes do not quantize again, so the cache's tail holds nothing)."""
         out = []
         idx = mx.array(np.asarray(blocks, np.int32).reshape(1, -1))
         for k, v in zip(self.keys, self.values, strict=True):
             c = KVCache(self.quant)
-            c.keys = write_stored(_sized(k, n), first(read_blocks(k, idx), n), 0)
+            if is_key_groups(k):
+                assert n % KEY_GROUP == 0, "per-channel keys gathered by whole groups"
+                cap = -(-n // KVCache.step) * KVCache.step
+                seq = key_groups_zeros((1, k[0].shape[1]), cap, k[0].shape[2], k[1].dtype)
+                got = read_key_blocks(k, BlockIndex(idx[:, :n // KEY_GROUP]))
+                c.keys = tuple(mx.concatenate([g, a[..., g.shape[-1]:]], axis=-1)
+                               for g, a in zip(got[:3], seq[:3], strict=True)) + (seq[3],)
+                c.tail_from = n
+            else:
+                c.keys = write_stored(_sized(k, n), first(read_blocks(k, idx), n), 0)
             c.values = write_stored(_sized(v, n), first(read_blocks(v, idx), n), 0)
             c.offset = n
             out.append(c)
         return out
 
-    def scatter(self, caches: list[KVCache], blocks: list[int], start: int, end: int) -> None:
+    def scatter(self, caches: list[KVCache], blocks: list[int], start: int, end: int,
+                row: int = 0) -> None:
         """Positions start..end-1 of single-sequence `caches` into `blocks` (the table that
-        holds them alone: writable)."""
+        holds them alone: writable); per-channel keys: the groups holding them, and the
+        caches' tails into decoder slot `row`'s."""
         for i, c in enumerate(caches):
-            for buffers, src in zip((self.keys, self.values), c.state(), strict=True):
+            if self.keys_per_channel:
+                k, src = self.keys[i], c.state()[0]
+                words = KEY_GROUP * 4 // 32
+                for g in range(start // KEY_GROUP, -(-end // KEY_GROUP)):
+                    b = blocks[g]
+                    k[0][b:b + 1] = src[0][..., g * words:(g + 1) * words]
+                    k[1][b:b + 1] = src[1][..., g:g + 1]
+                    k[2][b:b + 1] = src[2][..., g:g + 1]
+                k[3][row:row + 1] = src[3]
+            for buffers, src in zip((self.keys, self.values)[self.keys_per_channel:],
+                                    c.state()[self.keys_per_channel:], strict=True):
                 for a, rows in zip(parts(buffers[i]), parts(src), strict=True):
                     p = start
                     while p < end:
@@ -477,3 +593,207 @@ def _sized(pool: Buffer, n: int) -> Buffer:
     cap = -(-n // KVCache.step) * KVCache.step
     return rebuild(pool, [mx.zeros((1, a.shape[1], cap, a.shape[3]), a.dtype)
                           for a in parts(pool)])
+
+
+# ---- keys per channel (KIVI): the 4-bit cache's keys ------------------------------------------
+
+KEY_GROUP = 64  # positions one per-channel key group spans (the block cache's BLOCK)
+KEY_TAIL = 2 * KEY_GROUP  # float positions kept per row: the newest group and the one before
+
+
+def key_groups_zeros(lead: tuple[int, int], capacity: int, dim: int, dtype: mx.Dtype
+                     ) -> tuple[mx.array, ...]:
+    """An empty per-channel key buffer for `capacity` positions (a multiple of KEY_GROUP):
+    (packed [b, h, d, (capacity + G) / 8] uint32, scales and biases [b, h, d, capacity / G + 1]
+    in `dtype`, tail [b, h, KEY_TAIL, d] in `dtype`). Keys are stored transposed (positions
+    last: mx.quantize groups the last axis, so each channel gets its own scale and bias per
+    KEY_GROUP positions) and unrotated (a rotation would mix the channels this separates).
+    One spare group past the capacity takes the groups a write of s > 1 positions at a device
+    offset may touch past its last one (their contents are never read)."""
+    n = capacity // KEY_GROUP + 1
+    return (mx.zeros((*lead, dim, n * KEY_GROUP * 4 // 32), mx.uint32),
+            mx.zeros((*lead, dim, n), dtype), mx.zeros((*lead, dim, n), dtype),
+            mx.zeros((*lead, KEY_TAIL, dim), dtype))
+
+
+def is_key_groups(buf: Buffer) -> bool:
+    """Whether a buffer is a per-channel key buffer (key_groups_zeros' four arrays)."""
+    return isinstance(buf, tuple) and len(buf) == 4
+
+
+@dataclass(frozen=True)
+class RecentKeys:
+    """The float keys of the key groups a write of s positions at `offset` touches, before
+    any is quantized: keys [b, h, L, d] at positions pos [1 or b, L] (L = whole groups from
+    the one holding offset; positions at or past offset + s hold copies of the new rows, not
+    keys), and the new positions query [1 or b, s]. Attention reads a query's own group from
+    these while the group is not full (Attention.attend)."""
+
+    keys: mx.array
+    pos: mx.array
+    query: mx.array
+
+
+def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
+                ) -> RecentKeys:
+    """RecentKeys of a write of keys [b, h, s, d] at `offset` (an int, a scalar array, or [b]
+    per row) into a per-channel key buffer, taken before the write: the positions before
+    offset from its tail, the new ones from `rows`."""
+    tail = buf[-1]
+    b, h, s, d = rows.shape
+    rows = rows.astype(tail.dtype)
+    if isinstance(offset, int):
+        groups = (offset + s - 1) // KEY_GROUP - offset // KEY_GROUP + 1
+        off = mx.array([offset], mx.int32)
+    else:
+        groups = (s + KEY_GROUP - 2) // KEY_GROUP + 1  # the most a write of s may touch
+        off = offset.reshape(-1).astype(mx.int32)
+    off = off.reshape(-1, 1)  # [1 or b, 1]
+    pos = (off // KEY_GROUP) * KEY_GROUP + mx.arange(groups * KEY_GROUP, dtype=mx.int32)
+
+    def at(src: mx.array, idx: mx.array) -> mx.array:
+        return mx.take_along_axis(src, mx.broadcast_to(idx[:, None, :, None],
+                                                       (b, h, idx.shape[1], d)), axis=2)
+    keys = mx.where((pos < off)[:, None, :, None], at(tail, pos % KEY_TAIL),
+                    at(rows, mx.clip(pos - off, 0, s - 1)))
+    return RecentKeys(keys, pos, off + mx.arange(s, dtype=mx.int32))
+
+
+def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
+                     ) -> tuple[mx.array, ...]:
+    """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
+    per-channel key buffer. Every group the write touches is quantized again from float
+    (recent_keys: its positions before `offset` from the tail, the float copy of each row's
+    two newest groups; the new ones from `rows`), the positions after the write (not yet
+    written) filled with the group's first key, so that they do not widen any channel's range.
+    A group is therefore always stored as mx.quantize of exactly its written keys, whatever
+    chunks wrote them; once full it is the KIVI group. The tail then takes the new rows (the
+    last KEY_TAIL of them)."""
+    packed, scales, biases, tail = buf
+    b, h, s, d = rows.shape
+    dt = scales.dtype
+    rows = rows.astype(dt)
+    recent = recent_keys(buf, rows, offset)
+    keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
+    span = pos.shape[1]
+    groups = span // KEY_GROUP
+    base = pos[:, :1]
+    firsts = keys.reshape(b, h, groups, KEY_GROUP, d)[:, :, :, :1]
+    firsts = mx.broadcast_to(firsts, (b, h, groups, KEY_GROUP, d)).reshape(b, h, span, d)
+    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
+    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+    g0 = base // KEY_GROUP  # [1 or b, 1]
+
+    def put(dst: mx.array, src: mx.array, start: mx.array) -> mx.array:
+        idx = start + mx.arange(src.shape[-1], dtype=mx.int32)  # [1 or b, width]
+        return mx.put_along_axis(dst, mx.broadcast_to(idx[:, None, None, :], src.shape), src,
+                                 axis=3)
+    words = KEY_GROUP * 4 // 32
+    packed = put(packed, q[0], g0 * words)
+    scales, biases = put(scales, q[1].astype(dt), g0), put(biases, q[2].astype(dt), g0)
+    k = min(s, KEY_TAIL)
+    slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [1 or b, k]
+    tail = mx.put_along_axis(tail, mx.broadcast_to(slot[:, None, :, None], (b, h, k, d)),
+                             rows[:, :, s - k:], axis=2)
+    return packed, scales, biases, tail
+
+
+def key_group_values(buf: tuple[mx.array, ...], n: int | None = None) -> mx.array:
+    """The float keys a per-channel key buffer stores, [b, h, n, d] (n: every position up to
+    the capacity by default), as attention reads them where it cannot use the quantized
+    matmul (MLX-CUDA) or the tests compare."""
+    packed, scales, biases, _ = buf
+    n = key_group_positions(buf) if n is None else n
+    g = -(-n // KEY_GROUP)
+    k = mx.dequantize(packed[..., :g * KEY_GROUP * 4 // 32], scales[..., :g], biases[..., :g],
+                      group_size=KEY_GROUP, bits=4)
+    return k.swapaxes(-1, -2)[:, :, :n]
+
+
+def key_group_positions(buf: tuple[mx.array, ...]) -> int:
+    """The positions a per-channel key buffer holds (its capacity: the spare group aside)."""
+    return (buf[1].shape[-1] - 1) * KEY_GROUP
+
+
+# ---- keys per channel in the block cache ------------------------------------------------------
+
+
+def key_blocks_zeros(blocks: int, rows: int, heads: int, dim: int, dtype: mx.Dtype
+                     ) -> tuple[mx.array, ...]:
+    """An empty per-channel key pool: (packed [blocks, h, d, BLOCK / 8] uint32, scales and
+    biases [blocks, h, d, 1] in `dtype`: a block is one key group, positions last, as
+    key_groups_zeros stores a sequence's; tails [rows, h, KEY_TAIL, d] in `dtype`: each
+    decoder slot's float keys of its two newest groups, as a sequence's tail)."""
+    return (mx.zeros((blocks, heads, dim, BLOCK * 4 // 32), mx.uint32),
+            mx.zeros((blocks, heads, dim, 1), dtype), mx.zeros((blocks, heads, dim, 1), dtype),
+            mx.zeros((rows, heads, KEY_TAIL, dim), dtype))
+
+
+def block_recent(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
+                 ) -> RecentKeys:
+    """recent_keys of a step's new keys (rows [n, s, h * d] or [n, s, h, d], the
+    projection's layout) written through `index` into a per-channel key pool: each row's
+    positions before its offset from its tail (index.tails), taken before the write."""
+    assert index.offset is not None and index.tails is not None
+    n, s = rows.shape[:2]
+    tail = pool[3][index.tails]
+    kh = rows.reshape(n, s, tail.shape[1], -1).transpose(0, 2, 1, 3)
+    return recent_keys((tail,), kh, index.offset)
+
+
+def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
+                     ) -> tuple[mx.array, ...]:
+    """write_key_groups through a block table: every group a row's write touches quantized
+    again from its floats (block_recent) into the row's block of that group, and the row's
+    tail (index.tails) given the new keys. The groups a write of s > 1 positions may reach
+    past its last one (recent_keys' span) write their row's first group again, with its
+    contents: no scatter lands in a block past the row's (a padded table entry is block 0)."""
+    packed, scales, biases, tail = pool
+    assert index.offset is not None and index.tails is not None
+    n, s = rows.shape[:2]
+    h, d = tail.shape[1], tail.shape[3]
+    dt = scales.dtype
+    kh = rows.reshape(n, s, h, d).transpose(0, 2, 1, 3).astype(dt)
+    recent = block_recent(pool, rows, index)
+    keys, pos = recent.keys, recent.pos
+    off = index.offset.reshape(n, 1).astype(mx.int32)
+    span = pos.shape[1]
+    groups = span // KEY_GROUP
+    firsts = keys.reshape(n, h, groups, KEY_GROUP, d)[:, :, :, :1]
+    firsts = mx.broadcast_to(firsts, (n, h, groups, KEY_GROUP, d)).reshape(n, h, span, d)
+    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
+    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+    g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
+    touched = g * KEY_GROUP < off + s
+    w = index.table.shape[1]
+    blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
+    blk = mx.where(touched, blk, blk[:, :1]).reshape(-1)
+
+    def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, h, d, x]
+        a = a.reshape(n, h, d, groups, -1)
+        a = mx.where(touched[:, None, None, :, None], a, a[:, :, :, :1])
+        return a.transpose(0, 3, 1, 2, 4).reshape(n * groups, h, d, -1)
+    packed[blk] = per_group(q[0])
+    scales[blk] = per_group(q[1].astype(dt))
+    biases[blk] = per_group(q[2].astype(dt))
+    k = min(s, KEY_TAIL)
+    slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [n, k]
+    assert index.tails is not None
+    ti = mx.broadcast_to(index.tails.reshape(n, 1, 1), (n, h, k))
+    hi = mx.broadcast_to(mx.arange(h, dtype=mx.int32).reshape(1, h, 1), (n, h, k))
+    si = mx.broadcast_to(slot[:, None, :], (n, h, k))
+    tail[ti, hi, si] = kh[:, :, s - k:]
+    return packed, scales, biases, tail
+
+
+def read_key_blocks(pool: tuple[mx.array, ...], index: BlockIndex) -> tuple[mx.array, ...]:
+    """The per-channel keys a block table [n, W] holds, as a sequence's key buffer of W * BLOCK
+    positions (positions last; no spare group: attention reads them all): packed
+    [n, h, d, W * BLOCK / 8], scales and biases [n, h, d, W], and the rows' tails."""
+    n, w = index.table.shape
+
+    def gather(a: mx.array) -> mx.array:  # [blocks, h, d, x] -> [n, h, d, W * x]
+        g = a[index.table]  # [n, W, h, d, x]
+        return g.transpose(0, 2, 3, 1, 4).reshape(n, g.shape[2], g.shape[3], -1)
+    tail = pool[3] if index.tails is None else pool[3][index.tails]
+    return gather(pool[0]), gather(pool[1]), gather(pool[2]), tail

@@ -11,8 +11,11 @@ A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
 between; no float copy of the cache is made. Its rows are stored rotated (kv_cache.rotate):
 the queries are rotated alike, which leaves q·kᵀ as it was, and the output, a mix of rotated
-values, is rotated back. On MLX-CUDA, whose quantized matmul lacks most of these shapes, a
-layer's keys and values are dequantized (still rotated) for its attention instead.
+values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated
+(kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over the transposed keys, with
+the queries as they are, the values' side unchanged. On MLX-CUDA, whose quantized matmul
+lacks most of these shapes, a layer's keys and values are dequantized (values still rotated)
+for its attention instead.
 """
 
 from __future__ import annotations
@@ -25,11 +28,17 @@ import numpy as np
 
 from fuselm.runtime_metal.cuda_kernels.selection import cuda_device
 from fuselm.runtime_metal.kv_cache import (
+    KEY_GROUP,
     BlockIndex,
     Buffer,
+    RecentKeys,
+    block_recent,
     first,
+    is_key_groups,
+    key_group_values,
     positions,
     read_blocks,
+    recent_keys,
     rotate,
     spec_of,
     stored_values,
@@ -91,15 +100,25 @@ class Attention:
         return to_heads(q, self.q_heads), to_heads(k, self.kv_heads), to_heads(v, self.kv_heads)
 
     def attend(self, qh: mx.array, kh: Buffer, vh: Buffer, mask: Mask,
-               may_empty: bool = True) -> mx.array:
+               may_empty: bool = True, recent: RecentKeys | None = None) -> mx.array:
         """softmax(q·kᵀ·scale [+ mask]) · v over [b, H, s, D] heads; returns [b, Hq, s, D].
         A query that may attend nothing yields zeros (ONNX), not softmax's NaNs; a caller whose
         mask always shows a query its own key says `may_empty=False` and skips that check.
         kh/vh quantized (kv_cache.Buffer triples, rows rotated): the quantized path, over
-        rotated queries, its output rotated back."""
+        rotated queries, its output rotated back. kh a per-channel key buffer: `_channels`,
+        with `recent` (kv_cache.recent_keys of the write just made) for the queries' own
+        groups."""
         sc = self.scale_for(qh.shape[-1])
         if isinstance(mask, mx.array) and mask.dtype not in (mx.bool_, qh.dtype):
             mask = mask.astype(qh.dtype)
+        if is_key_groups(kh):
+            if isinstance(mask, str):
+                n, t = qh.shape[2], positions(vh)
+                mask = mx.array(causal(n, t, t - n))
+            y = unrotate(self._channels(qh, kh, vh, mask, sc, recent))  # type: ignore[arg-type]
+            if may_empty and isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+                y = mx.where(mask.any(axis=-1, keepdims=True), y, mx.zeros((), y.dtype))
+            return y
         rotated = isinstance(kh, tuple)
         if rotated:
             qh = rotate(qh)
@@ -152,8 +171,9 @@ class Attention:
         b, hq, s, d = q.shape
         hk = k[0].shape[1]
         dt = k[1].dtype
-        kq, vq = spec_of(k, d), spec_of(v, v[1].shape[-1] * spec_of(k, d).group_size)
         qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
+        kq = spec_of(k, d)
+        vq = spec_of(v, v[1].shape[-1] * kq.group_size)
         scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
                                      group_size=kq.group_size, bits=kq.bits)
         if self.softcap > 0:
@@ -167,6 +187,54 @@ class Attention:
         p = mx.softmax(scores, axis=-1, precise=True)
         y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
                                 group_size=vq.group_size, bits=vq.bits)
+        return y.reshape(b, hq, s, y.shape[-1]).astype(q.dtype)
+
+    def _channels(self, q: mx.array, k: tuple[mx.array, ...], v: tuple[mx.array, ...],
+                  mask: mx.array | None, scale: float, recent: RecentKeys | None
+                  ) -> mx.array:
+        """Attention over a 4-bit cache: keys per channel (kv_cache.write_key_groups,
+        unrotated: the queries as they are), values per token (rotated: the output is in
+        their basis). A query reads its own key group in float (`recent`) until that group is
+        full, the other groups as stored, so each query's scores depend on the keys at or
+        before it alone, as in a single step: a speculative check of several positions, a
+        prefill chunk and one token a step read the same keys. q·Kᵀ is MLX's quantized
+        matmul over the transposed keys, p·V over the values (on MLX-CUDA, which lacks those
+        kernels, over their dequantized values, a layer at a time); softmax in float32."""
+        b, hq, s, d = q.shape
+        hk, dt, t = k[0].shape[1], k[1].dtype, positions(v)
+        vq = spec_of(v, v[0].shape[-1] * 8)  # 4 bits: 8 values a word
+        qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
+        if cuda_device():
+            scores = qg @ key_group_values(k, t)[:, :, None].swapaxes(-1, -2)
+        else:
+            scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k[:3]], transpose=False,
+                                         group_size=KEY_GROUP, bits=4)[..., :t]
+        if recent is not None:
+            own = qg @ recent.keys.astype(dt)[:, :, None].swapaxes(-1, -2)  # [b,hk,g,s,L]
+            span = recent.keys.shape[2]
+            j = mx.arange(t, dtype=mx.int32)
+            at = j[None] - recent.pos[:, :1]  # [1 or b, t]: the key's index in the span
+            own = mx.take_along_axis(own, mx.broadcast_to(
+                mx.clip(at, 0, span - 1)[:, None, None, None, :], scores.shape), axis=-1)
+            qp = recent.query  # [1 or b, s]
+            float_read = ((j // KEY_GROUP == (qp // KEY_GROUP)[..., None])
+                          & ((qp % KEY_GROUP) != KEY_GROUP - 1)[..., None]
+                          & ((at >= 0) & (at < span))[:, None])  # [1 or b, s, t]
+            scores = mx.where(float_read[:, None, None], own, scores)
+        if self.softcap > 0:
+            scores = mx.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            m = mask
+            if m.ndim == 4:
+                m = (mx.expand_dims(m, 2) if m.shape[1] == 1
+                     else m.reshape(m.shape[0], hk, hq // hk, *m.shape[2:]))
+            scores = scores + additive(m, scores.dtype)
+        p = mx.softmax(scores, axis=-1, precise=True)
+        if cuda_device():
+            y = p @ stored_values(v, vq.group_size * v[1].shape[-1])[:, :, None]
+        else:
+            y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
+                                    group_size=vq.group_size, bits=vq.bits)
         return y.reshape(b, hq, s, y.shape[-1]).astype(q.dtype)
 
     def with_causal(self, mask: Mask, q_len: int, total: int, past: int) -> Mask:
@@ -199,15 +267,19 @@ class Attention:
         keys', values')."""
         if blocks is not None:  # new rows as the projection lays them out: no transpose
             k, v = (x if x.ndim == 3 else x.transpose(0, 2, 1, 3) for x in (k, v))
+            recent = (block_recent(keys, k, blocks)  # type: ignore[arg-type]
+                      if is_key_groups(keys) else None)
             keys, values = write_blocks(keys, k, blocks), write_blocks(values, v, blocks)
             y = self.attend(to_heads(q, self.q_heads), read_blocks(keys, blocks),
-                            read_blocks(values, blocks), mask, may_empty=False)
+                            read_blocks(values, blocks), mask, may_empty=False, recent=recent)
             return (from_heads(y) if q.ndim == 3 else y), keys, values
         qh, kh, vh = self.heads(q, k, v)
+        recent = recent_keys(keys, kh, offset) if is_key_groups(keys) else None  # type: ignore[arg-type]
         keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
-            y = self.attend(qh, first(keys, n), first(values, n), mask, may_empty=False)
+            y = self.attend(qh, first(keys, n), first(values, n), mask, may_empty=False,
+                            recent=recent)
         else:
-            y = self.attend(qh, keys, values, mask, may_empty=False)
+            y = self.attend(qh, keys, values, mask, may_empty=False, recent=recent)
         return (from_heads(y) if q.ndim == 3 else y), keys, values

@@ -55,7 +55,13 @@ from fuselm.config import RuntimeConfig
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
-from fuselm.runtime_metal.kv_cache import BlockIndex, KVCache, join_layers, split_layers
+from fuselm.runtime_metal.kv_cache import (
+    BlockIndex,
+    KVCache,
+    is_key_groups,
+    join_layers,
+    split_layers,
+)
 from fuselm.runtime_metal.mlx_engine import program_ops, qweight
 from fuselm.runtime_metal.mlx_engine.attention import Mask
 from fuselm.runtime_metal.mlx_engine.program_masks import (
@@ -206,7 +212,15 @@ class DecodeProgram:
             # embedding kernel reads it; a cast would be one more launch a step)
             ids = ids.astype(mx.int32)
         s = ids.shape[1]
-        capacity = kv[0].shape[2] * (1 if table is None else table.shape[1])
+        # each layer's (K, V) buffers: arrays, or a quantized cache's triples (kv_cache.py)
+        out_kv = split_layers(kv, self.num_layers)
+        tails = None
+        if table is not None and is_key_groups(out_kv[0][0]):
+            # keys per channel: the table's last column is each row's tail slot
+            # (kv_cache.BlockCache), the columns before it its blocks
+            table, tails = table[:, :-1], table[:, -1]
+        # positions: axis 2 of a value array (a per-channel key buffer has them last)
+        capacity = kv[-1].shape[2] * (1 if table is None else table.shape[1])
         rows = s if fresh else None if prefix is None else prefix + s
         masks: dict[int | None, Mask] = {}
 
@@ -230,8 +244,6 @@ class DecodeProgram:
             return masks[w]
 
         env: dict[str, object] = {"input_ids": ids}
-        # each layer's (K, V) buffers: arrays, or a quantized cache's triples (kv_cache.py)
-        out_kv = split_layers(kv, self.num_layers)
         # an add+RMSNorm computed by the GEMV making its row: that GEMV's id -> the pair; and
         # the pairs so computed (they launch nothing)
         producing = ({id(o.norm_producer): o for o in self.ops if o.norm_producer is not None}
@@ -244,7 +256,7 @@ class DecodeProgram:
         offset_rows = mx.broadcast_to(offset.reshape(-1), ids.shape[:1])
         # the block table's index math (where each row's positions lie in the pools), built
         # once a step on first use and read by every layer that does not take the kernel
-        blocks = None if table is None else BlockIndex(table, offset_rows, s)
+        blocks = None if table is None else BlockIndex(table, offset_rows, s, tails)
         # decode (one token per sequence): the Q4 matmuls run fuselm's GEMV kernel where it fits
         with qweight.tracing(), qweight.gemv_kernel(self.kernels and s == 1):
             for o in self.ops:
@@ -461,7 +473,10 @@ class FastDecoder:
         if not 0 < n <= width:
             raise ValueError(f"a chunk of {n} tokens padded to {width}")
         c0 = self.caches[0]
-        if c0.keys is None or c0.offset or width > c0.capacity:
+        # keys per channel (a 4-bit cache): the dummies' keys would be quantized into the
+        # prompt's last group, and its floats may be gone from the tail when they are trimmed
+        if (c0.keys is None or c0.offset or width > c0.capacity
+                or (c0.quant is not None and c0.quant.keys_per_channel)):
             return self.prefill(ids)
         if self._padded is None:
             self._padded = mx.compile(self.program.padded) if self.compiled else (

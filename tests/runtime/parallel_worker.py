@@ -1,5 +1,6 @@
 """One rank of the parallel tests' job (tests/runtime/test_parallel.py starts two, as
-mlx.launch does): every case of the spec opened with `parallel=MODE`, its prompt's logits and
+mlx.launch does): every case of the spec opened with `parallel=MODE` (and its engine
+`options`), its prompt's logits and
 greedy tokens written to OUT/rank{R}.json (logits as OUT/{case}.npy from rank 0)."""
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main() -> None:
     results = {}
     rank = 0
     for case in spec["cases"]:
-        model = open_model(case["artifact"], "mlx", parallel=case["mode"])
+        model = open_model(case["artifact"], "mlx", parallel=case["mode"],
+                           **case.get("options", {}))
         rank = model.engine.parallel.rank  # type: ignore[attr-defined]
         logits = model.engine.forward(np.array(spec["prompt"]), all_logits=True)
         model.engine.reset()

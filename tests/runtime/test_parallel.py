@@ -33,6 +33,7 @@ BATCH_PROMPTS = [[5, 9, 33, 7, 100], [3, 4, 200, 17, 8, 300, 12], [50, 60, 70],
 BATCHED = "gemma3_text-q4"  # the batch decoder's rows (the server's path) on this one
 NEW_TOKENS = 8
 BATCH_STEPS = 12
+KV4 = f"{BATCHED}-kv4-pipeline"  # BATCHED with a 4-bit KV cache, in a pipeline
 # head_dim 32 and 128 MLP channels: each rank's rows of o_proj / down_proj are whole Q4 blocks
 SPLITTABLE = {"head_dim": 32, "intermediate_size": 128}
 FAMILIES = {"llama": {}, "qwen3": {}, "gemma3_text": TEST_CONFIGS["gemma3_text"]}
@@ -92,6 +93,8 @@ def single(artifacts: dict[str, Path]) -> dict[str, dict]:
                      "tokens": generate(model.engine, PROMPT, max_new_tokens=NEW_TOKENS).tokens}
         if name == BATCHED:
             out[name]["batch"] = batch_tokens(model.engine, BATCH_PROMPTS, BATCH_STEPS)[0]
+            kv4 = open_model(art, "mlx", kv_bits=4, kv_group_size=32).engine
+            out[KV4] = {"batch": batch_tokens(kv4, BATCH_PROMPTS, BATCH_STEPS)[0]}
     return out
 
 
@@ -102,6 +105,8 @@ def job(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
     cases = [{"name": f"{name}-{mode}", "artifact": str(art), "mode": mode,
               "batch": name == BATCHED}
              for name, art in artifacts.items() for mode in MODES]
+    cases.append({"name": KV4, "artifact": str(artifacts[BATCHED]), "mode": "pipeline",
+                  "batch": True, "options": {"kv_bits": 4, "kv_group_size": 32}})
     spec = root / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "prompt": PROMPT, "new_tokens": NEW_TOKENS,
                                 "batch_prompts": BATCH_PROMPTS, "batch_steps": BATCH_STEPS}))
@@ -136,6 +141,16 @@ def test_two_ranks_match_one(job: Path, single: dict[str, dict], name: str, mode
         for r in ranks:
             share = r[f"{name}-{mode}"]["weight_bytes"] / ref["weight_bytes"]
             assert 0.45 <= share <= 0.56, share
+
+
+def test_pipeline_micro_batches_over_4bit_keys(job: Path, single: dict[str, dict]) -> None:
+    """A 4-bit KV cache (keys per channel: each row's tail slot in its block table) in a
+    pipeline's micro-batches: every rank's batch decoder gives the single rank's tokens."""
+    for r in (0, 1):
+        got = json.loads((job / f"rank{r}.json").read_text())[KV4]
+        assert got["batch"] == single[KV4]["batch"]
+        assert got["batch_decoder"]["mode"] == "batched"
+        assert got["batch_decoder"]["micro_batches"] == 2
 
 
 def test_dead_rank_ends_the_job(artifacts: dict[str, Path], tmp_path: Path) -> None:

@@ -183,8 +183,9 @@ def test_quantized_kv_cache_keeps_greedy_tokens(
     test above), one forward each: the token each position picks is the greedy token the
     float cache picks there (a free-running greedy run equals float's up to the first position
     that differs). 8 bits: every position where float's top two logits are 0.1 or more apart
-    picks float's token (measured: all 96 positions); 4 bits (its rows stored rotated,
-    kv_cache.rotate): at least 90 % of positions (measured 90 of 96; 85 before the rotation).
+    picks float's token (measured: all 96 positions); 4 bits (keys per channel, values
+    rotated: kv_cache.write_key_groups, kv_cache.rotate): at least 90 % of positions (measured
+    92 of 96; 90 with keys per token, rotated; 85 before the rotation).
     One engine (loaded once), its cache swapped for a quantized one (Engine.swap_cache)."""
     eng = make_engine(smol_f32, "mlx", fast=False)
     layers = len(eng.swap_cache())

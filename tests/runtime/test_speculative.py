@@ -249,8 +249,9 @@ def test_bench_speculative_json(models: dict[str, Path], capsys: pytest.CaptureF
 @pytest.mark.parametrize("bits", [8, 4])
 def test_over_a_quantized_kv_cache(models: dict[str, Path], bits: int) -> None:
     """MLX with an 8- or 4-bit KV cache (--kv-bits): the drafted positions are written
-    quantized (rotated) like single steps' and rolled back the same way, so speculative greedy
-    equals plain greedy over the same quantized cache, one sequence and the batched program."""
+    quantized like single steps' and rolled back the same way (4 bits: keys per channel, each
+    query reading its own key group in float), so speculative greedy equals plain greedy over
+    the same quantized cache, one sequence and the batched program over the block cache."""
     engine = make_engine(models["target"], "mlx", kv_bits=bits, kv_group_size=32)
     prompts = _prompts()
     want = [generate(engine, p, max_new_tokens=n).tokens

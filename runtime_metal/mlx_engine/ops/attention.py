@@ -73,14 +73,14 @@ def attention(  # noqa: ANN201, PLR0913
     qh, kh, vh = attn.heads(q, k, v)
     if kv_cache is not None:  # a quantized cache returns its triples: attend reads them
         kh, vh = kv_cache.update_and_fetch(kh, vh)
-        past_len = positions(kh) - qh.shape[2]
+        past_len = positions(vh) - qh.shape[2]
     else:
         past_len = 0 if past_key is None else past_key.shape[2]
         if past_key is not None:
             kh = mx.concatenate([past_key, kh], axis=2)
         if past_value is not None:
             vh = mx.concatenate([past_value, vh], axis=2)
-    q_len, total = qh.shape[2], positions(kh)
+    q_len, total = qh.shape[2], positions(vh)  # a per-channel key buffer: its capacity
     mask = attn.with_causal(_graph_mask(attn_mask, q_len, total), q_len, total, past_len)
-    y = attn.attend(qh, kh, vh, mask)
+    y = attn.attend(qh, kh, vh, mask, recent=None if kv_cache is None else kv_cache.recent)
     return (from_heads(y) if q.ndim == 3 else y), kh, vh
