@@ -189,6 +189,23 @@ def hf_logits(model, ids: list[int]) -> np.ndarray:  # noqa: ANN001 - a transfor
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def assert_engine_equals_reference(out: Path, reference, engine: str,  # noqa: ANN001
+                                   prompt: list[int], new_tokens: int = 6) -> None:
+    """The artifact on `engine` (onnxruntime at accuracy level 0: float activations) gives the
+    reference model's logits within 1e-4 and its greedy tokens (the reference's by full
+    forwards: no cache on its side)."""
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+    from fuselm.runtime_metal.validate import engine_logits, rel
+
+    eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
+    assert rel(engine_logits(eng, prompt, None), hf_logits(reference, prompt)) <= 1e-4
+    ids = list(prompt)
+    for _ in range(new_tokens):
+        ids.append(int(hf_logits(reference, ids)[-1].argmax()))
+    assert generate(eng, prompt, max_new_tokens=new_tokens).tokens == ids[len(prompt):]
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor

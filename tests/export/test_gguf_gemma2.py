@@ -16,10 +16,12 @@ import pytest
 from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
-from fuselm.runtime_metal.engine import make_engine
-from fuselm.runtime_metal.generate import generate
-from fuselm.runtime_metal.validate import engine_logits, rel
-from tests.export.gguf_files import hf_logits, reference_model, rewrite_gguf, write_gguf
+from tests.export.gguf_files import (
+    assert_engine_equals_reference,
+    reference_model,
+    rewrite_gguf,
+    write_gguf,
+)
 
 # head_dim 64 = query_pre_attn_scalar (llama.cpp's scale for all but the 46-layer model);
 # window 4 < the prompt; layer 0 slides, layer 1 is global, as llama.cpp fixes it; caps small
@@ -78,10 +80,4 @@ def test_default_convert_keeps_the_files_blocks(gemma: tuple[Path, Path]) -> Non
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
 def test_logits_and_greedy_equal_the_files_dequantized_weights(
         gemma: tuple[Path, Path], reference, engine: str) -> None:  # noqa: ANN001
-    _, out = gemma
-    eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
-    assert rel(engine_logits(eng, PROMPT, None), hf_logits(reference, PROMPT)) <= 1e-4
-    ids = list(PROMPT)
-    for _ in range(6):  # greedy by full forwards: no cache on the reference's side
-        ids.append(int(hf_logits(reference, ids)[-1].argmax()))
-    assert generate(eng, PROMPT, max_new_tokens=6).tokens == ids[len(PROMPT):]
+    assert_engine_equals_reference(gemma[1], reference, engine, PROMPT)

@@ -16,13 +16,10 @@ from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
-from fuselm.runtime_metal.engine import make_engine
-from fuselm.runtime_metal.generate import generate
-from fuselm.runtime_metal.validate import engine_logits, rel
 from tests.export.gguf_files import (
     STRING,
+    assert_engine_equals_reference,
     gguf_value,
-    hf_logits,
     reference_model,
     rewrite_gguf,
     write_gguf,
@@ -82,13 +79,7 @@ def test_default_convert_keeps_the_files_blocks(gemma: tuple[Path, Path]) -> Non
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
 def test_logits_and_greedy_equal_the_files_dequantized_weights(
         gemma: tuple[Path, Path], reference, engine: str) -> None:  # noqa: ANN001
-    _, out = gemma
-    eng = make_engine(out, engine, **({"accuracy_level": 0} if engine == "onnxruntime" else {}))
-    assert rel(engine_logits(eng, PROMPT, None), hf_logits(reference, PROMPT)) <= 1e-4
-    ids = list(PROMPT)
-    for _ in range(6):  # greedy by full forwards: no cache on the reference's side
-        ids.append(int(hf_logits(reference, ids)[-1].argmax()))
-    assert generate(eng, PROMPT, max_new_tokens=6).tokens == ids[len(PROMPT):]
+    assert_engine_equals_reference(gemma[1], reference, engine, PROMPT)
 
 
 def test_tokenizer_equals_transformers_gguf_loader(gemma: tuple[Path, Path]) -> None:
