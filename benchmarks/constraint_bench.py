@@ -92,7 +92,7 @@ def run(model: LoadedModel, dec: BatchDecoder, prompts: list[list[int]],
         return c
 
     greedy = SamplingOptions()
-    slots = [dec.add(p, greedy, constraint() if c else None)
+    slots = [dec.add(p, greedy, constraint=constraint() if c else None)
              for p, c in zip(prompts, constrained, strict=True)]
     dec.step()  # the first tokens (from the prompts' prefill): not a decode step
     spent[0], counted[0] = 0.0, 0

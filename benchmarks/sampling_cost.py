@@ -79,7 +79,7 @@ def batch(engine, b: int, p: int, n: int, runs: int) -> list[dict[str, object]]:
     for name, (opts, top, rows) in cases.items():
         dec = BatchDecoder(engine, max_batch=b, max_context=p + (runs + 1) * n + 8)
         for i, prompt in enumerate(prompts):
-            dec.add(prompt, opts if i < rows else None, top if i < rows else None)
+            dec.add(prompt, opts if i < rows else None, top_logprobs=top if i < rows else None)
         dec.step()
         times = []
         for r in range(runs + 1):

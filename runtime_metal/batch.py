@@ -288,7 +288,7 @@ class BatchDecoder:
             self.cache.pool.release(s.blocks[keep:])
             del s.blocks[keep:]
 
-    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None,
+    def add(self, prompt: Sequence[int], sampling: SamplingOptions | None = None, *,
             top_logprobs: int | None = None, constraint: TokenConstraint | None = None
             ) -> int:
         """Prefill `prompt` into a free slot; its first token comes with the next step().
@@ -320,7 +320,7 @@ class BatchDecoder:
         self._start(slot, prompt, keep, logits, opts, top_logprobs, constraint)
         return slot
 
-    def fork(self, slot: int, sampling: SamplingOptions | None = None,
+    def fork(self, slot: int, sampling: SamplingOptions | None = None, *,
              top_logprobs: int | None = None, constraint: TokenConstraint | None = None
              ) -> int:
         """Another sequence from the prompt `slot` was just added with (its first token not yet
@@ -334,7 +334,7 @@ class BatchDecoder:
             raise RuntimeUserError("fork: the sequence has started decoding; add its prompt "
                                    "instead")
         if self.mode == "sequential":
-            return self.add(src.cached, sampling, top_logprobs, constraint)
+            return self.add(src.cached, sampling, top_logprobs=top_logprobs, constraint=constraint)
         opts = sampling or SamplingOptions()
         opts.validate()
         opts.check_vocab(self.engine.manifest.model.vocab_size)

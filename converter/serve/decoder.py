@@ -41,16 +41,18 @@ class ServeDecoder:
         """Slots that can take no more tokens (the context or the KV pool is full)."""
         return self.dec.exhausted
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions, *,
             top_logprobs: int | None = None, fork_of: int | None = None,
             constraint: TokenConstraint | None = None) -> int:
         """fork_of: the slot of another choice of the same request (n > 1): while its first
         token is not out yet, the new row starts from its prompt (BatchDecoder.fork).
         constraint: the row's grammar (its own; runtime_metal/constraint.py)."""
         if fork_of is not None and self.dec.forkable(fork_of, prompt_ids):
-            slot = self.dec.fork(fork_of, sampling, top_logprobs, constraint)
+            slot = self.dec.fork(fork_of, sampling, top_logprobs=top_logprobs,
+                                 constraint=constraint)
         else:
-            slot = self.dec.add(prompt_ids, sampling, top_logprobs, constraint)
+            slot = self.dec.add(prompt_ids, sampling, top_logprobs=top_logprobs,
+                                constraint=constraint)
         # BatchDecoder reuses the longest cached prefix (all but the last prompt token at
         # most; a fork its whole prompt): what is reported.
         self._cached[slot] = self.dec.slots[slot].reused

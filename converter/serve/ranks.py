@@ -82,7 +82,7 @@ class LeaderDecoder:
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         return self.inner.logprobs(slot)
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions, *,
             top_logprobs: int | None = None, fork_of: int | None = None,
             constraint: TokenConstraint | None = None) -> int:
         if constraint is not None:  # its grammar state lives on rank 0 only
@@ -96,7 +96,8 @@ class LeaderDecoder:
                                    "--parallel server unchanged; leave out the extended ones")
         self._send({"op": "add", "prompt": list(prompt_ids), "sampling": wire,
                     "top_logprobs": top_logprobs, "fork_of": fork_of})
-        return _guarded(lambda: self.inner.add(prompt_ids, sampling, top_logprobs, fork_of))
+        return _guarded(lambda: self.inner.add(prompt_ids, sampling, top_logprobs=top_logprobs,
+                                               fork_of=fork_of))
 
     def step(self) -> dict[int, list[int]]:
         self._send({"op": "step"})
@@ -152,7 +153,7 @@ def _follow_one(decoder: ServeDecoder, message: dict[str, Any]) -> bool:
     if op == "add":
         try:  # rank 0 refused it too (a 400 there): the same state here
             decoder.add(message["prompt"], _sampling(message["sampling"]),
-                        message.get("top_logprobs"), message.get("fork_of"))
+                        top_logprobs=message.get("top_logprobs"), fork_of=message.get("fork_of"))
         except RuntimeUserError:
             pass
     elif op == "step":

@@ -52,7 +52,7 @@ class BatchDecoder(Protocol):
     @property
     def exhausted(self) -> set[int]: ...
 
-    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions,
+    def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions, *,
             top_logprobs: int | None = None, fork_of: int | None = None,
             constraint: TokenConstraint | None = None) -> int: ...
 
@@ -331,8 +331,8 @@ class Scheduler:
             like = parent.slot if parent is not None and parent.slot is not None and (
                 self._active.get(parent.slot) is parent) else None
             try:
-                slot = self.decoder.add(job.prompt, job.sampling, job.top_logprobs, like,
-                                        job.constraint)
+                slot = self.decoder.add(job.prompt, job.sampling, top_logprobs=job.top_logprobs,
+                                        fork_of=like, constraint=job.constraint)
             except RuntimeUserError as e:
                 self._end(job, "error", (400, str(e)))
                 self._notify()
