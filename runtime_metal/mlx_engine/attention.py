@@ -275,11 +275,15 @@ class Attention:
             return (from_heads(y) if q.ndim == 3 else y), keys, values
         qh, kh, vh = self.heads(q, k, v)
         recent = recent_keys(keys, kh, offset) if is_key_groups(keys) else None  # type: ignore[arg-type]
-        keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
+            # the offset is n - s here, known when traced: a per-channel key write quantizes
+            # the groups it completes alone (kv_cache.write_key_groups)
+            at = n - qh.shape[2] if is_key_groups(keys) else offset
+            keys, values = write_rows(keys, kh, at), write_rows(values, vh, offset)
             y = self.attend(qh, first(keys, n), first(values, n), mask, may_empty=False,
                             recent=recent)
         else:
+            keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
             y = self.attend(qh, keys, values, mask, may_empty=False, recent=recent)
         return (from_heads(y) if q.ndim == 3 else y), keys, values
