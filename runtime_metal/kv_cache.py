@@ -202,7 +202,8 @@ def stored(buf: Buffer, rows: mx.array) -> tuple[mx.array, ...]:
     return (rows.astype(buf.dtype),)
 
 
-def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
+def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int, seal: bool = True
+               ) -> Buffer:
     """buf[:, :, offset:offset + s] = rows [b, h, s, d]; in place when `buf` is donated (the
     compiled program) or the only reference. `offset`: a scalar (every row at one position) or
     an int32 array [b] (one position per batch row; s must then be 1).
@@ -210,9 +211,9 @@ def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
     One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
     whole destination (measured: the cost grows with the cache's capacity) plus an offset
     kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
-    each of its arrays written so. A per-channel key buffer: write_key_groups."""
+    each of its arrays written so. A per-channel key buffer: write_key_groups (`seal`)."""
     if is_key_groups(buf):
-        return write_key_groups(buf, rows, offset)  # type: ignore[arg-type]
+        return write_key_groups(buf, rows, offset, seal)  # type: ignore[arg-type]
     off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return rebuild(buf, [_write_one(b, r, off)
                          for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
@@ -464,15 +465,16 @@ class BlockIndex:
         return self._slots[key]
 
 
-def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex) -> Buffer:
+def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex, seal: bool = True
+                 ) -> Buffer:
     """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, s, h * d], the
     projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
     block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
     of it in between: the compiled program's donated pool is updated in place); a quantized
     pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts.
-    A per-channel key pool: write_key_blocks."""
+    A per-channel key pool: write_key_blocks (`seal`)."""
     if is_key_groups(pool):
-        return write_key_blocks(pool, rows, index)  # type: ignore[arg-type]
+        return write_key_blocks(pool, rows, index, seal)  # type: ignore[arg-type]
     n, s = rows.shape[:2]
     h = parts(pool)[0].shape[1]
     at = index.slots(h, positions(pool))
@@ -659,8 +661,8 @@ def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | in
     return RecentKeys(keys, pos, off + mx.arange(s, dtype=mx.int32))
 
 
-def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
-                     ) -> tuple[mx.array, ...]:
+def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int,
+                     seal: bool = True) -> tuple[mx.array, ...]:
     """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
     per-channel key buffer: the tail takes the new rows (the last KEY_TAIL of them), and each
     group the write completes (its last position among the new ones) is quantized, once, from
@@ -670,13 +672,15 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
     it) stays unquantized: attention reads it from the tail (Attention._channels), so its
     stored codes are never read. An int offset quantizes the completed groups alone; a device
     offset (the compiled program's) quantizes every group the write may touch and stores those
-    it completes, the others' codes going to the spare group past the capacity (never read)."""
+    it completes, the others' codes going to the spare group past the capacity (never read);
+    `seal=False` says that the write completes no group (the caller knows its offset: a decode
+    step at a position that is not a group's last), so it quantizes nothing."""
     packed, scales, biases, tail = buf
     b, h, s, d = rows.shape
     dt = scales.dtype
     rows = rows.astype(dt)
     words = KEY_GROUP * 4 // 32
-    if isinstance(offset, int):
+    if seal and isinstance(offset, int):
         g0, done = offset // KEY_GROUP, (offset + s) // KEY_GROUP - offset // KEY_GROUP
         if done:
             keys = recent_keys(buf, rows, offset).keys[:, :, :done * KEY_GROUP]
@@ -685,7 +689,7 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
             packed = mx.slice_update(packed, q[0], at * words, axes=(3,))
             scales = mx.slice_update(scales, q[1].astype(dt), at, axes=(3,))
             biases = mx.slice_update(biases, q[2].astype(dt), at, axes=(3,))
-    else:
+    elif seal:
         recent = recent_keys(buf, rows, offset)
         keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
         q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
@@ -766,37 +770,40 @@ def block_recent(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
     return recent_keys((tail,), kh, index.offset)
 
 
-def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
-                     ) -> tuple[mx.array, ...]:
+def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex,
+                     seal: bool = True) -> tuple[mx.array, ...]:
     """write_key_groups through a block table: each group a row's write completes quantized,
     once, from its floats (block_recent) into the row's block of that group, and the row's
     tail (index.tails) given the new keys. The offsets are on the device, so every group a
     write of s positions may touch (recent_keys' span) is quantized and those it does not
     complete (the row's open group, and any past it, perhaps past the table's last block)
     are stored in the pool's sink block (key_blocks_zeros), never read: no scatter lands in a
-    row's open group or in a block past the row's."""
+    row's open group or in a block past the row's. `seal=False`: the caller knows that the
+    write completes no row's group (BatchDecoder: no row writes a group's last position), so
+    nothing is quantized, the tails alone written."""
     packed, scales, biases, tail = pool
     assert index.offset is not None and index.tails is not None
     n, s = rows.shape[:2]
     h, d = tail.shape[1], tail.shape[3]
     dt = scales.dtype
     kh = rows.reshape(n, s, h, d).transpose(0, 2, 1, 3).astype(dt)
-    recent = block_recent(pool, rows, index)
-    keys, pos = recent.keys, recent.pos
     off = index.offset.reshape(n, 1).astype(mx.int32)
-    groups = pos.shape[1] // KEY_GROUP
-    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
-    g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
-    w = index.table.shape[1]
-    blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
-    blk = mx.where((g + 1) * KEY_GROUP <= off + s, blk, packed.shape[0] - 1).reshape(-1)
+    if seal:
+        recent = block_recent(pool, rows, index)
+        keys, pos = recent.keys, recent.pos
+        groups = pos.shape[1] // KEY_GROUP
+        q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+        g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
+        w = index.table.shape[1]
+        blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
+        blk = mx.where((g + 1) * KEY_GROUP <= off + s, blk, packed.shape[0] - 1).reshape(-1)
 
-    def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, h, d, x]
-        return a.reshape(n, h, d, groups, -1).transpose(0, 3, 1, 2, 4).reshape(
-            n * groups, h, d, -1)
-    packed[blk] = per_group(q[0])
-    scales[blk] = per_group(q[1].astype(dt))
-    biases[blk] = per_group(q[2].astype(dt))
+        def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, ..]
+            return a.reshape(n, h, d, groups, -1).transpose(0, 3, 1, 2, 4).reshape(
+                n * groups, h, d, -1)
+        packed[blk] = per_group(q[0])
+        scales[blk] = per_group(q[1].astype(dt))
+        biases[blk] = per_group(q[2].astype(dt))
     k = min(s, KEY_TAIL)
     slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [n, k]
     ti = mx.broadcast_to(index.tails.reshape(n, 1, 1), (n, h, k))

@@ -33,6 +33,7 @@ from fuselm.runtime_metal.kv_cache import (
     KVQuant,
     dequantized,
     key_group_read,
+    key_group_values,
     key_groups_zeros,
     read_blocks,
     rotate,
@@ -190,6 +191,44 @@ def test_forks_over_4bit_keys_equal_solo(mistral: Path) -> None:
     assert list(got.values()) == [want] * 3
     for s in slots[1:]:
         assert lps[s] == pytest.approx(lps[first], abs=1e-5)
+
+
+def test_4bit_steps_across_a_key_group_end(mistral: Path) -> None:
+    """Decode steps across a key group's last position over a 4-bit cache: the compiled
+    program's steps (the step that completes a group quantizes it; the others take the
+    program that quantizes nothing, DecodeProgram.step_open) give the executor's tokens and
+    stored group (KVCache.update_and_fetch), and two batched rows a position apart (a step
+    that completes one row's group while the other's stays open, and steps that quantize
+    nothing: DecodeProgram.paged_open) each give its solo tokens and group."""
+    fast = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32)
+    plain = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32, fast=False)
+    assert fast.batch_open() is not None
+    rng = np.random.default_rng(13)
+    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (60, 61)]
+
+    def group0(keys: tuple[mx.array, ...]) -> np.ndarray:
+        return np.array(key_group_values(keys, KEY_GROUP))
+
+    def close(a: np.ndarray, b: np.ndarray) -> bool:  # 4-bit codes of near-equal floats
+        return float(np.abs(a - b).mean()) < 0.02 * float(np.abs(b).mean())
+    want, groups = [], []
+    for p in prompts:
+        want.append(generate(fast, p, max_new_tokens=N).tokens)
+        groups.append([group0(c.keys) for c in fast.caches])  # type: ignore[arg-type]
+        assert generate(plain, p, max_new_tokens=N).tokens == want[-1]
+        assert all(close(g, group0(c.keys))  # type: ignore[arg-type]
+                   for g, c in zip(groups[-1], plain.caches, strict=True))
+    dec = BatchDecoder(fast, max_batch=2, max_context=96)
+    slots = [dec.add(p) for p in prompts]
+    got: dict[int, list[int]] = {s: [] for s in slots}
+    for _ in range(N):
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s] for s in slots] == want
+    for s, g in zip(slots, groups, strict=True):
+        b = dec.slots[s].blocks[0]
+        for layer, keys in enumerate(dec.cache.keys):
+            assert close(group0(tuple(a[b:b + 1] for a in keys)), g[layer])
 
 
 def test_close_to_the_float_cache(mistral: Path) -> None:
