@@ -34,9 +34,11 @@ A 4-bit cache stores its keys per channel instead (KIVI; `KVQuant.keys_per_chann
 single-sequence cache's key buffer is four arrays, the keys transposed (positions last) and
 quantized in groups of KEY_GROUP positions, each channel with its own scale and bias per group,
 unrotated, plus a float tail, the keys of the row's two newest groups (`write_key_groups`).
-Attention reads each query's own group from those floats until it is full (`recent_keys`), the
-rest as stored. The block cache holds this form too (`key_blocks_zeros`): a block is one key
-group, and each decoder slot has its own float tail (BlockIndex.tails).
+A group is quantized once, by the write that completes it; attention reads each query's own
+group from the floats until it is full (`recent_keys`), the rest as stored, so the open
+group's codes are never read (nor written). The block cache holds this form too
+(`key_blocks_zeros`): a block is one key group, and each decoder slot has its own float tail
+(BlockIndex.tails).
 """
 
 from __future__ import annotations
@@ -348,8 +350,9 @@ class KVCache:
         return dequantized(k, k_dim), dequantized(v, v_dim)
 
     def trim(self, n: int) -> None:
-        """Forget the last n positions (the buffer is kept). With keys per channel, the next
-        write quantizes the group holding the new end again from the tail's floats; a trim past
+        """Forget the last n positions (the buffer is kept). With keys per channel, the group
+        holding the new end is open again (read from the tail's floats, and quantized again by
+        the write that completes it); a trim past
         what the tail holds (more than a group back: a new prompt's common prefix, not a
         rejected draft) forgets back to that group's start instead, and `offset` says so
         (callers re-read it)."""
@@ -536,15 +539,16 @@ class BlockCache:
         return is_key_groups(self.keys[0])
 
     def copy_tail(self, src: int, dst: int) -> None:
-        """Decoder slot dst's key tails := src's, in every layer (a fork: its next write
-        quantizes the shared partial group again from these floats)."""
+        """Decoder slot dst's key tails := src's, in every layer (a fork: it reads the shared
+        open group from these floats, and its write that completes the group quantizes it from
+        them)."""
         for buf in self.keys:
             buf[3][dst:dst + 1] = buf[3][src:src + 1]
 
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
         """Positions 0..n-1 of the blocks, as one single-sequence cache per layer (the stored
-        form copied as it is; per-channel keys: n a whole number of key groups, which their
-        later writes do not quantize again, so the cache's tail holds nothing)."""
+        form copied as it is; per-channel keys: n a whole number of key groups, all of them
+        quantized, so the cache's tail holds nothing)."""
         out = []
         idx = mx.array(np.asarray(blocks, np.int32).reshape(1, -1))
         for k, v in zip(self.keys, self.values, strict=True):

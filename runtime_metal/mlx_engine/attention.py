@@ -11,9 +11,10 @@ A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
 between; no float copy of the cache is made. Its rows are stored rotated (kv_cache.rotate):
 the queries are rotated alike, which leaves q·kᵀ as it was, and the output, a mix of rotated
-values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated
-(kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over the transposed keys, with
-the queries as they are, the values' side unchanged. On MLX-CUDA, whose quantized matmul
+values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated, a group
+quantized once it is full (kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over
+the transposed keys, with the queries as they are, each query's own open group read from the
+float keys of the write, the values' side unchanged. On MLX-CUDA, whose quantized matmul
 lacks most of these shapes, a layer's keys and values are dequantized (values still rotated)
 for its attention instead.
 """

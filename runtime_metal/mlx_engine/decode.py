@@ -499,8 +499,8 @@ class FastDecoder:
         if not 0 < n <= width:
             raise ValueError(f"a chunk of {n} tokens padded to {width}")
         c0 = self.caches[0]
-        # keys per channel (a 4-bit cache): the dummies' keys would be quantized into the
-        # prompt's last group, and its floats may be gone from the tail when they are trimmed
+        # keys per channel (a 4-bit cache): dummies that complete the prompt's last group would
+        # be quantized into it, and its floats may be gone from the tail when they are trimmed
         if (c0.keys is None or c0.offset or width > c0.capacity
                 or (c0.quant is not None and c0.quant.keys_per_channel)):
             return self.prefill(ids)
