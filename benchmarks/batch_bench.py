@@ -4,7 +4,7 @@ tg) and, for each batch size b, the batched step's time, tokens/s over all seque
 sequence, its time over the single step's and its total throughput over one row's.
 
     python benchmarks/batch_bench.py [--shape small|qwen3-0.6b] [--dtype float16] [-b 1 4 8 16]
-        [--artifact DIR] [--graph]
+        [--artifact DIR] [--kv-bits 4|8] [--sequential] [--graph]
 
 Single: one prompt of -p tokens, -n new tokens (greedy), a warm-up run, the median of -r runs.
 Times are wall clock; each b also reports the process's CPU time a step (`step_cpu_ms`), the
@@ -14,7 +14,9 @@ host's work a step — the decoder's Python, the compiled call, MLX's dispatch o
 which bounds the step where the device is faster than the host.
 Each b: b prompts of -p tokens (random ids) added, one warm-up round of -n steps, then -n
 timed steps (every slot decoding); the median of -r rounds. Uses the converted checkpoint of
-benchmarks/long_prompt.py (same --work).
+benchmarks/long_prompt.py (same --work). --kv-bits: the engine's quantized KV cache (the block
+cache holds the same form); --sequential: BatchDecoder's sequential mode (each row its own
+cache) instead of the batched step.
 
 --graph: instead of the timed rounds, the host's side of a decode step, what a GPU step waits on
 when the device is fast (one JSON): for the single sequence (Engine.decode_step) and the batched
@@ -193,6 +195,10 @@ def main() -> None:
                     "Q4 conversion)")
     ap.add_argument("--max-context", type=int, default=0,
                     help="the decoder's context (default: what the rounds need)")
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8),
+                    help="a quantized KV cache of these bits (default: float)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="BatchDecoder's sequential mode (each row its own cache)")
     ap.add_argument("--graph", action="store_true",
                     help="each step's graph nodes and host CPU time (build / dispatch), "
                     "single sequence and each b, instead of the timed rounds")
@@ -200,7 +206,7 @@ def main() -> None:
                     help="also each b's kernel time a step by kernel name (needs torch + CUDA)")
     args = ap.parse_args()
     out_dir = args.artifact or artifact(args.work, args.shape, args.dtype, args.p + args.n)
-    engine = make_engine(out_dir, "mlx")
+    engine = make_engine(out_dir, "mlx", **({"kv_bits": args.kv_bits} if args.kv_bits else {}))
     rng = np.random.default_rng(0)
     vocab = engine.manifest.model.vocab_size
     if args.graph:
@@ -216,7 +222,8 @@ def main() -> None:
     rows = []
     for b in args.b:
         dec = BatchDecoder(engine, max_batch=b,
-                           max_context=args.max_context or args.p + (args.r + 1) * args.n + 8)
+                           max_context=args.max_context or args.p + (args.r + 1) * args.n + 8,
+                           batched=False if args.sequential else None)
         for _ in range(b):
             dec.add([int(t) for t in rng.integers(4, min(1000, vocab), args.p)])
         dec.step()  # the first tokens (from the prompts)
@@ -242,7 +249,8 @@ def main() -> None:
         r["throughput_over_one_row"] = r["tok_s_total"] / one if one else None
     print(json.dumps({"device": str(mx.default_device()), "host": platform.node(),
                       "shape": str(args.artifact or args.shape), "dtype": args.dtype,
-                      "engine": engine.describe(), "prompt": args.p,
+                      "engine": engine.describe(), "kv_bits": args.kv_bits,
+                      "load": os.getloadavg(), "prompt": args.p,
                       "steps": args.n, "single_step_ms": single,
                       "single_host_ms": single_host, "rows": rows}, indent=1))
 

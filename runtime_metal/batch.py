@@ -81,7 +81,7 @@ from fuselm.runtime_metal.generate import (
     prefill,
     prefill_chunk_for,
 )
-from fuselm.runtime_metal.kv_cache import BLOCK, BlockCache, KVCache
+from fuselm.runtime_metal.kv_cache import BLOCK, KEY_GROUP, BlockCache, KVCache
 from fuselm.runtime_metal.pipeline_steps import MicroBatch, PipelineSteps
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import (
@@ -130,6 +130,7 @@ class _Step:
     # logits are made once they have all left the last stage (BatchDecoder._settle)
     batches: list[MicroBatch] = field(default_factory=list)
     wants: tuple[bool, bool, int | None] = (False, False, None)  # greedy, keep, top k
+    written: np.ndarray | None = None  # the position each row wrote, where the host knows it
 
 
 PAD = 16  # a padded prompt chunk's width is a multiple of this
@@ -208,6 +209,7 @@ class BatchDecoder:
         self._inflight: _Step | None = None  # batched mode: the step queued by the last step()
         self._clock = 0
         self._table: tuple[np.ndarray, mx.array] | None = None  # the last table sent up
+        self._fn_open: object | None = None  # batched mode: see below
         if self.mode == "batched":
             assert program is not None
             fn, layout, self._span_step = program
@@ -217,6 +219,10 @@ class BatchDecoder:
                                        f"{BLOCK} positions; give at least {BLOCK}")
             self.cache = BlockCache(layout, n, engine.kv_quant, rows=max_batch)
             self._fn = fn
+            # a step in which no row writes a key group's last position: a 4-bit cache's
+            # program that quantizes no key (None: every step takes _fn)
+            opener = getattr(engine, "batch_open", None)
+            self._fn_open = opener() if opener is not None else None
             verify = getattr(engine, "batch_verify", None)
             self._verify = verify() if verify is not None and drafter is not None else None
             stage = getattr(engine, "stage_program", None)
@@ -803,6 +809,7 @@ class BatchDecoder:
             # its argmax: nothing goes up from the host but a changed block table
             assert prev is not None and prev.picks is not None
             tokens, offsets = prev.picks, prev.next_offsets
+            written = None if prev.written is None else prev.written + 1
         else:
             host = np.array([0 if i in from_device else self.slots[i].pending for i in feed],
                             np.uint32)
@@ -813,7 +820,8 @@ class BatchDecoder:
                 at = np.array([where.get(i, 0) for i in feed], np.int32)
                 take = np.array([i in from_device for i in feed])
                 tokens = mx.where(mx.array(take), prev.picks[mx.array(at)], tokens)
-            offsets = mx.array(np.array([len(self.slots[i].cached) for i in feed], np.int32))
+            written = np.array([len(self.slots[i].cached) for i in feed], np.int32)
+            offsets = mx.array(written)
         if len(parts) > 1:
             return self._queue_micro(feed, parts, tokens, offsets, None)
         self._settle_all()  # a pipeline's micro-batches still on their way go first
@@ -821,12 +829,16 @@ class BatchDecoder:
         # it: adopt() drops the cache's references, so the program's row writes update
         # donated buffers in place; a list still alive at evaluation made MLX copy every
         # layer's whole pool each step.
-        logits, nxt, *new_kv = self._fn(tokens.reshape(n, 1), offsets, self._block_table(feed),
-                                        *self.cache.buffers())
+        fn = self._fn  # _fn_open where no row's write completes a key group
+        if (self._fn_open is not None and written is not None
+                and ((written + 1) % KEY_GROUP).all()):
+            fn = self._fn_open
+        logits, nxt, *new_kv = fn(tokens.reshape(n, 1), offsets, self._block_table(feed),
+                                  *self.cache.buffers())
         self.cache.adopt(new_kv)
         del new_kv
         step = _Step([(i, self.slots[i].epoch) for i in feed], None, None, None, nxt,
-                     wants=self._wants(feed))
+                     wants=self._wants(feed), written=written)
         self._finish(step, logits)
         return step
 

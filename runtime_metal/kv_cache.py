@@ -34,9 +34,11 @@ A 4-bit cache stores its keys per channel instead (KIVI; `KVQuant.keys_per_chann
 single-sequence cache's key buffer is four arrays, the keys transposed (positions last) and
 quantized in groups of KEY_GROUP positions, each channel with its own scale and bias per group,
 unrotated, plus a float tail, the keys of the row's two newest groups (`write_key_groups`).
-Attention reads each query's own group from those floats until it is full (`recent_keys`), the
-rest as stored. The block cache holds this form too (`key_blocks_zeros`): a block is one key
-group, and each decoder slot has its own float tail (BlockIndex.tails).
+A group is quantized once, by the write that completes it; attention reads each query's own
+group from the floats until it is full (`recent_keys`), the rest as stored, so the open
+group's codes are never read (nor written). The block cache holds this form too
+(`key_blocks_zeros`): a block is one key group, and each decoder slot has its own float tail
+(BlockIndex.tails).
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ def stored(buf: Buffer, rows: mx.array) -> tuple[mx.array, ...]:
     return (rows.astype(buf.dtype),)
 
 
-def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
+def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int, seal: bool = True
+               ) -> Buffer:
     """buf[:, :, offset:offset + s] = rows [b, h, s, d]; in place when `buf` is donated (the
     compiled program) or the only reference. `offset`: a scalar (every row at one position) or
     an int32 array [b] (one position per batch row; s must then be 1).
@@ -210,9 +213,9 @@ def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int) -> Buffer:
     One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
     whole destination (measured: the cost grows with the cache's capacity) plus an offset
     kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
-    each of its arrays written so. A per-channel key buffer: write_key_groups."""
+    each of its arrays written so. A per-channel key buffer: write_key_groups (`seal`)."""
     if is_key_groups(buf):
-        return write_key_groups(buf, rows, offset)  # type: ignore[arg-type]
+        return write_key_groups(buf, rows, offset, seal)  # type: ignore[arg-type]
     off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return rebuild(buf, [_write_one(b, r, off)
                          for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
@@ -343,12 +346,13 @@ class KVCache:
         """The cached positions in float (a graph fed past K/V as inputs reads these)."""
         k, v = self.state()
         if is_key_groups(k):
-            return key_group_values(k, self.offset), dequantized(v, v_dim)  # type: ignore
+            return key_group_read(k, self.offset), dequantized(v, v_dim)  # type: ignore
         return dequantized(k, k_dim), dequantized(v, v_dim)
 
     def trim(self, n: int) -> None:
-        """Forget the last n positions (the buffer is kept). With keys per channel, the next
-        write quantizes the group holding the new end again from the tail's floats; a trim past
+        """Forget the last n positions (the buffer is kept). With keys per channel, the group
+        holding the new end is open again (read from the tail's floats, and quantized again by
+        the write that completes it); a trim past
         what the tail holds (more than a group back: a new prompt's common prefix, not a
         rejected draft) forgets back to that group's start instead, and `offset` says so
         (callers re-read it)."""
@@ -464,15 +468,16 @@ class BlockIndex:
         return self._slots[key]
 
 
-def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex) -> Buffer:
+def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex, seal: bool = True
+                 ) -> Buffer:
     """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, s, h * d], the
     projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
     block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
     of it in between: the compiled program's donated pool is updated in place); a quantized
     pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts.
-    A per-channel key pool: write_key_blocks."""
+    A per-channel key pool: write_key_blocks (`seal`)."""
     if is_key_groups(pool):
-        return write_key_blocks(pool, rows, index)  # type: ignore[arg-type]
+        return write_key_blocks(pool, rows, index, seal)  # type: ignore[arg-type]
     n, s = rows.shape[:2]
     h = parts(pool)[0].shape[1]
     at = index.slots(h, positions(pool))
@@ -534,15 +539,16 @@ class BlockCache:
         return is_key_groups(self.keys[0])
 
     def copy_tail(self, src: int, dst: int) -> None:
-        """Decoder slot dst's key tails := src's, in every layer (a fork: its next write
-        quantizes the shared partial group again from these floats)."""
+        """Decoder slot dst's key tails := src's, in every layer (a fork: it reads the shared
+        open group from these floats, and its write that completes the group quantizes it from
+        them)."""
         for buf in self.keys:
             buf[3][dst:dst + 1] = buf[3][src:src + 1]
 
     def gather(self, blocks: list[int], n: int) -> list[KVCache]:
         """Positions 0..n-1 of the blocks, as one single-sequence cache per layer (the stored
-        form copied as it is; per-channel keys: n a whole number of key groups, which their
-        later writes do not quantize again, so the cache's tail holds nothing)."""
+        form copied as it is; per-channel keys: n a whole number of key groups, all of them
+        quantized, so the cache's tail holds nothing)."""
         out = []
         idx = mx.array(np.asarray(blocks, np.int32).reshape(1, -1))
         for k, v in zip(self.keys, self.values, strict=True):
@@ -659,38 +665,51 @@ def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | in
     return RecentKeys(keys, pos, off + mx.arange(s, dtype=mx.int32))
 
 
-def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int
-                     ) -> tuple[mx.array, ...]:
+def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int,
+                     seal: bool = True) -> tuple[mx.array, ...]:
     """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
-    per-channel key buffer. Every group the write touches is quantized again from float
-    (recent_keys: its positions before `offset` from the tail, the float copy of each row's
-    two newest groups; the new ones from `rows`), the positions after the write (not yet
-    written) filled with the group's first key, so that they do not widen any channel's range.
-    A group is therefore always stored as mx.quantize of exactly its written keys, whatever
-    chunks wrote them; once full it is the KIVI group. The tail then takes the new rows (the
-    last KEY_TAIL of them)."""
+    per-channel key buffer: the tail takes the new rows (the last KEY_TAIL of them), and each
+    group the write completes (its last position among the new ones) is quantized, once, from
+    its floats (recent_keys: its positions before `offset` from the tail, the new ones from
+    `rows`): a stored group is always mx.quantize of exactly its KEY_GROUP keys, whatever
+    chunks wrote them. The open group (the one holding offset + s - 1, unless the write fills
+    it) stays unquantized: attention reads it from the tail (Attention._channels), so its
+    stored codes are never read. An int offset quantizes the completed groups alone; a device
+    offset (the compiled program's) quantizes every group the write may touch and stores those
+    it completes, the others' codes going to the spare group past the capacity (never read);
+    `seal=False` says that the write completes no group (the caller knows its offset: a decode
+    step at a position that is not a group's last), so it quantizes nothing."""
     packed, scales, biases, tail = buf
     b, h, s, d = rows.shape
     dt = scales.dtype
     rows = rows.astype(dt)
-    recent = recent_keys(buf, rows, offset)
-    keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
-    span = pos.shape[1]
-    groups = span // KEY_GROUP
-    base = pos[:, :1]
-    firsts = keys.reshape(b, h, groups, KEY_GROUP, d)[:, :, :, :1]
-    firsts = mx.broadcast_to(firsts, (b, h, groups, KEY_GROUP, d)).reshape(b, h, span, d)
-    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
-    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
-    g0 = base // KEY_GROUP  # [1 or b, 1]
-
-    def put(dst: mx.array, src: mx.array, start: mx.array) -> mx.array:
-        idx = start + mx.arange(src.shape[-1], dtype=mx.int32)  # [1 or b, width]
-        return mx.put_along_axis(dst, mx.broadcast_to(idx[:, None, None, :], src.shape), src,
-                                 axis=3)
     words = KEY_GROUP * 4 // 32
-    packed = put(packed, q[0], g0 * words)
-    scales, biases = put(scales, q[1].astype(dt), g0), put(biases, q[2].astype(dt), g0)
+    if seal and isinstance(offset, int):
+        g0, done = offset // KEY_GROUP, (offset + s) // KEY_GROUP - offset // KEY_GROUP
+        if done:
+            keys = recent_keys(buf, rows, offset).keys[:, :, :done * KEY_GROUP]
+            q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+            at = mx.array([g0], mx.int32)
+            packed = mx.slice_update(packed, q[0], at * words, axes=(3,))
+            scales = mx.slice_update(scales, q[1].astype(dt), at, axes=(3,))
+            biases = mx.slice_update(biases, q[2].astype(dt), at, axes=(3,))
+    elif seal:
+        recent = recent_keys(buf, rows, offset)
+        keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
+        q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+        g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [1 or b, groups]
+        spare = scales.shape[-1] - 1
+        g = mx.where((g + 1) * KEY_GROUP <= off + s, g, spare)  # completed here, or the spare
+
+        def put(dst: mx.array, src: mx.array, width: int) -> mx.array:
+            idx = (g[..., None] * width + mx.arange(width, dtype=mx.int32)).reshape(
+                g.shape[0], -1)  # [1 or b, groups * width]
+            return mx.put_along_axis(dst, mx.broadcast_to(idx[:, None, None, :], src.shape),
+                                     src, axis=3)
+        packed = put(packed, q[0], words)
+        scales, biases = put(scales, q[1].astype(dt), 1), put(biases, q[2].astype(dt), 1)
+    off = (mx.array([offset], mx.int32) if isinstance(offset, int)
+           else offset.reshape(-1).astype(mx.int32)).reshape(-1, 1)
     k = min(s, KEY_TAIL)
     slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [1 or b, k]
     tail = mx.put_along_axis(tail, mx.broadcast_to(slot[:, None, :, None], (b, h, k, d)),
@@ -710,6 +729,17 @@ def key_group_values(buf: tuple[mx.array, ...], n: int | None = None) -> mx.arra
     return k.swapaxes(-1, -2)[:, :, :n]
 
 
+def key_group_read(buf: tuple[mx.array, ...], n: int) -> mx.array:
+    """Positions 0..n-1 of a per-channel key buffer as a later query reads them, [b, h, n, d]:
+    the complete groups dequantized, the open one (n not a multiple of KEY_GROUP: its codes
+    are not written yet) from the tail's floats."""
+    start = n - n % KEY_GROUP
+    if start == n:
+        return key_group_values(buf, n)
+    recent = buf[3][:, :, mx.arange(start, n, dtype=mx.int32) % KEY_TAIL]
+    return mx.concatenate([key_group_values(buf, start), recent], axis=2) if start else recent
+
+
 def key_group_positions(buf: tuple[mx.array, ...]) -> int:
     """The positions a per-channel key buffer holds (its capacity: the spare group aside)."""
     return (buf[1].shape[-1] - 1) * KEY_GROUP
@@ -720,12 +750,15 @@ def key_group_positions(buf: tuple[mx.array, ...]) -> int:
 
 def key_blocks_zeros(blocks: int, rows: int, heads: int, dim: int, dtype: mx.Dtype
                      ) -> tuple[mx.array, ...]:
-    """An empty per-channel key pool: (packed [blocks, h, d, BLOCK / 8] uint32, scales and
-    biases [blocks, h, d, 1] in `dtype`: a block is one key group, positions last, as
-    key_groups_zeros stores a sequence's; tails [rows, h, KEY_TAIL, d] in `dtype`: each
-    decoder slot's float keys of its two newest groups, as a sequence's tail)."""
-    return (mx.zeros((blocks, heads, dim, BLOCK * 4 // 32), mx.uint32),
-            mx.zeros((blocks, heads, dim, 1), dtype), mx.zeros((blocks, heads, dim, 1), dtype),
+    """An empty per-channel key pool: (packed [blocks + 1, h, d, BLOCK / 8] uint32, scales and
+    biases [blocks + 1, h, d, 1] in `dtype`: a block is one key group, positions last, as
+    key_groups_zeros stores a sequence's, and the last one a sink no table names, where a write
+    at a device offset puts the codes of the groups it does not complete (write_key_blocks);
+    tails [rows, h, KEY_TAIL, d] in `dtype`: each decoder slot's float keys of its two newest
+    groups, as a sequence's tail)."""
+    return (mx.zeros((blocks + 1, heads, dim, BLOCK * 4 // 32), mx.uint32),
+            mx.zeros((blocks + 1, heads, dim, 1), dtype),
+            mx.zeros((blocks + 1, heads, dim, 1), dtype),
             mx.zeros((rows, heads, KEY_TAIL, dim), dtype))
 
 
@@ -741,44 +774,42 @@ def block_recent(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
     return recent_keys((tail,), kh, index.offset)
 
 
-def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
-                     ) -> tuple[mx.array, ...]:
-    """write_key_groups through a block table: every group a row's write touches quantized
-    again from its floats (block_recent) into the row's block of that group, and the row's
-    tail (index.tails) given the new keys. The groups a write of s > 1 positions may reach
-    past its last one (recent_keys' span) write their row's first group again, with its
-    contents: no scatter lands in a block past the row's (a padded table entry is block 0)."""
+def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex,
+                     seal: bool = True) -> tuple[mx.array, ...]:
+    """write_key_groups through a block table: each group a row's write completes quantized,
+    once, from its floats (block_recent) into the row's block of that group, and the row's
+    tail (index.tails) given the new keys. The offsets are on the device, so every group a
+    write of s positions may touch (recent_keys' span) is quantized and those it does not
+    complete (the row's open group, and any past it, perhaps past the table's last block)
+    are stored in the pool's sink block (key_blocks_zeros), never read: no scatter lands in a
+    row's open group or in a block past the row's. `seal=False`: the caller knows that the
+    write completes no row's group (BatchDecoder: no row writes a group's last position), so
+    nothing is quantized, the tails alone written."""
     packed, scales, biases, tail = pool
     assert index.offset is not None and index.tails is not None
     n, s = rows.shape[:2]
     h, d = tail.shape[1], tail.shape[3]
     dt = scales.dtype
     kh = rows.reshape(n, s, h, d).transpose(0, 2, 1, 3).astype(dt)
-    recent = block_recent(pool, rows, index)
-    keys, pos = recent.keys, recent.pos
     off = index.offset.reshape(n, 1).astype(mx.int32)
-    span = pos.shape[1]
-    groups = span // KEY_GROUP
-    firsts = keys.reshape(n, h, groups, KEY_GROUP, d)[:, :, :, :1]
-    firsts = mx.broadcast_to(firsts, (n, h, groups, KEY_GROUP, d)).reshape(n, h, span, d)
-    keys = mx.where((pos < off + s)[:, None, :, None], keys, firsts)
-    q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
-    g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
-    touched = g * KEY_GROUP < off + s
-    w = index.table.shape[1]
-    blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
-    blk = mx.where(touched, blk, blk[:, :1]).reshape(-1)
+    if seal:
+        recent = block_recent(pool, rows, index)
+        keys, pos = recent.keys, recent.pos
+        groups = pos.shape[1] // KEY_GROUP
+        q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+        g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [n, groups]
+        w = index.table.shape[1]
+        blk = mx.take_along_axis(index.table, mx.minimum(g, w - 1), axis=1)
+        blk = mx.where((g + 1) * KEY_GROUP <= off + s, blk, packed.shape[0] - 1).reshape(-1)
 
-    def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, h, d, x]
-        a = a.reshape(n, h, d, groups, -1)
-        a = mx.where(touched[:, None, None, :, None], a, a[:, :, :, :1])
-        return a.transpose(0, 3, 1, 2, 4).reshape(n * groups, h, d, -1)
-    packed[blk] = per_group(q[0])
-    scales[blk] = per_group(q[1].astype(dt))
-    biases[blk] = per_group(q[2].astype(dt))
+        def per_group(a: mx.array) -> mx.array:  # [n, h, d, groups * x] -> [n * groups, ..]
+            return a.reshape(n, h, d, groups, -1).transpose(0, 3, 1, 2, 4).reshape(
+                n * groups, h, d, -1)
+        packed[blk] = per_group(q[0])
+        scales[blk] = per_group(q[1].astype(dt))
+        biases[blk] = per_group(q[2].astype(dt))
     k = min(s, KEY_TAIL)
     slot = (off + s - k + mx.arange(k, dtype=mx.int32)) % KEY_TAIL  # [n, k]
-    assert index.tails is not None
     ti = mx.broadcast_to(index.tails.reshape(n, 1, 1), (n, h, k))
     hi = mx.broadcast_to(mx.arange(h, dtype=mx.int32).reshape(1, h, 1), (n, h, k))
     si = mx.broadcast_to(slot[:, None, :], (n, h, k))

@@ -11,9 +11,10 @@ A quantized KV cache (kv_cache.KVQuant) is read as it is stored: q·Kᵀ and p·
 quantized matmuls over the packed keys and values (mlx-lm's quantized attention), softmax in
 between; no float copy of the cache is made. Its rows are stored rotated (kv_cache.rotate):
 the queries are rotated alike, which leaves q·kᵀ as it was, and the output, a mix of rotated
-values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated
-(kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over the transposed keys, with
-the queries as they are, the values' side unchanged. On MLX-CUDA, whose quantized matmul
+values, is rotated back. A 4-bit cache's keys are stored per channel, unrotated, a group
+quantized once it is full (kv_cache.write_key_groups): q·Kᵀ is then the quantized matmul over
+the transposed keys, with the queries as they are, each query's own open group read from the
+float keys of the write, the values' side unchanged. On MLX-CUDA, whose quantized matmul
 lacks most of these shapes, a layer's keys and values are dequantized (values still rotated)
 for its attention instead.
 """
@@ -253,7 +254,8 @@ class Attention:
 
     def over_cache(self, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
                    values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
-                   blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
+                   blocks: BlockIndex | None = None, seal: bool = True
+                   ) -> tuple[mx.array, Buffer, Buffer]:
         """The compiled program's form: the chunk's new K/V written into fixed-capacity buffers
         at `offset` (a scalar, or [b] per batch row), then attention over the whole buffer
         with `mask` ([.., s, capacity], built by the caller), or, for mask "causal", over the
@@ -263,23 +265,29 @@ class Attention:
         over its table [n, W]), keys/values are block pools (kv_cache.BlockCache): each row's
         new positions go into its blocks, and attention reads the W blocks of each row,
         gathered, under `mask` [n, 1, s, W * BLOCK]. Quantized buffers (kv_cache.Buffer
-        triples) are written and read the same way, the new rows quantized. Returns (y,
-        keys', values')."""
+        triples) are written and read the same way, the new rows quantized; `seal=False`:
+        the caller knows that no row's write completes a per-channel key group (a 4-bit
+        cache's; kv_cache.write_key_groups), so none is quantized. Returns (y, keys',
+        values')."""
         if blocks is not None:  # new rows as the projection lays them out: no transpose
             k, v = (x if x.ndim == 3 else x.transpose(0, 2, 1, 3) for x in (k, v))
             recent = (block_recent(keys, k, blocks)  # type: ignore[arg-type]
                       if is_key_groups(keys) else None)
-            keys, values = write_blocks(keys, k, blocks), write_blocks(values, v, blocks)
+            keys, values = write_blocks(keys, k, blocks, seal), write_blocks(values, v, blocks)
             y = self.attend(to_heads(q, self.q_heads), read_blocks(keys, blocks),
                             read_blocks(values, blocks), mask, may_empty=False, recent=recent)
             return (from_heads(y) if q.ndim == 3 else y), keys, values
         qh, kh, vh = self.heads(q, k, v)
         recent = recent_keys(keys, kh, offset) if is_key_groups(keys) else None  # type: ignore[arg-type]
-        keys, values = write_rows(keys, kh, offset), write_rows(values, vh, offset)
         if isinstance(mask, str):
             n = rows if rows is not None else qh.shape[2]
+            # the offset is n - s here, known when traced: a per-channel key write quantizes
+            # the groups it completes alone (kv_cache.write_key_groups)
+            at = n - qh.shape[2] if is_key_groups(keys) else offset
+            keys, values = write_rows(keys, kh, at, seal), write_rows(values, vh, offset)
             y = self.attend(qh, first(keys, n), first(values, n), mask, may_empty=False,
                             recent=recent)
         else:
+            keys, values = write_rows(keys, kh, offset, seal), write_rows(values, vh, offset)
             y = self.attend(qh, keys, values, mask, may_empty=False, recent=recent)
         return (from_heads(y) if q.ndim == 3 else y), keys, values

@@ -56,6 +56,7 @@ from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import (
+    KEY_GROUP,
     BlockIndex,
     KVCache,
     is_key_groups,
@@ -150,6 +151,13 @@ class DecodeProgram:
         `offset` [b] positions per row, logits [b, vocab]."""
         return self.run(tokens, offset, kv, fresh=False)
 
+    def step_open(self, tokens: mx.array, offset: mx.array, *kv: mx.array
+                  ) -> tuple[mx.array, ...]:
+        """`__call__` for one token whose position is not a key group's last, which the
+        caller knows: a 4-bit cache's write then quantizes nothing (kv_cache.write_key_groups'
+        `seal`)."""
+        return self.run(tokens, offset, kv, fresh=False, seal=False)
+
     def fresh(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
         """The same for a chunk at offset 0 (nothing cached): MLX's fused causal attention."""
         return self.run(tokens, offset, kv, fresh=True)
@@ -162,6 +170,13 @@ class DecodeProgram:
         reads W * BLOCK positions a row (the mask hides those past its offset), the new K/V
         row goes into its block in place."""
         return self.run(tokens, offset, kv, fresh=False, table=table)
+
+    def paged_open(self, tokens: mx.array, offset: mx.array, table: mx.array, *kv: mx.array
+                   ) -> tuple[mx.array, ...]:
+        """`paged` for a step in which no row's position is a key group's last (the caller,
+        BatchDecoder, knows every row's): a 4-bit cache's write quantizes nothing, its key
+        tails alone written (kv_cache.write_key_blocks' `seal`)."""
+        return self.run(tokens, offset, kv, fresh=False, table=table, seal=False)
 
     def verify(self, tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
         """Speculative decoding's check: s tokens after `offset` cached positions (the device
@@ -198,13 +213,14 @@ class DecodeProgram:
     def run(self, tokens: mx.array, offset: mx.array, kv: tuple[mx.array, ...], fresh: bool,
             prefix: int | None = None, table: mx.array | None = None,
             all_rows: bool = False, last: mx.array | None = None,
-            stage: mx.array | None = None) -> tuple[mx.array, ...]:
+            stage: mx.array | None = None, seal: bool = True) -> tuple[mx.array, ...]:
         """fresh: nothing cached; prefix: the host's count of cached rows (offset's value), so
         attention takes rows 0..prefix+s with MLX's causal mask; else a device mask over the
         whole capacity, or, with a block `table`, over the positions its blocks hold.
         all_rows: the logits of every position ([b, s, vocab] or [s, vocab]), not the last;
         `last`: the logits of that position (a device index) instead of the last.
-        stage: a pipeline rank's stage alone (paged_stage), this hidden state received."""
+        stage: a pipeline rank's stage alone (paged_stage), this hidden state received.
+        seal=False: no row's new positions complete a 4-bit cache's key group (step_open)."""
         batched = tokens.ndim == 2
         ids = tokens if batched else tokens.reshape(1, -1)
         if not (ids.dtype == mx.uint32 and self.kernels and ids.shape[1] == 1):
@@ -298,11 +314,12 @@ class DecodeProgram:
                         y, k_new, v_new = program_ops.rope_attention(
                             o.step, attn.step, args, v, k_old, v_old, offset, mask,  # type: ignore[arg-type]
                             use_kernel, offset_rows, rows, qkv=parent,
-                            splits=None if self.split_attention else 0, blocks=blocks)
+                            splits=None if self.split_attention else 0, blocks=blocks,
+                            seal=seal)
                     else:
                         y, k_new, v_new = program_ops.attend(
                             o.step, args[0], args[1], args[2], k_old, v_old, offset, mask,  # type: ignore[arg-type]
-                            rows, blocks)
+                            rows, blocks, seal)
                     out_kv[layer] = (k_new, v_new)
                     _bind(env, attn.step.outputs[:1], (y,))
                     continue
@@ -423,6 +440,8 @@ class FastDecoder:
         self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
         self._verify: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
         self._padded: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
+        # a 4-bit cache's decode step that completes no key group (step_open), made on first use
+        self._open: Callable[..., tuple[mx.array, ...]] | None = None
         self._offset: mx.array | None = None
         self._offset_at = -1  # the host offset `_offset` holds
 
@@ -435,6 +454,13 @@ class FastDecoder:
         lazy float32 array. The caches advance by one position."""
         if self.caches[0].keys is None:
             raise RuntimeUserError("decode needs a prefilled cache (feed the prompt first)")
+        c0 = self.caches[0]
+        if (c0.quant is not None and c0.quant.keys_per_channel
+                and (c0.offset + 1) % KEY_GROUP):  # the write completes no key group
+            if self._open is None:
+                self._open = (mx.compile(self.program.step_open) if self.compiled
+                              else self.program.step_open)
+            return self._call(self._open, token, 1)
         return self._call(self._fn, token, 1)
 
     def prefill(self, ids: np.ndarray) -> mx.array:
@@ -473,8 +499,8 @@ class FastDecoder:
         if not 0 < n <= width:
             raise ValueError(f"a chunk of {n} tokens padded to {width}")
         c0 = self.caches[0]
-        # keys per channel (a 4-bit cache): the dummies' keys would be quantized into the
-        # prompt's last group, and its floats may be gone from the tail when they are trimmed
+        # keys per channel (a 4-bit cache): dummies that complete the prompt's last group would
+        # be quantized into it, and its floats may be gone from the tail when they are trimmed
         if (c0.keys is None or c0.offset or width > c0.capacity
                 or (c0.quant is not None and c0.quant.keys_per_channel)):
             return self.prefill(ids)

@@ -178,6 +178,16 @@ class MLXEngine:
             return None
         return self._compiled_once("paged_rows")
 
+    def batch_open(self) -> object | None:
+        """batch_program's step for a step in which no row writes a key group's last position
+        (DecodeProgram.paged_open: a 4-bit cache then quantizes no key); compiled once per
+        engine, like batch_program's. None where that one is None or the keys are not per
+        channel."""
+        if (self.batch_program() is None or self.kv_quant is None
+                or not self.kv_quant.keys_per_channel):
+            return None
+        return self._compiled_once("paged_open")
+
     def stage_program(self) -> tuple[object, int, int] | None:
         """This rank's pipeline stage alone over the block cache (DecodeProgram.paged_stage:
         the batch decoder's micro-batches, runtime_metal/pipeline_steps.py), with the rank and

@@ -169,7 +169,8 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
                    keys: Buffer, values: Buffer, offset: mx.array, mask: Mask,
                    use_kernel: bool, offset_rows: mx.array, rows: int | None = None,
                    qkv: mx.array | None = None, splits: int | None = None,
-                   blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
+                   blocks: BlockIndex | None = None, seal: bool = True
+                   ) -> tuple[mx.array, Buffer, Buffer]:
     """RoPE (with its q/k-norm) then Attention over the cache; returns (y, keys', values').
     `offset`: a scalar, or [b] one position per batch row (one token each). For the kernel:
     `offset_rows`, offset as [b] (the caller makes it once a step, not once a layer), `qkv`,
@@ -177,7 +178,8 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
     a block per query head). `blocks`: keys/values are block pools and row r's positions lie
     in the blocks of its table row (kv_cache.BlockCache; the kernel reads blocks.table, the
-    plain path the step's index math over it, kv_cache.BlockIndex). A quantized cache
+    plain path the step's index math over it, kv_cache.BlockIndex). `seal`: over_cache's. A
+    quantized cache
     (kv_cache.Buffer triples) never reaches the kernel (the caller's use_kernel is off):
     RoPE, then Attention."""
     q, k = rargs[0], rargs[1]
@@ -204,12 +206,14 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
             interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv,  # type: ignore[call-overload]
             splits=splits, table=table)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
-    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, blocks)  # type: ignore[arg-type]
+    return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, blocks,  # type: ignore[arg-type]
+                           seal)
 
 
 def attend(attn_step: Step, q: mx.array, k: mx.array, v: mx.array, keys: Buffer,
            values: Buffer, offset: mx.array, mask: Mask, rows: int | None = None,
-           blocks: BlockIndex | None = None) -> tuple[mx.array, Buffer, Buffer]:
+           blocks: BlockIndex | None = None, seal: bool = True
+           ) -> tuple[mx.array, Buffer, Buffer]:
     """An Attention with no RoPE partner: Attention.over_cache."""
     return Attention.from_attrs(attn_step.attrs).over_cache(q, k, v, keys, values, offset, mask,
-                                                            rows, blocks)
+                                                            rows, blocks, seal)

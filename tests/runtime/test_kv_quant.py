@@ -1,6 +1,7 @@
 """The quantized KV cache (kv_cache.KVQuant, `--kv-bits` / `--kv-group-size`): the stored
 triples and their bytes per token, a 4-bit cache's keys per channel (kv_cache.write_key_groups:
-every group mx.quantize of its written keys, whatever chunks and trims wrote them), speculative
+a group quantized once, when a write completes it, to mx.quantize of its 64 keys, whatever
+chunks and trims wrote them; the open group read from the float tail), speculative
 greedy decoding over it, attention over them against attention over their
 dequantized values, batched rows and shared prompt prefixes against solo runs, the flags on
 the CLI, and the refusals (onnxruntime, a group size that does not divide the head dim).
@@ -31,6 +32,7 @@ from fuselm.runtime_metal.kv_cache import (
     KVCache,
     KVQuant,
     dequantized,
+    key_group_read,
     key_group_values,
     key_groups_zeros,
     read_blocks,
@@ -191,6 +193,44 @@ def test_forks_over_4bit_keys_equal_solo(mistral: Path) -> None:
         assert lps[s] == pytest.approx(lps[first], abs=1e-5)
 
 
+def test_4bit_steps_across_a_key_group_end(mistral: Path) -> None:
+    """Decode steps across a key group's last position over a 4-bit cache: the compiled
+    program's steps (the step that completes a group quantizes it; the others take the
+    program that quantizes nothing, DecodeProgram.step_open) give the executor's tokens and
+    stored group (KVCache.update_and_fetch), and two batched rows a position apart (a step
+    that completes one row's group while the other's stays open, and steps that quantize
+    nothing: DecodeProgram.paged_open) each give its solo tokens and group."""
+    fast = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32)
+    plain = make_engine(mistral, "mlx", kv_bits=4, kv_group_size=32, fast=False)
+    assert fast.batch_open() is not None
+    rng = np.random.default_rng(13)
+    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (60, 61)]
+
+    def group0(keys: tuple[mx.array, ...]) -> np.ndarray:
+        return np.array(key_group_values(keys, KEY_GROUP))
+
+    def close(a: np.ndarray, b: np.ndarray) -> bool:  # 4-bit codes of near-equal floats
+        return float(np.abs(a - b).mean()) < 0.02 * float(np.abs(b).mean())
+    want, groups = [], []
+    for p in prompts:
+        want.append(generate(fast, p, max_new_tokens=N).tokens)
+        groups.append([group0(c.keys) for c in fast.caches])  # type: ignore[arg-type]
+        assert generate(plain, p, max_new_tokens=N).tokens == want[-1]
+        assert all(close(g, group0(c.keys))  # type: ignore[arg-type]
+                   for g, c in zip(groups[-1], plain.caches, strict=True))
+    dec = BatchDecoder(fast, max_batch=2, max_context=96)
+    slots = [dec.add(p) for p in prompts]
+    got: dict[int, list[int]] = {s: [] for s in slots}
+    for _ in range(N):
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s] for s in slots] == want
+    for s, g in zip(slots, groups, strict=True):
+        b = dec.slots[s].blocks[0]
+        for layer, keys in enumerate(dec.cache.keys):
+            assert close(group0(tuple(a[b:b + 1] for a in keys)), g[layer])
+
+
 def test_close_to_the_float_cache(mistral: Path) -> None:
     """The quantized caches' prompt logits against the float cache's (the tiny random model's
     logits are small: absolute bounds)."""
@@ -245,18 +285,31 @@ def test_cli_flags_and_api(mistral: Path, capsys: pytest.CaptureFixture) -> None
 
 
 def _key_groups_reference(x: np.ndarray, n: int) -> np.ndarray:
-    """Positions 0..n-1 of keys x [b, h, t, d] as a per-channel key buffer stores them: each
-    group of 64 positions mx.quantize'd along positions (its unwritten positions filled with
-    its first key), dequantized."""
+    """Positions 0..n-1 of keys x [b, h, t, d] as a per-channel key buffer holds them
+    (KVCache.dense): each complete group of 64 positions mx.quantize'd along positions,
+    dequantized; the open group's keys as they are (the float tail)."""
     out = []
     for g in range(0, n, KEY_GROUP):
         blk = x[:, :, g:min(g + KEY_GROUP, n)]
-        pad = np.concatenate([blk, np.repeat(blk[:, :, :1], KEY_GROUP - blk.shape[2], 2)], 2)
-        t = mx.array(pad).swapaxes(-1, -2)
-        d = mx.dequantize(*mx.quantize(t, group_size=KEY_GROUP, bits=4), group_size=KEY_GROUP,
-                          bits=4)
-        out.append(np.array(d.swapaxes(-1, -2))[:, :, :blk.shape[2]])
+        if blk.shape[2] < KEY_GROUP:
+            out.append(blk)
+            continue
+        d = mx.dequantize(*_one_shot(blk), group_size=KEY_GROUP, bits=4)
+        out.append(np.array(d.swapaxes(-1, -2)))
     return np.concatenate(out, axis=2)
+
+
+def _one_shot(group: np.ndarray) -> list[mx.array]:
+    """The codes of 64 float keys [b, h, 64, d] quantized at once per channel: (packed
+    [b, h, d, 8], scales and biases [b, h, d, 1])."""
+    return mx.quantize(mx.array(group).swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
+
+
+def _group_codes(buf: tuple[mx.array, ...], g: int) -> list[np.ndarray]:
+    """Group g's stored codes in a per-channel key buffer (packed, scales, biases)."""
+    w = KEY_GROUP * 4 // 32
+    return [np.array(buf[0][..., g * w:(g + 1) * w]), np.array(buf[1][..., g:g + 1]),
+            np.array(buf[2][..., g:g + 1])]
 
 
 def _channel_keys(t: int = 300) -> np.ndarray:
@@ -266,29 +319,46 @@ def _channel_keys(t: int = 300) -> np.ndarray:
 
 
 @pytest.mark.parametrize("chunks", [[200], [37, 1, 64, 5, 93], [1] * 70])
-def test_keys_per_channel_are_their_groups_quantized(chunks: list[int]) -> None:
-    """A 4-bit cache written in any chunks: its keys read back are exactly mx.dequantize of
-    each 64-position group quantized per channel, the partial last group over its written
-    keys alone; written at a device offset (the compiled program's) alike."""
+def test_keys_per_channel_are_quantized_once_when_full(chunks: list[int]) -> None:
+    """A 4-bit cache written in any chunks: a group's stored codes change in the one write
+    that completes it, and then are exactly mx.quantize of its 64 float keys at once; the open
+    group's are never written (still zeros) and its keys read back are the floats; so written
+    one position at a time at a device offset (the compiled program's), whose every step
+    quantizes its group but stores it only when the step completes it."""
     x = _channel_keys()
     c = KVCache(KVQuant(4))
     for n in chunks:
         o = c.offset
+        before = [_group_codes(c.keys, g) for g in range(4)] if c.keys is not None else None
         c.update_and_fetch(mx.array(x[:, :, o:o + n]), mx.array(x[:, :, o:o + n]))
-        want = _key_groups_reference(x, c.offset)
-        assert np.array_equal(np.array(c.dense(64, 64)[0]), want)
+        assert c.keys is not None
+        assert np.array_equal(np.array(c.dense(64, 64)[0]), _key_groups_reference(x, c.offset))
+        for g in range(4):
+            codes = _group_codes(c.keys, g)
+            if o < (g + 1) * KEY_GROUP <= c.offset:  # completed by this write
+                want = [np.array(a) for a in _one_shot(x[:, :, g * KEY_GROUP:(g + 1) * KEY_GROUP])]
+                assert all(np.array_equal(a, b) for a, b in zip(codes, want, strict=True))
+            elif before is not None:  # quantized before, or open: as it was
+                assert all(np.array_equal(a, b) for a, b in zip(codes, before[g], strict=True))
+            if (g + 1) * KEY_GROUP > c.offset:
+                assert not any(a.any() for a in codes)
     buf = key_groups_zeros((1, 2), 256, 64, mx.float32)
     for o in range(70):
         buf = write_rows(buf, mx.array(x[:, :, o:o + 1]), mx.array([o], mx.int32))
-    assert np.array_equal(np.array(key_group_values(buf, 70)), _key_groups_reference(x, 70))
+        mx.eval(buf)
+        open_group = _group_codes(buf, (o + 1) // KEY_GROUP)
+        assert not any(a.any() for a in open_group)
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(
+        _group_codes(buf, 0), _one_shot(x[:, :, :64]), strict=True))
+    assert np.array_equal(np.array(key_group_read(buf, 70)), _key_groups_reference(x, 70))
 
 
 def test_keys_per_channel_after_trims() -> None:
-    """Rejected drafts that crossed into a new group (written 62..66, trimmed back to 63):
-    the next write quantizes group 0 again from the tail's floats, and no rejected key is
-    left in any group. A trim past the tail's reach (300 back to 100: the floats of 64..99
-    are gone) forgets back to the group's start (offset 64), and writing on from there gives
-    the keys of the trimmed sequence."""
+    """Rejected drafts that completed a group (written 62..66, trimmed back to 63): group 0 is
+    open again, read from the tail, and the write that completes it again quantizes it from
+    the tail's floats and the new keys, so no rejected key is left in any group. A trim past the
+    tail's reach (300 back to 100: the floats of 64..99 are gone) forgets back to the group's
+    start (offset 64), and writing on from there gives the keys of the trimmed sequence."""
     x = _channel_keys()
     junk = np.random.default_rng(7).normal(size=(1, 2, 4, 64)).astype(np.float32) * 50
     draft = mx.array(np.concatenate([x[:, :, 62:63], junk], axis=2))  # one accepted, 4 not
@@ -308,21 +378,23 @@ def test_keys_per_channel_after_trims() -> None:
 
 @pytest.mark.parametrize("mask", [None, "causal", "array"])
 def test_attention_over_keys_per_channel(mask: str | None) -> None:
-    """GQA 3:1, 4 queries after 66 cached positions (one full key group, one partial): the
-    quantized matmul over the per-channel keys (queries unrotated) and the rotated values
-    equals SDPA over their dequantized values, and is within 4-bit tolerance of attention over
-    the float keys and values."""
+    """GQA 3:1, 4 queries after 66 cached positions (one full key group, one open): the
+    quantized matmul over the per-channel keys (queries unrotated), the open group's keys read
+    from the float tail (the write's recent keys), and the rotated values equals SDPA over the
+    keys and values the cache holds (KVCache.dense), and is within 4-bit tolerance of
+    attention over the float keys and values."""
     rng = np.random.default_rng(8)
     x = _channel_keys(70) / 4  # scores of a trained model's size: a softmax not one-hot
     q = mx.array(rng.normal(size=(1, 6, 4, 64)).astype(np.float32))
     vals = mx.array(rng.normal(size=(1, 2, 70, 64)).astype(np.float32))
     c = KVCache(KVQuant(4))
-    k, v = c.update_and_fetch(mx.array(x), vals)
+    c.update_and_fetch(mx.array(x[:, :, :66]), vals[:, :, :66])
+    k, v = c.update_and_fetch(mx.array(x[:, :, 66:]), vals[:, :, 66:])
     m: object = mask
     if mask == "array":
         m = mx.array(rng.random((1, 1, 4, 70)) > 0.3) | mx.eye(4, 70, 66, dtype=mx.bool_)
     attn = Attention(6, 2)
-    got = attn.attend(q, k, v, m)  # type: ignore[arg-type]
+    got = attn.attend(q, k, v, m, recent=c.recent)  # type: ignore[arg-type]
     kd, vd = c.dense(64, 64)
     want = attn.attend(q, kd, vd, m)  # type: ignore[arg-type]
     assert float(mx.abs(got - want).max()) < 1e-5
@@ -377,7 +449,9 @@ def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
     single steps across a group boundary, then a speculative chunk of 5 crossing the next),
     each row's tail its own, and a last chunk through a table that ends at the rows' last
     block): the keys read back through the table are the single-sequence buffer's, and
-    attention over the blocks gives the single-sequence outputs."""
+    attention over the blocks gives the single-sequence outputs. A row's completed blocks hold
+    mx.quantize of their 64 keys at once; its open block's codes are never written (the
+    writes that do not complete a group store their codes in the pool's sink block)."""
     rng = np.random.default_rng(11)
     x = [_channel_keys(200), _channel_keys(200)[:, :, ::-1].copy()]
     q = [mx.array(rng.normal(size=(1, 6, 200, 64)).astype(np.float32)) for _ in range(2)]
@@ -417,8 +491,17 @@ def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
             solo[r] = (sk, sv)
             assert float(mx.abs(y[r] - want).max()) < 1e-5
             off[r] += s
-        got = read_blocks(keys, BlockIndex(table[:, :w]))
+        got = read_blocks(keys, BlockIndex(table[:, :w], tails=tails[:2]))
         for r in range(2):
             n = off[r]
-            assert np.array_equal(np.array(key_group_values(got, t)[r:r + 1, :, :n]),
-                                  np.array(key_group_values(solo[r][0], n)))
+            assert np.array_equal(np.array(key_group_read(got, n)[r:r + 1]),
+                                  np.array(key_group_read(solo[r][0], n)))
+            for g in range(-(-n // KEY_GROUP)):
+                b = int(table[r, g])
+                codes = [np.array(a[b:b + 1]) for a in keys[:3]]
+                if (g + 1) * KEY_GROUP <= n:
+                    want = _one_shot(x[r][:, :, g * KEY_GROUP:(g + 1) * KEY_GROUP])
+                    assert all(np.array_equal(a, np.array(w_)) for a, w_ in zip(
+                        codes, want, strict=True))
+                else:
+                    assert not any(a.any() for a in codes)
