@@ -4,9 +4,11 @@ runtime_metal/constraint.py), one JSON:
     python benchmarks/constraint_bench.py [--artifact DIR] [--engine onnxruntime|mlx] [-n 64]
 
 - mask cost per token against the decode step, at batch 1 and 8: every row constrained by a
-  JSON schema; the time inside the grammar (mask computed and applied, token committed) per
-  constrained token, and per step summed over the rows, beside the step's own time with no row
-  constrained (same prompts, greedy);
+  JSON schema; the wall time inside the grammar (masks computed and applied, tokens
+  committed) per step and per constrained token, beside the step's own time with no row
+  constrained (same prompts, greedy). The batched mode (MLX) fills a step's masks together on
+  llguidance's threads (constraint.fill_masks), so a step pays about one row's mask there; the
+  rows mode (onnxruntime) masks each row's logits on the host in turn;
 - aggregate throughput at 8 streams with half the rows constrained against none: tokens/s over
   all rows for -n steps. A constrained row whose document is complete starts the grammar over
   (every step of it pays the mask); no row stops at EOS.
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fuselm.runtime_metal.batch as batch_module
 from fuselm.runtime_metal.batch import BatchDecoder
 from fuselm.runtime_metal.constraint import TokenConstraint, json_schema_grammar
 from fuselm.runtime_metal.loaded_model import LoadedModel, open_model
@@ -43,7 +46,8 @@ QUESTIONS = ["Describe a person as JSON.", "Give me a user record.", "Who is the
 
 
 class TimedConstraint(TokenConstraint):
-    """A TokenConstraint that adds the seconds it spends (mask + advance) to `spent`, and
+    """A TokenConstraint that adds the seconds it spends (mask on the host + advance) to
+    `spent` (the batched mode's masks, made for all rows at once, are timed by timed_fills), and
     starts its grammar over once a document is complete (the row goes on decoding in grammar,
     as the next request on that row would, with no prefill between)."""
 
@@ -67,6 +71,19 @@ class TimedConstraint(TokenConstraint):
             TokenConstraint.__init__(self, self.vocab, self.grammar)
 
 
+def timed_fills(spent: list[float]) -> None:
+    """The batch decoder's mask filling (all constrained rows of a step at once, on
+    llguidance's threads) adding its seconds to `spent`."""
+    inner = batch_module.fill_masks
+
+    def fill_masks(rows, bits):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        inner(rows, bits)
+        spent[0] += time.perf_counter() - t0
+
+    batch_module.fill_masks = fill_masks
+
+
 def artifact(args: argparse.Namespace) -> Path:
     if args.artifact:
         return args.artifact
@@ -79,12 +96,16 @@ def artifact(args: argparse.Namespace) -> Path:
     return out
 
 
+SPENT = [0.0]  # seconds inside the grammar: masks (host or batched) and advances
+timed_fills(SPENT)
+
+
 def run(model: LoadedModel, dec: BatchDecoder, prompts: list[list[int]],
         constrained: list[bool], steps: int) -> dict[str, float]:
     """`steps` batched steps over the prompts' rows; returns wall seconds, tokens, and the
     seconds and tokens inside the grammar."""
     grammar = json_schema_grammar(SCHEMA)
-    spent, counted = [0.0], [0]
+    spent, counted = SPENT, [0]
 
     def constraint() -> TokenConstraint:
         c = TimedConstraint(model_vocab(model), grammar)

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from fuselm.runtime_metal.constraint import TokenConstraint
+from fuselm.runtime_metal.constraint import TokenConstraint, fill_masks
 from fuselm.runtime_metal.engine import Engine
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.generate import (
@@ -923,8 +923,8 @@ class BatchDecoder:
         where = {i: r for r, (i, _) in enumerate(done.rows)}
         vocab = done.logits.shape[-1]
         bits = np.full((len(done.rows), (vocab + 31) // 32), -1, np.int32)
-        for i in masked:
-            self.slots[i].constraint.fill(bits[where[i]])  # type: ignore[union-attr]
+        fill_masks([(self.slots[i].constraint, where[i]) for i in masked],  # type: ignore[misc]
+                   bits)
         shifts = mx.arange(32, dtype=mx.int32)
         allowed = ((mx.array(bits)[:, :, None] >> shifts) & 1).reshape(len(done.rows), -1)
         done.picks = mx.argmax(mx.where(allowed[:, :vocab].astype(mx.bool_), done.logits,

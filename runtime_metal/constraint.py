@@ -118,6 +118,16 @@ class TokenConstraint:
         self._words = (vocab.vocab_size + 31) // 32
         self._bits = np.empty(self._words, np.int32)
 
+    @property
+    def matcher(self) -> Any:
+        """llguidance's LLMatcher of this sequence (fill_masks hands it to the thread pool)."""
+        return self._matcher
+
+    @property
+    def words(self) -> int:
+        """int32 words a mask takes: ceil(vocab / 32)."""
+        return self._words
+
     def fill(self, bits: np.ndarray) -> None:
         """Write the next token's mask into `bits`, int32 [ceil(vocab / 32)], C-contiguous:
         bit t % 32 of word t // 32 set when token t is allowed."""
@@ -144,6 +154,36 @@ class TokenConstraint:
     def done(self) -> bool:
         """The grammar is complete (only the end of sequence may follow)."""
         return self._matcher.is_stopped()
+
+
+_EXECUTOR: list[Any] = []
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> Any:
+    """llguidance's thread pool (its default size: 80 % of the CPUs, at most 32), made once."""
+    from llguidance import LLExecutor
+
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(LLExecutor())
+        return _EXECUTOR[0]
+
+
+def fill_masks(rows: Sequence[tuple[TokenConstraint, int]], bits: np.ndarray) -> None:
+    """Each (constraint, r): its next token's mask into row r of `bits`, int32 [rows, words]
+    C-contiguous (TokenConstraint.fill's layout). Several constraints are filled at once on
+    llguidance's threads, outside the GIL: a step's masks cost about one row's, not the sum
+    of the rows' (one row alone skips the pool)."""
+    assert bits.dtype == np.int32 and bits.ndim == 2 and bits.flags.c_contiguous
+    if len(rows) == 1:
+        constraint, r = rows[0]
+        constraint.fill(bits[r])
+        return
+    for constraint, _ in rows:
+        assert bits.shape[1] == constraint.words
+    _executor().unsafe_compute_mask_ptr([(c.matcher, r) for c, r in rows], bits.ctypes.data,
+                                        bits.strides[0], bits.shape[0])
 
 
 def constrained(sampler: Sampler, constraint: TokenConstraint) -> Sampler:

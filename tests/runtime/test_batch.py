@@ -216,6 +216,43 @@ def test_a_constrained_row_beside_free_ones(engine_name: str, qwen3_artifact) ->
     assert alone.tokens == ids and alone.stop_reason == "eos"
 
 
+def test_masks_filled_together_equal_each_rows_own(qwen3_artifact) -> None:  # noqa: ANN001
+    """fill_masks (several grammars on llguidance's threads) writes the same bits as each
+    constraint's own fill, rows in any order, grammars in different states; rows it is not
+    given stay as they were."""
+    from fuselm.runtime_metal.constraint import (
+        TokenConstraint,
+        constraint_vocab,
+        fill_masks,
+        json_schema_grammar,
+    )
+    from fuselm.runtime_metal.tokenizer import load_tokenizer
+
+    engine = make_engine(qwen3_artifact, "mlx")
+    tok = load_tokenizer(qwen3_artifact)
+    n_vocab = engine.manifest.model.vocab_size
+    vocab = constraint_vocab(tok, n_vocab, [2])
+    schemas = [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+               {"type": "array", "items": {"enum": ["a", "bb"]}},
+               {"type": "string", "pattern": "^[xy]{2,5}$"}]
+    rng = np.random.default_rng(0)
+    rows = []
+    for k, schema in enumerate(schemas):  # grammar k moved on by k tokens its masks allow
+        c = TokenConstraint(vocab, json_schema_grammar(schema))
+        for _ in range(k):
+            c.advance(int(np.argmax(c.mask(rng.standard_normal(n_vocab).astype(np.float32)))))
+        rows.append(c)
+    words = (n_vocab + 31) // 32
+    own = np.zeros((3, words), np.int32)
+    for r, c in enumerate(rows):
+        c.fill(own[r])
+    together = np.full((4, words), 7, np.int32)
+    fill_masks([(rows[2], 0), (rows[0], 3), (rows[1], 1)], together)
+    assert (together[[3, 1, 0]] == own).all()
+    assert (together[2] == 7).all()
+    assert len({own[r].tobytes() for r in range(3)}) == 3  # three different masks compared
+
+
 def test_padded_prefill_equals_the_prompts_own(qwen3_artifact) -> None:  # noqa: ANN001
     """The batch decoder's prefill pads a prompt to a few widths (one compiled trace each): its
     logits, and the next decode step's over the cache it wrote, equal the unpadded prefill's;
