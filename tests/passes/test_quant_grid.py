@@ -9,7 +9,7 @@ import pytest
 
 from fuselm.passes.quant.q4_allocate import choose_bits, mixed_bits_per_weight
 from fuselm.passes.quant.q4_math import quantize_array
-from fuselm.passes.quant.q8_math import quantize_8bit
+from fuselm.passes.quant.q8_math import quantize_wide
 
 
 def _grid(codes: np.ndarray, rng: np.random.Generator, block: int = 32) -> np.ndarray:
@@ -45,9 +45,9 @@ def test_8_bit_blocks_recover_q5_0_and_q8_0_grids() -> None:
     q8 = rng.integers(-127, 128, (128, 40))
     q8[::32] = 127
     for w in (_grid(q5 - 16, rng), _grid(q8, rng)):
-        q = quantize_8bit(w, 32)
+        q = quantize_wide(w, 32)
         assert np.array_equal(q.dequantize(np.float32), w)
-        assert quantize_8bit(w, 32, grid=False).rel_rms_error > 1e-4
+        assert quantize_wide(w, 32, grid=False).rel_rms_error > 1e-4
 
 
 def test_8_bit_grid_search_is_never_worse_than_min_max_on_any_block() -> None:
@@ -60,7 +60,7 @@ def test_8_bit_grid_search_is_never_worse_than_min_max_on_any_block() -> None:
         d = (q.dequantize(np.float32).astype(np.float64) - w) ** 2  # type: ignore[attr-defined]
         return d.reshape(-1, 32, w.shape[1]).sum(axis=1)
 
-    grid, plain = sse(quantize_8bit(w, 32)), sse(quantize_8bit(w, 32, grid=False))
+    grid, plain = sse(quantize_wide(w, 32)), sse(quantize_wide(w, 32, grid=False))
     assert (grid <= plain * (1 + 1e-6) + 1e-30).all()
     assert grid[:, :8].max() == 0 and grid[0, 8] == 0
 

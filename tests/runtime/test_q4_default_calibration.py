@@ -173,7 +173,7 @@ def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None
 def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str, Path]) -> None:
     """`--quant mixed`: the tensors choose_bits picks from the built-in text's importance under
     the default budget (MIXED_BITS_BUDGET bits per weight) are stored as 8-bit blocks
-    (quantize_8bit's codes at the chosen block size), the rest as the default 4-bit; the choice
+    (quantize_wide's codes at the chosen block size), the rest as the default 4-bit; the choice
     is recorded, shown by quant-report, and the artifact runs the same on both engines."""
     from click.testing import CliRunner
 
@@ -181,7 +181,7 @@ def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str
     from fuselm.converter.cli.main import cli
     from fuselm.passes.quant.options import MIXED_BITS_BUDGET
     from fuselm.passes.quant.q4_allocate import choose_bits, mixed_bits_per_weight
-    from fuselm.passes.quant.q8_math import quantize_8bit
+    from fuselm.passes.quant.q8_math import quantize_wide
 
     q = read_manifest(models["mixed"]).quantization
     assert q is not None and q["bits"] == "mixed 4/8"
@@ -217,7 +217,7 @@ def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str
         kn = inits[n].T if ts[n]["role"] in HEAD_ROLES else inits[n]
         got = numpy_helper.to_array(qinits[ts[n]["codes"]])
         assert got.dtype == np.uint8 and np.array_equal(
-            got, quantize_8bit(kn, plan[n][1]).codes)
+            got, quantize_wide(kn, plan[n][1]).codes)
     four = next(n for n in ts if n not in eight)
     assert ts[four].get("bits", 4) == 4
     text = CliRunner().invoke(cli, ["quant-report", str(models["mixed"])]).output
