@@ -181,9 +181,9 @@ def test_mixed_preset_puts_the_most_sensitive_tensors_at_6_or_8_bits(models: dic
 
     from fuselm.converter.calibration_input import builtin_calibration
     from fuselm.converter.cli.main import cli
+    from fuselm.passes.ops import unpack_uint6_reference
     from fuselm.passes.quant.options import MIXED_BITS_BUDGET
     from fuselm.passes.quant.q4_allocate import choose_bits, mixed_bits_per_weight
-    from fuselm.passes.ops import unpack_uint6_reference
     from fuselm.passes.quant.q8_math import quantize_wide
 
     q = read_manifest(models["mixed"]).quantization
