@@ -5,12 +5,13 @@ A 6-bit weight is DequantizeLinear(fuselm.UnpackUInt6(packed), scales, uint8 zer
 or 8-bit codes (1.32 refuses bits=6), and it fuses a DequantizeLinear into `MatMulNBits` only
 when its codes are an initializer that nothing else reads. So here each UnpackUInt6 of an
 initializer is replaced by its codes unpacked once, one byte a code (passes/ops.py
-`unpack_uint6_reference`, exact), a private copy for each node that reads them (the tied
-table's head and its row lookup): DequantizeLinear + MatMul then runs as an 8-bit
-`MatMulNBits` on the same values. The artifact stays 6-bit; what onnxruntime holds for such a
-weight is what it holds for an 8-bit one (4/3 of the packed codes, BENCHMARKS.md 'Gemma 3
-270M'). The codes are handed over as OrtValues over our own buffers, as ort_engine/int4.py
-does (`SessionOptions.add_external_initializers`): the serialized model stays small.
+`unpack_uint6_reference`, exact), under a name of its own for each node that reads them (the
+tied table's head and its row lookup; one buffer behind the names): DequantizeLinear + MatMul
+then runs as an 8-bit `MatMulNBits` on the same values. The artifact stays 6-bit; what
+onnxruntime holds for such a weight is what it holds for an 8-bit one (1 byte a weight, 4/3 of
+the packed codes; BENCHMARKS.md 'Gemma 3 270M'). The codes are handed over as OrtValues over our
+own buffers, as ort_engine/int4.py does (`SessionOptions.add_external_initializers`): the
+serialized model stays small.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def expand_six_bit(g: onnx.GraphProto, base_dir: Path) -> dict[str, object]:
         if n.domain != DOMAIN or n.op_type != "UnpackUInt6" or n.input[0] not in inits:
             continue
         codes = unpack_uint6_reference(_packed(inits[n.input[0]], base_dir))
+        unpacked = ort.OrtValue.ortvalue_from_numpy(codes)
         dropped.add(id(n))
         for k, user in enumerate(readers.get(n.output[0], [])):
             name = f"{n.output[0]}__u8_{k}"
@@ -62,7 +64,7 @@ def expand_six_bit(g: onnx.GraphProto, base_dir: Path) -> dict[str, object]:
                                ("length", str(codes.size))):
                 t.external_data.add(key=key, value=value)
             g.initializer.append(t)
-            values[name] = ort.OrtValue.ortvalue_from_numpy(codes if k == 0 else codes.copy())
+            values[name] = unpacked  # one buffer: the names keep the readers apart
             for i, x in enumerate(user.input):
                 if x == n.output[0]:
                     user.input[i] = name
