@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fuselm.passes.quant.q4_math import quantize_array
-from fuselm.passes.quant.q8_math import quantize_8bit
+from fuselm.passes.quant.q8_math import quantize_wide
 
 BITS = 4  # set by --bits
 
@@ -32,7 +32,7 @@ BITS = 4  # set by --bits
 def _err(w: np.ndarray, block: int, method: str) -> tuple[float, float, float]:
     """(sum of squared errors, sum of squares, seconds) for a [K, N] weight."""
     t0 = time.perf_counter()
-    q = (quantize_8bit(w, block, grid=method == "search") if BITS == 8
+    q = (quantize_wide(w, block, grid=method == "search") if BITS == 8
          else quantize_array(w, block, method=method.removesuffix("_nogrid"),
                              grid=method == "search"))
     dt = time.perf_counter() - t0

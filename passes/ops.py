@@ -1,4 +1,5 @@
-"""The fuselm op contract, defined once: FusedRoPE, FusedQKV, FusedGateUp, DequantizeAffine.
+"""The fuselm op contract, defined once: FusedRoPE, FusedQKV, FusedGateUp, DequantizeAffine,
+UnpackUInt6.
 
 Each op has (1) an `onnx.defs.OpSchema` so checkers and torch's exporter know it, (2) a NumPy
 reference that tests and runtimes compare against, and (3) an ONNX function body in standard
@@ -22,6 +23,11 @@ Semantics that are attributes or absences rather than ops of their own:
   per-block minimum no integer zero point holds). Its body computes in float32:
   DequantizeLinear(codes, scale) + DequantizeLinear(ones, bias), the second spreading each
   block's bias over its weights exactly (1·b = b), then casts to the scales' type.
+- UnpackUInt6 is the 6-bit integer type ONNX lacks: bytes [3K/4, N] holding 6-bit codes, four
+  in three bytes along axis 0 as one little-endian bit stream per column (code i of a column
+  at bits 6i .. 6i+5 of its bytes: MLX's own 6-bit packing, row by row of the transpose) →
+  uint8 codes [K, N]. A 6-bit weight is DequantizeLinear(UnpackUInt6(bytes), scales, uint8
+  zero points), so every reader after the unpacking sees the standard 8-bit form.
 
 export/ and runtime_metal/ import this module and nothing else from passes/.
 """
@@ -37,7 +43,7 @@ from onnx import AttributeProto, FunctionProto, NodeProto, defs, helper
 DOMAIN = "fuselm"
 DOMAIN_VERSION = 1
 ONNX_OPSET = 23
-OP_TYPES = ("FusedRoPE", "FusedQKV", "FusedGateUp", "DequantizeAffine")
+OP_TYPES = ("FusedRoPE", "FusedQKV", "FusedGateUp", "DequantizeAffine", "UnpackUInt6")
 GATE_ACTIVATIONS = ("silu", "gelu_tanh")
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
@@ -200,7 +206,16 @@ def _schemas() -> list[defs.OpSchema]:
             defs.OpSchema.Attribute("block_size", _A.INT, "", required=True),
         ],
     )
-    return [rope, qkv, gate_up, affine]
+    unpack6 = defs.OpSchema(
+        "UnpackUInt6",
+        DOMAIN,
+        DOMAIN_VERSION,
+        doc="6-bit codes packed four in three bytes along axis 0 (a little-endian bit stream "
+            "per column) -> one uint8 code a byte: [3K/4, N] -> [K, N].",
+        inputs=[_P("packed", "tensor(uint8)", "[3K/4, N] packed bytes")],
+        outputs=[_P("codes", "tensor(uint8)", "[K, N] codes, each < 64")],
+    )
+    return [rope, qkv, gate_up, affine, unpack6]
 
 
 def _last_dim_as(ctx: onnx.shape_inference.InferenceContext, out: int, size: int | None) -> None:
@@ -257,8 +272,22 @@ def _infer_affine(ctx: onnx.shape_inference.InferenceContext) -> None:
     ctx.set_output_type(0, t)
 
 
+def _infer_unpack6(ctx: onnx.shape_inference.InferenceContext) -> None:
+    packed = ctx.get_input_type(0)
+    t = onnx.TypeProto()
+    t.tensor_type.elem_type = onnx.TensorProto.UINT8
+    if packed is not None and packed.tensor_type.HasField("shape") and \
+            len(packed.tensor_type.shape.dim) == 2:
+        rows, cols = packed.tensor_type.shape.dim
+        out_rows = t.tensor_type.shape.dim.add()
+        if rows.HasField("dim_value"):
+            out_rows.dim_value = rows.dim_value * 4 // 3
+        t.tensor_type.shape.dim.add().CopyFrom(cols)
+    ctx.set_output_type(0, t)
+
+
 _INFER = {"FusedRoPE": _infer_rope, "FusedQKV": _infer_qkv, "FusedGateUp": _infer_gate_up,
-          "DequantizeAffine": _infer_affine}
+          "DequantizeAffine": _infer_affine, "UnpackUInt6": _infer_unpack6}
 
 
 def register_schemas() -> None:
@@ -392,6 +421,34 @@ def dequantize_affine_reference(
     return (codes.astype(np.float32) * s + b).astype(scales.dtype)
 
 
+def pack_uint6(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes [K, N] (values < 64, K a multiple of 4) -> bytes [3K/4, N], UnpackUInt6's
+    layout: codes 4j .. 4j+3 of a column in bytes 3j .. 3j+2, code 4j+i at bits 6i .. 6i+5."""
+    k, n = codes.shape
+    if k % 4:
+        raise ValueError(f"6-bit codes pack four at a time; {k} rows is not a multiple of 4")
+    c = np.ascontiguousarray(codes, dtype=np.uint8).reshape(k // 4, 4, n)
+    out = np.empty((k // 4, 3, n), np.uint8)
+    out[:, 0] = c[:, 0] | (c[:, 1] << 6)
+    out[:, 1] = (c[:, 1] >> 2) | (c[:, 2] << 4)
+    out[:, 2] = (c[:, 2] >> 4) | (c[:, 3] << 2)
+    return out.reshape(3 * k // 4, n)
+
+
+def unpack_uint6_reference(packed: np.ndarray) -> np.ndarray:
+    """UnpackUInt6: bytes [3K/4, N] -> uint8 codes [K, N] (pack_uint6's inverse)."""
+    rows, n = packed.shape
+    if rows % 3:
+        raise ValueError(f"UnpackUInt6: {rows} packed rows is not a multiple of 3")
+    b = np.ascontiguousarray(packed, dtype=np.uint8).reshape(rows // 3, 3, n)
+    out = np.empty((rows // 3, 4, n), np.uint8)
+    out[:, 0] = b[:, 0] & 63
+    out[:, 1] = (b[:, 0] >> 6) | ((b[:, 1] & 15) << 2)
+    out[:, 2] = (b[:, 1] >> 4) | ((b[:, 2] & 3) << 4)
+    out[:, 3] = b[:, 2] >> 2
+    return out.reshape(4 * rows // 3, n)
+
+
 def _project(
     x: np.ndarray,
     weight: np.ndarray,
@@ -500,7 +557,7 @@ def variant_of(node: NodeProto) -> Variant:
         return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)), act)
     if node.op_type == "FusedQKV":
         return Variant(node.op_type, (_has(node, 2), _has(node, 3), _has(node, 4)))
-    if node.op_type == "DequantizeAffine":
+    if node.op_type in ("DequantizeAffine", "UnpackUInt6"):
         return Variant(node.op_type, ())
     raise ValueError(f"not a fuselm op: {node.op_type}")
 
@@ -752,19 +809,57 @@ def _affine_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
     return inputs, nodes
 
 
+def _unpack6_body(v: Variant) -> tuple[list[str], list[NodeProto]]:
+    """unpack_uint6_reference in standard ops: the bytes [3K/4, N] transposed to [N, 3K/4] and
+    read three at a time ([N, K/4, 3]), so every shape is a constant or copied (Reshape's 0)."""
+    del v  # one form
+
+    def const(name: str, values: list[int], dtype: int = onnx.TensorProto.INT64) -> NodeProto:
+        return _n("Constant", [], [name],
+                  value=helper.make_tensor(name, dtype, [len(values)], values))
+
+    def shift(x: str, by: str, out: str, direction: str) -> NodeProto:
+        return _n("BitShift", [x, by], [out], direction=direction)
+
+    u8 = onnx.TensorProto.UINT8
+    nodes = [
+        const("triples", [0, -1, 3]), const("flat", [0, -1]),
+        const("m63", [63], u8), const("m15", [15], u8), const("m3", [3], u8),
+        const("two", [2], u8), const("four", [4], u8), const("six", [6], u8),
+        _n("Transpose", ["packed"], ["cols"], perm=[1, 0]),
+        _n("Reshape", ["cols", "triples"], ["b"]),
+        _n("Split", ["b"], ["b0", "b1", "b2"], axis=-1, num_outputs=3),
+        _n("BitwiseAnd", ["b0", "m63"], ["c0"]),
+        shift("b0", "six", "b0h", "RIGHT"),
+        _n("BitwiseAnd", ["b1", "m15"], ["b1l"]),
+        shift("b1l", "two", "b1s", "LEFT"),
+        _n("BitwiseOr", ["b0h", "b1s"], ["c1"]),
+        shift("b1", "four", "b1h", "RIGHT"),
+        _n("BitwiseAnd", ["b2", "m3"], ["b2l"]),
+        shift("b2l", "four", "b2s", "LEFT"),
+        _n("BitwiseOr", ["b1h", "b2s"], ["c2"]),
+        shift("b2", "two", "c3", "RIGHT"),
+        _n("Concat", ["c0", "c1", "c2", "c3"], ["c"], axis=-1),
+        _n("Reshape", ["c", "flat"], ["rows"]),
+        _n("Transpose", ["rows"], ["codes"], perm=[1, 0]),
+    ]
+    return ["packed"], nodes
+
+
 _ATTRS = {
     "DequantizeAffine": ["axis", "block_size"],
+    "UnpackUInt6": [],
     "FusedRoPE": list(ROPE_ATTRS),
     "FusedQKV": ["q_size", "k_size", "v_size", "block_size"],
     "FusedGateUp": ["activation", "block_size"],
 }
 _OUTPUTS = {"FusedRoPE": ["q_rot", "k_rot"], "FusedQKV": ["q", "k", "v"], "FusedGateUp": ["y"],
-            "DequantizeAffine": ["y"]}
+            "DequantizeAffine": ["y"], "UnpackUInt6": ["codes"]}
 
 
 def function_for(v: Variant) -> FunctionProto:
     build = {"FusedRoPE": _rope_body, "FusedQKV": _qkv_body, "FusedGateUp": _gate_up_body,
-             "DequantizeAffine": _affine_body}
+             "DequantizeAffine": _affine_body, "UnpackUInt6": _unpack6_body}
     inputs, nodes = build[v.op_type](v)
     return helper.make_function(
         DOMAIN,

@@ -107,7 +107,7 @@ def nodes(art: Path, ids: list[int], first: int = 60) -> list[dict]:
         if len(probed) >= first:
             break
     session, _ = make_session(low.model.SerializeToString(), accuracy_level=4,
-                              external_data_dir=art, initializers=low.int4_values)
+                              external_data_dir=art, initializers=low.memory_values)
     inputs = {i.name for i in session.get_inputs()}
     past = sorted(n for n in inputs if PAST.match(n))
     kv = SharedKV(past, manifest.model.num_kv_heads, manifest.model.head_dim)

@@ -50,7 +50,7 @@ def _passes(value: str | None) -> list[str] | None:
     type=click.Choice(["none", "q4", "q8", "mixed"]),
     default=None,
     help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops); mixed: "
-    "4 or 8 bits per tensor by measured error per added bit, under --bits-budget (5.75). "
+    "4, 6 or 8 bits per tensor by measured error per added bit, under --bits-budget (5.75). "
     "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant, IQ4, "
     "IQ3 or IQ2_XXS blocks), which keeps its blocks.",
 )
@@ -65,7 +65,7 @@ def _passes(value: str | None) -> list[str] | None:
 @click.option("--bits-budget", type=float, default=None, metavar="BITS",
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
               "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits). With "
-              "--quant mixed: the mean of its 4/8-bit choice (4.625-8.75; default 5.75).")
+              "--quant mixed: the mean of its 4/6/8-bit choice (4.625-8.75; default 5.75).")
 @click.option("-q", "--quantize", is_flag=True, help="mlx-lm's spelling: --quant q4.")
 @click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4, --q-bits 8 --quant q8.")

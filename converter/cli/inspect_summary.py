@@ -34,7 +34,9 @@ def summary(root: Path, info: dict[str, Any], nodes: list[Any]) -> list[tuple[st
                  ("dtype", man.dtype)]
         q = man.quantization
         bits = info["weight_bytes"] * 8 / params if params else 0.0
-        scheme = (f"Q{q.get('bits', 4)} blocks of {q.get('block_size', '?')}, "
+        kind = "none" if not q else (f"Q{q.get('bits', 4)}" if isinstance(q.get("bits", 4), int)
+                                     else f"{q['bits']}-bit")  # e.g. "mixed 4/6/8-bit"
+        scheme = (f"{kind} blocks of {q.get('block_size', '?')}, "
                   f"{'symmetric' if q.get('symmetric') else 'asymmetric'}" if q else "none")
         rows += [("quantization", scheme), ("bits / weight", f"{bits:.2f} (all weights)")]
     per_layer = nodes_per_layer(nodes)

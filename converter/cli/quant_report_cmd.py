@@ -1,4 +1,5 @@
-"""`fuselm quant-report OUT_DIR`: how much each Q4 tensor lost, worst first.
+"""`fuselm quant-report OUT_DIR`: how much each quantized tensor lost (4-, 6- or 8-bit blocks;
+its bits are a column), worst first.
 
 The figures are recorded at convert time, in fuselm.json's quantization record (one entry per
 quantized tensor: relative RMS error sqrt(sum (w' - w)^2 / sum w^2) and bits per weight). The
@@ -61,24 +62,28 @@ def render(record: dict[str, Any] | None, top: int | None = None) -> str:
     kept = "" if not given else " · kept from the checkpoint: " + ", ".join(
         f"{k} x{v}" for k, v in given["kept"].items()) + f", {given['quantized']} quantized"
     mixed = record.get("mixed")
-    if mixed:  # --quant mixed: which tensors the sensitivity measure put at 8 bits
+    if mixed:  # --quant mixed: which tensors the sensitivity measure put at 6 or 8 bits
         rule = (f"under {mixed['bits_budget']} bits per weight" if "bits_budget" in mixed
                 else f"{mixed.get('share', 0):.0%} of the weights")  # an older artifact's
-        kept += (f" · mixed: {len(mixed['eight_bit'])} tensors at 8 bits "
-                 f"(the most sensitive per added bit, {rule})")
+        six = mixed.get("six_bit", [])
+        kept += (f" · mixed: {len(mixed['eight_bit'])} tensors at 8 bits"
+                 + (f", {len(six)} at 6 bits" if six else "")
+                 + f" (the most sensitive per added bit, {rule})")
     lines = [
         f"{q} block {record.get('block_size')} · method {record.get('method', 'minmax')}{kept} · "
         f"{len(table)} tensors · {record.get('bits_per_weight')} bits/weight quantized, "
         f"{record.get('bits_per_weight_overall', '?')} overall · "
         f"LM head {'quantized' if record.get('lm_head') else 'float'} · "
         f"embeddings {'quantized' if record.get('embeddings') else 'float'}",
-        f"{'rel RMS err':>11}  {'bits/w':>6}  {'block':>5}  {'role':<24} {'shape':<14} name"
+        f"{'rel RMS err':>11}  {'bits':>4}  {'bits/w':>6}  {'block':>5}  {'role':<24} "
+        f"{'shape':<14} name"
         + ("  (kept from)" if given else ""),
     ]
     for r in table[:top] if top else table:
         shape = "x".join(str(d) for d in r["shape"])
         lines.append(
-            f"{r['rel_rms_error']:>11.5f}  {r['bits_per_weight']:>6.3f}  {r['block_size']!s:>5}  "
+            f"{r['rel_rms_error']:>11.5f}  {r['bits']:>4}  {r['bits_per_weight']:>6.3f}  "
+            f"{r['block_size']!s:>5}  "
             f"{r['role']:<24} "
             f"{shape:<14} {r['name']}" + (f"  ({r['given']})" if r["given"] else "")
         )

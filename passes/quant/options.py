@@ -5,8 +5,8 @@ convert pipeline to the quantize pass (passes/quant/quantize.py).
     --quant q4                    QuantOptions()                 the defaults below
     --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max or a
                                                                  grid step, no calibration)
-    --quant mixed                 mixed=True                     4 or 8 bits per tensor under a
-                                                                 mean of MIXED_BITS_BUDGET bits
+    --quant mixed                 mixed=True                     4, 6 or 8 bits per tensor under
+                                                                 a mean of MIXED_BITS_BUDGET bits
                                                                  (q4_allocate.choose_bits)
     --quant mixed --bits-budget 7 mixed=True, bits_budget=7.0    ... under a mean of 7 bits
     --block-size 64               block_size=64                  every tensor in blocks of 64
@@ -34,11 +34,12 @@ from fuselm.passes.quant.q4_math import METHODS
 BLOCK_SIZES = (32, 64, 128)
 BITS = (4, 8)
 QUANT_CHOICES = ("none", "q4", "q8", "mixed")
-# `--quant mixed`: 4-bit blocks, or 8-bit blocks of 128/64/32, per tensor, chosen by measured
-# error per added bit under this mean of bits per quantized weight (float16 scales, as
+# `--quant mixed`: 4-bit blocks, or 6- or 8-bit blocks of 128/64/32, per tensor, chosen by
+# measured error per added bit under this mean of bits per quantized weight (float16 scales, as
 # `quant-report` counts; a float32 graph stores them in float32: +16/B). On SmolLM2-135M a
-# float32 graph then holds ~6.2 bits per parameter, within llama.cpp's Q4_K_M (6.27 there;
-# BENCHMARKS.md 'Quantization quality').
+# float32 graph then holds ~6.1 bits per parameter, within llama.cpp's Q4_K_M (6.27 there), and
+# a budget of 7 gains no PPL there; Gemma 3 270M, whose tied table is 63 % of its weights, needs
+# 7.0 to put that table in 6-bit blocks (BENCHMARKS.md 'Quantization quality', 'Gemma 3 270M').
 MIXED_BITS_BUDGET = 5.75
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_METHOD = "search"
@@ -87,7 +88,7 @@ class QuantOptions:
     method: str = DEFAULT_METHOD
     block_size: int | None = None  # None: DEFAULT_BLOCK_SIZE, or per tensor under a budget
     bits_budget: float | None = None  # None: every tensor in blocks of `block_size` (mixed:
-    # the mean the 4/8-bit choice fills; None: MIXED_BITS_BUDGET)
+    # the mean the 4/6/8-bit choice fills; None: MIXED_BITS_BUDGET)
     symmetric: bool = False
     lm_head: bool = True
     embeddings: bool = False
@@ -95,7 +96,7 @@ class QuantOptions:
     default_calibration: bool = True  # without `calibration`: the built-in text
     norm_importance: bool = True  # without calibration data: RMSNorm's gamma^2 as importance
     bits: int = 4
-    mixed: bool = False  # 4 or 8 bits per tensor under `mixed_budget`
+    mixed: bool = False  # 4, 6 or 8 bits per tensor under `mixed_budget`
 
     def __post_init__(self) -> None:
         _check_values(self.block_size, self.bits_budget, self.method, self.mixed)
@@ -103,7 +104,7 @@ class QuantOptions:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
         _check_bits(self.bits, self.bits_budget, self.calibration)
         if self.mixed and self.bits != 4:
-            raise PassesError("--quant mixed chooses 4 or 8 bits per tensor itself; drop "
+            raise PassesError("--quant mixed chooses 4, 6 or 8 bits per tensor itself; drop "
                               "--q-bits")
 
     @property
@@ -119,7 +120,7 @@ class QuantOptions:
     def blocks(self) -> tuple[int, float | None]:
         """(block size, bits budget): the budget asked for (32 or 64 per tensor under it), else
         none (every tensor in blocks of `block_size`, 32 by default; with `mixed`, the 4-bit
-        blocks' size, the budget being the 4/8-bit choice's)."""
+        blocks' size, the budget being the 4/6/8-bit choice's)."""
         return self.block_size or DEFAULT_BLOCK_SIZE, None if self.mixed else self.bits_budget
 
 

@@ -1,5 +1,5 @@
 """Bit allocation: a block size per tensor under a budget of bits per weight, or (`choose_bits`,
-`--quant mixed`) 4 or 8 bits per tensor under a budget of bits per weight.
+`--quant mixed`) 4, 6 or 8 bits per tensor under a budget of bits per weight.
 
 Smaller blocks cost more bits (a float16 scale and a uint4 zero point per block: 4 + 20/B bits
 per weight: 4.625 at B = 32, 4.3125 at 64, 4.15625 at 128) and cut the error. Tensors do not
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fuselm.passes.quant.q4_math import quantize_array
-from fuselm.passes.quant.q8_math import quantize_8bit
+from fuselm.passes.quant.q8_math import quantize_wide
 
 CHOICES = (32, 64)  # block sizes the allocation picks from
 SAMPLE_COLUMNS = 256
@@ -49,7 +49,7 @@ def tensor_errors(
     den = float((ref * imp).sum() if imp is not None else ref.sum())
     out: dict[int, float] = {}
     for b in choices:
-        q = (quantize_8bit(cols, b, symmetric, method == "search") if bits == 8
+        q = (quantize_wide(cols, b, symmetric, method == "search", bits) if bits != 4
              else quantize_array(cols, b, symmetric, method, importance))
         d = (q.dequantize(np.float32).astype(np.float64) - cols) ** 2
         num = float((d * imp).sum() if imp is not None else d.sum())
@@ -109,8 +109,12 @@ def allocate_blocks(
 
 
 def mixed_bits_per_weight(bits: int, block_size: int) -> float:
-    """`bits`-bit codes + a float16 scale + a `bits`-bit zero point per block."""
-    return bits + (16 + bits) / block_size
+    """`bits`-bit codes + a float16 scale + a zero point per block, as stored: uint4 with
+    4-bit codes, uint8 with 6- and 8-bit ones."""
+    return bits + (16 + (4 if bits == 4 else 8)) / block_size
+
+
+WIDE_BLOCKS = (128, 64, 32)  # the 6- and 8-bit blocks choose_bits offers
 
 
 def choose_bits(
@@ -120,10 +124,14 @@ def choose_bits(
     symmetric: bool = False,
     method: str = "search",
     importance: dict[str, np.ndarray] | None = None,
+    no_six: frozenset[str] = frozenset(),
 ) -> dict[str, tuple[int, int]]:
-    """`--quant mixed`: (bits, block size) per tensor name, 4-bit blocks of `block` or 8-bit
-    blocks of 128, 64 or 32 (those that divide the tensor's K), under a mean of `budget` bits
-    per weight (mixed_bits_per_weight: float16 scales, as `fuselm quant-report` counts).
+    """`--quant mixed`: (bits, block size) per tensor name, 4-bit blocks of `block`, 6-bit
+    blocks of 128, 64 or 32 (those that divide the tensor's K; K a multiple of 4, as four
+    6-bit codes pack in three bytes) or 8-bit ones (those that divide K, and `block`), under a
+    mean of `budget` bits per weight (mixed_bits_per_weight: float16 scales, as `fuselm
+    quant-report` counts). `no_six`: tensors offered 4 or 8 bits only (an untied table, stored
+    along its other axis, where the 6-bit packing does not run).
 
     Each tensor's options are measured (tensor_errors: the relative importance-weighted squared
     error, on the calibration activations' mean squares when given) and reduced to their lower
@@ -141,11 +149,13 @@ def choose_bits(
     for name, get, act in items:
         w = get()
         imp = None if importance is None or act is None else importance.get(act)
-        eight = [b for b in (128, 64, 32) if b == block or w.shape[0] % b == 0]
+        eight = [b for b in WIDE_BLOCKS if b == block or w.shape[0] % b == 0]
+        six = [] if name in no_six else [b for b in WIDE_BLOCKS if w.shape[0] % b == 0]
         opts = [(mixed_bits_per_weight(4, block),
                  tensor_errors(w, [block], symmetric, method, imp)[block], 4, block)]
-        e8 = tensor_errors(w, eight, symmetric, method, imp, bits=8)
-        opts += [(mixed_bits_per_weight(8, b), e8[b], 8, b) for b in eight]
+        for nbits, blocks in ((6, six), (8, eight)):
+            e = tensor_errors(w, blocks, symmetric, method, imp, bits=nbits)
+            opts += [(mixed_bits_per_weight(nbits, b), e[b], nbits, b) for b in blocks]
         hulls[name], sizes[name] = _lower_hull(sorted(opts)), w.size
         del w
     total = sum(sizes.values())

@@ -180,10 +180,10 @@ the values already sit on (passes/quant/grid_steps.py).
 def minmax_params(
     blocks: np.ndarray, symmetric: bool, bits: int = 4
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Plain min/max for `bits`-bit codes (4, or 8 for passes/quant/q8_math.py): float16
+    """Plain min/max for `bits`-bit codes (4, or 6 and 8 for passes/quant/q8_math.py): float16
     scales, float32 scales, zero points, safe divisors, zero mask."""
     levels = (1 << bits) - 1  # 15 steps at 4 bits, 255 at 8
-    half = 1 << (bits - 1)  # the symmetric zero point: 8 at 4 bits, 128 at 8
+    half = 1 << (bits - 1)  # the symmetric zero point: 8 at 4 bits, 32 at 6, 128 at 8
     if symmetric:
         step = np.abs(blocks).max(axis=1) / np.float32(half - 1)
     else:

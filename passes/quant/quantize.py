@@ -68,10 +68,14 @@ quantizes it (the info records that).
 points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w/s) + zp, 0,
 255)), or per block the step of a grid its values already sit on where that is exacter
 (passes/quant/q8_math.py); plain DequantizeLinear, which MLX reads as its 8-bit affine form.
-**Mixed** (`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above or 8-bit blocks of
-128, 64 or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error per added
-bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names the 8-bit ones,
-each tensor its `bits` and block size.
+**Mixed** (`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above, or 6- or 8-bit
+blocks of 128, 64 or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error
+per added bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names the
+6- and 8-bit ones, each tensor its `bits` and block size. **6-bit** blocks are 8-bit's formula
+with 63 steps (uint8 zero points below 64); ONNX has no 6-bit type, so the codes are stored
+packed four in three bytes along K ([3K/4, N] uint8, passes/ops.py `pack_uint6`) and read
+through `fuselm.UnpackUInt6`: DequantizeLinear(UnpackUInt6(packed), scales, zp). Only weights
+stored along axis 0 (every projection, the LM head and a tied table) take 6 bits.
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
 quantized (a GGUF tensor of gguf/blocks.py's EXACT_TYPES) is stored as given, its codes, scales
@@ -118,7 +122,7 @@ from fuselm.passes.quant.options import QuantOptions
 from fuselm.passes.quant.q4_allocate import allocate_blocks, choose_bits
 from fuselm.passes.quant.q4_calibration import Calibration, Moments
 from fuselm.passes.quant.q4_math import Q4Tensor, quantize_array, quantize_gptq, uint4_tensor
-from fuselm.passes.quant.q8_math import quantize_8bit
+from fuselm.passes.quant.q8_math import quantize_wide
 from fuselm.passes.writer import DataFile
 
 BITS = 4
@@ -182,8 +186,8 @@ class QuantizeQ4:
                 else:
                     _apply(w, job, given.block_size, None, tables, gathers, given)
                 del given
-            calib_seconds, eight = self._quantize(w, todo, model, load, tables, gathers) \
-                if todo else (0.0, set())
+            calib_seconds, wide = self._quantize(w, todo, model, load, tables, gathers) \
+                if todo else (0.0, {})
             del model, load
         budget = opts.blocks()[1]
         order = {j.weight.name: i for i, j in enumerate(jobs)}
@@ -198,7 +202,9 @@ class QuantizeQ4:
             "block_size": used[0] if len(used) == 1 else "mixed " + "/".join(map(str, used)),
             "bits_budget": budget,
             "mixed": None if not opts.mixed else {
-                "bits_budget": opts.mixed_budget, "eight_bit": sorted(eight),
+                "bits_budget": opts.mixed_budget,
+                "eight_bit": sorted(n for n, b in wide.items() if b == 8),
+                "six_bit": sorted(n for n, b in wide.items() if b == 6),
                 "measure": "relative importance-weighted error drop per added bit"},
             # (None too when every weight kept its given blocks: no forward ran, none needed)
             "calibration": None if self.calibration is None or not todo else {
@@ -228,10 +234,10 @@ class QuantizeQ4:
 
     def _quantize(self, w: _Writer, jobs: list[_Job], model: Any, load: Any,
                   tables: dict[str, gs.Constant], gathers: dict[str, list[gs.Node]]
-                  ) -> tuple[float, set[str]]:
+                  ) -> tuple[float, dict[str, int]]:
         """Quantize `jobs` (the weights without given blocks), with the calibration forward(s)
         through `model` / `load` when there is a calibration; the seconds those took, and the
-        weights stored at 8 bits by `--quant mixed`."""
+        weights stored at 6 or 8 bits by `--quant mixed` (name -> bits)."""
         opts, calib = self.options, self.calibration
         block_size, budget = opts.blocks()
         calib_seconds = 0.0
@@ -245,10 +251,10 @@ class QuantizeQ4:
         elif calib is None and opts.norm_importance:
             moments = _norm_moments(jobs)
         plan = _mixed_plan(jobs, block_size, opts, moments) if opts.mixed else {}
-        eight = {n for n, (bits, _) in plan.items() if bits == 8}
-        w.fused_via_node = w.fused_via_node or bool(eight)
+        wide = {n: bits for n, (bits, _) in plan.items() if bits != BITS}
+        w.fused_via_node = w.fused_via_node or bool(wide)
         # Which jobs get their statistics from which forward (see _rounds).
-        rounds = _rounds(jobs, calib, eight)
+        rounds = _rounds(jobs, calib, set(wide))
         total = sum(int(np.prod(j.weight.shape)) for j in jobs)
         with q4_search.for_model(total):
             for n, (part, gram) in enumerate(rounds):
@@ -264,10 +270,10 @@ class QuantizeQ4:
                     stats = (None if moments is None or job.activation is None
                              else moments.get(job.activation.name))
                     _apply(w, job, blocks[job.weight.name], stats, tables, gathers, None,
-                           8 if job.weight.name in eight else None)
+                           wide.get(job.weight.name))
                 if moments is not None and len(rounds) > 1:  # this round's Gram matrices go
                     moments = {k: v for k, v in moments.items() if v.gram is None}
-        return calib_seconds, eight
+        return calib_seconds, wide
 
     @contextlib.contextmanager
     def _spill(self) -> Iterator[Spill | None]:
@@ -431,11 +437,11 @@ def _reduction_size(job: _Job) -> int:
                else t.shape[0])
 
 
-def _rounds(jobs: list[_Job], calib: Calibration | None, eight: set[str]
+def _rounds(jobs: list[_Job], calib: Calibration | None, wide: set[str]
             ) -> list[tuple[list[_Job], bool]]:
     """Groups of jobs, each with one calibration forward, and whether that forward keeps Gram
     matrices (for the 4-bit jobs the calibration gives error feedback, Calibration.feedback;
-    `eight` names the jobs at 8 bits).
+    `wide` names the jobs at 6 or 8 bits).
 
     The jobs without feedback take their importance from one forward without Gram matrices.
     The Gram matrices go in consecutive groups of at most GRAM_BYTES (K^2 float64 each: all at
@@ -445,7 +451,7 @@ def _rounds(jobs: list[_Job], calib: Calibration | None, eight: set[str]
         return [(jobs, False)] if jobs else []
 
     def fed(j: _Job) -> bool:
-        return (j.activation is not None and j.weight.name not in eight
+        return (j.activation is not None and j.weight.name not in wide
                 and calib.feedback(j.role))
 
     plain = [j for j in jobs if not fed(j)]
@@ -497,7 +503,7 @@ def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _zero_point_text(opts: QuantOptions) -> str:
     kind = "uint4/uint8" if opts.mixed else "uint4" if opts.bits == 4 else "uint8"
-    fixed = 8 if opts.bits == 4 else 128
+    fixed = "8/32/128 (4/6/8 bits)" if opts.mixed else 8 if opts.bits == 4 else 128
     return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
 
 
@@ -507,7 +513,8 @@ def _mixed_plan(jobs: list[_Job], block_size: int, opts: QuantOptions,
     return choose_bits(
         [(j.weight.name, j.kn, None if j.activation is None else j.activation.name)
          for j in jobs], opts.mixed_budget, block_size, opts.symmetric, opts.method,
-        None if moments is None else {k: v.sq for k, v in moments.items()})
+        None if moments is None else {k: v.sq for k, v in moments.items()},
+        frozenset(j.weight.name for j in jobs if j.kind == "embedding"))
 
 
 def _norm_moments(jobs: list[_Job]) -> dict[str, Moments]:
@@ -576,6 +583,12 @@ class _Q4:
     block_size: int
     cast_to: int | None  # the weight's own type, when the scales' is another (bfloat16)
     affine: bool = False
+    unpacked: gs.Variable | None = None  # 6-bit: UnpackUInt6's output, the uint8 codes [K, N]
+
+    @property
+    def code_values(self) -> gs.Tensor:
+        """What DequantizeLinear reads as codes: the stored ones, or the 6-bit ones unpacked."""
+        return self.codes if self.unpacked is None else self.unpacked
 
     @property
     def zero_points(self) -> gs.Constant:
@@ -585,7 +598,7 @@ class _Q4:
     def dequantize_node(self, out: gs.Variable, axis: int, name: str,
                         inputs: list[gs.Tensor] | None = None) -> gs.Node:
         """The node computing the weight from (codes, scales, offsets), or from `inputs`."""
-        ins = inputs or [self.codes, self.scales, self.offsets]
+        ins = inputs or [self.code_values, self.scales, self.offsets]
         attrs = {"axis": axis, "block_size": self.block_size}
         if self.affine:
             return gs.Node("DequantizeAffine", name=name, domain=ops.DOMAIN, attrs=attrs,
@@ -628,8 +641,8 @@ class _Writer:
         symmetric = self.opts.symmetric
         calibrated = None
         bits = bits or self.opts.bits
-        if bits == 8:
-            q = quantize_8bit(w_kn, block_size, symmetric, self.opts.method == "search")
+        if bits != BITS:
+            q = quantize_wide(w_kn, block_size, symmetric, self.opts.method == "search", bits)
         elif stats is not None and stats.gram is not None:
             q, calibrated = quantize_gptq(w_kn, stats.gram, block_size, symmetric), "gptq"
         else:
@@ -666,25 +679,30 @@ class _Writer:
             offsets = biases.astype(sdtype)
         if axis == 1 and not transposed:  # stored in the source's own [N, K] layout
             codes, scales, offsets = codes.T, scales.T, offsets.T
-        tag = "_q4" if bits == 4 else "_q8"
-        names = (self.unique(src.name + tag), self.unique(src.name + "_scale"),
+        if bits == 6 and (axis != 0 or biases is not None or codes.shape[0] % 4):
+            raise ValueError(f"{src.name}: 6-bit codes pack along axis 0 of [K, N] with K a "
+                             f"multiple of 4 and integer zero points")
+        names = (self.unique(f"{src.name}_q{bits}"), self.unique(src.name + "_scale"),
                  self.unique(src.name + ("_bias" if biases is not None else "_zp")))
 
-        def packed(a: np.ndarray, name: str) -> TensorProto:
+        def packed(a: np.ndarray, name: str, width: int) -> TensorProto:
             a = np.ascontiguousarray(a)
-            return uint4_tensor(a, name) if bits == 4 else numpy_helper.from_array(a, name)
+            if width == 4:
+                return uint4_tensor(a, name)
+            return numpy_helper.from_array(ops.pack_uint6(a) if width == 6 else a, name)
 
+        zp_bits = 4 if bits == 4 else 8  # 6-bit zero points are plain uint8
         made = []
-        for t in (packed(codes, names[0]),
+        for t in (packed(codes, names[0], bits),
                   numpy_helper.from_array(np.ascontiguousarray(scales), names[1]),
                   numpy_helper.from_array(np.ascontiguousarray(offsets), names[2])
-                  if biases is not None else packed(offsets, names[2])):
+                  if biases is not None else packed(offsets, names[2], zp_bits)):
             made.append(weights.Weight(t.name, self.spill(t) if self.spill else LazyValues(t)))
         size = codes.size
         k = int(src.shape[1] if axis == 1 else src.shape[0])
         block_size = q.block_size
         nbytes = ((size * bits + 7) // 8 + scales.nbytes
-                  + (offsets.nbytes if biases is not None else (offsets.size * bits + 7) // 8))
+                  + (offsets.nbytes if biases is not None else (offsets.size * zp_bits + 7) // 8))
         if bits == 4 and biases is None:  # the 4-bit record's own rounding, kept as it was
             nbytes = (size + offsets.size + 1) // 2 + scales.nbytes
         itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize
@@ -708,7 +726,14 @@ class _Writer:
                 **extra,
             }
         )
-        return _Q4(*made, block_size, cast_to, biases is not None)
+        unpacked = None
+        if bits == 6:  # one UnpackUInt6 for every reader (the tied table's lookup too)
+            unpacked = gs.Variable(self.unique(f"{src.name}_codes"), np.uint8,
+                                   [int(d) for d in codes.shape])
+            self.groups.append([gs.Node("UnpackUInt6", name=unpacked.name + "_UnpackUInt6",
+                                        domain=ops.DOMAIN, inputs=[made[0]],
+                                        outputs=[unpacked])])
+        return _Q4(*made, block_size, cast_to, biases is not None, unpacked)
 
     def dequantize(self, q: _Q4, out: gs.Variable, axis: int) -> None:
         """DequantizeLinear (+ Cast) of `q` into `out`."""
@@ -751,7 +776,7 @@ class _Writer:
             nodes.append(gs.Node("Gather", attrs={"axis": 0}, inputs=[cur, ids], outputs=[rows]))
             return rows
 
-        cg = table(q.codes, "codes", TensorProto.UINT8)
+        cg = table(q.code_values, "codes", TensorProto.UINT8)
         if q.affine:  # the biases take the scales' lossless round trip too
             zg = step("Cast", table(q.offsets, "bias", other), f"{base}_bias_back", to=sdt)
         else:
@@ -817,21 +842,29 @@ def _apply(w: _Writer, job: _Job, block_size: int, stats: Moments | None,
 
 
 def _rewrite(graph: gs.Graph, w: _Writer) -> None:
-    """Insert each new group of nodes just before the first node that reads its value; drop
-    the replaced nodes (their float weights go with them, read by nothing now)."""
+    """Insert each new group of nodes just before the first node that reads its value (a group
+    reading another new group's value, a 6-bit weight's unpacked codes, gets that group first);
+    drop the replaced nodes (their float weights go with them, read by nothing now)."""
     pending = {id(group[-1].outputs[0]): group for group in w.groups}
     dead = {id(n) for n in w.dead}
     order: list[gs.Node] = []
+
+    def place(t: gs.Tensor) -> None:
+        group = pending.pop(id(t), None)
+        if group is not None:
+            for made in group:
+                for i in made.inputs:
+                    place(i)
+            order.extend(group)
+
     for node in graph.nodes:
         if id(node) in dead:
             continue
         for t in node.inputs:
-            group = pending.pop(id(t), None)
-            if group is not None:
-                order.extend(group)
+            place(t)
         order.append(node)
-    for group in pending.values():  # a value only the graph outputs read
-        order.extend(group)
+    for group in list(pending.values()):  # a value only the graph outputs read
+        place(group[-1].outputs[0])
     graph.nodes = order
     for node in w.dead:
         node.inputs.clear()

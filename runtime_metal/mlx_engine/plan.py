@@ -59,9 +59,10 @@ def _initial_constant(value: np.ndarray) -> object:
     return value  # 4-bit codes stay NumPy until packed (or densified by DequantizeLinear)
 
 
-def _try_pack(node: onnx.NodeProto, attrs: dict, consts: dict) -> qweight.QWeight | None:
+def _try_pack(node: onnx.NodeProto, attrs: dict, consts: dict, six_bit: set[str]
+              ) -> qweight.QWeight | None:
     """Fold a constant blocked DequantizeLinear (or fuselm.DequantizeAffine) into MLX's affine
-    form, if it maps 1:1."""
+    form, if it maps 1:1; codes named in `six_bit` (fuselm.UnpackUInt6's) at 6 bits."""
     names = list(node.input) + [""] * (3 - len(node.input))
     if not all(n == "" or n in consts for n in names):
         return None
@@ -79,7 +80,8 @@ def _try_pack(node: onnx.NodeProto, attrs: dict, consts: dict) -> qweight.QWeigh
     if node.op_type == "DequantizeAffine":
         return None if off is None else qweight.from_dequantize_affine(
             codes, scales_np, off, axis, block)
-    return qweight.from_dequantize_linear(codes, scales_np, off, axis, block)
+    return qweight.from_dequantize_linear(codes, scales_np, off, axis, block,
+                                          names[0] in six_bit)
 
 
 def _bind_kv(steps: list[Step], graph_inputs: set[str]) -> tuple[int, bool]:
@@ -121,6 +123,7 @@ def build_plan(loaded: LoadedGraph) -> Plan:
     steps: list[Step] = []
     folded = 0
     lineage = Lineage()
+    six_bit: set[str] = set()  # 6-bit codes, as fuselm.UnpackUInt6 folded them
     for node in graph.node:
         domain = node.domain or ""
         if domain == "ai.onnx":
@@ -132,7 +135,7 @@ def build_plan(loaded: LoadedGraph) -> Plan:
             continue
         if (domain, node.op_type) in (("", "DequantizeLinear"),
                                       (contract.DOMAIN, "DequantizeAffine")):
-            packed = _try_pack(node, attrs, consts)
+            packed = _try_pack(node, attrs, consts, six_bit)
             if packed is not None:
                 consts[node.output[0]] = packed
                 lineage.note_pack(list(node.input), packed)
@@ -151,6 +154,8 @@ def build_plan(loaded: LoadedGraph) -> Plan:
                 if name:
                     consts[name] = v
             lineage.note_fold(node.op_type, attrs, ins, node.output[0], consts)
+            if (domain, node.op_type) == (contract.DOMAIN, "UnpackUInt6"):
+                six_bit.add(node.output[0])
             folded += 1
             continue
         steps.append(step)

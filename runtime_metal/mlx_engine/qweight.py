@@ -6,7 +6,11 @@ MLX:  w = scale * q + bias, codes packed 8 per uint32 along the grouped (last) a
 So q = codes, scale = scale, bias = -zp * scale: the same weights, bit for bit. Computing the bias
 in float32 keeps it exact (a float16 scale has 11 significant bits, zp < 16 adds 4; zp < 256 of
 8-bit codes adds 8). fuselm.DequantizeAffine (w = codes * scale + bias, passes/ops.py) is MLX's
-form itself: its biases are taken as they are. 4-bit codes pack 8 per uint32, 8-bit ones 4.
+form itself: its biases are taken as they are. 4-bit codes pack 8 per uint32, 8-bit ones 4,
+6-bit ones (DequantizeLinear over fuselm.UnpackUInt6) as MLX's little-endian bit stream along
+the grouped axis, four codes in three bytes: the artifact's own layout (passes/ops.py
+`pack_uint6`) of each row. fuselm's CUDA kernels take 4- and 8-bit weights only
+(q4_gemv.fits, embedding.take_fits); a 6-bit one always runs MLX's own quantized ops.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
+from fuselm.passes import ops as contract
 from fuselm.runtime_metal.cuda_kernels import embedding as kernels_embedding
 from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
@@ -122,7 +127,7 @@ class QWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        r, c = self.packed.shape[0], self.packed.shape[1] * (32 // self.bits)
+        r, c = self.packed.shape[0], self.packed.shape[1] * 32 // self.bits
         return (c, r) if self.transposed else (r, c)
 
     def T(self) -> QWeight:  # noqa: N802 - mirrors array.T
@@ -247,6 +252,15 @@ def _pack_bytes(codes: np.ndarray, transposed: bool) -> np.ndarray:
     return q.view(np.dtype("<u4")).astype(np.uint32, copy=False)
 
 
+def _pack_six(codes: np.ndarray, transposed: bool) -> np.ndarray:
+    """6-bit codes [R, C] (uint8 < 64) → uint32 words along the grouped axis (C, or R when
+    `transposed`): pack_uint6 along that axis, four codes in three bytes, twelve bytes (16
+    codes) three little-endian words."""
+    q = np.ascontiguousarray(codes, dtype=np.uint8)
+    stream = contract.pack_uint6(q if transposed else np.ascontiguousarray(q.T))
+    return np.ascontiguousarray(stream.T).view(np.dtype("<u4")).astype(np.uint32, copy=False)
+
+
 def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) -> bool:
     """True when the blocked DequantizeLinear (or DequantizeAffine) maps 1:1 onto MLX's
     affine groups: 4-bit codes, or 8-bit unsigned ones."""
@@ -262,12 +276,13 @@ def can_pack(codes: np.ndarray, scales: np.ndarray, axis: int, block_size: int) 
 
 def from_dequantize_linear(
     codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, axis: int,
-    block_size: int,
+    block_size: int, six: bool = False,
 ) -> QWeight:
-    """Repack a constant blocked DequantizeLinear (see can_pack) into a QWeight."""
+    """Repack a constant blocked DequantizeLinear (see can_pack) into a QWeight; `six`: its
+    uint8 codes are fuselm.UnpackUInt6's (each < 64), packed again at 6 bits."""
     if codes.dtype == np.uint8:
         z = np.zeros(scales.shape, np.uint8) if zero_points is None else zero_points
-        return _repack(codes, scales, None, z, axis, block_size, 8)
+        return _repack(codes, scales, None, z, axis, block_size, 6 if six else 8)
     signed = codes.dtype == np.dtype(ml_dtypes.int4)
     # int4 codes c and zero points z: (c - z) = ((c + 8) - (z + 8)), so shift both to uint4.
     # On the codes' bytes (ml_dtypes keeps a 4-bit element in the low nibble): c + 8 of a
@@ -297,12 +312,14 @@ def _repack(q: np.ndarray, scales: np.ndarray, biases: np.ndarray | None,
     """QWeight of uint8 codes q (values < 2**bits), with `biases` or zero points `z`."""
     transposed = axis % 2 == 0
     if transposed:  # blocks along rows: MLX groups along the last axis, so store W.T
-        packed = _pack_columns(q) if bits == 4 else _pack_bytes(q, True)
+        packed = (_pack_columns(q) if bits == 4 else _pack_six(q, True) if bits == 6
+                  else _pack_bytes(q, True))
         s = scales.T
         z = None if z is None else z.T
         biases = None if biases is None else biases.T
     else:
-        packed = _pack_rows(np.ascontiguousarray(q)) if bits == 4 else _pack_bytes(q, False)
+        packed = (_pack_rows(np.ascontiguousarray(q)) if bits == 4
+                  else _pack_six(q, False) if bits == 6 else _pack_bytes(q, False))
         s = scales
     s32 = np.ascontiguousarray(s).astype(np.float32)
     # C order: numpy may lay out the product of a transposed and a plain array column-major,

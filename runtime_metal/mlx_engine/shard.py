@@ -11,9 +11,10 @@ the stored tensor it reads (loader.read_weights reads only those bytes of model.
   and the KV inputs' head dims shrink to the rank's. The LM head keeps the rank's vocabulary
   columns, gathered back by `AllGatherLast`; an embedding table (a tied head's is the same
   tensor) keeps the same vocabulary rows: ids outside them look up row 0 (`ShardIndex`) and
-  are zeroed before one `VocabSum` adds the ranks' rows. Blocked (Q4 / 8-bit) weights keep
-  their blocks: blocks run along the input dimension, so a column split is free and a row
-  split must fall on block boundaries (refused otherwise).
+  are zeroed before one `VocabSum` adds the ranks' rows. Blocked (Q4 / 6-bit / 8-bit) weights
+  keep their blocks: blocks run along the input dimension, so a column split is free and a row
+  split must fall on block boundaries (refused otherwise); 6-bit codes (fuselm.UnpackUInt6's
+  bytes, four codes in three along the rows) are cut at 3/4 of the rows' bounds.
 - pipeline: contiguous layer ranges. Rank r keeps the nodes of its layers (rank 0 the
   embedding, the last rank the final norm and LM head), receives the hidden state from r - 1
   (`PipeRecv`) and sends its own to r + 1 (`PipeSend`); the logits reach every rank through
@@ -39,6 +40,7 @@ DOMAIN = "fuselm.dist"
 MODES = ("tensor", "pipeline")
 _PASS_THROUGH = ("Cast",)
 _DEQUANT = ("DequantizeLinear", "DequantizeAffine")
+_UNPACK6 = "UnpackUInt6"  # fuselm's: 6-bit codes, four in three bytes along axis 0
 _FOUR_BIT = (TensorProto.UINT4, TensorProto.INT4)
 # the hidden state pipeline ranks pass on, by the engine's activation dtype (else float32)
 _HIDDEN_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -127,6 +129,12 @@ class _Cuts:
             block = int(_attr(node, "block_size", 0) or 0)  # type: ignore[arg-type]
             qaxis = int(_attr(node, "axis", 1))  # type: ignore[arg-type]
             self.blocked(list(node.input), axis, spans, qaxis % 2, block, what)
+        elif node.op_type == _UNPACK6:
+            if axis == 0 and any(a % 4 or b % 4 for a, b in spans):
+                raise ShardError(f"{what}: a split at {spans} would cut its 6-bit codes' "
+                                 "groups of four rows")
+            self.weight(node.input[0], axis,
+                        spans if axis else [(3 * a // 4, 3 * b // 4) for a, b in spans], what)
         else:
             raise ShardError(f"{what}: weight made by {node.op_type}")
 
@@ -184,7 +192,8 @@ def _vocab_axis(g: _Graph, tensor: str, axis: int) -> list[tuple[str, int]]:
     if tensor in g.inits:
         return [(tensor, axis)]
     node = g.producer.get(tensor)
-    if node is not None and node.op_type in _PASS_THROUGH:
+    if node is not None and (node.op_type in _PASS_THROUGH
+                             or (node.op_type == _UNPACK6 and axis == 1)):  # bytes along axis 0
         return _vocab_axis(g, node.input[0], axis)
     if node is not None and node.op_type == "Transpose":
         perm = list(_attr(node, "perm", [1, 0]))  # type: ignore[arg-type]
@@ -305,6 +314,8 @@ def _weight_dims(g: _Graph, tensor: str) -> tuple[int, int]:
         return int(k), int(n)
     node = g.producer[tensor]
     k, n = _weight_dims(g, node.input[0])
+    if node.op_type == _UNPACK6:  # bytes [3K/4, N]
+        return k * 4 // 3, n
     return (n, k) if node.op_type == "Transpose" else (k, n)
 
 

@@ -89,7 +89,7 @@ class OrtEngine:
                 threads=threads or None,
                 profile_prefix=str(Path(profile_dir) / "ort_profile") if profile_dir else None,
                 external_data_dir=path.parent if model is not None else None,
-                initializers=lowered.int4_values if isinstance(lowered, Lowered) else None)
+                initializers=lowered.memory_values if isinstance(lowered, Lowered) else None)
         except Exception as e:  # ORT raises its own exception types for unreadable models
             raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}

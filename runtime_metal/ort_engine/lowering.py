@@ -24,7 +24,9 @@ kernels for most of them (it would wrap each in Casts). So, at load time only:
 - a Q4 embedding lookup → `GatherBlockQuantized` on the packed table (ort_gather_q4.py), not
   onnxruntime's unpacked uint8 copy of it;
 - Q4 tensors whose zero points are all 8 (symmetric) become int4 codes without zero points
-  (ort_int4.py: exact), so onnxruntime's MatMulNBits runs them on its faster kernel.
+  (ort_int4.py: exact), so onnxruntime's MatMulNBits runs them on its faster kernel;
+- 6-bit codes (fuselm.UnpackUInt6 of an initializer) are unpacked to 8-bit ones
+  (ort_engine/unpack6.py: exact), which MatMulNBits takes and 6-bit ones it does not.
 
 The KV inputs then hold `capacity` positions (the engine's buffer); `attention_mask`'s length
 says how many are valid, as onnxruntime-genai drives it. Anything this lowering does not cover
@@ -49,6 +51,7 @@ from fuselm.runtime_metal.manifest_schema import onnx_inputs
 from fuselm.runtime_metal.ort_engine import dequant_matmul
 from fuselm.runtime_metal.ort_engine.gather_q4 import packed_gathers
 from fuselm.runtime_metal.ort_engine.int4 import symmetric_to_int4
+from fuselm.runtime_metal.ort_engine.unpack6 import expand_six_bit
 
 MS = "com.microsoft"
 F16, BF16, F32 = TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT
@@ -61,12 +64,14 @@ class Lowered:
     rope_positions: int  # positions the cos/sin tables cover (0: no rotary in the graph)
     artifact_inputs: dict[str, list[int | str | None]]  # the artifact's own graph inputs
     artifact_past_dtype: str | None  # and its KV dtype (the lowered graph's is float32)
-    int4_values: dict[str, object] | None = None  # Q4 codes given in memory (ort_int4.py)
+    # codes given in memory: symmetric Q4 as int4 (ort_engine/int4.py), 6-bit unpacked
+    # (ort_engine/unpack6.py)
+    memory_values: dict[str, object] | None = None
 
     @property
     def int4_count(self) -> int:
         """Symmetric Q4 tensors rewritten as int4."""
-        return sum(name.endswith("__int4") for name in self.int4_values or ())
+        return sum(name.endswith("__int4") for name in self.memory_values or ())
 
 
 class NotLowered(Exception):
@@ -89,14 +94,16 @@ def lower_for_cpu(model_file: Path, manifest: Manifest, exact_rows: bool = False
         return f"unreadable model ({type(e).__name__})"
     inputs = onnx_inputs(model)
     past_dtype = _past_dtype(model)
+    base_dir = Path(model_file).parent
     try:
-        model, positions = _lower(model, manifest, exact_rows, Path(model_file).parent)
+        unpacked = expand_six_bit(model.graph, base_dir)  # _lower prunes the packed bytes
+        model, positions = _lower(model, manifest, exact_rows, base_dir)
     except NotLowered as e:
         return str(e)
-    values = symmetric_to_int4(model, Path(model_file).parent)
+    values = symmetric_to_int4(model, base_dir)
     if values:
         _prune(model)  # the uint4 codes and zero points nothing reads any more
-    return Lowered(model, positions, inputs, past_dtype, values)
+    return Lowered(model, positions, inputs, past_dtype, {**unpacked, **values})
 
 
 def float32_plain(model_file: Path) -> tuple[onnx.ModelProto, str | None]:

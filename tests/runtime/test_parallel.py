@@ -2,7 +2,8 @@
 `mlx.launch -n 2 --backend ring` starts them): tensor and pipeline parallel give the single
 rank's logits and greedy tokens (and the batch decoder's, rows joining and leaving; pipeline
 in micro-batches, the ranks busy at once) for a Llama (untied head), a Qwen3 (q/k-norm, tied
-head) and a Gemma 3 (sliding window, scaled embedding), float and Q4; each rank
+head) and a Gemma 3 (sliding window, scaled embedding), float and Q4 (and the Qwen3 in
+`--quant mixed`'s 6- and 8-bit blocks, its tied table at 6 bits); each rank
 reads about half the weights; a rank killed mid-generation ends the other with one error line;
 the server on rank 0 answers as a single-rank server does."""
 
@@ -67,9 +68,12 @@ def launch(argv: list[str], root: Path, ranks: int = 2, **popen: object
             for r in range(ranks)]
 
 
+SIX = "qwen3-q6"  # --quant mixed under a budget that gives 6- and 8-bit blocks
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{family}-{float|q4} -> artifact."""
+    """{family}-{float|q4} (and SIX) -> artifact."""
     root = tmp_path_factory.mktemp("parallel_models")
     out = {}
     for family, extra in FAMILIES.items():
@@ -78,6 +82,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[f"{family}-float"] = art
         out[f"{family}-q4"] = quantized_copy(art, root / f"{family}_q4", lm_head=True,
                                              embeddings=True)
+    out[SIX] = convert(root / "qwen3_hf", root / "qwen3_q6", quant="mixed", bits_budget=6.8,
+                       default_calibration=False)
     return out
 
 
@@ -119,7 +125,8 @@ def job(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", [f"{f}-{q}" for f in FAMILIES for q in ("float", "q4")])
+@pytest.mark.parametrize("name", [f"{f}-{q}" for f in FAMILIES for q in ("float", "q4")]
+                         + [SIX])
 def test_two_ranks_match_one(job: Path, single: dict[str, dict], name: str, mode: str) -> None:
     ranks = [json.loads((job / f"rank{r}.json").read_text()) for r in (0, 1)]
     ref = single[name]

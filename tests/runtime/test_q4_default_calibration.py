@@ -170,25 +170,29 @@ def test_builtin_calibration_skips_large_models(models: dict[str, Path]) -> None
     assert builtin_calibration(models["hf"], big) is None
 
 
-def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str, Path]) -> None:
+def test_mixed_preset_puts_the_most_sensitive_tensors_at_6_or_8_bits(models: dict[str, Path]
+                                                                     ) -> None:
     """`--quant mixed`: the tensors choose_bits picks from the built-in text's importance under
-    the default budget (MIXED_BITS_BUDGET bits per weight) are stored as 8-bit blocks
-    (quantize_8bit's codes at the chosen block size), the rest as the default 4-bit; the choice
-    is recorded, shown by quant-report, and the artifact runs the same on both engines."""
+    the default budget (MIXED_BITS_BUDGET bits per weight) are stored as 6- or 8-bit blocks
+    (quantize_wide's codes at the chosen bits and block size, 6-bit ones packed), the rest as
+    the default 4-bit; the choice is recorded, shown by quant-report, and the artifact runs
+    the same on both engines."""
     from click.testing import CliRunner
 
     from fuselm.converter.calibration_input import builtin_calibration
     from fuselm.converter.cli.main import cli
+    from fuselm.passes.ops import unpack_uint6_reference
     from fuselm.passes.quant.options import MIXED_BITS_BUDGET
     from fuselm.passes.quant.q4_allocate import choose_bits, mixed_bits_per_weight
-    from fuselm.passes.quant.q8_math import quantize_8bit
+    from fuselm.passes.quant.q8_math import quantize_wide
 
     q = read_manifest(models["mixed"]).quantization
-    assert q is not None and q["bits"] == "mixed 4/8"
-    eight = q["mixed"]["eight_bit"]
-    assert eight and q["mixed"]["bits_budget"] == MIXED_BITS_BUDGET
+    assert q is not None and q["bits"] == "mixed 4/6/8"
+    eight, six = q["mixed"]["eight_bit"], q["mixed"]["six_bit"]
+    assert eight and six and q["mixed"]["bits_budget"] == MIXED_BITS_BUDGET
     ts = {t["name"]: t for t in q["tensors"]}
     assert {n for n, t in ts.items() if t.get("bits", 4) == 8} == set(eight)
+    assert {n for n, t in ts.items() if t.get("bits", 4) == 6} == set(six)
     size = {n: int(np.prod(t["shape"])) for n, t in ts.items()}
     plan = {n: (t.get("bits", 4), t["block_size"]) for n, t in ts.items()}
     assert sum(size[n] * mixed_bits_per_weight(*plan[n]) for n in ts) \
@@ -213,15 +217,17 @@ def test_mixed_preset_puts_the_most_sensitive_tensors_at_8_bits(models: dict[str
     assert choose_bits(items, MIXED_BITS_BUDGET, 32, importance=imp) == plan
     qm = onnx.load(str(models["mixed"] / "model.onnx"))
     qinits = {t.name: t for t in qm.graph.initializer}
-    for n in eight:
+    for n in eight + six:
         kn = inits[n].T if ts[n]["role"] in HEAD_ROLES else inits[n]
         got = numpy_helper.to_array(qinits[ts[n]["codes"]])
-        assert got.dtype == np.uint8 and np.array_equal(
-            got, quantize_8bit(kn, plan[n][1]).codes)
-    four = next(n for n in ts if n not in eight)
+        assert got.dtype == np.uint8
+        if n in six:
+            got = unpack_uint6_reference(got)
+        assert np.array_equal(got, quantize_wide(kn, plan[n][1], bits=plan[n][0]).codes)
+    four = next(n for n in ts if n not in eight + six)
     assert ts[four].get("bits", 4) == 4
     text = CliRunner().invoke(cli, ["quant-report", str(models["mixed"])]).output
-    assert f"mixed: {len(eight)} tensors at 8 bits" in text
+    assert f"mixed: {len(eight)} tensors at 8 bits, {len(six)} at 6 bits" in text
     mlx_engine = make_engine(models["mixed"], "mlx")
     ort_engine = make_engine(models["mixed"], "onnxruntime", accuracy_level=0)
     prompt = [int(i) for i in np.random.default_rng(2).integers(4, 384, 30)]

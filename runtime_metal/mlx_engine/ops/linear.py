@@ -6,7 +6,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import mlx.core as mx
+import numpy as np
 
+from fuselm.passes import ops as contract
 from fuselm.runtime_metal.dtypes import like_dtype
 from fuselm.runtime_metal.mlx_engine.ops.registry import op
 from fuselm.runtime_metal.mlx_engine.qweight import QWeight
@@ -79,3 +81,10 @@ def dequantize_affine(xp: ModuleType, x, scale, bias, *, axis: int, block_size: 
     s = mx.repeat(scale.astype(mx.float32), block_size, axis=ax)[tuple(cut)]
     b = mx.repeat(bias.astype(mx.float32), block_size, axis=ax)[tuple(cut)]
     return (x.astype(mx.float32) * s + b).astype(like_dtype(mx, scale))
+
+
+@op("fuselm", "UnpackUInt6")
+def unpack_uint6(xp: ModuleType, packed):  # noqa: ANN001, ANN201
+    """6-bit codes to one uint8 a code (passes/ops.py): folded once at load, where the planner
+    packs them again as a 6-bit QWeight; computed on the host (a constant's bytes)."""
+    return contract.unpack_uint6_reference(np.asarray(packed))
