@@ -21,6 +21,7 @@ Once the grammar is complete the mask allows only the end of sequence, so the re
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -156,34 +157,39 @@ class TokenConstraint:
         return self._matcher.is_stopped()
 
 
-_EXECUTOR: list[Any] = []
-_EXECUTOR_LOCK = threading.Lock()
+# llguidance's default pool size: 80 % of the CPUs, at most 32. A machine with fewer than
+# three CPUs fills row by row: there the pool gains nothing (benchmarks/probes/mask_fill.py on
+# 2 shared cores, a pool of 2: 8 rows 102 us a step against 93 row by row, 16 rows 174 / 197).
+POOL_THREADS = min(32, (os.cpu_count() or 1) * 4 // 5)
+_EXECUTORS: dict[int, Any] = {}
+_EXECUTORS_LOCK = threading.Lock()
 
 
-def _executor() -> Any:
-    """llguidance's thread pool (its default size: 80 % of the CPUs, at most 32), made once."""
+def _executor(threads: int) -> Any:
+    """llguidance's thread pool of `threads` threads, made once."""
     from llguidance import LLExecutor
 
-    with _EXECUTOR_LOCK:
-        if not _EXECUTOR:
-            _EXECUTOR.append(LLExecutor())
-        return _EXECUTOR[0]
+    with _EXECUTORS_LOCK:
+        if threads not in _EXECUTORS:
+            _EXECUTORS[threads] = LLExecutor(num_threads=threads)
+        return _EXECUTORS[threads]
 
 
-def fill_masks(rows: Sequence[tuple[TokenConstraint, int]], bits: np.ndarray) -> None:
+def fill_masks(rows: Sequence[tuple[TokenConstraint, int]], bits: np.ndarray,
+               threads: int = POOL_THREADS) -> None:
     """Each (constraint, r): its next token's mask into row r of `bits`, int32 [rows, words]
-    C-contiguous (TokenConstraint.fill's layout). Several constraints are filled at once on
-    llguidance's threads, outside the GIL: a step's masks cost about one row's, not the sum
-    of the rows' (one row alone skips the pool)."""
+    C-contiguous (TokenConstraint.fill's layout). With `threads` ≥ 2 several constraints are
+    filled at once on llguidance's threads, outside the GIL, so a step's masks cost about
+    one row's where there are cores for them; else (and for one row) row by row."""
     assert bits.dtype == np.int32 and bits.ndim == 2 and bits.flags.c_contiguous
-    if len(rows) == 1:
-        constraint, r = rows[0]
-        constraint.fill(bits[r])
+    if len(rows) == 1 or threads < 2:
+        for constraint, r in rows:
+            constraint.fill(bits[r])
         return
     for constraint, _ in rows:
         assert bits.shape[1] == constraint.words
-    _executor().unsafe_compute_mask_ptr([(c.matcher, r) for c, r in rows], bits.ctypes.data,
-                                        bits.strides[0], bits.shape[0])
+    _executor(threads).unsafe_compute_mask_ptr([(c.matcher, r) for c, r in rows],
+                                               bits.ctypes.data, bits.strides[0], bits.shape[0])
 
 
 def constrained(sampler: Sampler, constraint: TokenConstraint) -> Sampler:

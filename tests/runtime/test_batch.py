@@ -217,9 +217,9 @@ def test_a_constrained_row_beside_free_ones(engine_name: str, qwen3_artifact) ->
 
 
 def test_masks_filled_together_equal_each_rows_own(qwen3_artifact) -> None:  # noqa: ANN001
-    """fill_masks (several grammars on llguidance's threads) writes the same bits as each
-    constraint's own fill, rows in any order, grammars in different states; rows it is not
-    given stay as they were."""
+    """fill_masks (several grammars on llguidance's threads, or row by row) writes the same
+    bits as each constraint's own fill, rows in any order, grammars in different states; rows
+    it is not given stay as they were."""
     from fuselm.runtime_metal.constraint import (
         TokenConstraint,
         constraint_vocab,
@@ -246,10 +246,11 @@ def test_masks_filled_together_equal_each_rows_own(qwen3_artifact) -> None:  # n
     own = np.zeros((3, words), np.int32)
     for r, c in enumerate(rows):
         c.fill(own[r])
-    together = np.full((4, words), 7, np.int32)
-    fill_masks([(rows[2], 0), (rows[0], 3), (rows[1], 1)], together)
-    assert (together[[3, 1, 0]] == own).all()
-    assert (together[2] == 7).all()
+    for threads in (2, 1):
+        together = np.full((4, words), 7, np.int32)
+        fill_masks([(rows[2], 0), (rows[0], 3), (rows[1], 1)], together, threads=threads)
+        assert (together[[3, 1, 0]] == own).all()
+        assert (together[2] == 7).all()
     assert len({own[r].tobytes() for r in range(3)}) == 3  # three different masks compared
 
 
