@@ -1,8 +1,8 @@
-"""6-bit weights (`--quant q6`, and `--quant mixed`'s middle width): codes packed four in three bytes and read
-through fuselm.UnpackUInt6, which both engines run exactly — MLX as its own 6-bit quantized
-matmul and row gather (a tied table among them), onnxruntime as 8-bit MatMulNBits over the codes
-unpacked at load (lowered graph) or through UnpackUInt6's ONNX body (plain graph) — giving the
-logits of the model's own dequantized weights in float32."""
+"""6-bit weights (`--quant q6`, and `--quant mixed`'s middle width): codes packed four in three
+bytes and read through fuselm.UnpackUInt6, which both engines run exactly — MLX as its own 6-bit
+quantized matmul and row gather (a tied table among them), onnxruntime as 8-bit MatMulNBits over
+the codes unpacked at load (lowered graph) or through UnpackUInt6's ONNX body (plain graph) —
+giving the logits of the model's own dequantized weights in float32."""
 
 from __future__ import annotations
 
