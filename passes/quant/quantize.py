@@ -211,7 +211,9 @@ class QuantizeQ4:
             # (None too when every weight kept its given blocks: no forward ran, none needed)
             "calibration": None if self.calibration is None or not todo else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
-            "norm_importance": opts.norm_importance and self.calibration is None,
+            # (6- and 8-bit blocks take min/max: no importance, unless mixed's choice used it)
+            "norm_importance": opts.norm_importance and self.calibration is None
+            and (opts.bits == 4 or opts.mixed),
             "symmetric": opts.symmetric,
             "zero_point": _zero_point_text(opts),
             "given": _given_record(w.tensors),
@@ -505,7 +507,9 @@ def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _zero_point_text(opts: QuantOptions) -> str:
     kind = "uint4/uint8" if opts.mixed else "uint4" if opts.bits == 4 else "uint8"
-    fixed = "8/32/128 (4/6/8 bits)" if opts.mixed else 8 if opts.bits == 4 else 128
+    # q6 stores a K that is no multiple of 4 in 8-bit blocks
+    fixed = ("8/32/128 (4/6/8 bits)" if opts.mixed else 8 if opts.bits == 4
+             else "32/128 (6/8 bits)" if opts.bits == 6 else 128)
     return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
 
 

@@ -325,23 +325,27 @@ def test_six_bit_options_and_what_they_refuse_by_name() -> None:
         quant_options("mixed", q_bits=6)
 
 
-@pytest.mark.parametrize("k", [64, 42])
-def test_six_bit_codes_pack_along_k_or_the_weight_takes_8_bits(k: int) -> None:
+@pytest.mark.parametrize(("k", "symmetric"), [(64, True), (42, False)])
+def test_six_bit_codes_pack_along_k_or_the_weight_takes_8_bits(k: int, symmetric: bool) -> None:
     """`--quant q6` on a MatMul: a K that is a multiple of 4 is stored packed ([3K/4, N] bytes
-    through UnpackUInt6), another K in 8-bit blocks (recorded); both give x @ the record's
-    dequantized weight in onnxruntime."""
+    through UnpackUInt6; --sym: zero point 32), another K in 8-bit blocks (recorded); both give
+    x @ the record's dequantized weight in onnxruntime."""
     rng = np.random.default_rng(6)
     w = (rng.standard_normal((k, 24)) * 0.1).astype(np.float32)
     x = rng.standard_normal((1, 3, k)).astype(np.float32)
-    model, res = quantize_q4(_matmul_model(w), bits=6)
+    model, res = quantize_q4(_matmul_model(w), bits=6, symmetric=symmetric)
     (info,) = res["tensors"]
     bits = 6 if k % 4 == 0 else 8
-    assert info["bits"] == bits and res["bits"] == bits
+    assert info["bits"] == bits and res["bits"] == bits and not res["norm_importance"]
+    assert res["zero_point"] == ("fixed 32/128 (6/8 bits) (uint8)" if symmetric
+                                 else "uint8 per block")
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     codes = inits[info["codes"]]
     if bits == 6:
         assert codes.shape == (3 * k // 4, 24)
         codes = ops.unpack_uint6_reference(codes)
+    if symmetric:
+        assert (inits[info["zero_points"]] == 32).all()
     wd = ops.dequantize_reference(codes, inits[info["scales"]], inits[info["zero_points"]], 32)
     assert rel(wd, w) < 0.02
     ops.attach_functions(model)
