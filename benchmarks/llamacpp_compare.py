@@ -6,7 +6,7 @@ side by side (separate processes, alternating). Prints one JSON object.
         --hf-dir SMOL_HF --llama-python /path/venv/bin/python --llama-src LLAMA_CPP_SRC \
         --work WORK [--gguf NAME=FILE ...] [--fuselm NAME=OUT_DIR ...] [--context 1024] \
         [--speed GGUF_NAME=FUSELM_NAME ...] [--rounds 3] [--mlx-python /path/venv/bin/python]
-        [--no-ppl]
+        [--no-ppl] [--types Q8_0,Q4_K_M,...]
 
 - HF_DIR is the float checkpoint every quantization starts from (for the bundled demo model:
   SmolLM2-135M-Instruct's GGUF dequantized into an HF folder by transformers).
@@ -14,7 +14,8 @@ side by side (separate processes, alternating). Prints one JSON object.
   (`--llama-python`, with torch, transformers and sentencepiece beside it for the converter);
   LLAMA_CPP_SRC is that release's vendored llama.cpp tree, whose convert_hf_to_gguf.py (run
   by that Python, with the tree's own gguf-py first on the path) makes the F16 GGUF
-  that `llama_model_quantize` turns into Q8_0 / Q4_K_M / Q4_K_S / Q4_0.
+  that `llama_model_quantize` turns into Q8_0 / Q4_K_M / Q4_K_S / Q4_0 (or the comma-separated
+  `--types`, e.g. Q6_K).
 - Perplexity follows runtime_metal/perplexity.py's rule (llama-perplexity's) on the bundled
   English prose: the same token ids (fuselm's tokenizer) go to every system; llama.cpp's logits
   come back from benchmarks/llamacpp_worker.py and are scored by the same `chunk_nll`.
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mlx-python", default=None, help="a Python with mlx-lm: its 4/8-bit rows")
     ap.add_argument("--no-ppl", action="store_true", help="speed only")
+    ap.add_argument("--types", default=",".join(QUANT_TYPES),
+                    help="llama.cpp quantization types, comma-separated (worker's FTYPES)")
     args = ap.parse_args()
 
     import torch
@@ -118,7 +121,7 @@ def main() -> None:
                         args.hf_dir, "--outtype", "f16", "--outfile", str(f16)], env=env,
                        check=True, capture_output=True)
     ggufs["llama.cpp F16"] = f16
-    for kind in QUANT_TYPES:
+    for kind in args.types.split(","):
         dst = work / f"{kind.lower()}.gguf"
         if not dst.exists():
             worker(args.llama_python, {"op": "quantize", "src": str(f16), "dst": str(dst),

@@ -28,7 +28,7 @@ def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
 
     Options as ConvertOptions.from_flags takes them: dtype ("auto" | "float32" | "float16" |
     "bfloat16"), passes, optimize, keep_intermediate, allow_nonfinite, adapter (a PEFT LoRA
-    folder merged into the weights), and quant (None | "none" | "q4" | "q8" | "mixed", or a
+    folder merged into the weights), and quant (None | "none" | "q4" | "q6" | "q8" | "mixed", or a
     QuantOptions) with its flags beside it (q_bits=8, block_size=64, symmetric=True, ...: the
     keywords of passes/quant/options.py's `quant_options`). A quantized GGUF, AWQ or GPTQ
     checkpoint keeps its blocks unless quant="none". Returns the artifact folder."""

@@ -47,10 +47,10 @@ def _passes(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--quant",
-    type=click.Choice(["none", "q4", "q8", "mixed"]),
+    type=click.Choice(["none", "q4", "q6", "q8", "mixed"]),
     default=None,
-    help="q4 / q8: 4- or 8-bit block weights (DequantizeLinear + MatMul / fused ops); mixed: "
-    "4, 6 or 8 bits per tensor by measured error per added bit, under --bits-budget (5.75). "
+    help="q4 / q6 / q8: 4-, 6- or 8-bit block weights (DequantizeLinear + MatMul / fused ops); "
+    "mixed: 4, 6 or 8 bits per tensor by measured error per added bit, under --bits-budget (5.75). "
     "Default: none, except a quantized GGUF (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quant, IQ4, "
     "IQ3 or IQ2_XXS blocks), which keeps its blocks.",
 )
@@ -67,8 +67,8 @@ def _passes(value: str | None) -> list[str] | None:
               "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits). With "
               "--quant mixed: the mean of its 4/6/8-bit choice (4.625-8.75; default 5.75).")
 @click.option("-q", "--quantize", is_flag=True, help="mlx-lm's spelling: --quant q4.")
-@click.option("--q-bits", type=click.Choice(["4", "8"]), default=None,
-              help="mlx-lm's spelling: --q-bits 4 is --quant q4, --q-bits 8 --quant q8.")
+@click.option("--q-bits", type=click.Choice(["4", "6", "8"]), default=None,
+              help="mlx-lm's spelling: --q-bits 4 is --quant q4, 6 --quant q6, 8 --quant q8.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
 @click.option(
     "--quant-lm-head/--no-quant-lm-head",

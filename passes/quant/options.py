@@ -5,6 +5,8 @@ convert pipeline to the quantize pass (passes/quant/quantize.py).
     --quant q4                    QuantOptions()                 the defaults below
     --quant q8, --q-bits 8        bits=8                         8-bit blocks (min/max or a
                                                                  grid step, no calibration)
+    --quant q6, --q-bits 6        bits=6                         6-bit blocks, the same rule
+                                                                 (codes packed, passes/ops.py)
     --quant mixed                 mixed=True                     4, 6 or 8 bits per tensor under
                                                                  a mean of MIXED_BITS_BUDGET bits
                                                                  (q4_allocate.choose_bits)
@@ -32,8 +34,8 @@ from fuselm.passes.errors import PassesError
 from fuselm.passes.quant.q4_math import METHODS
 
 BLOCK_SIZES = (32, 64, 128)
-BITS = (4, 8)
-QUANT_CHOICES = ("none", "q4", "q8", "mixed")
+BITS = (4, 6, 8)
+QUANT_CHOICES = ("none", "q4", "q6", "q8", "mixed")
 # `--quant mixed`: 4-bit blocks, or 6- or 8-bit blocks of 128/64/32, per tensor, chosen by
 # measured error per added bit under this mean of bits per quantized weight (float16 scales, as
 # `quant-report` counts; a float32 graph stores them in float32: +16/B). On SmolLM2-135M a
@@ -53,10 +55,10 @@ def _check_bits(bits: int, bits_budget: float | None, calibration: str | None) -
     if bits not in BITS:
         raise PassesError(f"--q-bits {bits} is not supported; valid values: "
                           f"{', '.join(map(str, BITS))}")
-    if bits == 8 and bits_budget is not None:
-        raise PassesError("--bits-budget is a 4-bit mean; drop it with --q-bits 8")
-    if bits == 8 and calibration:
-        raise PassesError("--calibration shapes 4-bit rounding; drop it with --q-bits 8")
+    if bits != 4 and bits_budget is not None:
+        raise PassesError(f"--bits-budget is a 4-bit mean; drop it with --q-bits {bits}")
+    if bits != 4 and calibration:
+        raise PassesError(f"--calibration shapes 4-bit rounding; drop it with --q-bits {bits}")
 
 
 def _check_values(block_size: int | None, bits_budget: float | None, method: str,
@@ -103,6 +105,11 @@ class QuantOptions:
         if self.calibration and not self.default_calibration:
             raise PassesError("--calibration and --no-calibration contradict; drop one")
         _check_bits(self.bits, self.bits_budget, self.calibration)
+        if self.bits == 6 and self.embeddings:
+            # an untied table is stored in its own [V, H] layout, blocks along axis 1, and
+            # 6-bit codes pack four in three bytes along axis 0 only (quantize.py)
+            raise PassesError("--quant-embeddings: 6-bit codes do not pack an untied table's "
+                              "rows; use --quant q8 or drop --quant-embeddings")
         if self.mixed and self.bits != 4:
             raise PassesError("--quant mixed chooses 4, 6 or 8 bits per tensor itself; drop "
                               "--q-bits")
@@ -114,7 +121,7 @@ class QuantOptions:
 
     @property
     def calibrates(self) -> bool:
-        """Whether a calibration text runs: 4-bit only (8-bit blocks take min/max)."""
+        """Whether a calibration text runs: 4-bit only (6- and 8-bit blocks take min/max)."""
         return self.bits == 4 and bool(self.calibration or self.default_calibration)
 
     def blocks(self) -> tuple[int, float | None]:
@@ -140,7 +147,7 @@ def quant_options(
 ) -> QuantOptions | None:
     """The options the user's flags ask for (the CLI's and the Python API's spellings); None
     means no quantization. `quant_lm_head=None` is the default: quantized with q4. `q_bits`
-    (4 or 8) asks for quantization by itself. Raises PassesError naming the flag and its valid
+    (4, 6 or 8) asks for quantization by itself. Raises PassesError naming the flag and its valid
     values."""
     q = (quant or (f"q{q_bits}" if q_bits else "none")).lower()
     if q not in QUANT_CHOICES:
@@ -156,7 +163,7 @@ def quant_options(
         if q_bits:
             raise PassesError("--q-bits needs quantization; drop --quant none")
         return None
-    bits = 8 if q == "q8" else 4
+    bits = {"q6": 6, "q8": 8}.get(q, 4)
     if q_bits is not None and (q == "mixed" or q_bits != bits):
         raise PassesError(f"--quant {q} and --q-bits {q_bits} contradict; give one")
     _check_bits(bits, bits_budget, calibration)

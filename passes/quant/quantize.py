@@ -71,11 +71,13 @@ points (symmetric: 128), the min/max formula with 255 steps (codes = clip(rint(w
 **Mixed** (`mixed=True`, `--quant mixed`): per tensor 4-bit blocks as above, or 6- or 8-bit
 blocks of 128, 64 or 32, as passes/quant/q4_allocate.choose_bits picks them by measured error
 per added bit under a mean of `mixed_budget` bits per weight; the record's `mixed` names the
-6- and 8-bit ones, each tensor its `bits` and block size. **6-bit** blocks are 8-bit's formula
-with 63 steps (uint8 zero points below 64); ONNX has no 6-bit type, so the codes are stored
-packed four in three bytes along K ([3K/4, N] uint8, passes/ops.py `pack_uint6`) and read
-through `fuselm.UnpackUInt6`: DequantizeLinear(UnpackUInt6(packed), scales, zp). Only weights
-stored along axis 0 (every projection, the LM head and a tied table) take 6 bits.
+6- and 8-bit ones, each tensor its `bits` and block size. **6-bit** (`bits=6`, `--quant q6`,
+or mixed's choice) blocks are 8-bit's formula with 63 steps (uint8 zero points below 64); ONNX
+has no 6-bit type, so the codes are stored packed four in three bytes along K ([3K/4, N] uint8,
+passes/ops.py `pack_uint6`) and read through `fuselm.UnpackUInt6`:
+DequantizeLinear(UnpackUInt6(packed), scales, zp). Only weights stored along axis 0 (every
+projection, the LM head and a tied table) with K a multiple of 4 take 6 bits (`--quant q6`
+stores another K in 8-bit blocks, recorded per tensor; its options refuse an untied table).
 
 **Given blocks** (`given`, fuselm/given_blocks.py): a weight its checkpoint gives already
 quantized (a GGUF tensor of gguf/blocks.py's EXACT_TYPES) is stored as given, its codes, scales
@@ -209,7 +211,9 @@ class QuantizeQ4:
             # (None too when every weight kept its given blocks: no forward ran, none needed)
             "calibration": None if self.calibration is None or not todo else {
                 **self.calibration.record(), "seconds": round(calib_seconds, 2)},
-            "norm_importance": opts.norm_importance and self.calibration is None,
+            # (6- and 8-bit blocks take min/max: no importance, unless mixed's choice used it)
+            "norm_importance": opts.norm_importance and self.calibration is None
+            and (opts.bits == 4 or opts.mixed),
             "symmetric": opts.symmetric,
             "zero_point": _zero_point_text(opts),
             "given": _given_record(w.tensors),
@@ -503,7 +507,9 @@ def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _zero_point_text(opts: QuantOptions) -> str:
     kind = "uint4/uint8" if opts.mixed else "uint4" if opts.bits == 4 else "uint8"
-    fixed = "8/32/128 (4/6/8 bits)" if opts.mixed else 8 if opts.bits == 4 else 128
+    # q6 stores a K that is no multiple of 4 in 8-bit blocks
+    fixed = ("8/32/128 (4/6/8 bits)" if opts.mixed else 8 if opts.bits == 4
+             else "32/128 (6/8 bits)" if opts.bits == 6 else 128)
     return f"fixed {fixed} ({kind})" if opts.symmetric else f"{kind} per block"
 
 
@@ -641,6 +647,8 @@ class _Writer:
         symmetric = self.opts.symmetric
         calibrated = None
         bits = bits or self.opts.bits
+        if bits == 6 and w_kn.shape[0] % 4:
+            bits = 8  # `--quant q6`: four codes pack in three bytes along K; else the 8-bit form
         if bits != BITS:
             q = quantize_wide(w_kn, block_size, symmetric, self.opts.method == "search", bits)
         elif stats is not None and stats.gram is not None:

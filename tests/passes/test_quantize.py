@@ -281,7 +281,7 @@ def test_fused_ops_take_codes_scales_zero_points() -> None:
 def test_bad_block_size_lists_valid_values() -> None:
     with pytest.raises(PassesError, match="32, 64, 128"):
         quant_options("q4", block_size=48)
-    with pytest.raises(PassesError, match="none, q4, q8"):
+    with pytest.raises(PassesError, match="none, q4, q6, q8, mixed"):
         quant_options("q3")
     with pytest.raises(PassesError, match="32, 64, 128"):
         QuantOptions(block_size=48)  # made directly, checked the same way
@@ -304,6 +304,53 @@ def test_eight_bit_options_and_what_they_refuse_by_name() -> None:
         quant_options("q4", q_bits=8)
     with pytest.raises(PassesError, match="--q-bits needs"):
         quant_options("none", q_bits=8)
+
+
+def test_six_bit_options_and_what_they_refuse_by_name() -> None:
+    """`--quant q6` / `--q-bits 6` (and the API's quant="q6"): 6-bit blocks, no calibration;
+    what shapes 4-bit rounding, and an untied table its codes cannot pack, refused by name."""
+    from fuselm.converter.pipeline import ConvertOptions
+
+    assert quant_options(q_bits=6) == quant_options("q6") == QuantOptions(bits=6)
+    assert not quant_options("q6").calibrates
+    assert ConvertOptions.from_flags(quant="q6", block_size=64).quant == QuantOptions(
+        block_size=64, bits=6)
+    with pytest.raises(PassesError, match="--bits-budget .*--q-bits 6"):
+        quant_options("q6", bits_budget=4.45)
+    with pytest.raises(PassesError, match="--calibration .*--q-bits 6"):
+        quant_options(q_bits=6, calibration="text.txt")
+    with pytest.raises(PassesError, match="--quant-embeddings"):
+        quant_options("q6", quant_embeddings=True)
+    with pytest.raises(PassesError, match="contradict"):
+        quant_options("mixed", q_bits=6)
+
+
+@pytest.mark.parametrize(("k", "symmetric"), [(64, True), (42, False)])
+def test_six_bit_codes_pack_along_k_or_the_weight_takes_8_bits(k: int, symmetric: bool) -> None:
+    """`--quant q6` on a MatMul: a K that is a multiple of 4 is stored packed ([3K/4, N] bytes
+    through UnpackUInt6; --sym: zero point 32), another K in 8-bit blocks (recorded); both give
+    x @ the record's dequantized weight in onnxruntime."""
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((k, 24)) * 0.1).astype(np.float32)
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
+    model, res = quantize_q4(_matmul_model(w), bits=6, symmetric=symmetric)
+    (info,) = res["tensors"]
+    bits = 6 if k % 4 == 0 else 8
+    assert info["bits"] == bits and res["bits"] == bits and not res["norm_importance"]
+    assert res["zero_point"] == ("fixed 32/128 (6/8 bits) (uint8)" if symmetric
+                                 else "uint8 per block")
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    codes = inits[info["codes"]]
+    if bits == 6:
+        assert codes.shape == (3 * k // 4, 24)
+        codes = ops.unpack_uint6_reference(codes)
+    if symmetric:
+        assert (inits[info["zero_points"]] == 32).all()
+    wd = ops.dequantize_reference(codes, inits[info["scales"]], inits[info["zero_points"]], 32)
+    assert rel(wd, w) < 0.02
+    ops.attach_functions(model)
+    sess, _ = make_session(_save(model), accuracy_level=0, optimize=False)
+    assert rel(sess.run(None, {"x": x})[0], x @ wd) <= 1e-5
 
 
 def test_defaults_quantize_the_head_with_the_search() -> None:

@@ -1,12 +1,13 @@
-"""6-bit weights (`--quant mixed`'s middle width): codes packed four in three bytes and read
-through fuselm.UnpackUInt6, which both engines run exactly — MLX as its own 6-bit quantized
-matmul and row gather (a tied table among them), onnxruntime as 8-bit MatMulNBits over the codes
-unpacked at load (lowered graph) or through UnpackUInt6's ONNX body (plain graph) — giving the
-logits of the model's own dequantized weights in float32."""
+"""6-bit weights (`--quant q6`, and `--quant mixed`'s middle width): codes packed four in three
+bytes and read through fuselm.UnpackUInt6, which both engines run exactly — MLX as its own 6-bit
+quantized matmul and row gather (a tied table among them), onnxruntime as 8-bit MatMulNBits over
+the codes unpacked at load (lowered graph) or through UnpackUInt6's ONNX body (plain graph) —
+giving the logits of the model's own dequantized weights in float32."""
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -72,7 +73,24 @@ def q6(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     hf = build_model(root / "hf", "qwen3", seed=5, head_dim=16)
     f32 = convert(hf, root / "f32")
     art = convert(hf, root / "q6", quant="mixed", bits_budget=BUDGET, default_calibration=False)
-    return {"f32": f32, "q6": art, "ref": _float_copy(f32, art, root / "ref")}
+    return {"hf": hf, "f32": f32, "q6": art, "ref": _float_copy(f32, art, root / "ref")}
+
+
+@pytest.fixture(scope="module")
+def all6(q6: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same model through `fuselm convert --q-bits 6` (mlx-lm's spelling of --quant q6)."""
+    from fuselm.converter.cli.main import main
+
+    root = tmp_path_factory.mktemp("all6")
+    argv, sys.argv = sys.argv, ["fuselm", "convert", str(q6["hf"]), "-o", str(root / "q6"),
+                                "--q-bits", "6", "--dtype", "float32", "--quiet"]
+    try:
+        main()
+    except SystemExit as e:
+        assert not e.code, e.code
+    finally:
+        sys.argv = argv
+    return {"q6": root / "q6", "ref": _float_copy(q6["f32"], root / "q6", root / "ref")}
 
 
 def test_mixed_choice_stores_6_bit_tensors_packed(q6: dict[str, Path]) -> None:
@@ -174,3 +192,44 @@ def test_a_6_bit_weight_runs_mlx_ops_where_the_cuda_kernels_would_run() -> None:
     want = x.astype(mx.float32) @ dense.T
     assert rel(np.array(got.astype(mx.float32)), np.array(want)) <= 1e-2  # float16 compute
     assert np.array_equal(np.array(looked_up), np.array(dense)[[3, 95, 95]][None])
+
+
+def test_quant_q6_puts_every_weight_in_6_bit_blocks_that_both_engines_run(
+        all6: dict[str, Path]) -> None:
+    """`--q-bits 6`: every quantized weight (the tied table, the fused projections, the plain
+    ones) in 6-bit blocks of 32, min/max or a grid step, no calibration; quant-report and
+    inspect name it Q6; MLX and onnxruntime give the logits and greedy tokens of the float32
+    model holding the artifact's own dequantized weights."""
+    from click.testing import CliRunner
+
+    from fuselm.converter.cli.main import cli
+
+    q = read_manifest(all6["q6"]).quantization
+    assert q is not None and q["bits"] == 6 and q["block_size"] == 32 and q["mixed"] is None
+    assert q["method"] == "minmax+grid" and q["calibration"] is None
+    assert {t.get("bits") for t in q["tensors"]} == {6}
+    roles = {t["role"] for t in q["tensors"]}
+    assert "tied_embedding_lm_head" in roles and any(r.startswith("fused:") for r in roles)
+    assert CliRunner().invoke(cli, ["quant-report", str(all6["q6"])]).output.startswith(
+        "Q6 block 32")
+    assert "Q6 blocks of 32, asymmetric" in CliRunner().invoke(
+        cli, ["inspect", str(all6["q6"])]).output
+    ref_engine = make_engine(all6["ref"], "onnxruntime", accuracy_level=0)
+    ref = engine_logits(ref_engine, PROMPT, 8)
+    want = generate(ref_engine, PROMPT, max_new_tokens=12).tokens
+    engines = {"mlx": make_engine(all6["q6"], "mlx"),
+               "ort": make_engine(all6["q6"], "onnxruntime", accuracy_level=0)}
+    for name, engine in engines.items():
+        assert rel(engine_logits(engine, PROMPT, 8), ref) <= 1e-4, name
+        assert generate(engine, PROMPT, max_new_tokens=12).tokens == want, name
+
+
+def test_quant_q6_refuses_what_does_not_apply_by_name(q6: dict[str, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """--bits-budget (a 4-bit mean) beside --q-bits 6: one error line, nothing written."""
+    from tests.cli_run import cli, one_error
+
+    out = tmp_path / "bad"
+    line = one_error(*cli(capsys, "convert", str(q6["hf"]), "-o", str(out), "--q-bits", "6",
+                          "--bits-budget", "4.45"))
+    assert "--bits-budget" in line and "--q-bits 6" in line and not out.exists()
