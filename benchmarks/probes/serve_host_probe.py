@@ -55,18 +55,20 @@ def server(argv: list[str], stats_path: Path) -> None:
     from fuselm.converter.serve import decoder as dec_mod
     from fuselm.converter.serve import scheduler as sched_mod
 
-    rec: dict[str, list[Any]] = {"steps": [], "adds": [], "jobs": [], "deltas": []}
+    rec: dict[str, list[Any]] = {"steps": [], "adds": [], "jobs": [], "deltas": [], "cpu": [],
+                                 "traces": []}
     last_end = [0.0]
 
     step0 = dec_mod.ServeDecoder.step
 
     def step(self: Any) -> Any:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = step0(self)
         e = time.perf_counter()
         gap = t - last_end[0] if last_end[0] else float("nan")
         last_end[0] = e
-        rec["steps"].append((t, e, sum(len(v) for v in out.values()), gap))
+        rec["steps"].append((t, e, sum(len(v) for v in out.values()), gap,
+                             time.thread_time() - c))
         return out
 
     add0 = dec_mod.ServeDecoder.add
@@ -90,12 +92,38 @@ def server(argv: list[str], stats_path: Path) -> None:
                     rec["jobs"].append({"submit": job.t_submit, "first_token": job.t_first,
                                         "first_delta": now})
                     first = False
+            if event[0] == "done":  # each thread's CPU so far, at the end of each request
+                rec["cpu"].append((now, _thread_cpu()))
             yield event
 
+    if os.environ.get("PROBE_PROFILE"):  # the engine thread's loop under cProfile
+        import cProfile
+        import pstats
+
+        loop0 = sched_mod.Scheduler._loop
+
+        def loop(self: Any) -> None:
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                loop0(self)
+            finally:
+                prof.disable()
+                with open(os.environ["PROBE_PROFILE"], "w") as f:
+                    pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+        sched_mod.Scheduler._loop = loop  # type: ignore[method-assign]
+    from fuselm.runtime_metal.mlx_engine import decode as program_mod
+
+    run0 = program_mod.DecodeProgram.run
+
+    def run(self: Any, *a: Any, **k: Any) -> Any:  # a compiled function calls it to trace only
+        rec["traces"].append(time.perf_counter())
+        return run0(self, *a, **k)
+
+    program_mod.DecodeProgram.run = run  # type: ignore[method-assign]
     dec_mod.ServeDecoder.step = step  # type: ignore[method-assign]
     dec_mod.ServeDecoder.add = add  # type: ignore[method-assign]
     app_mod.deliver = deliver  # type: ignore[assignment]
-    del sched_mod
 
     def dump(*_: Any) -> None:
         stats_path.write_text(json.dumps({**rec, "thread_cpu": _thread_cpu()}))
@@ -117,7 +145,7 @@ def client(url: str, n: int, requests: int, words: int) -> list[dict[str, Any]]:
             body = {"model": "probe", "max_tokens": n, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": " ".join(
-                        f"w{(r * 7 + j) % 50}" for j in range(words))}]}
+                        f"w{(r * 7 + j) % 50}" for j in range(words + r % 7))}]}
             t0 = time.perf_counter()
             first = last = 0.0
             chunks = tokens = 0
@@ -200,12 +228,18 @@ def main() -> None:
             "first_token_to_first_delta": med((j["first_delta"] - j["first_token"]) * 1e3
                                               for j in jobs)},
         "engine_thread": {"step_ms": med((s[1] - s[0]) * 1e3 for s in steps),
+                          "step_cpu_ms": med(s[4] * 1e3 for s in steps),
                           "gap_ms": med(gaps) * 1e3 if gaps else None,
                           "tokens": tokens,
                           "wall_per_token_ms": sum(s[1] - s[0] + (s[3] if s[3] == s[3] else 0)
                                                    for s in steps) / max(tokens, 1) * 1e3},
-        "thread_cpu_s": rec["thread_cpu"],
+        # from the warm-up's end to the last request's: CPU ms per generated token, by thread
+        "thread_cpu_ms_per_token": {
+            k: round((v - rec["cpu"][0][1].get(k, 0.0)) * 1e3 / (args.n * args.r), 3)
+            for k, v in rec["cpu"][-1][1].items()},
         "deltas": len(rec["deltas"]),
+        # the engine's compiled traces during the measured requests (after the warm-up's add)
+        "traces": sum(t >= t_from for t in rec["traces"]),
     }
     print(json.dumps(summary, indent=1))
 
