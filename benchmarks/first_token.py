@@ -3,7 +3,7 @@ prompt's prefill into its blocks) and the first `step`, for prompts of lengths t
 not met yet and then for the same lengths again, one JSON.
 
     python benchmarks/first_token.py --artifact DIR [--lengths 85 95] [--max-context 1024]
-        [--shared 20]
+        [--shared 20 [--pad-after-prefix on|off]]
 
 A server meets a new prompt length on most requests; where that costs a compiled trace of its
 own, `new` stands above `again` by the trace. Each prompt is random ids, added to an otherwise
@@ -59,9 +59,14 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--shared", type=int, default=0,
                     help="ids every prompt starts with (taken from the prefix cache)")
+    ap.add_argument("--pad-after-prefix", choices=("auto", "on", "off"), default="auto",
+                    help="the rest after a reused prefix prefilled padded (BatchDecoder."
+                    "pad_after_prefix; auto: the decoder's default, on a GPU only)")
     args = ap.parse_args()
     engine = make_engine(args.artifact, "mlx")
     dec = BatchDecoder(engine, max_batch=args.max_batch, max_context=args.max_context)
+    if args.pad_after_prefix != "auto":
+        dec.pad_after_prefix = args.pad_after_prefix == "on"
     vocab = engine.manifest.model.vocab_size
     rng = np.random.default_rng(0)
     shared = [int(t) for t in rng.integers(4, min(1000, vocab), args.shared)]
@@ -92,7 +97,7 @@ def main() -> None:
         "device": str(mx.default_device()), "host": platform.node(),
         "artifact": str(args.artifact), "engine": engine.describe(), "mode": dec.mode,
         "lengths": [args.lengths[0], args.lengths[1] - 1], "shared": args.shared,
-        "reused_tokens": dec.reused_tokens,
+        "reused_tokens": dec.reused_tokens, "pad_after_prefix": dec.pad_after_prefix,
         "new_ms": med(new, 0), "again_ms": med(again, 0),
         "new_cpu_ms": med(new, 1), "again_cpu_ms": med(again, 1),
         "new_over_again": med(new, 0) / med(again, 0),

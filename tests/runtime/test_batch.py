@@ -278,15 +278,16 @@ def test_padded_prefill_equals_the_prompts_own(qwen3_artifact) -> None:  # noqa:
 
 def test_a_reused_prefixs_rest_is_padded_and_traced_once_per_width(qwen3_artifact) -> None:  # noqa: ANN001
     """Prompts that share a prefix (a system prompt, a chat template's header) and differ in
-    length: the decoder takes the prefix from its cache and pads the rest from the multiple of
-    16 before it, so rests of several lengths share one compiled trace (the program's Python
-    runs only when it traces) and every prompt decodes generate's tokens."""
+    length: the decoder takes the prefix from its cache and, on a GPU, pads the rest from the
+    multiple of 16 before it, so rests of several lengths share one compiled trace (the
+    program's Python runs only when it traces) and every prompt decodes generate's tokens."""
     engine = make_engine(qwen3_artifact, "mlx")
     rng = np.random.default_rng(5)
     head = [int(t) for t in rng.integers(4, 384, size=21)]
     prompts = [head + [int(t) for t in rng.integers(4, 384, size=n)] for n in (3, 6, 9, 4)]
     want = [generate(engine, p, max_new_tokens=4).tokens for p in prompts]
     dec = BatchDecoder(engine, max_batch=2, max_context=96)
+    dec.pad_after_prefix = True  # a GPU's default (this test runs on any device)
     program = engine.fast.program
     run, calls = program.run, []
     program.run = lambda *a, **k: calls.append(a[0].shape) or run(*a, **k)
