@@ -267,9 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         pad_vocab(hf, vocab)  # before converting: the conversions copy the tokenizer
         tag = f"{args.shape}_g{args.group_size}_{dtype}"
         fl_dir = ensure_fuselm(hf, work / f"fuselm_{tag}", args.group_size, dtype)
-        mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype)
+        mlx_dir = ensure_mlx_lm(hf, work / f"mlxlm_{tag}", args.group_size, dtype) if (
+            "mlx-lm" in args.systems) else None
         for folder in (fl_dir, mlx_dir):  # conversions made before the padding
-            pad_vocab(folder, vocab)
+            if folder is not None:
+                pad_vocab(folder, vocab)
     if "fuselm" in args.systems:  # before any server starts: the machine to itself
         # about the chat prompt's length: the words, the template and the chat's system text
         reference = bench_tg(fl_dir, args.fuselm_engine, args.n, args.prompt_words + 32)
