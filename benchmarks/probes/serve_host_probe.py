@@ -130,10 +130,22 @@ def server(argv: list[str], stats_path: Path) -> None:
 
     from fuselm.converter.cli.main import cli
 
+    loop_prof = None
+    if os.environ.get("PROBE_PROFILE_LOOP"):  # the event loop's thread (the main one)
+        import cProfile
+
+        loop_prof = cProfile.Profile()
+        loop_prof.enable()
     try:
         cli.main(["serve", *argv], standalone_mode=False)
     finally:
         dump()
+        if loop_prof is not None:
+            import pstats
+
+            loop_prof.disable()
+            with open(os.environ["PROBE_PROFILE_LOOP"], "w") as f:
+                pstats.Stats(loop_prof, stream=f).sort_stats("tottime").print_stats(40)
 
 
 def client(url: str, n: int, requests: int, words: int) -> list[dict[str, Any]]:
