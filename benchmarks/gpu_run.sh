@@ -27,7 +27,8 @@
 #   benchmarks/gpu_run.sh ncu SHAPE GROUP       # launches per decode step, both systems, ncu
 #   benchmarks/gpu_run.sh serve SHAPE GROUP     # serve_bench.py: fuselm serve vs mlx_lm.server
 #                                               # (STREAMS="1 16" picks the stream counts),
-#                                               # then first_token.py on fuselm's artifact
+#                                               # then first_token.py on fuselm's artifact,
+#                                               # fresh prompts and after a shared prefix
 #   benchmarks/gpu_run.sh 8b GROUP              # the Llama-3.1-8B shape (make_checkpoint.py, bf16
 #                                               # random weights), fuselm Q4 (minmax scales) and
 #                                               # mlx-lm Q4 of it, side by side as `sbs` (ROUNDS)
@@ -370,6 +371,11 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
     python3 benchmarks/first_token.py --artifact "$art" > "$OUT/first_token_$2_g$3.json"
     cat "$OUT/first_token_$2_g$3.json"
+    # the same with a 20-token prefix every prompt shares (a chat template's header, reused
+    # from the prefix cache): traces and time of the rest's prefill
+    python3 benchmarks/first_token.py --artifact "$art" --shared 20 \
+      > "$OUT/first_token_$2_g$3_shared.json"
+    cat "$OUT/first_token_$2_g$3_shared.json"
     ;;
   *)
     echo "unknown part $part: tests | sbs SHAPE GROUP | ncu SHAPE GROUP" >&2

@@ -204,6 +204,11 @@ class BatchDecoder:
             for i, s in enumerate(self.slots):
                 s.state = self._rows.state(i)
         self._span_step = 0
+        # A reused prefix's rest prefilled padded from the multiple of PAD before it
+        # (_prefill_blocks): on a GPU, where a short prefill is launch-bound and a trace of the
+        # prefix program costs tens of ms a new (offset, length); on MLX's CPU backend a
+        # prefill's cost grows with its tokens, so a short rest goes as it is there.
+        self.pad_after_prefix = mx.default_device().type == mx.gpu
         self._pipe: PipelineSteps | None = None  # a pipeline stage's micro-batched steps
         self.micro_batches = 1  # the most micro-batches a step's rows are split into
         self._inflight: _Step | None = None  # batched mode: the step queued by the last step()
@@ -475,23 +480,31 @@ class BatchDecoder:
     def _prefill_blocks(self, table: list[int], prompt: list[int], keep: int, slot: int
                         ) -> np.ndarray:
         """The prompt past `keep` through the engine's single-sequence path into a scratch
-        cache at the decoder's capacity, then into its blocks. A new prompt (no prefix reused)
-        of one prefill chunk at most is padded to a multiple of PAD tokens (padded_width), so
-        prompts of many lengths share one compiled trace instead of tracing each new length
-        (measured on a 28-layer model on a CPU: a new length's first token 1.3-1.6x a traced
-        one's, the dummies of its padding 1.06-1.24x; on a GPU a short prefill is
-        launch-bound, so its dummies cost about nothing). Longer prompts, and a reused
-        prefix's rest (whose program is traced per offset anyway), go as they are."""
+        cache at the decoder's capacity, then into its blocks. A rest of one prefill chunk at
+        most is padded to a multiple of PAD tokens (padded_width), so prompts of many lengths
+        share one compiled trace instead of tracing each new length (measured on a 28-layer
+        model on a CPU: a new length's first token 1.3-1.6x a traced one's, the dummies of its
+        padding 1.06-1.24x; on a GPU a short prefill is launch-bound, so its dummies cost
+        about nothing). After a reused prefix (`pad_after_prefix`) the padded chunk starts at the
+        multiple of PAD at or before `keep` (its program is traced per offset: a server's
+        prompts share a system prompt or a chat template's header, so these offsets recur
+        where `keep` varies; the few positions before `keep` are computed again in the
+        scratch, the blocks keep theirs). Longer rests go as they are."""
         engine = self.engine
-        scratch = self.cache.gather(table, keep) if keep else [
+        pad = getattr(engine, "prefill_padded", None)
+        start = keep - keep % PAD
+        padded = pad is not None and (not keep or self.pad_after_prefix) and (
+            len(prompt) - start <= prefill_chunk_for(engine, self.prefill_chunk))
+        start = start if padded else keep
+        scratch = self.cache.gather(table, start) if start else [
             KVCache(self.cache.quant) for _ in self.cache.keys]
         saved = engine.swap_cache(scratch)
         try:
             engine.reserve(self.capacity)
-            pad = getattr(engine, "prefill_padded", None)
-            if pad is not None and not keep and len(prompt) <= prefill_chunk_for(
-                    engine, self.prefill_chunk):
-                logits = pad(np.asarray(prompt, np.int64), padded_width(len(prompt)))
+            if padded:
+                assert pad is not None
+                logits = pad(np.asarray(prompt[start:], np.int64),
+                             padded_width(len(prompt) - start))
             else:
                 logits = prefill(engine, prompt[keep:], self.prefill_chunk)
             self.cache.scatter(scratch, table, keep, len(prompt), slot)

@@ -61,6 +61,13 @@ class ServeDecoder:
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         return self.dec.logprobs(slot)
 
+    def first_token(self, slot: int) -> int:
+        """The token `add` sampled from the slot's prompt: its first, which the next step
+        reports (BatchDecoder's `pending`, known once the prefill is done)."""
+        token = self.dec.slots[slot].pending
+        assert token is not None
+        return token
+
     def cached_tokens(self, slot: int) -> int:
         return self._cached.get(slot, 0)
 

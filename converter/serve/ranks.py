@@ -82,6 +82,9 @@ class LeaderDecoder:
     def logprobs(self, slot: int) -> TokenLogprobs | None:
         return self.inner.logprobs(slot)
 
+    def first_token(self, slot: int) -> int:
+        return self.inner.first_token(slot)
+
     def add(self, prompt_ids: Sequence[int], sampling: SamplingOptions, *,
             top_logprobs: int | None = None, fork_of: int | None = None,
             constraint: TokenConstraint | None = None) -> int:

@@ -5,6 +5,9 @@ slot before the next step.
 
 The engine thread never waits for HTTP and does no per-token text work: a step appends each
 row's token id to its Job and wakes the event loop once (only for jobs whose reader waits).
+A request's first token is handed over as soon as its prefill made it, when it joins (the step
+that feeds it does not report it again): not after the prefills of the requests joining with
+it and the next step.
 Detokenizing, stop strings, JSON and sockets happen on the event loop (delivery.py), which
 takes every token that arrived since it last looked: a slow client gets them as one larger
 chunk while the batch keeps its pace. A reader that saw a stop string or lost its client sets
@@ -63,6 +66,11 @@ class BatchDecoder(Protocol):
 
     def logprobs(self, slot: int) -> TokenLogprobs | None: ...
 
+    def first_token(self, slot: int) -> int:
+        """The first token of the sequence just added in `slot` (sampled from its prompt's
+        logits), which the next step reports again."""
+        ...
+
     def remove(self, slot: int) -> None: ...
 
     def cached_tokens(self, slot: int) -> int: ...
@@ -116,6 +124,9 @@ class Job:
     cached: int = 0
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    # the engine thread's: its first token went out when it joined, so the step that reports
+    # it again is skipped
+    early: bool = False
     read: int = 0  # tokens the reader has taken
     # What the sleeping reader wants the engine to wake it for: None (it is not asleep),
     # "token" (anything new) or "finish" (only the end: it is waiting out its chunk interval).
@@ -284,6 +295,9 @@ class Scheduler:
                         job = self._active.get(slot)
                         if job is None:
                             break
+                        if job.early:  # its first token, sent when it joined
+                            job.early = False
+                            continue
                         self._on_token(slot, job, token)
             except EngineLost:
                 raise
@@ -306,7 +320,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Take the submitted jobs into the wait line, refuse those that waited too long, and
-        let the first ones join while a slot is free and their KV reservation fits."""
+        let the first ones join while a slot is free and their KV reservation fits. A job's
+        first token goes to its reader as soon as its prefill made it, before the next join
+        and the step (_first_tokens)."""
         assert self.decoder is not None
         idle = not self._active and not self._waiting
         while True:
@@ -318,6 +334,7 @@ class Scheduler:
             if job is not None:
                 self._waiting.append(job)
         self._expire_waiting()
+        joined: list[Job] = []  # joined, their first token not yet out
         while self._waiting and len(self._active) < self.max_batch:
             job = self._waiting[0]
             if job.cancelled.is_set():
@@ -325,7 +342,7 @@ class Scheduler:
                 continue
             need = self.decoder.kv_cost(len(job.prompt) + job.max_tokens)
             if self._reserved_total + need > self.decoder.kv_budget:
-                return  # it waits (and those behind it) until running requests leave
+                break  # it waits (and those behind it) until running requests leave
             self._waiting.popleft()
             parent = job.fork_of
             like = parent.slot if parent is not None and parent.slot is not None and (
@@ -345,6 +362,24 @@ class Scheduler:
             self._reserved_total += need
             job.slot = slot
             self._admitted += 1
+            joined.append(job)
+            after = self._waiting[0].fork_of if self._waiting else None
+            if not any(after is j for j in joined):  # a fork joins before the token is out
+                self._first_tokens(joined)
+        self._first_tokens(joined)
+
+    def _first_tokens(self, jobs: list[Job]) -> None:
+        """The first tokens of jobs that just joined, to their readers now (time to first
+        token: where the next step would hand them out after the other joins' prefills and
+        its own work); that step's report of them is skipped (`early`)."""
+        assert self.decoder is not None
+        for job in jobs:
+            slot = job.slot
+            if slot is not None and self._active.get(slot) is job:
+                job.early = True
+                self._on_token(slot, job, self.decoder.first_token(slot))
+        jobs.clear()
+        self._notify()
 
     def _expire_waiting(self) -> None:
         if self.queue_timeout is None or not self._waiting:

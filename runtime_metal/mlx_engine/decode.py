@@ -437,7 +437,7 @@ class FastDecoder:
         # device mask over the whole capacity (the work and the mask read grow with capacity,
         # not with what is cached: measured 2-3x slower than mlx-lm at 2,048-8,192 tokens).
         self.prefix_prefill = True
-        self._prefixed: dict[int, Callable[..., tuple[mx.array, ...]]] = {}
+        self._prefixed: dict[tuple[int, bool], Callable[..., tuple[mx.array, ...]]] = {}
         self._verify: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
         self._padded: Callable[..., tuple[mx.array, ...]] | None = None  # made on first use
         # a 4-bit cache's decode step that completes no key group (step_open), made on first use
@@ -487,12 +487,16 @@ class FastDecoder:
         return self._call(self._verify, mx.array(ids.astype(np.int32)), ids.size)
 
     def prefill_padded(self, ids: np.ndarray, width: int) -> mx.array:
-        """Feed a fresh prompt (nothing cached) padded to `width` tokens (DecodeProgram.padded:
-        compiled once per (width, capacity)); return its last own position's logits [vocab],
-        lazy float32. The caches advance by the prompt's own tokens. A chunk after cached
-        positions, or one whose dummies the capacity cannot hold, goes as `prefill` (its own
-        length: the device mask that would take any offset is slow for s > 1 on MLX's CPU
-        backend, ~10x the causal prefill of a 40-token chunk)."""
+        """Feed a prompt chunk padded to `width` tokens; return its last own position's logits
+        [vocab], lazy float32. The caches advance by the chunk's own tokens. At offset 0
+        (DecodeProgram.padded) one trace per (width, capacity); after cached positions (a
+        reused prefix's rest) the prefix program of that offset (`_prefix_fn`), one trace per
+        width: where each new length traced its own, a server that reuses one prefix (a system
+        prompt, a chat template's header) for prompts of many lengths traces a few widths. A
+        chunk whose dummies the capacity cannot hold, or after cached positions with
+        `prefix_prefill` off, goes as `prefill` (its own length: the device mask that would
+        take any offset is slow for s > 1 on MLX's CPU backend, ~10x the causal prefill of a
+        40-token chunk)."""
         assert self.can_prefill
         ids = np.asarray(ids).reshape(-1)
         n = ids.size
@@ -501,13 +505,17 @@ class FastDecoder:
         c0 = self.caches[0]
         # keys per channel (a 4-bit cache): dummies that complete the prompt's last group would
         # be quantized into it, and its floats may be gone from the tail when they are trimmed
-        if (c0.keys is None or c0.offset or width > c0.capacity
+        if (c0.keys is None or c0.offset + width > c0.capacity
+                or (c0.offset and not self.prefix_prefill)
                 or (c0.quant is not None and c0.quant.keys_per_channel)):
             return self.prefill(ids)
-        if self._padded is None:
-            self._padded = mx.compile(self.program.padded) if self.compiled else (
-                self.program.padded)
-        padded = self._padded
+        if c0.offset:
+            padded = self._prefix_fn(c0.offset, padded=True)
+        else:
+            if self._padded is None:
+                self._padded = mx.compile(self.program.padded) if self.compiled else (
+                    self.program.padded)
+            padded = self._padded
         last = mx.array(n - 1, mx.int32)
         tokens = np.zeros(width, np.int32)
         tokens[:n] = ids
@@ -527,18 +535,24 @@ class FastDecoder:
 
     _PREFIXED_KEPT = 64  # compiled prefix functions kept (oldest dropped first)
 
-    def _prefix_fn(self, pos: int) -> Callable[..., tuple[mx.array, ...]]:
-        """The program for a chunk after `pos` cached rows, attending rows 0..pos+s."""
-        fn = self._prefixed.pop(pos, None)
+    def _prefix_fn(self, pos: int, padded: bool = False) -> Callable[..., tuple[mx.array, ...]]:
+        """The program for a chunk after `pos` cached rows, attending rows 0..pos+s; padded:
+        taking the index of the chunk's last own position after the offset (its logits)."""
+        fn = self._prefixed.pop((pos, padded), None)
         if fn is None:
             program = self.program
-
-            def run(tokens: mx.array, offset: mx.array, *kv: mx.array) -> tuple[mx.array, ...]:
-                return program.run(tokens, offset, kv, fresh=False, prefix=pos)
+            if padded:
+                def run(tokens: mx.array, offset: mx.array, last: mx.array, *kv: mx.array
+                        ) -> tuple[mx.array, ...]:
+                    return program.run(tokens, offset, kv, fresh=False, prefix=pos, last=last)
+            else:
+                def run(tokens: mx.array, offset: mx.array, *kv: mx.array  # type: ignore[misc]
+                        ) -> tuple[mx.array, ...]:
+                    return program.run(tokens, offset, kv, fresh=False, prefix=pos)
             fn = mx.compile(run) if self.compiled else run
             if len(self._prefixed) >= self._PREFIXED_KEPT:
                 self._prefixed.pop(next(iter(self._prefixed)))
-        self._prefixed[pos] = fn  # re-inserted: most recently used last
+        self._prefixed[(pos, padded)] = fn  # re-inserted: most recently used last
         return fn
 
     def _call(self, fn: Callable[..., tuple[mx.array, ...]], tokens: mx.array, s: int

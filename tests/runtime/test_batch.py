@@ -275,3 +275,58 @@ def test_padded_prefill_equals_the_prompts_own(qwen3_artifact) -> None:  # noqa:
         (want, want_next), (got, got_next) = runs
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got_next, want_next, rtol=1e-5, atol=1e-5)
+
+
+def test_a_reused_prefixs_rest_is_padded_and_traced_once_per_width(qwen3_artifact) -> None:  # noqa: ANN001
+    """Prompts that share a prefix (a system prompt, a chat template's header) and differ in
+    length: the decoder takes the prefix from its cache and, on a GPU, pads the rest from the
+    multiple of 16 before it, so rests of several lengths share one compiled trace (the
+    program's Python runs only when it traces) and every prompt decodes generate's tokens."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    rng = np.random.default_rng(5)
+    head = [int(t) for t in rng.integers(4, 384, size=21)]
+    prompts = [head + [int(t) for t in rng.integers(4, 384, size=n)] for n in (3, 6, 9, 4)]
+    want = [generate(engine, p, max_new_tokens=4).tokens for p in prompts]
+    dec = BatchDecoder(engine, max_batch=2, max_context=96)
+    dec.pad_after_prefix = True  # a GPU's default (this test runs on any device)
+    program = engine.fast.program
+    run, calls = program.run, []
+    program.run = lambda *a, **k: calls.append(a[0].shape) or run(*a, **k)
+    try:
+        got = []
+        for p in prompts:
+            slot = dec.add(p)
+            tokens = []
+            while len(tokens) < 4:
+                tokens += [t for s, t in dec.step().items() if s == slot]
+            dec.remove(slot)
+            got.append(tokens)
+            if len(got) == 1:
+                calls.clear()  # the first prompt's own traces (fresh prefill, decode step)
+    finally:
+        del program.run
+    assert got == want
+    assert dec.reused_tokens == 3 * len(head)  # the blocks of the head, by reference
+    assert calls == [(16,)]  # the rests (21 + n from 16: 8..14 tokens) in one width
+
+
+def test_padded_prefill_after_a_prefix_equals_the_rests_own(qwen3_artifact) -> None:  # noqa: ANN001
+    """A chunk padded after cached positions (FastDecoder.prefill_padded at an offset): its
+    logits and the next step's equal the unpadded chunk's; the dummies stay out."""
+    engine = make_engine(qwen3_artifact, "mlx")
+    rng = np.random.default_rng(6)
+    head = rng.integers(4, 384, size=16)
+    for n in (1, 9, 23):
+        rest = rng.integers(4, 384, size=n)
+        runs = []
+        for pad in (False, True):
+            engine.swap_cache(None)
+            engine.reserve(128)
+            engine.forward(head[None])
+            first = engine.prefill_padded(rest, padded_width(n)) if pad else engine.forward(
+                rest[None])
+            assert engine.offset == 16 + n
+            runs.append((first, np.array(engine.decode_step(int(first.argmax())))))
+        (want, want_next), (got, got_next) = runs
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got_next, want_next, rtol=1e-5, atol=1e-5)
