@@ -34,7 +34,11 @@ from fuselm.runtime_metal.graph_io import PAST, present_for
 from fuselm.runtime_metal.manifest_schema import check_graph_io, ort_past_dtype
 from fuselm.runtime_metal.ort_engine.lowering import Lowered, float32_plain, lower_for_cpu
 from fuselm.runtime_metal.ort_engine.row_batch import RowBatch
-from fuselm.runtime_metal.ort_engine.session import OPTIMIZATION_LEVELS, make_session
+from fuselm.runtime_metal.ort_engine.session import (
+    OPTIMIZATION_LEVELS,
+    make_session,
+    ort_version,
+)
 from fuselm.runtime_metal.ort_engine.shared_kv import GROW, SharedKV
 
 
@@ -58,6 +62,22 @@ class OrtEngine:
         path = model_path(out_dir)
         lowered = lower_for_cpu(path, manifest, exact_rows is not False) if (
             lower and optimization == "all") else None
+        profile_prefix = str(Path(profile_dir) / "ort_profile") if profile_dir else None
+        lowered_session = None
+        if isinstance(lowered, Lowered):
+            # An onnxruntime older than the one the lowering was written against can refuse the
+            # lowered graph at load (1.30's shape inference after GroupQueryAttention, on a
+            # model whose whole plain graph it runs): the plain graph runs then, and
+            # `lowering` says why
+            try:
+                lowered_session = make_session(
+                    lowered.model.SerializeToString(), accuracy_level=accuracy_level,
+                    optimization=optimization, threads=threads or None,
+                    profile_prefix=profile_prefix, external_data_dir=path.parent,
+                    initializers=lowered.memory_values)
+            except Exception as e:  # ORT raises its own exception types for unloadable models
+                lowered = (f"onnxruntime {ort_version()} cannot load the lowered graph: "
+                           f"{str(e).strip().splitlines()[0][:300]}")
         if exact_rows and not isinstance(lowered, Lowered):
             raise RuntimeUserError(
                 "exact_rows needs the lowered graph (optimization 'all', lower=True); here: "
@@ -81,17 +101,17 @@ class OrtEngine:
                     plain, plain_past = float32_plain(path)
                 except Exception as e:  # unreadable, or a 16-bit tensor attribute
                     raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
-        model = lowered.model if isinstance(lowered, Lowered) else plain
-        try:
-            self.session, self.session_info = make_session(
-                model.SerializeToString() if model is not None else path,
-                accuracy_level=accuracy_level, optimization=optimization,
-                threads=threads or None,
-                profile_prefix=str(Path(profile_dir) / "ort_profile") if profile_dir else None,
-                external_data_dir=path.parent if model is not None else None,
-                initializers=lowered.memory_values if isinstance(lowered, Lowered) else None)
-        except Exception as e:  # ORT raises its own exception types for unreadable models
-            raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
+        if lowered_session is not None:
+            self.session, self.session_info = lowered_session
+        else:
+            try:
+                self.session, self.session_info = make_session(
+                    plain.SerializeToString() if plain is not None else path,
+                    accuracy_level=accuracy_level, optimization=optimization,
+                    threads=threads or None, profile_prefix=profile_prefix,
+                    external_data_dir=path.parent if plain is not None else None)
+            except Exception as e:  # ORT raises its own exception types for unreadable models
+                raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}
         outputs = {o.name: o.shape for o in self.session.get_outputs()}
         if isinstance(lowered, Lowered):

@@ -61,6 +61,13 @@ def default_threads() -> int:
     return max(1, len(cores))
 
 
+def ort_version() -> str:
+    """The installed onnxruntime's version."""
+    import onnxruntime as ort
+
+    return str(ort.__version__)
+
+
 def make_session(
     model_path: str | Path | bytes,
     *,

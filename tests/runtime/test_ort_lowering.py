@@ -128,6 +128,37 @@ def test_what_the_lowering_does_not_cover_runs_the_plain_graph(family: str, reas
     assert rel(engine_logits(engine, prompt, 5), engine_logits(plain, prompt, 5)) == 0.0
 
 
+def test_a_lowered_graph_onnxruntime_refuses_runs_the_plain_graph(
+        h32_models, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A lowered graph the installed onnxruntime refuses at load (as 1.30 refuses Qwen3's after
+    GroupQueryAttention) leaves the plain graph running, with the reason in `lowering`; asked
+    for by name, exact rows (which need the lowered graph) are refused."""
+    from onnx import helper, numpy_helper
+
+    from fuselm.runtime_metal.errors import RuntimeUserError
+    from fuselm.runtime_metal.ort_engine import engine as ort_engine
+    from fuselm.runtime_metal.ort_engine.lowering import lower_for_cpu
+
+    def refused(*args: object) -> object:  # the real lowering, plus a MatMul of 3x4 by 5x6
+        lowered = lower_for_cpu(*args)  # type: ignore[arg-type]
+        g = lowered.model.graph
+        for name, shape in (("bad/a", (3, 4)), ("bad/b", (5, 6))):
+            g.initializer.append(numpy_helper.from_array(np.ones(shape, np.float32), name))
+        g.node.append(helper.make_node("MatMul", ["bad/a", "bad/b"], ["bad/y"]))
+        g.output.append(helper.make_tensor_value_info("bad/y", onnx.TensorProto.FLOAT, None))
+        return lowered
+
+    out = h32_models["qwen3"][1]
+    plain = make_engine(out, "onnxruntime", lower=False)
+    monkeypatch.setattr(ort_engine, "lower_for_cpu", refused)
+    engine = make_engine(out, "onnxruntime")
+    assert "cannot load the lowered graph" in str(engine.describe()["lowering"])
+    prompt = _prompt(12)
+    assert rel(engine_logits(engine, prompt, 5), engine_logits(plain, prompt, 5)) == 0.0
+    with pytest.raises(RuntimeUserError, match="exact_rows needs the lowered graph"):
+        make_engine(out, "onnxruntime", exact_rows=True)
+
+
 @pytest.mark.parametrize("exact_rows", [False, True])
 def test_sliding_window_prefill_then_decode_past_it(exact_rows: bool, h32_models) -> None:  # noqa: ANN001
     """Gemma 3's local layer (window 8) is GroupQueryAttention with local_window_size 8, its

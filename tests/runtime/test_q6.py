@@ -134,7 +134,8 @@ def test_unpack_body_runs_the_reference_in_onnxruntime() -> None:
     graph = helper.make_graph(
         [node], "unpack", [helper.make_tensor_value_info("p", onnx.TensorProto.UINT8, [48, 5])],
         [helper.make_tensor_value_info("c", onnx.TensorProto.UINT8, [64, 5])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ops.ONNX_OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ops.ONNX_OPSET)],
+                              ir_version=10)  # onnxruntime 1.30 reads <= 13
     ops.attach_functions(model)
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
