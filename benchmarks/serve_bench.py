@@ -101,28 +101,40 @@ class ServerProc:
         self._log.close()
 
 
+class StreamTally:
+    """A streamed chat reply's server-sent lines, fed as they arrive: when its first and last
+    text came, its tokens (the usage chunk's count), its text pieces."""
+
+    def __init__(self) -> None:
+        self.first = self.last = 0.0
+        self.tokens = self.pieces = 0
+
+    def feed(self, line: str) -> None:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+        for c in chunk.get("choices") or []:
+            if (c.get("delta") or {}).get("content"):
+                self.last = time.perf_counter()
+                self.first = self.first or self.last
+                self.pieces += 1
+
+
 async def one_stream(http: httpx.AsyncClient, srv: ServerProc, prompt: str, n: int
                      ) -> dict[str, float]:
     body = {"model": srv.model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": n, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = 0.0
-    tokens = pieces = 0
+    tally = StreamTally()
     async with http.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for c in chunk.get("choices") or []:
-                if (c.get("delta") or {}).get("content"):
-                    last = time.perf_counter()
-                    first = first or last
-                    pieces += 1
-    tokens = tokens or pieces
+            tally.feed(line)
+    first, last = tally.first, tally.last
+    tokens = tally.tokens or tally.pieces
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
     return {"t0": t0, "first": first, "last": last, "tokens": tokens, "decode_tps": rate,
             "end": time.perf_counter()}

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from serve_bench import StreamTally  # noqa: E402
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -159,22 +161,13 @@ def client(url: str, n: int, requests: int, words: int) -> list[dict[str, Any]]:
                     "messages": [{"role": "user", "content": " ".join(
                         f"w{(r * 7 + j) % 50}" for j in range(words + r % 7))}]}
             t0 = time.perf_counter()
-            first = last = 0.0
-            chunks = tokens = 0
+            tally = StreamTally()
             with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
                 resp.raise_for_status()
                 for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    for c in chunk.get("choices") or []:
-                        if (c.get("delta") or {}).get("content"):
-                            last = time.perf_counter()
-                            first = first or last
-                            chunks += 1
+                    tally.feed(line)
             end = time.perf_counter()
+            first, last, tokens, chunks = tally.first, tally.last, tally.tokens, tally.pieces
             if r:
                 out.append({"first_text_ms": (first - t0) * 1e3, "tokens": tokens,
                             "chunks": chunks, "wall_s": end - t0,
