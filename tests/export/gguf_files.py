@@ -206,6 +206,17 @@ def assert_engine_equals_reference(out: Path, reference, engine: str,  # noqa: A
     assert generate(eng, prompt, max_new_tokens=new_tokens).tokens == ids[len(prompt):]
 
 
+# A two-layer Gemma (2 or 3) as the GGUF Gemma tests write it: head_dim 64 =
+# query_pre_attn_scalar (llama.cpp's scale for all but Gemma 2's 46-layer model); 4 heads x 64 =
+# 256, a whole Q4_K super-block along o_proj's K; window 4 < GEMMA_PROMPT; layer 0 slides,
+# layer 1 is global, as llama.cpp fixes it. Each test adds its family's soft-caps and RoPE.
+GEMMA_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                   query_pre_attn_scalar=64, sliding_window=4, tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "full_attention"])
+GEMMA_PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor

@@ -17,25 +17,21 @@ from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
 from tests.export.gguf_files import (
+    GEMMA_PROMPT,
+    GEMMA_SHAPE,
     assert_engine_equals_reference,
     reference_model,
     rewrite_gguf,
     write_gguf,
 )
 
-# head_dim 64 = query_pre_attn_scalar (llama.cpp's scale for all but the 46-layer model);
-# window 4 < the prompt; layer 0 slides, layer 1 is global, as llama.cpp fixes it; caps small
-# enough to bite on a random model's logits.
-CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384,
-              num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-              query_pre_attn_scalar=64, sliding_window=4, tie_word_embeddings=True,
-              layer_types=["sliding_attention", "full_attention"],
-              attn_logit_softcapping=1.0, final_logit_softcapping=5.0)
+# caps small enough to bite on a random model's logits
+CONFIG = dict(GEMMA_SHAPE, attn_logit_softcapping=1.0, final_logit_softcapping=5.0)
 # each fused projection in one stored form: q/k/v Q5_1 (8-bit, bias), gate/up Q5_K (8-bit,
 # bias), o Q3_K (4-bit in blocks of 16), down IQ4_XS (non-linear levels in 8 bits)
 TYPES = {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "Q5_1", "attn_output": "Q3_K",
          "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "IQ4_XS", "token_embd": "Q8_0"}
-PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
+PROMPT = GEMMA_PROMPT
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from fuselm.export.errors import ExportError
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
 from tests.export.gguf_files import (
+    GEMMA_PROMPT,
+    GEMMA_SHAPE,
     STRING,
     assert_engine_equals_reference,
     gguf_value,
@@ -25,20 +27,14 @@ from tests.export.gguf_files import (
     write_gguf,
 )
 
-# head_dim 64 = query_pre_attn_scalar (llama.cpp's scale); 4 heads x 64 = 256: a whole Q4_K
-# super-block along o_proj's K. Window 4 < the prompt; layer 0 slides, layer 1 is global.
-CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384,
-              num_attention_heads=4, num_key_value_heads=1, head_dim=64,
-              query_pre_attn_scalar=64, sliding_window=4, tie_word_embeddings=True,
-              layer_types=["sliding_attention", "full_attention"],
-              final_logit_softcapping=30.0,
+CONFIG = dict(GEMMA_SHAPE, final_logit_softcapping=30.0,
               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                "full_attention": {"rope_type": "default",
                                                   "rope_theta": 1000000.0}})
 # the types llama.cpp's Q4_K_M writes Gemma 3 270M in
 TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
          "ffn_gate": "Q5_0", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
-PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
+PROMPT = GEMMA_PROMPT
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "  two  spaces\tand é",
          "<start_of_turn>user\nrotate keys<end_of_turn>"]
 
