@@ -217,6 +217,17 @@ GEMMA_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, 
 GEMMA_PROMPT = [2, 5, 17, 99, 200, 3, 42, 7, 300, 11]
 
 
+def converted_gguf(root: Path, name: str, family: str, types: dict[str, str],
+                   arch: str | None = None, seed: int = 0, **overrides: Any) -> tuple[Path, Path]:
+    """write_gguf's file `root/name.gguf` and its default conversion `root/name` with a
+    float32 graph (only the blocks' own values can differ from transformers')."""
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    path, _ = write_gguf(root / f"{name}.gguf", family, types, arch, seed, **overrides)
+    convert(path, root / name, ConvertOptions(dtype="float32"))
+    return path, root / name
+
+
 def write_gguf(path: Path, family: str, types: dict[str, str], arch: str | None = None,
                seed: int = 0, **overrides: Any) -> tuple[Path, dict[str, np.ndarray]]:
     """Build a random HF checkpoint and write it as a GGUF; `types` maps a llama.cpp tensor

@@ -15,7 +15,7 @@ from fuselm.runtime_metal.artifact import read_manifest
 from fuselm.runtime_metal.engine import make_engine
 from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 from fuselm.runtime_metal.validate import engine_logits, rel
-from tests.export.gguf_files import write_gguf
+from tests.export.gguf_files import converted_gguf, write_gguf
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=384)
 ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
@@ -47,9 +47,7 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     out = {}
     for i, (name, (family, shape, kind)) in enumerate(CASES.items()):
         types = MIX if kind == "mix" else dict.fromkeys(ROLES, kind)
-        path, _ = write_gguf(root / f"{name}.gguf", family, types, seed=i, **SHAPE, **shape)
-        convert(path, root / name, ConvertOptions(dtype="float32"))
-        out[name] = (path, root / name)
+        out[name] = converted_gguf(root, name, family, types, seed=i, **SHAPE, **shape)
     return out
 
 

@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
 from tests.export.gguf_files import (
     GEMMA_PROMPT,
     GEMMA_SHAPE,
     assert_engine_equals_reference,
+    converted_gguf,
     reference_model,
     rewrite_gguf,
-    write_gguf,
 )
 
 # caps small enough to bite on a random model's logits
@@ -36,11 +35,8 @@ PROMPT = GEMMA_PROMPT
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("gguf_gemma2")
-    path, _ = write_gguf(root / "g.gguf", "gemma2", TYPES, seed=5, **CONFIG)
-    out = root / "out"
-    convert(path, out, ConvertOptions(dtype="float32"))
-    return path, out
+    return converted_gguf(tmp_path_factory.mktemp("gguf_gemma2"), "g", "gemma2", TYPES, seed=5,
+                          **CONFIG)
 
 
 @pytest.fixture(scope="module")

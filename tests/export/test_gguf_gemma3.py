@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from fuselm.converter.pipeline import ConvertOptions, convert
 from fuselm.export.errors import ExportError
 from fuselm.export.gguf.source import GGUFCheckpoint
 from fuselm.runtime_metal.artifact import read_manifest
@@ -21,10 +20,10 @@ from tests.export.gguf_files import (
     GEMMA_SHAPE,
     STRING,
     assert_engine_equals_reference,
+    converted_gguf,
     gguf_value,
     reference_model,
     rewrite_gguf,
-    write_gguf,
 )
 
 CONFIG = dict(GEMMA_SHAPE, final_logit_softcapping=30.0,
@@ -41,11 +40,8 @@ TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "  two  s
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("gguf_gemma3")
-    path, _ = write_gguf(root / "g.gguf", "gemma3_text", TYPES, arch="gemma3", seed=3, **CONFIG)
-    out = root / "out"
-    convert(path, out, ConvertOptions(dtype="float32"))
-    return path, out
+    return converted_gguf(tmp_path_factory.mktemp("gguf_gemma3"), "g", "gemma3_text", TYPES,
+                          arch="gemma3", seed=3, **CONFIG)
 
 
 @pytest.fixture(scope="module")
