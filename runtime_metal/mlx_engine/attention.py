@@ -177,6 +177,16 @@ class Attention:
         vq = spec_of(v, v[1].shape[-1] * kq.group_size)
         scores = mx.quantized_matmul(qg, *[a[:, :, None] for a in k], transpose=True,
                                      group_size=kq.group_size, bits=kq.bits)
+        return self._weigh_values(scores, v, vq.group_size * v[1].shape[-1], mask, q)
+
+    def _weigh_values(self, scores: mx.array, v: tuple[mx.array, ...], vdim: int,
+                      mask: mx.array | None, q: mx.array) -> mx.array:
+        """The quantized paths' shared tail, from scores [b, Hk, Hq/Hk, s, t]: softcap, the
+        mask onto the head-group axes, softmax in float32, p·V over the values as stored
+        (quantized triples of `vdim` values a row; on MLX-CUDA, which lacks that kernel, over
+        their dequantized values); [b, Hq, s, D] in q's dtype."""
+        b, hq, s, _ = q.shape
+        hk = scores.shape[1]
         if self.softcap > 0:
             scores = mx.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
@@ -186,8 +196,12 @@ class Attention:
                      else m.reshape(m.shape[0], hk, hq // hk, *m.shape[2:]))
             scores = scores + additive(m, scores.dtype)
         p = mx.softmax(scores, axis=-1, precise=True)
-        y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
-                                group_size=vq.group_size, bits=vq.bits)
+        if cuda_device():
+            y = p @ stored_values(v, vdim)[:, :, None]
+        else:
+            vq = spec_of(v, vdim)
+            y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
+                                    group_size=vq.group_size, bits=vq.bits)
         return y.reshape(b, hq, s, y.shape[-1]).astype(q.dtype)
 
     def _channels(self, q: mx.array, k: tuple[mx.array, ...], v: tuple[mx.array, ...],
@@ -203,7 +217,6 @@ class Attention:
         kernels, over their dequantized values, a layer at a time); softmax in float32."""
         b, hq, s, d = q.shape
         hk, dt, t = k[0].shape[1], k[1].dtype, positions(v)
-        vq = spec_of(v, v[0].shape[-1] * 8)  # 4 bits: 8 values a word
         qg = (q * scale).astype(dt).reshape(b, hk, hq // hk, s, d)
         if cuda_device():
             scores = qg @ key_group_values(k, t)[:, :, None].swapaxes(-1, -2)
@@ -222,21 +235,7 @@ class Attention:
                           & ((qp % KEY_GROUP) != KEY_GROUP - 1)[..., None]
                           & ((at >= 0) & (at < span))[:, None])  # [1 or b, s, t]
             scores = mx.where(float_read[:, None, None], own, scores)
-        if self.softcap > 0:
-            scores = mx.tanh(scores / self.softcap) * self.softcap
-        if mask is not None:
-            m = mask
-            if m.ndim == 4:
-                m = (mx.expand_dims(m, 2) if m.shape[1] == 1
-                     else m.reshape(m.shape[0], hk, hq // hk, *m.shape[2:]))
-            scores = scores + additive(m, scores.dtype)
-        p = mx.softmax(scores, axis=-1, precise=True)
-        if cuda_device():
-            y = p @ stored_values(v, vq.group_size * v[1].shape[-1])[:, :, None]
-        else:
-            y = mx.quantized_matmul(p, *[a[:, :, None] for a in v], transpose=False,
-                                    group_size=vq.group_size, bits=vq.bits)
-        return y.reshape(b, hq, s, y.shape[-1]).astype(q.dtype)
+        return self._weigh_values(scores, v, v[0].shape[-1] * 8, mask, q)  # 4 bits: 8 a word
 
     def with_causal(self, mask: Mask, q_len: int, total: int, past: int) -> Mask:
         """The graph's mask combined with is_causal (ONNX: query i sees keys j <= past + i).
