@@ -81,7 +81,13 @@ from fuselm.runtime_metal.generate import (
     prefill,
     prefill_chunk_for,
 )
-from fuselm.runtime_metal.kv_cache import BLOCK, KEY_GROUP, BlockCache, KVCache
+from fuselm.runtime_metal.kv_cache import (
+    BLOCK,
+    KEY_GROUP,
+    BlockCache,
+    KVCache,
+    completes_no_key_group,
+)
 from fuselm.runtime_metal.pipeline_steps import MicroBatch, PipelineSteps
 from fuselm.runtime_metal.prefix import common_prefix as _common
 from fuselm.runtime_metal.sampling import (
@@ -448,7 +454,7 @@ class BatchDecoder:
                                                         slots[i].active, -i))
         keep = min(_common(slots[src].cached, prompt), len(prompt) - 1)
         if self.cache.keys_per_channel:  # whole key groups: the source's tail is not read
-            keep -= keep % BLOCK
+            keep -= keep % KEY_GROUP
         # the slot: the source itself when free and shared (its blocks stay where they are),
         # else a free one holding nothing, else the least recently used
         slot = src if src in free and keep else min(free, key=lambda i: (bool(slots[i].blocks),
@@ -844,7 +850,7 @@ class BatchDecoder:
         # layer's whole pool each step.
         fn = self._fn  # _fn_open where no row's write completes a key group
         if (self._fn_open is not None and written is not None
-                and ((written + 1) % KEY_GROUP).all()):
+                and completes_no_key_group(written)):
             fn = self._fn_open
         logits, nxt, *new_kv = fn(tokens.reshape(n, 1), offsets, self._block_table(feed),
                                   *self.cache.buffers())

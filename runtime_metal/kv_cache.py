@@ -234,7 +234,7 @@ def first(buf: Buffer, n: int) -> Buffer:
     one holding position n-1 and the spare (attention reads as many keys as values)."""
     if is_key_groups(buf):
         g = -(-n // KEY_GROUP) + 1
-        return (buf[0][..., :g * KEY_GROUP * 4 // 32], buf[1][..., :g], buf[2][..., :g], buf[3])
+        return (buf[0][..., :g * KEY_WORDS], buf[1][..., :g], buf[2][..., :g], buf[3])
     return rebuild(buf, [a[:, :, :n] for a in parts(buf)])
 
 
@@ -576,7 +576,7 @@ class BlockCache:
         for i, c in enumerate(caches):
             if self.keys_per_channel:
                 k, src = self.keys[i], c.state()[0]
-                words = KEY_GROUP * 4 // 32
+                words = KEY_WORDS
                 for g in range(start // KEY_GROUP, -(-end // KEY_GROUP)):
                     b = blocks[g]
                     k[0][b:b + 1] = src[0][..., g * words:(g + 1) * words]
@@ -603,8 +603,15 @@ def _sized(pool: Buffer, n: int) -> Buffer:
 
 # ---- keys per channel (KIVI): the 4-bit cache's keys ------------------------------------------
 
-KEY_GROUP = 64  # positions one per-channel key group spans (the block cache's BLOCK)
+KEY_GROUP = BLOCK  # positions one per-channel key group spans: a block of the block cache
+KEY_WORDS = KEY_GROUP * 4 // 32  # uint32 words of one channel's 4-bit codes in a group
 KEY_TAIL = 2 * KEY_GROUP  # float positions kept per row: the newest group and the one before
+
+
+def completes_no_key_group(offsets: int | np.ndarray) -> bool:
+    """Whether a one-token write at each of `offsets` (an int or an int array: the positions
+    written) leaves every row's key group open (the 4-bit cache's step_open programs)."""
+    return bool(np.all((np.asarray(offsets) + 1) % KEY_GROUP))
 
 
 def key_groups_zeros(lead: tuple[int, int], capacity: int, dim: int, dtype: mx.Dtype
@@ -617,7 +624,7 @@ def key_groups_zeros(lead: tuple[int, int], capacity: int, dim: int, dtype: mx.D
     One spare group past the capacity takes the groups a write of s > 1 positions at a device
     offset may touch past its last one (their contents are never read)."""
     n = capacity // KEY_GROUP + 1
-    return (mx.zeros((*lead, dim, n * KEY_GROUP * 4 // 32), mx.uint32),
+    return (mx.zeros((*lead, dim, n * KEY_WORDS), mx.uint32),
             mx.zeros((*lead, dim, n), dtype), mx.zeros((*lead, dim, n), dtype),
             mx.zeros((*lead, KEY_TAIL, dim), dtype))
 
@@ -683,7 +690,7 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
     b, h, s, d = rows.shape
     dt = scales.dtype
     rows = rows.astype(dt)
-    words = KEY_GROUP * 4 // 32
+    words = KEY_WORDS
     if seal and isinstance(offset, int):
         g0, done = offset // KEY_GROUP, (offset + s) // KEY_GROUP - offset // KEY_GROUP
         if done:
@@ -724,7 +731,7 @@ def key_group_values(buf: tuple[mx.array, ...], n: int | None = None) -> mx.arra
     packed, scales, biases, _ = buf
     n = key_group_positions(buf) if n is None else n
     g = -(-n // KEY_GROUP)
-    k = mx.dequantize(packed[..., :g * KEY_GROUP * 4 // 32], scales[..., :g], biases[..., :g],
+    k = mx.dequantize(packed[..., :g * KEY_WORDS], scales[..., :g], biases[..., :g],
                       group_size=KEY_GROUP, bits=4)
     return k.swapaxes(-1, -2)[:, :, :n]
 

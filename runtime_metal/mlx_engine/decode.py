@@ -56,9 +56,9 @@ from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.dtypes import onnx_dtype, to_device
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_cache import (
-    KEY_GROUP,
     BlockIndex,
     KVCache,
+    completes_no_key_group,
     is_key_groups,
     join_layers,
     split_layers,
@@ -456,7 +456,7 @@ class FastDecoder:
             raise RuntimeUserError("decode needs a prefilled cache (feed the prompt first)")
         c0 = self.caches[0]
         if (c0.quant is not None and c0.quant.keys_per_channel
-                and (c0.offset + 1) % KEY_GROUP):  # the write completes no key group
+                and completes_no_key_group(c0.offset)):
             if self._open is None:
                 self._open = (mx.compile(self.program.step_open) if self.compiled
                               else self.program.step_open)

@@ -27,6 +27,7 @@ from fuselm.runtime_metal.kv_cache import (
     BLOCK,
     KEY_GROUP,
     KEY_TAIL,
+    KEY_WORDS,
     BlockCache,
     BlockIndex,
     KVCache,
@@ -307,7 +308,7 @@ def _one_shot(group: np.ndarray) -> list[mx.array]:
 
 def _group_codes(buf: tuple[mx.array, ...], g: int) -> list[np.ndarray]:
     """Group g's stored codes in a per-channel key buffer (packed, scales, biases)."""
-    w = KEY_GROUP * 4 // 32
+    w = KEY_WORDS
     return [np.array(buf[0][..., g * w:(g + 1) * w]), np.array(buf[1][..., g:g + 1]),
             np.array(buf[2][..., g:g + 1])]
 
