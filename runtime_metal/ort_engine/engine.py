@@ -62,7 +62,9 @@ class OrtEngine:
         path = model_path(out_dir)
         lowered = lower_for_cpu(path, manifest, exact_rows is not False) if (
             lower and optimization == "all") else None
-        profile_prefix = str(Path(profile_dir) / "ort_profile") if profile_dir else None
+        how = {"accuracy_level": accuracy_level, "optimization": optimization,
+               "threads": threads or None,
+               "profile_prefix": str(Path(profile_dir) / "ort_profile") if profile_dir else None}
         lowered_session = None
         if isinstance(lowered, Lowered):
             # An onnxruntime older than the one the lowering was written against can refuse the
@@ -71,10 +73,8 @@ class OrtEngine:
             # `lowering` says why
             try:
                 lowered_session = make_session(
-                    lowered.model.SerializeToString(), accuracy_level=accuracy_level,
-                    optimization=optimization, threads=threads or None,
-                    profile_prefix=profile_prefix, external_data_dir=path.parent,
-                    initializers=lowered.memory_values)
+                    lowered.model.SerializeToString(), external_data_dir=path.parent,
+                    initializers=lowered.memory_values, **how)
             except Exception as e:  # ORT raises its own exception types for unloadable models
                 lowered = (f"onnxruntime {ort_version()} cannot load the lowered graph: "
                            f"{str(e).strip().splitlines()[0][:300]}")
@@ -107,9 +107,7 @@ class OrtEngine:
             try:
                 self.session, self.session_info = make_session(
                     plain.SerializeToString() if plain is not None else path,
-                    accuracy_level=accuracy_level, optimization=optimization,
-                    threads=threads or None, profile_prefix=profile_prefix,
-                    external_data_dir=path.parent if plain is not None else None)
+                    external_data_dir=path.parent if plain is not None else None, **how)
             except Exception as e:  # ORT raises its own exception types for unreadable models
                 raise RuntimeUserError(f"onnxruntime cannot load {path}: {e}") from e
         self._inputs = {i.name: i for i in self.session.get_inputs()}

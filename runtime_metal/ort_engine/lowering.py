@@ -96,6 +96,7 @@ def lower_for_cpu(model_file: Path, manifest: Manifest, exact_rows: bool = False
     past_dtype = _past_dtype(model)
     base_dir = Path(model_file).parent
     try:
+        _coverable(model, manifest)  # before 6-bit weights are read and unpacked for nothing
         unpacked = expand_six_bit(model.graph, base_dir)  # _lower prunes the packed bytes
         model, positions = _lower(model, manifest, exact_rows, base_dir)
     except NotLowered as e:
@@ -122,15 +123,18 @@ def _past_dtype(model: onnx.ModelProto) -> str | None:
     return {F16: "float16", BF16: "bfloat16", F32: "float32"}.get(next(iter(kv_types), 0))
 
 
-def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool, base_dir: Path
-           ) -> tuple[onnx.ModelProto, int]:
+def _coverable(model: onnx.ModelProto, manifest: Manifest) -> None:
+    """The refusals that need no rewriting: NotLowered saying why."""
     if manifest.model.head_dim % 16:
         raise NotLowered(f"head_dim {manifest.model.head_dim} (GroupQueryAttention on CPU needs "
                          "a multiple of 16)")
-    g = model.graph
-    supported = {"", "fuselm"}
-    if any(n.domain not in supported for n in g.node):
+    if any(n.domain not in ("", "fuselm") for n in model.graph.node):
         raise NotLowered("a node outside the ONNX and fuselm domains")
+
+
+def _lower(model: onnx.ModelProto, manifest: Manifest, exact_rows: bool, base_dir: Path
+           ) -> tuple[onnx.ModelProto, int]:
+    g = model.graph
     dequant_matmul.rewrite(g)  # before the float32 casts, which then cover its nodes too
     _to_float32(model)
     producer = {o: n for n in g.node for o in n.output}

@@ -128,7 +128,7 @@ def make_session(
     session = ort.InferenceSession(model, so, providers=providers)
     info = {
         "engine": "onnxruntime",
-        "version": ort.__version__,
+        "version": ort_version(),
         "accuracy_level": accuracy_level,
         # Without graph optimizations no MatMulNBits exists, so the level does not apply.
         "activation_precision": ACCURACY_LEVELS[accuracy_level] if optimize else "as written",
