@@ -36,7 +36,7 @@ from fuselm.runtime_metal.loader import external_span, is_external, read_bytes
 
 # The location the in-memory initializers declare; onnxruntime takes their values from the
 # OrtValues instead and never opens it.
-MEMORY_FILE = "fuselm-lowered-int4.bin"
+MEMORY_FILE = "fuselm-lowered-in-memory.bin"
 # node op_type -> (codes input, zero-point input); fuselm's fused projections take their Q4
 # weight as inputs 1..3 (passes/ops.py), a plain projection is DequantizeLinear(codes, s, zp).
 _Q4_INPUTS = {"DequantizeLinear": (0, 2), "FusedQKV": (1, 3), "FusedGateUp": (1, 3)}
@@ -56,6 +56,17 @@ def _all_eight(t: TensorProto, base_dir: Path) -> bool:
     return bool((nibbles == 8).all())
 
 
+def declare_in_memory(g: onnx.GraphProto, name: str, data_type: int, dims: list[int],
+                      length: int) -> None:
+    """Append initializer `name` whose values onnxruntime takes from an OrtValue given with the
+    model: external data of `length` bytes at a location it never opens (MEMORY_FILE)."""
+    t = TensorProto(name=name, data_type=data_type, dims=dims,
+                    data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", MEMORY_FILE), ("offset", "0"), ("length", str(length))):
+        t.external_data.add(key=key, value=value)
+    g.initializer.append(t)
+
+
 def _in_memory(g: onnx.GraphProto, name: str, src: TensorProto, data_type: int, xor: int,
                base_dir: Path, values: dict[str, object]) -> None:
     """A new 4-bit initializer `name` holding `src`'s packed bytes ^ xor, given to onnxruntime
@@ -65,11 +76,7 @@ def _in_memory(g: onnx.GraphProto, name: str, src: TensorProto, data_type: int, 
     dims = [int(d) for d in src.dims]
     numel = int(np.prod(dims, dtype=np.int64))
     size = (numel + 1) // 2
-    t = TensorProto(name=name, data_type=data_type, dims=dims,
-                    data_location=TensorProto.EXTERNAL)
-    for key, value in (("location", MEMORY_FILE), ("offset", "0"), ("length", str(size))):
-        t.external_data.add(key=key, value=value)
-    g.initializer.append(t)
+    declare_in_memory(g, name, data_type, dims, size)
     # onnxruntime takes a 4-bit OrtValue's shape from a numpy array of one byte per element
     # and reads the packed bytes from its start: only that first half is ever written, so only
     # it is resident. The buffer is its own anonymous mapping, so dropping it after the session

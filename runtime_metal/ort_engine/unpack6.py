@@ -24,10 +24,7 @@ from onnx import TensorProto, numpy_helper
 
 from fuselm.passes.ops import DOMAIN, unpack_uint6_reference
 from fuselm.runtime_metal.loader import is_external, read_bytes
-
-# The location the unpacked initializers declare; onnxruntime takes their values from the
-# OrtValues instead and never opens it.
-MEMORY_FILE = "fuselm-lowered-unpacked.bin"
+from fuselm.runtime_metal.ort_engine.int4 import declare_in_memory
 
 
 def _packed(t: TensorProto, base_dir: Path) -> np.ndarray:
@@ -58,12 +55,7 @@ def expand_six_bit(g: onnx.GraphProto, base_dir: Path) -> dict[str, object]:
         dropped.add(id(n))
         for k, user in enumerate(readers.get(n.output[0], [])):
             name = f"{n.output[0]}__u8_{k}"
-            t = TensorProto(name=name, data_type=TensorProto.UINT8, dims=list(codes.shape),
-                            data_location=TensorProto.EXTERNAL)
-            for key, value in (("location", MEMORY_FILE), ("offset", "0"),
-                               ("length", str(codes.size))):
-                t.external_data.add(key=key, value=value)
-            g.initializer.append(t)
+            declare_in_memory(g, name, TensorProto.UINT8, list(codes.shape), codes.size)
             values[name] = unpacked  # one buffer: the names keep the readers apart
             for i, x in enumerate(user.input):
                 if x == n.output[0]:
