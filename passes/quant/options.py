@@ -31,7 +31,7 @@ import inspect
 from dataclasses import dataclass
 
 from fuselm.passes.errors import PassesError
-from fuselm.passes.quant.q4_math import METHODS
+from fuselm.passes.quant.q4_math import METHODS, mixed_bits_per_weight
 
 BLOCK_SIZES = (32, 64, 128)
 BITS = (4, 6, 8)
@@ -65,7 +65,8 @@ def _check_values(block_size: int | None, bits_budget: float | None, method: str
                   mixed: bool = False) -> None:
     lo, hi = BITS_BUDGET_RANGE
     if mixed:  # every tensor in 4-bit blocks of --block-size .. every one in 8-bit blocks of 32
-        lo, hi = 4 + 20 / (block_size or DEFAULT_BLOCK_SIZE), 8.75
+        lo = mixed_bits_per_weight(4, block_size or DEFAULT_BLOCK_SIZE)
+        hi = mixed_bits_per_weight(8, 32)
     if bits_budget is not None and not lo <= bits_budget <= hi:
         what = ("with --quant mixed (every tensor at 4 bits .. every one in 8-bit blocks of 32)"
                 if mixed else "(every tensor in blocks of 64 .. of 32)")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fuselm.passes.quant.q4_math import quantize_array
+from fuselm.passes.quant.q4_math import mixed_bits_per_weight, quantize_array
 from fuselm.passes.quant.q8_math import quantize_wide
 
 CHOICES = (32, 64)  # block sizes the allocation picks from
@@ -32,7 +32,7 @@ SAMPLE_COLUMNS = 256
 
 def bits_per_weight(block_size: int) -> float:
     """4-bit codes + a float16 scale + a uint4 zero point per block."""
-    return 4 + 20 / block_size
+    return mixed_bits_per_weight(4, block_size)
 
 
 def tensor_errors(
@@ -106,12 +106,6 @@ def allocate_blocks(
         bits += sizes[best] * (bits_per_weight(choices[i + 1]) - bits_per_weight(choices[i]))
         level[best] = i + 1
     return {n: choices[level[n]] for n in sizes}
-
-
-def mixed_bits_per_weight(bits: int, block_size: int) -> float:
-    """`bits`-bit codes + a float16 scale + a zero point per block, as stored: uint4 with
-    4-bit codes, uint8 with 6- and 8-bit ones."""
-    return bits + (16 + (4 if bits == 4 else 8)) / block_size
 
 
 WIDE_BLOCKS = (128, 64, 32)  # the 6- and 8-bit blocks choose_bits offers

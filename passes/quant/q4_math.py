@@ -52,6 +52,12 @@ class Q4Tensor:
         )
 
 
+def mixed_bits_per_weight(bits: int, block_size: int) -> float:
+    """Stored bits per weight of `bits`-bit blocks: the codes + a float16 scale + a zero point
+    per block, uint4 with 4-bit codes, uint8 with 6- and 8-bit ones."""
+    return bits + (16 + (4 if bits == 4 else 8)) / block_size
+
+
 def _blocks(w: np.ndarray, block_size: int) -> tuple[np.ndarray, int]:
     """[K, N] -> [nb, B, N] with the partial last block padded with zeros.
 
