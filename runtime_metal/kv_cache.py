@@ -204,8 +204,8 @@ def stored(buf: Buffer, rows: mx.array) -> tuple[mx.array, ...]:
     return (rows.astype(buf.dtype),)
 
 
-def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int, seal: bool = True
-               ) -> Buffer:
+def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int, seal: bool = True,
+               recent: RecentKeys | None = None) -> Buffer:
     """buf[:, :, offset:offset + s] = rows [b, h, s, d]; in place when `buf` is donated (the
     compiled program) or the only reference. `offset`: a scalar (every row at one position) or
     an int32 array [b] (one position per batch row; s must then be 1).
@@ -213,9 +213,10 @@ def write_rows(buf: Buffer, rows: mx.array, offset: mx.array | int, seal: bool =
     One row per batch entry is a scatter: MLX-CUDA launches its dynamic slice update over the
     whole destination (measured: the cost grows with the cache's capacity) plus an offset
     kernel; the scatter is one launch over the rows. A quantized `buf`: the rows quantized,
-    each of its arrays written so. A per-channel key buffer: write_key_groups (`seal`)."""
+    each of its arrays written so. A per-channel key buffer: write_key_groups (`seal`,
+    `recent`)."""
     if is_key_groups(buf):
-        return write_key_groups(buf, rows, offset, seal)  # type: ignore[arg-type]
+        return write_key_groups(buf, rows, offset, seal, recent)  # type: ignore[arg-type]
     off = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return rebuild(buf, [_write_one(b, r, off)
                          for b, r in zip(parts(buf), stored(buf, rows), strict=True)])
@@ -308,7 +309,7 @@ class KVCache:
         assert self.keys is not None and self.values is not None
         self.recent = (recent_keys(self.keys, keys, prev)  # type: ignore[arg-type]
                        if is_key_groups(self.keys) else None)
-        self.keys = write_rows(self.keys, keys, prev)
+        self.keys = write_rows(self.keys, keys, prev, recent=self.recent)
         self.values = write_rows(self.values, values, prev)
         self.offset = prev + keys.shape[2]
         self.wrote(prev)
@@ -468,16 +469,16 @@ class BlockIndex:
         return self._slots[key]
 
 
-def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex, seal: bool = True
-                 ) -> Buffer:
+def write_blocks(pool: Buffer, rows: mx.array, index: BlockIndex, seal: bool = True,
+                 recent: RecentKeys | None = None) -> Buffer:
     """pool [blocks, h, BLOCK, d] with row r's new positions rows[r] ([n, s, h * d], the
     projection's layout, or [n, s, h, d]) written at offset[r]..offset[r]+s-1, each in its
     block table[r, position // BLOCK] (`index`): one scatter on the pool itself (no reshape
     of it in between: the compiled program's donated pool is updated in place); a quantized
     pool: the rows quantized, one scatter per array. s > 1 is the speculative step's drafts.
-    A per-channel key pool: write_key_blocks (`seal`)."""
+    A per-channel key pool: write_key_blocks (`seal`, `recent`)."""
     if is_key_groups(pool):
-        return write_key_blocks(pool, rows, index, seal)  # type: ignore[arg-type]
+        return write_key_blocks(pool, rows, index, seal, recent)  # type: ignore[arg-type]
     n, s = rows.shape[:2]
     h = parts(pool)[0].shape[1]
     at = index.slots(h, positions(pool))
@@ -673,7 +674,8 @@ def recent_keys(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | in
 
 
 def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array | int,
-                     seal: bool = True) -> tuple[mx.array, ...]:
+                     seal: bool = True, recent: RecentKeys | None = None
+                     ) -> tuple[mx.array, ...]:
     """Keys [b, h, s, d] written at `offset` (an int, a scalar array, or [b] per row) into a
     per-channel key buffer: the tail takes the new rows (the last KEY_TAIL of them), and each
     group the write completes (its last position among the new ones) is quantized, once, from
@@ -685,7 +687,8 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
     offset (the compiled program's) quantizes every group the write may touch and stores those
     it completes, the others' codes going to the spare group past the capacity (never read);
     `seal=False` says that the write completes no group (the caller knows its offset: a decode
-    step at a position that is not a group's last), so it quantizes nothing."""
+    step at a position that is not a group's last), so it quantizes nothing. `recent`: the
+    caller's recent_keys of this very write (buf, rows, offset), not made again."""
     packed, scales, biases, tail = buf
     b, h, s, d = rows.shape
     dt = scales.dtype
@@ -694,14 +697,14 @@ def write_key_groups(buf: tuple[mx.array, ...], rows: mx.array, offset: mx.array
     if seal and isinstance(offset, int):
         g0, done = offset // KEY_GROUP, (offset + s) // KEY_GROUP - offset // KEY_GROUP
         if done:
-            keys = recent_keys(buf, rows, offset).keys[:, :, :done * KEY_GROUP]
+            keys = (recent or recent_keys(buf, rows, offset)).keys[:, :, :done * KEY_GROUP]
             q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
             at = mx.array([g0], mx.int32)
             packed = mx.slice_update(packed, q[0], at * words, axes=(3,))
             scales = mx.slice_update(scales, q[1].astype(dt), at, axes=(3,))
             biases = mx.slice_update(biases, q[2].astype(dt), at, axes=(3,))
     elif seal:
-        recent = recent_keys(buf, rows, offset)
+        recent = recent or recent_keys(buf, rows, offset)
         keys, pos, off = recent.keys, recent.pos, recent.query[:, :1]
         q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)
         g = pos[:, ::KEY_GROUP] // KEY_GROUP  # [1 or b, groups]
@@ -782,7 +785,8 @@ def block_recent(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex
 
 
 def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockIndex,
-                     seal: bool = True) -> tuple[mx.array, ...]:
+                     seal: bool = True, recent: RecentKeys | None = None
+                     ) -> tuple[mx.array, ...]:
     """write_key_groups through a block table: each group a row's write completes quantized,
     once, from its floats (block_recent) into the row's block of that group, and the row's
     tail (index.tails) given the new keys. The offsets are on the device, so every group a
@@ -791,7 +795,8 @@ def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockInd
     are stored in the pool's sink block (key_blocks_zeros), never read: no scatter lands in a
     row's open group or in a block past the row's. `seal=False`: the caller knows that the
     write completes no row's group (BatchDecoder: no row writes a group's last position), so
-    nothing is quantized, the tails alone written."""
+    nothing is quantized, the tails alone written. `recent`: the caller's block_recent of this
+    very write (pool, rows, index), not made again."""
     packed, scales, biases, tail = pool
     assert index.offset is not None and index.tails is not None
     n, s = rows.shape[:2]
@@ -800,7 +805,7 @@ def write_key_blocks(pool: tuple[mx.array, ...], rows: mx.array, index: BlockInd
     kh = rows.reshape(n, s, h, d).transpose(0, 2, 1, 3).astype(dt)
     off = index.offset.reshape(n, 1).astype(mx.int32)
     if seal:
-        recent = block_recent(pool, rows, index)
+        recent = recent or block_recent(pool, rows, index)
         keys, pos = recent.keys, recent.pos
         groups = pos.shape[1] // KEY_GROUP
         q = mx.quantize(keys.swapaxes(-1, -2), group_size=KEY_GROUP, bits=4)

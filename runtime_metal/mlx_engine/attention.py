@@ -272,7 +272,8 @@ class Attention:
             k, v = (x if x.ndim == 3 else x.transpose(0, 2, 1, 3) for x in (k, v))
             recent = (block_recent(keys, k, blocks)  # type: ignore[arg-type]
                       if is_key_groups(keys) else None)
-            keys, values = write_blocks(keys, k, blocks, seal), write_blocks(values, v, blocks)
+            keys = write_blocks(keys, k, blocks, seal, recent)
+            values = write_blocks(values, v, blocks)
             y = self.attend(to_heads(q, self.q_heads), read_blocks(keys, blocks),
                             read_blocks(values, blocks), mask, may_empty=False, recent=recent)
             return (from_heads(y) if q.ndim == 3 else y), keys, values
