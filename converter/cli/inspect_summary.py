@@ -34,10 +34,12 @@ def summary(root: Path, info: dict[str, Any], nodes: list[Any]) -> list[tuple[st
                  ("dtype", man.dtype)]
         q = man.quantization
         bits = info["weight_bytes"] * 8 / params if params else 0.0
-        kind = "none" if not q else (f"Q{q.get('bits', 4)}" if isinstance(q.get("bits", 4), int)
-                                     else f"{q['bits']}-bit")  # e.g. "mixed 4/6/8-bit"
-        scheme = (f"{kind} blocks of {q.get('block_size', '?')}, "
-                  f"{'symmetric' if q.get('symmetric') else 'asymmetric'}" if q else "none")
+        scheme = "none"
+        if q:
+            b = q.get("bits", 4)
+            kind = f"Q{b}" if isinstance(b, int) else f"{b}-bit"  # e.g. "mixed 4/6/8-bit"
+            scheme = (f"{kind} blocks of {q.get('block_size', '?')}, "
+                      f"{'symmetric' if q.get('symmetric') else 'asymmetric'}")
         rows += [("quantization", scheme), ("bits / weight", f"{bits:.2f} (all weights)")]
     per_layer = nodes_per_layer(nodes)
     rows.append(("nodes", f"{info['nodes']}" + (f", {per_layer} per layer" if per_layer else "")))
