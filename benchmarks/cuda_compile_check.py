@@ -155,6 +155,40 @@ def main() -> None:
                     kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq,
                                              hk=hk, rotary_dim=d, interleaved=inter,
                                              splits=splits, qkv=joined)
+        # the 8-bit cache's form (kv_cache.KVQuant bits 8: codes, scales, biases): merged
+        # (1 split) and split (scratch) forms, contiguous and paged, q/k/v apart and joined, at
+        # group 64; every group size the head takes at 8 splits; the partials as outputs (a
+        # batch too large for the scratch, through a block table over a small pool)
+        q8_shapes = [(128, 16, 8, True, False), (64, 32, 8, False, False),
+                     (128, 8, 1, True, False), (256, 4, 2, False, False),
+                     (64, 4, 4, False, True)]
+        for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
+            qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
+            q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
+            n = mx.ones((d,), dt) if norms else None
+            inv = mx.array(rng.random(d // 2).astype(np.float32))
+            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
+
+            def q8(lead: tuple[int, ...], group: int, d: int = d, dt: Any = dt
+                   ) -> tuple[mx.array, ...]:
+                return (mx.zeros((*lead, d // 4), mx.uint32), mx.zeros((*lead, d // group), dt),
+                        mx.zeros((*lead, d // group), dt))
+            cases = [(64, s, j, p) for s in (1, 8) for j in (None, qkv) for p in (False, True)]
+            cases += [(g, 8, None, False) for g in (32, 128) if g <= d]
+            for group, splits, joined, paged in cases:
+                cache = q8((4, hk, 64) if paged else (1, hk, 512), group)
+                table = mx.zeros((1, 8), mx.int32) if paged else None
+                kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, cache, cache, hq=hq,
+                                         hk=hk, rotary_dim=d, interleaved=inter, splits=splits,
+                                         qkv=joined, table=table)
+            if (d, norms) == (128, True):  # 2,048 rows x 8 splits: past the scratch
+                rows = 2048
+                qr, kr = mx.zeros((rows, 1, hq * d), dt), mx.zeros((rows, 1, hk * d), dt)
+                cache = q8((4, hk, 64), 64)
+                kernels_cuda.rope_attend(qr, kr, kr, n, n, inv, prm, mx.zeros((rows,), mx.int32),
+                                         cache, cache, hq=hq, hk=hk, rotary_dim=d,
+                                         interleaved=inter, splits=8,
+                                         table=mx.zeros((rows, 2), mx.int32))
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):

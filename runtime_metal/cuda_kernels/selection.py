@@ -202,16 +202,53 @@ def add_rms_norm_fits(x: object, r: object, scale: object, axis: int) -> bool:
             and scale.shape[0] == x.shape[-1])
 
 
+def _q8_cache(buf: tuple[object, ...], head_dim: int) -> tuple[tuple[int, ...], mx.Dtype] | None:
+    """An 8-bit cache buffer's (leading shape, scales' dtype) when the kernel takes it: the
+    triple kv_cache.KVQuant makes at bits 8 (codes uint32 [.., head_dim / 4], scales and biases
+    of one float dtype [.., head_dim / group]) with a group of 32, 64 or 128 values dividing
+    head_dim that holds whole lanes' shares (head_dim / 32 values a lane; a power-of-two
+    head_dim always does); else None (a 4-bit cache: its keys per channel are four arrays, its
+    values 4-bit codes)."""
+    if len(buf) != 3 or not all(isinstance(a, mx.array) and a.ndim == 4 for a in buf):
+        return None
+    codes, scales, biases = buf
+    assert isinstance(codes, mx.array) and isinstance(scales, mx.array)
+    assert isinstance(biases, mx.array)
+    groups = scales.shape[-1]
+    if (codes.dtype != mx.uint32 or codes.shape[-1] * 4 != head_dim or groups == 0
+            or scales.shape != biases.shape or scales.dtype != biases.dtype
+            or scales.shape[:3] != codes.shape[:3] or scales.dtype not in DTYPES
+            or head_dim % groups):
+        return None
+    group = head_dim // groups
+    if group not in (32, 64, 128) or head_dim % 32 or group % (head_dim // 32):
+        return None
+    return codes.shape[:3], scales.dtype
+
+
 def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, object],
-                     keys: mx.array, values: mx.array, hq: int, hk: int, head_dim: int,
-                     rotary_dim: int, table: mx.array | None = None) -> bool:
+                     keys: mx.array | tuple[object, ...], values: mx.array | tuple[object, ...],
+                     hq: int, hk: int, head_dim: int, rotary_dim: int,
+                     table: mx.array | None = None) -> bool:
     """One token per batch row (3-D [b, 1, H*D] q/k/v, b = the cache's batch, or the block
     table's rows: int32 [b, W] over pools of power-of-two blocks), head_dim a multiple of 32
     up to 256 for keys and values alike, even rotary width, whole GQA groups, cache of the
-    activation dtype, q/k-norm scales (when present) of one head's width."""
-    rows = keys.shape[0]
+    activation dtype or 8-bit (_q8_cache: keys and values alike, scales of the activation
+    dtype), q/k-norm scales (when present) of one head's width."""
+    if isinstance(keys, tuple) or isinstance(values, tuple):
+        if not (isinstance(keys, tuple) and isinstance(values, tuple)):
+            return False
+        kq, vq = _q8_cache(keys, head_dim), _q8_cache(values, head_dim)
+        if kq is None or kq != vq or keys[1].shape != values[1].shape:  # type: ignore[union-attr]
+            return False
+        lead, dtype, d = kq[0], kq[1], head_dim
+    else:
+        lead, dtype, d = keys.shape[:3], keys.dtype, keys.shape[-1]
+        if values.shape[-1] != d or values.dtype != dtype:
+            return False
+    rows = lead[0]
     if table is not None:
-        bs = keys.shape[2]
+        bs = lead[2]
         if table.ndim != 2 or table.dtype != mx.int32 or bs & (bs - 1):
             return False
         rows = table.shape[0]
@@ -219,11 +256,9 @@ def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, objec
                for a in (q, k, v)):
         return False
     assert isinstance(q, mx.array) and isinstance(k, mx.array) and isinstance(v, mx.array)
-    d = keys.shape[-1]
     if any(n is not None and not (isinstance(n, mx.array) and n.shape == (d,)) for n in norms):
         return False
-    return (d == head_dim and values.shape[-1] == d and values.dtype == keys.dtype
-            and d % 32 == 0 and d <= 256 and 0 < rotary_dim <= d and rotary_dim % 2 == 0
-            and hk > 0 and hq % hk == 0
+    return (d == head_dim and d % 32 == 0 and d <= 256 and 0 < rotary_dim <= d
+            and rotary_dim % 2 == 0 and hk > 0 and hq % hk == 0
             and q.shape[2] == hq * d and k.shape[2] == hk * d and v.shape[2] == hk * d
-            and keys.dtype in DTYPES and q.dtype == keys.dtype)
+            and dtype in DTYPES and q.dtype == dtype)

@@ -22,11 +22,17 @@ RoPE), so the two agree to a few units in the last place of that dtype.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import mlx.core as mx
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
+
+# A cache buffer the attention kernels take: [rows or blocks, HK, positions, D] in the activation
+# dtype, or an 8-bit cache's triple (codes uint32 [.., D / 4], scales, biases [.., D / GS]:
+# kv_cache.KVQuant's, bits 8)
+Cache = mx.array | tuple[mx.array, mx.array, mx.array]
 
 _HEADER = """
 __device__ __forceinline__ float warp_sum(float v) {
@@ -254,15 +260,12 @@ _ATTEND_SPLIT = """
   const int n = pos + 1, chunk = (n + SE - 1) / SE;
   const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
   const int j_first = j_begin + warp * KB;
-  const T* kb = kc + lane * VPT;
-  const T* vb = vc + lane * VPT;
-  float kr[KB][VPT], vr[KB][VPT];
+/*KVPTR*/  float kr[KB][VPT], vr[KB][VPT];
   #pragma unroll
   for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
     const int j = j_first + u;
     if (j < j_end && j < pos) {
-      fl_load_row<T, VPT>(kb + kv_row(j) * D, kr[u]);
-      fl_load_row<T, VPT>(vb + kv_row(j) * D, vr[u]);
+/*LOAD*/
     }
   }
   for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
@@ -309,20 +312,15 @@ _ATTEND_SPLIT = """
     }
     const T ta = T(a);
     if (r < GB) {
-      sq[r][e] = static_cast<float>(ta) * qscale;  // the softmax scale, folded into q
+      sq[r][e] = static_cast<float>(ta)/*QSCALE*/;
     } else {
       const T tv = T(sv[e]);
       sk[e] = static_cast<float>(ta);
       sv[e] = static_cast<float>(tv);
-      if (s == 0 && gb == 0) {
-        const size_t prow = kv_row(pos);
-        const_cast<T*>(kc)[prow * D + e] = ta;
-        const_cast<T*>(vc)[prow * D + e] = tv;
-      }
-    }
+/*PUTROW*/    }
   }
   __syncthreads();
-  float qr[GB][VPT], acc[GB][VPT], m[GB], l[GB];
+/*QUANT*/  float qr[GB][VPT], acc[GB][VPT], m[GB], l[GB];
   #pragma unroll
   for (int hh = 0; hh < GB; ++hh) {
     m[hh] = __int_as_float(0xff800000);  // -infinity
@@ -337,8 +335,7 @@ _ATTEND_SPLIT = """
       const int j = j0 + u;
       if (j < j_end && j < pos) {
         if (j0 != j_first) {  // the first step's rows were loaded before the prologue
-          fl_load_row<T, VPT>(kb + kv_row(j) * D, kr[u]);
-          fl_load_row<T, VPT>(vb + kv_row(j) * D, vr[u]);
+/*LOAD*/
         }
       } else {
         const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
@@ -406,11 +403,167 @@ _ATTEND_SPLIT = """
     const size_t qh = (size_t)b * HQ + h0 + hh;
 /*WRITE*/
   }
-  } else if (tid < GB) {  // an empty split (S > 1 only: SE >= 1)
+/*AFTER*/  } else if (tid < GB) {  // an empty split (S > 1 only: SE >= 1)
     const size_t qh = (size_t)b * HQ + h0 + tid;
 /*EMPTY*/
   }
 /*TAIL*/"""
+# The split kernel's two cache forms, filled into its /*KVPTR*/, /*LOAD*/, /*QSCALE*/, /*PUTROW*/,
+# /*QUANT*/ and /*AFTER*/ places (_split_source). A float cache (the activation dtype): rows read
+# as they are, the new row written as the last step of the prologue.
+_FLOAT_CACHE = {
+    "/*KVPTR*/": """  const T* kb = kc + lane * VPT;
+  const T* vb = vc + lane * VPT;
+""",
+    "/*LOAD*/": """      fl_load_row<T, VPT>(kb + kv_row(j) * D, kr[u]);
+      fl_load_row<T, VPT>(vb + kv_row(j) * D, vr[u]);""",
+    "/*QSCALE*/": " * qscale",  # the softmax scale, folded into q
+    "/*PUTROW*/": """      if (s == 0 && gb == 0) {
+        const size_t prow = kv_row(pos);
+        const_cast<T*>(kc)[prow * D + e] = ta;
+        const_cast<T*>(vc)[prow * D + e] = tv;
+      }
+""",
+    "/*QUANT*/": "",
+    "/*AFTER*/": "",
+}
+
+# An 8-bit cache (kv_cache.KVQuant, bits 8): each of K and V the triple mx.quantize makes, codes
+# kc / vc (uint32 words: a row's D bytes, code e at byte e), scales kcs / vcs and biases kcb /
+# vcb (T, a row's D / GS), rows stored rotated (kv_cache.rotate). A lane's VPT values lie in one
+# group (rope_attend_fits: VPT divides GS), so a key's read is its code bytes, one scale and one
+# bias. The prologue then rotates q and the new k and v rows (kv_cache.rotate: Sylvester-Hadamard
+# blocks of P = D & -D times T(1/sqrt(P)), the constant PR, as rotate's matrix in T holds it),
+# rounding each to T as rotate's matmul does; quantizes k and v as mx.quantize does (q8_group)
+# and keeps their dequantized values, which the keys loop reads for the token being decoded, as
+# the plain path reads back the row it has just written; block (gb 0, split 0) writes the codes,
+# scales and biases in place (no other block reads that row). The output, a mix of rotated
+# values, is rotated back before it is written (R is symmetric: the same transform).
+_Q8_CACHE = {
+    "/*KVPTR*/": """  constexpr int NG = D / GS;  // groups a row
+  const unsigned char* kb = (const unsigned char*)kc + lane * VPT;
+  const unsigned char* vb = (const unsigned char*)vc + lane * VPT;
+  const int lg = lane * VPT / GS;  // the group of this lane's values
+""",
+    "/*LOAD*/": """      const size_t at = kv_row(j);
+      q8_load_row<T, VPT>(kb + at * D, kcs[at * NG + lg], kcb[at * NG + lg], kr[u]);
+      q8_load_row<T, VPT>(vb + at * D, vcs[at * NG + lg], vcb[at * NG + lg], vr[u]);""",
+    "/*QSCALE*/": "",  # the softmax scale: after the rotation, below
+    "/*PUTROW*/": "",
+    "/*QUANT*/": """  auto row_of = [&](int r) -> float* {
+    return r < GB ? sq[r] : r == GB ? sk : sv;
+  };
+  fwht_rows<D, NT>(row_of, GB + 2, tid);
+  const float rh = static_cast<float>(T(__int_as_float(PR)));
+  for (int i = tid; i < (GB + 2) * D; i += NT) {
+    float* x = row_of(i / D);
+    const float y = static_cast<float>(T(x[i % D] * rh));
+    x[i % D] = i < GB * D ? y * qscale : y;
+  }
+  __syncthreads();
+  for (int r = warp; r < 2 * NG; r += NW) {  // a warp a group: r < NG the key's, else the value's
+    const int grp = r % NG;
+    const size_t prow = kv_row(pos) * NG + grp;
+    unsigned char* codes = (unsigned char*)(r < NG ? kc : vc) + prow * GS;
+    q8_group<T, GS>((r < NG ? sk : sv) + grp * GS, lane, s == 0 && gb == 0, codes,
+                    const_cast<T*>(r < NG ? kcs : vcs) + prow,
+                    const_cast<T*>(r < NG ? kcb : vcb) + prow);
+  }
+  __syncthreads();
+  __shared__ float smx[GB], sden[GB];
+""",
+    "/*AFTER*/": """  __syncthreads();
+  fwht_rows<D, NT>([&](int r) -> float* { return tq[r]; }, GB, tid);
+  for (int i = tid; i < GB * D; i += NT) {  // the output rotated back
+    const int hh = i / D, e = i % D;
+    const size_t qh = (size_t)b * HQ + h0 + hh;
+    const float num = tq[hh][e] * rh, den = sden[hh], mx_ = smx[hh];
+    (void)mx_;
+/*WRITE*/
+  }
+""",
+}
+# the 8-bit form's merge of the warps leaves each head's sums in shared memory (tq: the q rows'
+# RoPE buffer, free by then) for the rotation back
+_Q8_STASH = """    tq[hh][e] = num;
+    if (e == 0) { smx[hh] = mx_; sden[hh] = den; }"""
+
+_Q8_HEADER = """
+// The 8-bit cache's helpers (kv_cache.KVQuant). fwht_rows: the rows row_of(0..nrows-1) of D_
+// floats (shared memory) times kron(I, H_P), H_P the Sylvester-Hadamard matrix of
+// P = D_ & -D_, unscaled: in-place butterflies, the whole block's threads, synced after each
+// stage (the caller syncs before)
+template <int D_, int NT_, typename F>
+__device__ __forceinline__ void fwht_rows(F row_of, int nrows, int tid) {
+  constexpr int P = D_ & -D_, HALF = D_ / 2;
+  for (int h = 1; h < P; h <<= 1) {
+    for (int i = tid; i < nrows * HALF; i += NT_) {
+      float* x = row_of(i / HALF);
+      const int t = i % HALF, lo = (t / h) * 2 * h + t % h;
+      const float a = x[lo], c = x[lo + h];
+      x[lo] = a + c;
+      x[lo + h] = a - c;
+    }
+    __syncthreads();
+  }
+}
+// One warp: GS_ values at x (each T-exact; lane l holds [l * GS_/32, (l+1) * GS_/32)) quantized
+// to 8 bits as MLX-CUDA's affine_quantize does (mlx/backend/cuda/quantized/affine_quantize.cu:
+// its min from FLT_MAX and max from 0, eps 1e-7, the edge of larger magnitude exact, round half
+// away from zero, IEEE divisions), left in x as their dequantized values code * T(scale) +
+// T(bias); with `put`, the codes, the scale and the bias (rounded to TT) written out.
+template <typename TT, int GS_>
+__device__ __forceinline__ void q8_group(float* x, int lane, bool put, unsigned char* codes,
+                                         TT* sc, TT* bi) {
+  constexpr int VPR = GS_ / 32;
+  float w[VPR];
+  float wmin = 3.402823466e+38f, wmax = 0.f;
+  #pragma unroll
+  for (int i = 0; i < VPR; ++i) {
+    w[i] = x[lane * VPR + i];
+    wmin = fminf(wmin, w[i]);
+    wmax = fmaxf(wmax, w[i]);
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    wmin = fminf(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
+    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffff, wmax, o));
+  }
+  float scale = fmaxf(__fdiv_rn(wmax - wmin, 255.f), 1e-7f);
+  const bool side = fabsf(wmin) > fabsf(wmax);
+  scale = side ? scale : -scale;
+  const float edge = side ? wmin : wmax;
+  const float q0 = roundf(__fdiv_rn(edge, scale));
+  const bool at_zero = q0 == 0.f;
+  scale = at_zero ? scale : __fdiv_rn(edge, q0);
+  const float bias = at_zero ? 0.f : edge;
+  const TT ts = TT(scale), tb = TT(bias);
+  const float fs = static_cast<float>(ts), fb = static_cast<float>(tb);
+  #pragma unroll
+  for (int i = 0; i < VPR; ++i) {
+    const float c = fminf(roundf(__fdiv_rn(w[i] - bias, scale)), 255.f);
+    x[lane * VPR + i] = fmaf(c, fs, fb);
+    if (put) codes[lane * VPR + i] = (unsigned char)c;
+  }
+  if (put && lane == 0) {
+    *sc = ts;
+    *bi = tb;
+  }
+}
+// N codes of a row (bytes) read back as code * scale + bias in float32
+template <typename TT, int N>
+__device__ __forceinline__ void q8_load_row(const unsigned char* p, TT sc, TT bi, float* o) {
+  if (N % 4 != 0 && N % 2 == 0) {
+    fl_load_as<unsigned short, unsigned char, N>(p, o);
+  } else {
+    fl_load_row<unsigned char, N>(p, o);
+  }
+  const float fs = static_cast<float>(sc), fb = static_cast<float>(bi);
+  #pragma unroll
+  for (int e = 0; e < N; ++e) o[e] = fmaf(o[e], fs, fb);
+}
+"""
+
 # S = 1: every key in this block; S > 1: the split's partial (an empty split: l = 0, max -inf)
 _WRITE_OUT = "    out[qh * D + e] = T(num / den);"
 _EMPTY_PART = "    pm[qh * S + s] = __int_as_float(0xff800000); pl[qh * S + s] = 0.f;"
@@ -481,11 +634,14 @@ _SCRATCH_PARTS = """
 # softmax scale, attention scale) are template arguments PE, PQ, PA (kernels.float_bits), the
 # fused projection (joined: q, k and v are slices of it) is one input `q` that k and v alias,
 # and absent q/k-norm scales are no inputs (null pointers, never read: HAS_QN / HAS_KN).
-def _attend_inputs(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> list[str]:
+def _attend_inputs(joined: bool, norms: tuple[bool, bool], paged: bool = False,
+                   quant: bool = False) -> list[str]:
     """The attention kernels' input names: q (k, v unless joined), qn / kn where present, the
-    block table bt when the caches are block pools (paged)."""
+    caches kc, vc (an 8-bit cache's triples: codes, scales, biases), the block table bt when
+    the caches are block pools (paged)."""
+    caches = ["kc", "kcs", "kcb", "vc", "vcs", "vcb"] if quant else ["kc", "vc"]
     return (["q"] + ([] if joined else ["k", "v"]) + (["qn"] if norms[0] else [])
-            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", "kc", "vc"]
+            + (["kn"] if norms[1] else []) + ["inv_freq", "offset", *caches]
             + (["bt"] if paged else []))
 
 
@@ -498,30 +654,56 @@ def _attend_prelude(joined: bool, norms: tuple[bool, bool], paged: bool = False)
             + ("" if paged else "  const int* bt = nullptr;\n"))
 
 
-def _attend_suffix(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> str:
+def _attend_suffix(joined: bool, norms: tuple[bool, bool], paged: bool = False,
+                   quant: bool = False) -> str:
     """A kernel name per input set, so profiles (ncu, kernel_bench, step_profile) tell the
     variants apart (MLX-CUDA keeps one module per text in any case: custom_kernel.cpp names it
     by the kernel's name and a hash of its source)."""
     return (("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
-            + ("_bt" if paged else ""))
+            + ("_bt" if paged else "") + ("_q8" if quant else ""))
 
 
 def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
-                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: mx.array,
-                 vc: mx.array, joined: bool, table: mx.array | None = None) -> list[mx.array]:
+                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: Cache,
+                 vc: Cache, joined: bool, table: mx.array | None = None) -> list[mx.array]:
     """The input arrays, in _attend_inputs' order (its names pick them)."""
     arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
-                              "inv_freq": inv_freq, "offset": offset, "kc": kc, "vc": vc,
-                              "bt": table}
+                              "inv_freq": inv_freq, "offset": offset, "bt": table}
+    for name, c in (("kc", kc), ("vc", vc)):
+        arrays.update(zip((name, name + "s", name + "b"), c, strict=True)
+                      if isinstance(c, tuple) else [(name, c)])
     return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None),
-                                              table is not None)]
+                                              table is not None, isinstance(kc, tuple))]
 
 
-def _table_consts(kc: mx.array, table: mx.array | None) -> list[tuple[str, Any]]:
+def _table_consts(kc: Cache, table: mx.array | None) -> list[tuple[str, Any]]:
     """BT (block pools), BS (positions a block) and MB (blocks a row) template constants."""
     if table is None:
         return [("BT", False), ("BS", 1), ("MB", 1)]
-    return [("BT", True), ("BS", kc.shape[2]), ("MB", table.shape[1])]
+    return [("BT", True), ("BS", _codes(kc).shape[2]), ("MB", table.shape[1])]
+
+
+def _codes(c: Cache) -> mx.array:
+    """A cache's array with the position axis 2 (an 8-bit cache's codes)."""
+    return c[0] if isinstance(c, tuple) else c
+
+
+def _head_dim(c: Cache) -> int:
+    """D: a float cache's last axis; an 8-bit cache's codes hold 4 a uint32 word."""
+    return c[0].shape[-1] * 4 if isinstance(c, tuple) else c.shape[-1]
+
+
+def _act_dtype(c: Cache) -> mx.Dtype:
+    """The activation dtype T: a float cache's, an 8-bit cache's scales'."""
+    return c[1].dtype if isinstance(c, tuple) else c.dtype
+
+
+def _q8_consts(kc: Cache, d: int) -> list[tuple[str, Any]]:
+    """An 8-bit cache's group size GS and rotation constant PR (kv_cache.rotate's 1/sqrt(P) as
+    float32 bits, P the largest power of two dividing D): none for a float cache."""
+    if not isinstance(kc, tuple):
+        return []
+    return [("GS", d // kc[1].shape[-1]), ("PR", kernels.float_bits(1 / math.sqrt(d & -d)))]
 
 
 def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
@@ -531,30 +713,38 @@ def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
             ("PA", kernels.float_bits(ascale))]
 
 
+def _split_source(form: str, quant: bool) -> str:
+    """The split kernel's body for a form (_attend_split_kernel's) and cache (float or 8-bit)."""
+    write = _WRITE_OUT if form == "merged" else _WRITE_PART
+    fill = dict(_Q8_CACHE if quant else _FLOAT_CACHE)
+    fill["/*AFTER*/"] = fill["/*AFTER*/"].replace("/*WRITE*/", write)
+    fill["/*WRITE*/"] = _Q8_STASH if quant else write  # after AFTER's: it holds a /*WRITE*/
+    fill["/*TAIL*/"] = "" if form == "merged" else _MERGE_LAST
+    fill["/*EMPTY*/"] = "" if form == "merged" else _EMPTY_PART
+    source = _ATTEND_SPLIT
+    for place in ("/*AFTER*/", "/*WRITE*/", *fill):
+        source = source.replace(place, fill[place])
+    return source
+
+
 @kernels.kernel_factory
-def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool], paged: bool = False
-                         ) -> Any:
+def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool], paged: bool = False,
+                         quant: bool = False) -> Any:
     """form "merged": S = 1, the block writes the output; else it writes the split's partial
     and the last block of its head group merges them, the partials in the module's scratch
     ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
-    (_attend_inputs)."""
-    if form == "merged":
-        source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_OUT).replace("/*TAIL*/", "")
-                  .replace("/*EMPTY*/", ""))
-    else:
-        source = (_ATTEND_SPLIT.replace("/*WRITE*/", _WRITE_PART)
-                  .replace("/*TAIL*/", _MERGE_LAST).replace("/*EMPTY*/", _EMPTY_PART))
+    (_attend_inputs). quant: the caches are 8-bit (_Q8_CACHE)."""
     scratch = form == "scratch"
     return kernels.cuda_kernel(
         name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
               "outputs": "fuselm_rope_attend_split_out"}[form]
-        + _attend_suffix(joined, norms, paged),
-        input_names=_attend_inputs(joined, norms, paged),
+        + _attend_suffix(joined, norms, paged, quant),
+        input_names=_attend_inputs(joined, norms, paged, quant),
         output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
         source=_attend_prelude(joined, norms, paged) + (_SCRATCH_PARTS if scratch else "")
-        + source,
-        header=_HEADER + _VEC_HEADER + ("" if form == "merged" else _TICKETS)
-        + (_SCRATCH if scratch else ""))
+        + _split_source(form, quant),
+        header=_HEADER + _VEC_HEADER + (_Q8_HEADER if quant else "")
+        + ("" if form == "merged" else _TICKETS) + (_SCRATCH if scratch else ""))
 
 
 def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
@@ -567,28 +757,30 @@ def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
 
 def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                        kn: mx.array | None, inv_freq: mx.array,
-                       prm: tuple[float, float, float], offset: mx.array, kc: mx.array,
-                       vc: mx.array, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
+                       prm: tuple[float, float, float], offset: mx.array, kc: Cache,
+                       vc: Cache, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
                        splits: int, rows_at: list[Any], joined: bool,
                        warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS,
                        table: mx.array | None = None) -> mx.array:
-    d, rows = kc.shape[-1], q.shape[0]
+    d, dtype, rows = _head_dim(kc), _act_dtype(kc), q.shape[0]
+    quant = isinstance(kc, tuple)
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     form = ("merged" if splits == 1 else
             "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
     partials = form == "outputs"
     outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None),
-                                table is not None)(
+                                table is not None, quant)(
         inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined, table),
-        template=[("T", kc.dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
+        template=[("T", dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
-                  ("KB", keys), *rows_at, *_attend_consts(prm), *_table_consts(kc, table)],
+                  ("KB", keys), *rows_at, *_attend_consts(prm), *_table_consts(kc, table),
+                  *_q8_consts(kc, d)],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] + (
             [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
-        output_dtypes=[kc.dtype] + ([mx.float32] * 3 if partials else []))
+        output_dtypes=[dtype] + ([mx.float32] * 3 if partials else []))
     return outs[0]
 
 
@@ -625,11 +817,11 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
 
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: tuple[float, float, float],
-                offset: mx.array, kc: mx.array, vc: mx.array, *, hq: int, hk: int,
+                offset: mx.array, kc: Cache, vc: Cache, *, hq: int, hk: int,
                 rotary_dim: int, interleaved: bool, splits: int | None = None,
                 split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
                 qkv: mx.array | None = None, table: mx.array | None = None
-                ) -> tuple[mx.array, mx.array, mx.array]:
+                ) -> tuple[mx.array, Cache, Cache]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]); or,
     with a block `table` (int32 [b, W]: kv_cache.BlockCache), the caches are block pools
@@ -658,9 +850,16 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     kernel reads them from it (q, k, v then only give the shapes), so the three slices are
     not in the step's graph (a Qwen3-0.6B step: 274 nodes -> 151 with the other reshapes gone;
     the H200 host's dispatch time did not change: it follows kernel launches, not nodes). It
-    is the launch's one input for all three (k and v alias it in the kernel)."""
-    d, rows = kc.shape[-1], q.shape[0]
-    capacity = kc.shape[2] * (1 if table is None else table.shape[1])
+    is the launch's one input for all three (k and v alias it in the kernel).
+
+    kc / vc 8-bit (each a kv_cache.KVQuant triple of bits 8: codes, scales, biases, the same
+    leading axes; rows stored rotated): the split kernel's 8-bit form (_Q8_CACHE; splits 0 runs
+    it with one split): q and the new k and v rotated, the new rows quantized as mx.quantize
+    does and written in place (codes, scales and biases, the same ownership as above), the
+    keys read as code * scale + bias, the output rotated back; what the plain path
+    (attention.Attention.over_cache) computes over the same buffers."""
+    d, rows = _head_dim(kc), q.shape[0]
+    capacity = _codes(kc).shape[2] * (1 if table is None else table.shape[1])
     joined = qkv is not None
     if qkv is not None:
         q = k = v = qkv
@@ -673,6 +872,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                if splits is None else splits)
     if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
         n_split = 0  # more head groups than tickets (a batch of thousands): no split
+    if isinstance(kc, tuple):  # an 8-bit cache: the split kernel's form only (one split at least)
+        n_split = max(n_split, 1)
     if n_split > 0:
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,

@@ -304,10 +304,10 @@ class DecodeProgram:
                     assert layer is not None
                     k_old, v_old = out_kv[layer]
                     mask = mask_for(attn.step)
-                    # the fused kernel reads every cached row of a float cache: full-attention
-                    # layers only; a quantized cache takes attention.py's quantized path
-                    use_kernel = (self.kernels and _window(self.windows, attn.step) is None
-                                  and not isinstance(k_old, tuple))
+                    # the fused kernel reads every cached row: full-attention layers only; a
+                    # float or 8-bit cache (kernels.rope_attend_fits: a 4-bit one takes
+                    # attention.py's quantized path)
+                    use_kernel = self.kernels and _window(self.windows, attn.step) is None
                     if o.partner is not None:
                         v = _resolve(attn.args[2:3], env)[0]
                         parent = joined.get((o.args[0][1], o.args[1][1], attn.args[2][1]))

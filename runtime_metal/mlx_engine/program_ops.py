@@ -7,7 +7,8 @@ Pairs (found at load by `fuse_pairs`, executed at trace time):
   when a Q4 MatMul makes the added row (fold_into_producers), nothing of its own: that GEMV's
   epilogue (kernels_q4.q4_gemv_add_norm);
 * a `FusedRoPE` and the `Attention` that reads both its outputs -> kernels_cuda.rope_attend
-  for one decoded token per sequence, which also writes the new key/value rows into the cache.
+  for one decoded token per sequence, which also writes the new key/value rows into the cache
+  (a float cache, or an 8-bit one: quantized by the kernel; a 4-bit cache runs the two steps).
 Where the kernels are off (not MLX-CUDA, FUSELM_KERNELS=off) or the shapes do not fit, the
 pair runs as its two steps, exactly what the graph says, through attention.Attention.
 """
@@ -178,10 +179,9 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     `splits` (kernels_cuda.rope_attend's: None = as many key splits as fill the GPU, 0 =
     a block per query head). `blocks`: keys/values are block pools and row r's positions lie
     in the blocks of its table row (kv_cache.BlockCache; the kernel reads blocks.table, the
-    plain path the step's index math over it, kv_cache.BlockIndex). `seal`: over_cache's. A
-    quantized cache
-    (kv_cache.Buffer triples) never reaches the kernel (the caller's use_kernel is off):
-    RoPE, then Attention."""
+    plain path the step's index math over it, kv_cache.BlockIndex). `seal`: over_cache's. An
+    8-bit cache (kv_cache.Buffer triples) takes the kernel's 8-bit form (it quantizes the new
+    rows itself); a 4-bit one (keys per channel) RoPE, then Attention."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
