@@ -21,6 +21,9 @@ position axis where a float buffer has it, so every write, read, gather and copy
 to each of the three arrays alike (`Buffer`), new rows are quantized as they are written, and
 attention reads the triple directly (attention.Attention.attend: quantized matmuls, no
 dequantized copy of the cache). The triple describes itself given the head dim (`spec_of`).
+On MLX-CUDA a decode step over an 8-bit cache runs the fused attention kernel instead
+(cuda_kernels/sources.py): it rotates and quantizes the new rows itself, exactly as `quantize`
+below, and reads the codes directly.
 
 A quantized buffer holds its rows rotated (`rotate`, before quantizing): a fixed orthogonal
 matrix, normalized Walsh-Hadamard blocks, mixes each head's channels, so the few channels of

@@ -12,12 +12,19 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   Two forms, one launch each: a block per query head, and a split (flash-decoding) form
   with a block per KV head's query heads and key split whose last block merges the splits
   (kernels.auto_splits picks how many: FUSELM_ATTN_SPLIT=auto).
+  Over an 8-bit KV cache (kv_cache.KVQuant, bits 8: rows stored rotated and quantized) the
+  split form's 8-bit variant (`_Q8_CACHE`, the same kernel text with its cache reads and
+  writes swapped) also rotates q and the new k/v rows, quantizes the new rows as mx.quantize
+  does, writes codes, scales and biases in place, reads the keys as code * scale + bias and
+  rotates its output back: still one launch a layer, where the plain path dequantizes the
+  layer's cache for MLX's float matmuls. A 4-bit cache (keys per channel) is not taken.
 
 The plain-MLX paths they replace are in runtime_metal/mlx_engine/program_ops.py, eligibility and the
 on/off switch in runtime_metal/cuda_kernels/selection.py, the equivalence tests in
-tests/runtime/test_kernels.py. Arithmetic is float32 with the same
-roundings to the activation dtype as the plain path (after the Add, after the norm, after
-RoPE), so the two agree to a few units in the last place of that dtype.
+tests/runtime/test_kernels.py and (the 8-bit cache) test_kv_kernels.py. Arithmetic is float32
+with the same roundings to the activation dtype as the plain path (after the Add, after the
+norm, after RoPE; the 8-bit form: after the rotation, the scales and biases), so the two agree
+to a few units in the last place of that dtype.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ cuda = pytest.mark.skipif(not kernels.cuda_device(), reason="needs MLX's CUDA ba
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
 
 
-def _rounded(a: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
+def rounded(a: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, np.ndarray]:
     """The device array in `dtype` and its exact values back in float32."""
     x = mx.array(a.astype(np.float32)).astype(dtype)
     return x, np.array(x.astype(mx.float32))
@@ -337,11 +337,11 @@ def test_add_rms_norm_kernel(dtype: mx.Dtype, rows: int, hidden: int) -> None:
     from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
 
     rng = np.random.default_rng(rows * hidden)
-    x, xf = _rounded(rng.normal(size=(1, rows, hidden)), dtype)
-    r, rf = _rounded(rng.normal(size=(1, rows, hidden)) * 3, dtype)
-    w, wf = _rounded(rng.uniform(0.5, 1.5, hidden), dtype)
+    x, xf = rounded(rng.normal(size=(1, rows, hidden)), dtype)
+    r, rf = rounded(rng.normal(size=(1, rows, hidden)) * 3, dtype)
+    w, wf = rounded(rng.uniform(0.5, 1.5, hidden), dtype)
     h, y = kernels_cuda.add_rms_norm(x, r, w, 1e-6)
-    _, h_ref = _rounded(xf + rf, dtype)
+    _, h_ref = rounded(xf + rf, dtype)
     assert rel(np.array(h.astype(mx.float32)), h_ref) <= TOL[dtype]
     y_ref = rms_norm_reference(h_ref, wf, 1e-6)
     assert rel(np.array(y.astype(mx.float32)), y_ref) <= TOL[dtype]
@@ -391,20 +391,20 @@ def test_rope_attend_kernel(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bo
     rd = int(d * frac)
     inv_freq = (1.0 / 10000 ** (np.arange(0, rd, 2) / rd)).astype(np.float32)
     cap = (pos // 256 + 1) * 256
-    q, qf = _rounded(rng.normal(size=(1, 1, hq * d)), dtype)
-    k, kf = _rounded(rng.normal(size=(1, 1, hk * d)), dtype)
-    v, vf = _rounded(rng.normal(size=(1, 1, hk * d)), dtype)
+    q, qf = rounded(rng.normal(size=(1, 1, hq * d)), dtype)
+    k, kf = rounded(rng.normal(size=(1, 1, hk * d)), dtype)
+    v, vf = rounded(rng.normal(size=(1, 1, hk * d)), dtype)
     cache_k = rng.normal(size=(1, hk, cap, d))
     cache_v = rng.normal(size=(1, hk, cap, d))
     cache_k[:, :, pos:] = 50.0  # rows past the position must not be attended
     cache_v[:, :, pos:] = 1e4
-    kc, kcf = _rounded(cache_k, dtype)
-    vc, vcf = _rounded(cache_v, dtype)
+    kc, kcf = rounded(cache_k, dtype)
+    vc, vcf = rounded(cache_v, dtype)
     qn = kn = None
     qnf = knf = None
     if norms:
-        qn, qnf = _rounded(rng.uniform(0.5, 1.5, d), dtype)
-        kn, knf = _rounded(rng.uniform(0.5, 1.5, d), dtype)
+        qn, qnf = rounded(rng.uniform(0.5, 1.5, d), dtype)
+        kn, knf = rounded(rng.uniform(0.5, 1.5, d), dtype)
     scale = 1.0 / np.sqrt(d)
     attrs = dict(head_dim=d, rotary_dim=rd, inv_freq=inv_freq.tolist(), attention_scale=ascale,
                  interleaved=int(inter), norm_eps=1e-6)
@@ -446,14 +446,14 @@ def test_split_partials_in_scratch_equal_partials_as_outputs(monkeypatch: pytest
     rng = np.random.default_rng(rows)
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = (1e-6, 1 / np.sqrt(d), 1.0)
-    q, _ = _rounded(rng.normal(size=(rows, 1, hq * d)), dtype)
-    k, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
-    v, _ = _rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
+    q, _ = rounded(rng.normal(size=(rows, 1, hq * d)), dtype)
+    k, _ = rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
+    v, _ = rounded(rng.normal(size=(rows, 1, hk * d)), dtype)
     cache = rng.normal(size=(2, rows, hk, cap, d))
     results = {}
     for scratch in (kernels_cuda.SPLIT_SCRATCH, 0):
         monkeypatch.setattr(kernels_cuda, "SPLIT_SCRATCH", scratch)
-        (kc, _), (vc, _) = _rounded(cache[0], dtype), _rounded(cache[1], dtype)
+        (kc, _), (vc, _) = rounded(cache[0], dtype), rounded(cache[1], dtype)
         ys = []
         for pos in (100, 101, 300):
             y, kc, vc = kernels_cuda.rope_attend(
@@ -531,12 +531,12 @@ def test_rope_attend_kernel_batch_rows_equal_single_rows(dtype: mx.Dtype, splits
     d, hq, hk, cap, positions = 128, 8, 2, 512, [3, 300, 0, 47]
     b = len(positions)
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    q = _rounded(rng.normal(size=(b, 1, hq * d)), dtype)[0]
-    k = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
-    v = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
-    kc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
-    vc = _rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
-    norm = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
+    q = rounded(rng.normal(size=(b, 1, hq * d)), dtype)[0]
+    k = rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    v = rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    kc = rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
+    vc = rounded(rng.normal(size=(b, hk, cap, d)), dtype)[0]
+    norm = rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
 
     def run(rows: slice, pos: list[int]) -> tuple[mx.array, ...]:
@@ -568,11 +568,11 @@ def test_rope_attend_through_a_block_table_equals_contiguous_rows(dtype: mx.Dtyp
     d, hq, hk, cap, positions = 128, 8, 2, 512, [3, 300, 0, 130]
     b, w = len(positions), cap // BLOCK
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    q = _rounded(rng.normal(size=(b, 1, hq * d)), dtype)[0]
-    k = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
-    v = _rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
-    norm = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
-    caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
+    q = rounded(rng.normal(size=(b, 1, hq * d)), dtype)[0]
+    k = rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    v = rounded(rng.normal(size=(b, 1, hk * d)), dtype)[0]
+    norm = rounded(rng.uniform(0.5, 1.5, d), dtype)[0]
+    caches = rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
     table = rng.permutation(b * w + 3)[:b * w].reshape(b, w).astype(np.int32)
     pools = []
@@ -607,13 +607,13 @@ def test_rope_attend_reads_a_fused_qkv_row(splits: int, norms: bool) -> None:
     rng = np.random.default_rng(11)
     dtype, d, hq, hk, cap, positions = mx.float16, 64, 8, 2, 256, [5, 200]
     b = len(positions)
-    qkv = _rounded(rng.normal(size=(b, 1, (hq + 2 * hk) * d)), dtype)[0]
+    qkv = rounded(rng.normal(size=(b, 1, (hq + 2 * hk) * d)), dtype)[0]
     q, k, v = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d], qkv[..., (hq + hk) * d:]
-    qn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
-    kn = _rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
+    qn = rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
+    kn = rounded(rng.uniform(0.5, 1.5, d), dtype)[0] if norms else None
     inv_freq = mx.array((1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32))
     prm = (1e-6, 1.0 / np.sqrt(d), 1.0)
-    caches = _rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
+    caches = rounded(rng.normal(size=(2, b, hk, cap, d)), dtype)[1]
     got = []
     for joined in (None, qkv):  # fresh cache buffers each time: the kernel writes in place
         kc, vc = (mx.array(c).astype(dtype) for c in caches)
@@ -729,7 +729,7 @@ def test_q4_gemv_kernel(dtype: mx.Dtype, rows: int, k: int, n: int, group: int,
 
     rng = np.random.default_rng(rows * k + n)
     w, codes = _q4_weight(rng, k, n, group, bits)
-    x, xf = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    x, xf = rounded(rng.normal(size=(rows, 1, k)), dtype)
     s, b = w.affine(dtype)
     sf = np.array(s.astype(mx.float32)).astype(np.float64)  # [N, K/G]
     bf = np.array(b.astype(mx.float32)).astype(np.float64)
@@ -778,11 +778,11 @@ def test_q4_gemv_loads_in_flight_do_not_change_results(dtype: mx.Dtype, rows: in
 
     rng = np.random.default_rng(k + n)
     w, _ = _q4_weight(rng, k, n, 32)
-    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
+    x, _ = rounded(rng.normal(size=(rows, 1, k)), dtype)
     s, b = w.affine(dtype)
     out_n = n // 2 if act else n
-    r, _ = _rounded(rng.normal(size=(rows, 1, out_n)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, out_n), dtype)
+    r, _ = rounded(rng.normal(size=(rows, 1, out_n)) * 3, dtype)
+    scale, _ = rounded(rng.uniform(0.5, 1.5, out_n), dtype)
     eps = 1e-6
 
     def forms(unroll: int) -> list[np.ndarray]:  # the one-column-a-warp kernel's (mma off)
@@ -888,12 +888,12 @@ def test_q4_gemv_mma_kernel(dtype: mx.Dtype, k: int, n: int, group: int, form: s
     s, b = w.affine(dtype)
     dense = np.array(mx.dequantize(w.packed, s, b, group_size=group, bits=bits)
                      .astype(mx.float32)).astype(np.float64)  # M [N, K]
-    x16, xf = _rounded(rng.normal(size=(16, 1, k)), dtype)
+    x16, xf = rounded(rng.normal(size=(16, 1, k)), dtype)
     y16 = xf.reshape(16, k).astype(np.float64) @ dense.T
     act = form if form in kernels_q4.ACTIVATIONS else None
     out_n = n // 2 if act else n
-    r16, _ = _rounded(rng.normal(size=(16, 1, out_n)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, out_n), dtype)
+    r16, _ = rounded(rng.normal(size=(16, 1, out_n)) * 3, dtype)
+    scale, _ = rounded(rng.uniform(0.5, 1.5, out_n), dtype)
     eps = 1e-6
 
     def as_dtype(a: np.ndarray) -> np.ndarray:  # float64 values rounded to dtype
@@ -1096,9 +1096,9 @@ def test_q4_gemv_add_norm_epilogue(dtype: mx.Dtype, rows: int, k: int, n: int,
 
     rng = np.random.default_rng(rows + k + n)
     w, _ = _q4_weight(rng, k, n, 32, bits)
-    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
-    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
+    x, _ = rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
+    scale, _ = rounded(rng.uniform(0.5, 1.5, n), dtype)
     eps = 1e-6
     with qweight.gemv_kernel():
         plain = w.matmul(x)
@@ -1130,9 +1130,9 @@ def test_q4_gemvs_read_add_norm_rows_out_of_its_output(dtype: mx.Dtype, rows: in
     rng = np.random.default_rng(rows + k + n)
     w, _ = _q4_weight(rng, k, n, 32)
     w2, _ = _q4_weight(rng, n, 2 * n2, 32)
-    x, _ = _rounded(rng.normal(size=(rows, 1, k)), dtype)
-    r, _ = _rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
-    scale, _ = _rounded(rng.uniform(0.5, 1.5, n), dtype)
+    x, _ = rounded(rng.normal(size=(rows, 1, k)), dtype)
+    r, _ = rounded(rng.normal(size=(rows, 1, n)) * 3, dtype)
+    scale, _ = rounded(rng.uniform(0.5, 1.5, n), dtype)
     eps = 1e-6
 
     def copy(a: mx.array) -> mx.array:  # a fresh array of a's values: no view of hy

@@ -1,0 +1,288 @@
+"""The fused CUDA decode attention over an 8-bit KV cache (cuda_kernels/sources.py's `_Q8_CACHE`
+form of the split kernel) against the plain path it replaces: attention.Attention.over_cache
+over the same quantized buffers (the new rows rotated and quantized by mx.quantize, the cache
+read dequantized), and the decode program's choice of it.
+
+The kernel tests need MLX's CUDA backend (test_kernels.py's `cuda` mark: reported as skipped
+elsewhere); the choice of the kernel (which launches a decode step makes, with what inputs) is
+tested everywhere through the recorded launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from fuselm.config import RuntimeConfig
+from fuselm.passes.ops import fused_rope_reference
+from fuselm.runtime_metal.cuda_kernels import selection as kernels
+from fuselm.runtime_metal.kv_cache import BLOCK, BlockIndex, KVQuant, key_groups_zeros
+from fuselm.runtime_metal.validate import rel
+from tests.runtime.conftest import convert
+from tests.runtime.test_kernels import TOL, cuda, rounded
+
+# ---- everywhere: which caches the kernel takes, and that the decode step launches it ----------
+
+
+def _q8(lead: tuple[int, ...], d: int, group: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+    return KVQuant(8, group).zeros(lead, d, dtype)
+
+
+def test_fits_takes_eight_bit_caches_only() -> None:
+    """8-bit triples (every group size, contiguous or block pools) fit; a 4-bit cache (per-
+    channel keys, 4-bit values), a float/8-bit mix, scales of another dtype than the
+    activations and a head whose lanes' values straddle groups (D 96: 3 a lane, group 32) do
+    not."""
+    f16 = mx.float16
+    d, hq, hk = 128, 8, 2
+    q, kv = mx.zeros((2, 1, hq * d), f16), mx.zeros((2, 1, hk * d), f16)
+
+    def fits(keys: object, values: object, table: mx.array | None = None, dim: int = d,
+             qq: mx.array = q, kk: mx.array = kv) -> bool:
+        return kernels.rope_attend_fits(qq, kk, kk, (None, None), keys, values, hq, hk,  # type: ignore[arg-type]
+                                        dim, dim, table)
+
+    for group in (32, 64, 128):
+        c = _q8((2, hk, 256), d, group, f16)
+        assert fits(c, c)
+        pool = _q8((9, hk, BLOCK), d, group, f16)
+        assert fits(pool, pool, mx.zeros((2, 4), mx.int32))
+    c = _q8((2, hk, 256), d, 64, f16)
+    four = KVQuant(4, 32)
+    assert not fits(four.zeros((2, hk, 256), d, f16), four.zeros((2, hk, 256), d, f16))
+    keys4 = key_groups_zeros((2, hk), 256, d, f16)
+    assert not fits(keys4, four.zeros((2, hk, 256), d, f16))
+    assert not fits(c, mx.zeros((2, hk, 256, d), f16))
+    assert not fits(c, _q8((2, hk, 256), d, 32, f16))  # keys and values of other groups
+    b16 = _q8((2, hk, 256), d, 64, mx.bfloat16)
+    assert not fits(b16, b16)
+    odd = _q8((2, hk, 256), 96, 32, f16)
+    assert not fits(odd, odd, dim=96, qq=mx.zeros((2, 1, hq * 96), f16),
+                    kk=mx.zeros((2, 1, hk * 96), f16))
+
+
+def _small_qwen3(tmp_path: Path) -> Path:
+    from fuselm.converter.models.builtin import build_model
+
+    hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,
+                     num_attention_heads=4, num_key_value_heads=2)
+    return convert(hf, tmp_path / "out")
+
+
+def test_decode_step_launches_the_eight_bit_kernel(tmp_path: Path, launches: list,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everywhere (launches recorded, none run): with the kernels on, generate's decode steps
+    and the batch decoder's over an 8-bit cache launch the 8-bit attention kernel, one a layer,
+    taking each layer's codes, scales and biases (the block table too in the batch);
+    over a 4-bit cache they launch none (its plain path); FUSELM_KERNELS=off launches
+    nothing."""
+    from fuselm.runtime_metal.batch import BatchDecoder
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+
+    monkeypatch.setattr(kernels, "cuda_device", lambda: True)
+    out = _small_qwen3(tmp_path)
+    d, hk = 64, 2
+    for bits in (8, 4):
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=bits,
+                             kv_group_size=32)
+        layers = engine.fast.program.num_layers
+        launches.clear()
+        generate(engine, [3, 1, 4, 1, 5], max_new_tokens=3)
+        dec = BatchDecoder(engine, max_batch=2, max_context=128)
+        assert dec.mode == "batched"
+        dec.add([2, 7, 1, 8])
+        dec.add([9])
+        dec.step()
+        dec.step()
+        attend = [r for r in launches if "rope_attend" in str(r["name"])]
+        if bits == 4:
+            assert attend == []
+            continue
+        single = [r for r in attend if "_bt" not in str(r["name"])]
+        paged = [r for r in attend if "_bt" in str(r["name"])]
+        # a layer's launch at each trace of a compiled step (replays launch what it recorded)
+        assert single and paged and len(single) % layers == 0 == len(paged) % layers
+        for r in attend:
+            assert str(r["name"]).endswith("_q8")
+            names = list(r["input_names"])  # type: ignore[call-overload]
+            at = names.index("kc")
+            assert names[at:at + 6] == ["kc", "kcs", "kcb", "vc", "vcs", "vcb"]
+            assert names[at + 6:] == (["bt"] if "_bt" in str(r["name"]) else [])
+            arrays = dict(zip(names, r["arrays"], strict=True))  # type: ignore[call-overload]
+            for c in ("kc", "vc"):
+                assert arrays[c].dtype == mx.uint32 and arrays[c].shape[1:2] == (hk,)
+                assert arrays[c].shape[-1] == d // 4
+                assert arrays[c + "s"].dtype == arrays[c + "b"].dtype == arrays["q"].dtype
+                assert arrays[c + "s"].shape == (*arrays[c].shape[:3], d // 32)
+            t = r["template"]
+            assert t["GS"] == 32 and t["D"] == d  # type: ignore[index]
+            assert t["PR"] == kernels.float_bits(1 / np.sqrt(d))  # type: ignore[index]
+    launches.clear()
+    engine = make_engine(out, "mlx", RuntimeConfig(kernels="off"), kv_bits=8)
+    generate(engine, [3, 1, 4], max_new_tokens=2)
+    assert launches == []
+
+
+# ---- MLX-CUDA: the kernel against the plain path ----------------------------------------------
+
+Q8_CASES = [  # d, hq, hk, q/k-norm, group sizes
+    (128, 16, 8, True, (64, 128)),  # Qwen3-0.6B's attention
+    (64, 8, 2, False, (32, 64)),  # Llama-like, GQA 4:1
+]
+
+
+def _ordered(x: mx.array) -> np.ndarray:
+    """16-bit float values as integers in their order (adjacent values 1 apart), float32 ones
+    as their float32 order: so 'within one ulp' is |a - b| <= 1."""
+    bits = np.array(x.view(mx.uint16 if x.dtype.size == 2 else mx.uint32)).astype(np.int64)
+    top = 1 << (8 * x.dtype.size - 1)
+    return np.where(bits & top, -(bits & (top - 1)), bits)
+
+
+def _q8_case(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool, group: int,
+             positions: list[int], paged: bool, seed: int):  # noqa: ANN202
+    """The step's inputs, the RoPE'd q/k rows (fused_rope_reference, rounded to dtype: the
+    plain path's inputs) and a factory of fresh cache buffers (the kernel writes in place):
+    random rows quantized at every position, rows past a row's position large (never read)."""
+    rng = np.random.default_rng(seed)
+    b, cap = len(positions), 512
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    q, qf = rounded(rng.normal(size=(b, 1, hq * d)), dtype)
+    k, kf = rounded(rng.normal(size=(b, 1, hk * d)), dtype)
+    v, _ = rounded(rng.normal(size=(b, 1, hk * d)), dtype)
+    qn = kn = qnf = knf = None
+    if norms:
+        qn, qnf = rounded(rng.uniform(0.5, 1.5, d), dtype)
+        kn, knf = rounded(rng.uniform(0.5, 1.5, d), dtype)
+    attrs = dict(head_dim=d, rotary_dim=d, inv_freq=inv_freq.tolist(), attention_scale=1.0,
+                 interleaved=0, norm_eps=1e-6)
+    qr, kr = fused_rope_reference(qf, kf, np.array(positions).reshape(b, 1), qnf, knf, **attrs)
+    rows = rng.normal(size=(2, b, hk, cap, d)) * np.array([2.0, 1.0]).reshape(2, 1, 1, 1, 1)
+    for i, p in enumerate(positions):
+        rows[:, i, :, p:] = 50.0  # never read: past the row's position
+    quant = KVQuant(8, group)
+    table = None
+    if paged:  # row r's block j at table[r, j], out of order in a pool with spare blocks
+        w = cap // BLOCK
+        table = rng.permutation(b * w + 3)[:b * w].reshape(b, w).astype(np.int32)
+        pool = np.full((2, b * w + 3, hk, BLOCK, d), 7.0)
+        blocks = rows.reshape(2, b, hk, w, BLOCK, d).transpose(0, 1, 3, 2, 4, 5)
+        pool[:, table.reshape(-1)] = blocks.reshape(2, b * w, hk, BLOCK, d)
+        rows = pool
+
+    def caches() -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        ks, vs = (quant.quantize(mx.array(r.astype(np.float32)).astype(dtype)) for r in rows)
+        mx.eval(ks, vs)
+        return ks, vs
+
+    return (q, k, v, qn, kn, mx.array(inv_freq), rounded(qr, dtype)[0],
+            rounded(kr, dtype)[0], caches, None if table is None else mx.array(table))
+
+
+@cuda
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("positions", [[300], [3, 300, 0, 130]])
+@pytest.mark.parametrize("splits", [0, 1, 8])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("case", range(len(Q8_CASES)))
+@pytest.mark.parametrize("group_at", [0, 1])
+def test_q8_rope_attend_matches_plain_path(dtype: mx.Dtype, case: int, group_at: int,
+                                           splits: int, positions: list[int],
+                                           paged: bool) -> None:
+    """The 8-bit kernel (splits 0 runs its one-split form) against Attention.over_cache over
+    the same buffers, RoPE'd q/k given: outputs within the float kernel's tolerance against
+    its float64 reference (both sides round the rotated rows, the dequantized cache and the
+    output to the dtype, so they differ by a few units in its last place); the new rows'
+    codes those of mx.quantize (at most 1 apart, where the rotated value rounds the other
+    way: the rotation's float32 sums run in another order; 99 % equal), their scales and
+    biases within one unit in the dtype's last place; every other position untouched.
+    Batch rows at their own positions (0: nothing cached), contiguous or through a block
+    table (positions past one block)."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.mlx_engine.attention import Attention
+
+    d, hq, hk, norms, groups = Q8_CASES[case]
+    group = groups[group_at]
+    b = len(positions)
+    q, k, v, qn, kn, inv, qr, kr, caches, table = _q8_case(
+        dtype, d, hq, hk, norms, group, positions, paged, seed=d + group + b)
+    prm = (1e-6, 1 / np.sqrt(d), 1.0)
+    offset = mx.array(positions, mx.int32)
+    before = caches()
+    y, kc, vc = kernels_cuda.rope_attend(
+        q, k, v, qn, kn, inv, prm, offset, *caches(), hq=hq, hk=hk, rotary_dim=d,
+        interleaved=False, splits=splits, table=table)
+    mx.eval(y, kc, vc)
+    width = (table.shape[1] * BLOCK) if table is not None else kc[0].shape[2]
+    mask = (mx.arange(width).reshape(1, 1, 1, -1) <= offset.reshape(-1, 1, 1, 1))
+    blocks = None if table is None else BlockIndex(table, offset, 1)
+    y_ref, k_ref, v_ref = Attention(hq, hk).over_cache(qr, kr, v, *caches(), offset, mask,
+                                                       blocks=blocks)
+    mx.eval(y_ref, k_ref, v_ref)
+    assert rel(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))) \
+        <= TOL[dtype] * 2
+    # where each row's new position lies: (block or row, position in it)
+    tb = None if table is None else np.array(table)
+    at = [(int(tb[i, p // BLOCK]), p % BLOCK) if tb is not None else (i, p)
+          for i, p in enumerate(positions)]
+    new = np.zeros(kc[0].shape[0:1] + kc[0].shape[2:3], bool)
+    for r, p in at:
+        new[r, p] = True
+    for got, want, old in ((kc, k_ref, before[0]), (vc, v_ref, before[1])):
+        codes = [np.array(a).view(np.uint8).astype(np.int32) for a in (got[0], want[0])]
+        diff = np.abs(codes[0] - codes[1]).transpose(0, 2, 1, 3)[new]
+        assert diff.max() <= 1 and (diff == 0).mean() >= 0.99
+        for i in (1, 2):  # scales, biases
+            ulps = np.abs(_ordered(got[i]) - _ordered(want[i])).transpose(0, 2, 1, 3)[new]
+            assert ulps.max() <= 1
+        for a, o in zip(got, old, strict=True):  # nothing else written
+            a_, o_ = (np.array(x if x.dtype == mx.uint32 else x.astype(mx.float32))
+                      .transpose(0, 2, 1, 3)[~new] for x in (a, o))
+            assert np.array_equal(a_, o_)
+
+
+@cuda
+def test_q8_program_with_kernels_matches_plain_path(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 (head_dim 64, GQA 2:1, float32) over an 8-bit cache: generate's greedy tokens
+    with the kernels on (the 8-bit attention kernel) equal those with them off (the plain
+    path), the decode step without MLX's softmax; and the batch decoder's (block pools through
+    the table) equal generate's, three sequences joined at different steps."""
+    import collections
+    import re
+
+    from fuselm.runtime_metal.batch import BatchDecoder
+    from fuselm.runtime_metal.engine import make_engine
+    from fuselm.runtime_metal.generate import generate
+
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    out = _small_qwen3(tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 300)]
+    tokens, graphs = {}, {}
+    for mode in ("off", "on"):
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode), kv_bits=8,
+                             kv_group_size=32)
+        tokens[mode] = generate(engine, prompt, max_new_tokens=24, prefill_chunk=128).tokens
+        dot = tmp_path / f"{mode}.dot"
+        mx.export_to_dot(str(dot), engine.decode_step(mx.array(tokens[mode][-1], mx.int32)))
+        graphs[mode] = collections.Counter(
+            re.findall(r'\[label\s*=\s*"?([A-Za-z]+)', dot.read_text()))
+    assert tokens["on"] == tokens["off"]
+    assert graphs["on"]["Softmax"] == 0 and graphs["off"]["Softmax"] > 0
+
+    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=8, kv_group_size=32)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
+    want = [generate(engine, p, max_new_tokens=16).tokens for p in prompts]
+    dec = BatchDecoder(engine, max_batch=4, max_context=400)
+    assert dec.mode == "batched"
+    got: dict[int, list[int]] = {}
+    for step in range(24):
+        if step in (0, 2, 5):
+            got[dec.add(prompts[(0, 2, 5).index(step)])] = []
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s][:16] for s in sorted(got)] == want
