@@ -3,7 +3,8 @@
 # H200; the checkpoints and conversions under $WORK are reused while the machine stays up).
 #
 #   benchmarks/gpu_run.sh tests [EXPR]          # fused-kernel equivalence tests (TF32 off),
-#                                               # test_kernels.py, only `-k EXPR` if given
+#                                               # test_kernels.py and test_kv_kernels.py (the
+#                                               # 8-bit KV cache), only `-k EXPR` if given
 #   benchmarks/gpu_run.sh batchtests            # the batch decoder's tests on the GPU: the kernels
 #                                               # through a block table, batch invariance
 #   benchmarks/gpu_run.sh pytest ARGS...        # pytest ARGS on the GPU host's layout (TF32 off)
@@ -121,7 +122,7 @@ case "$part" in
     # before the linked package on sys.path (cwd first, and pytest prepends the rootdir; on
     # the H200 host either made `fuselm.converter` unimportable)
     NVIDIA_TF32_OVERRIDE=0 python3 -P -m pytest -q -p no:cacheprovider --import-mode=append \
-      "${par[@]}" tests/runtime/test_kernels.py ${2:+-k "$2"}
+      "${par[@]}" tests/runtime/test_kernels.py tests/runtime/test_kv_kernels.py ${2:+-k "$2"}
     ;;
   pytest)
     # any tests with the GPU host's layout (TF32 off, the linked package first on the path)

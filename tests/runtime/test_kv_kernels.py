@@ -82,7 +82,11 @@ def test_decode_step_launches_the_eight_bit_kernel(tmp_path: Path, launches: lis
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
+    # the program's kernel path on this machine: MLX's CUDA device claimed (the CUDA setting
+    # the engine then exports is restored after the test), launches recorded
     monkeypatch.setattr(kernels, "cuda_device", lambda: True)
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "")
+    monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER")
     out = _small_qwen3(tmp_path)
     d, hk = 64, 2
     for bits in (8, 4):
