@@ -35,11 +35,7 @@ from typing import Any
 import mlx.core as mx
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
-
-# A cache buffer the attention kernels take: [rows or blocks, HK, positions, D] in the activation
-# dtype, or an 8-bit cache's triple (codes uint32 [.., D / 4], scales, biases [.., D / GS]:
-# kv_cache.KVQuant's, bits 8)
-Cache = mx.array | tuple[mx.array, mx.array, mx.array]
+from fuselm.runtime_metal.kv_cache import Buffer
 
 _HEADER = """
 __device__ __forceinline__ float warp_sum(float v) {
@@ -671,8 +667,8 @@ def _attend_suffix(joined: bool, norms: tuple[bool, bool], paged: bool = False,
 
 
 def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
-                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: Cache,
-                 vc: Cache, joined: bool, table: mx.array | None = None) -> list[mx.array]:
+                 kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: Buffer,
+                 vc: Buffer, joined: bool, table: mx.array | None = None) -> list[mx.array]:
     """The input arrays, in _attend_inputs' order (its names pick them)."""
     arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
                               "inv_freq": inv_freq, "offset": offset, "bt": table}
@@ -683,29 +679,29 @@ def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                                               table is not None, isinstance(kc, tuple))]
 
 
-def _table_consts(kc: Cache, table: mx.array | None) -> list[tuple[str, Any]]:
+def _table_consts(kc: Buffer, table: mx.array | None) -> list[tuple[str, Any]]:
     """BT (block pools), BS (positions a block) and MB (blocks a row) template constants."""
     if table is None:
         return [("BT", False), ("BS", 1), ("MB", 1)]
     return [("BT", True), ("BS", _codes(kc).shape[2]), ("MB", table.shape[1])]
 
 
-def _codes(c: Cache) -> mx.array:
+def _codes(c: Buffer) -> mx.array:
     """A cache's array with the position axis 2 (an 8-bit cache's codes)."""
     return c[0] if isinstance(c, tuple) else c
 
 
-def _head_dim(c: Cache) -> int:
+def _head_dim(c: Buffer) -> int:
     """D: a float cache's last axis; an 8-bit cache's codes hold 4 a uint32 word."""
     return c[0].shape[-1] * 4 if isinstance(c, tuple) else c.shape[-1]
 
 
-def _act_dtype(c: Cache) -> mx.Dtype:
+def _act_dtype(c: Buffer) -> mx.Dtype:
     """The activation dtype T: a float cache's, an 8-bit cache's scales'."""
     return c[1].dtype if isinstance(c, tuple) else c.dtype
 
 
-def _q8_consts(kc: Cache, d: int) -> list[tuple[str, Any]]:
+def _q8_consts(kc: Buffer, d: int) -> list[tuple[str, Any]]:
     """An 8-bit cache's group size GS and rotation constant PR (kv_cache.rotate's 1/sqrt(P) as
     float32 bits, P the largest power of two dividing D): none for a float cache."""
     if not isinstance(kc, tuple):
@@ -764,8 +760,8 @@ def split_heads_per_block(hq: int, hk: int, head_dim: int) -> int:
 
 def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                        kn: mx.array | None, inv_freq: mx.array,
-                       prm: tuple[float, float, float], offset: mx.array, kc: Cache,
-                       vc: Cache, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
+                       prm: tuple[float, float, float], offset: mx.array, kc: Buffer,
+                       vc: Buffer, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
                        splits: int, rows_at: list[Any], joined: bool,
                        warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS,
                        table: mx.array | None = None) -> mx.array:
@@ -824,11 +820,11 @@ def add_rms_norm(x: mx.array, r: mx.array, w: mx.array, eps: float
 
 def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: tuple[float, float, float],
-                offset: mx.array, kc: Cache, vc: Cache, *, hq: int, hk: int,
+                offset: mx.array, kc: Buffer, vc: Buffer, *, hq: int, hk: int,
                 rotary_dim: int, interleaved: bool, splits: int | None = None,
                 split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
                 qkv: mx.array | None = None, table: mx.array | None = None
-                ) -> tuple[mx.array, Cache, Cache]:
+                ) -> tuple[mx.array, Buffer, Buffer]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]); or,
     with a block `table` (int32 [b, W]: kv_cache.BlockCache), the caches are block pools
