@@ -24,6 +24,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,12 @@ def median_runs(fn, rounds: int) -> list[dict[str, float]]:  # noqa: ANN001
     return [fn() for _ in range(rounds + 1)][1:]
 
 
+def progress(what: str, since: float) -> None:
+    """A phase's end on stderr (the JSON goes to stdout at the end): where a run's time went."""
+    print(f"[constraint_bench] {what}: {time.perf_counter() - since:.1f} s", file=sys.stderr,
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifact", type=Path)
@@ -145,10 +152,13 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=48, help="steps per round")
     ap.add_argument("-r", type=int, default=3, help="rounds (median)")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     model = open_model(artifact(args), args.engine)
+    progress("model converted and opened", t0)
     prompts = [encode_prompt(model.tokenizer, q) for q in QUESTIONS]
     dec = BatchDecoder(model.engine, max_batch=8, max_context=512)
     model_vocab(model)  # built once, outside the timings
+    progress("tokenizer's vocabulary for the grammar", t0)
     out: dict[str, Any] = {"bench": "constraint", "engine": args.engine, "mode": dec.mode,
                            "vocab": model.manifest.model.vocab_size, "steps": args.n,
                            "machine": platform.machine(), "schema": SCHEMA}
@@ -156,6 +166,7 @@ def main() -> None:
         free = median_runs(lambda b=b: run(model, dec, prompts[:b], [False] * b, args.n), args.r)
         shaped = median_runs(lambda b=b: run(model, dec, prompts[:b], [True] * b, args.n),
                              args.r)
+        progress(f"batch {b}", t0)
         step_ms = statistics.median(r["wall_s"] / args.n for r in free) * 1e3
         per_token_us = statistics.median(r["grammar_s"] / max(r["grammar_tokens"], 1)
                                          for r in shaped) * 1e6

@@ -92,7 +92,7 @@
 #                                               # cache float, 8-bit and 4-bit (fuselm bench
 #                                               # -p 4096 -n 128 --kv-bits B on the Q4
 #                                               # conversion), one process each, alternating,
-#                                               # ROUNDS -> $OUT/kv_SHAPE_gGROUP_*.json
+#                                               # ROUNDS (KVS="float 8" picks) -> $OUT/kv_SHAPE_gGROUP_*.json
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
 # must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them), and so must
@@ -351,7 +351,7 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
       -n 4 > /dev/null  # build + convert once
     art=$(ls -d "$WORK"/fuselm_"$2"_g"$3"_*)
     for round in $(seq "${ROUNDS:-3}"); do
-      for kv in float 8 4; do
+      for kv in ${KVS:-float 8 4}; do
         flags=(); [ "$kv" = float ] || flags=(--kv-bits "$kv")
         python3 -P -c 'import sys; from fuselm.converter.cli.main import main; sys.argv[0] = "fuselm"; main()' \
           bench "$art" -p 4096 -n 128 -r 3 --engine mlx "${flags[@]}" --json \

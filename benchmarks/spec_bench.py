@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.workloads: the prompts the tests use too
+# appended, not first: a checkout run without installing (the GPU host) must import fuselm from
+# its package mapping, not from the root's fuselm/ folder (only the package's top module)
+sys.path.append(str(ROOT))  # tests.workloads: the prompts the tests use too
 from tests.workloads import WORKLOADS  # noqa: E402
 
 
