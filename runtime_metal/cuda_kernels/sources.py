@@ -17,7 +17,12 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   writes swapped) also rotates q and the new k/v rows, quantizes the new rows as mx.quantize
   does, writes codes, scales and biases in place, reads the keys as code * scale + bias and
   rotates its output back: still one launch a layer, where the plain path dequantizes the
-  layer's cache for MLX's float matmuls. A 4-bit cache (keys per channel) is not taken.
+  layer's cache for MLX's float matmuls. Over a 4-bit cache (keys per channel, KIVI) the
+  4-bit variant (`_Q4_CACHE`) runs in the decode steps whose write completes no key group (63
+  of a row's 64; a sealing step, which quantizes the completed group, runs the plain path):
+  the new key goes into the row's float tail, the new value row is rotated and quantized to 4
+  bits in place, the keys of the row's open group are read from the tail, the older ones from
+  their per-channel codes, the values from theirs.
 
 The plain-MLX paths they replace are in runtime_metal/mlx_engine/program_ops.py, eligibility and the
 on/off switch in runtime_metal/cuda_kernels/selection.py, the equivalence tests in
