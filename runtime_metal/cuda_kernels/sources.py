@@ -512,6 +512,9 @@ _Q8_STASH = """    tq[hh][e] = num;
 # `(q * scale).astype(dt)`; no rotation: the keys are not rotated), writes the new key, unrotated,
 # into the tail slot, rotates the new value row and quantizes it as mx.quantize does (q4_group),
 # written in place by block (gb 0, split 0); the output is rotated back as the 8-bit form's.
+# A key read from the codes gathers one nibble from each of D channel rows (a word and a scale
+# and bias per channel, for one position): L1 serves the word's other 7 positions to the next
+# keys, but the requests stay per key; scoring a word's 8 positions at once is not done here.
 _Q4_CACHE = {
     "/*CAP*/": "vc_shape[2]",
     "/*KVPTR*/": """  constexpr int NG = D / GS, VW = D / 8;  // value groups and uint32 words a row
