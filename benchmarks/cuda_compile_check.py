@@ -189,6 +189,34 @@ def main() -> None:
                                          cache, cache, hq=hq, hk=hk, rotary_dim=d,
                                          interleaved=inter, splits=8,
                                          table=mx.zeros((rows, 2), mx.int32))
+        # the 4-bit cache's form (keys per channel, kv_cache.key_groups_zeros /
+        # key_blocks_zeros; values 4-bit per token): merged and split, contiguous and paged
+        # (with the rows' tail slots), q/k/v apart and joined at value group 64; groups 32 and
+        # 128 at 8 splits; D 64, 128 and 256 (float32: two shapes)
+        from fuselm.runtime_metal.kv_cache import KVQuant, key_blocks_zeros, key_groups_zeros
+        for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
+            qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
+            q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
+            n = mx.ones((d,), dt) if norms else None
+            inv = mx.array(rng.random(d // 2).astype(np.float32))
+            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
+            cases = [(64, s, j, p) for s in (1, 8) for j in (None, qkv)
+                     for p in (False, True)]
+            cases += [(g, 8, None, p) for g in (32, 128) if g <= d for p in (False, True)]
+            for group, splits, joined, paged in cases:
+                four = KVQuant(4, group)
+                if paged:
+                    keys = key_blocks_zeros(4, 1, hk, d, dt)
+                    values = four.zeros((4, hk, 64), d, dt)
+                    table, tails = mx.zeros((1, 8), mx.int32), mx.zeros((1,), mx.int32)
+                else:
+                    keys = key_groups_zeros((1, hk), 512, d, dt)
+                    values = four.zeros((1, hk, 512), d, dt)
+                    table = tails = None
+                kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, keys, values, hq=hq,
+                                         hk=hk, rotary_dim=d, interleaved=inter,
+                                         splits=splits, qkv=joined, table=table,
+                                         tails=tails)
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):

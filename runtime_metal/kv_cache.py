@@ -23,7 +23,8 @@ attention reads the triple directly (attention.Attention.attend: quantized matmu
 dequantized copy of the cache). The triple describes itself given the head dim (`spec_of`).
 On MLX-CUDA a decode step over an 8-bit cache runs the fused attention kernel instead
 (cuda_kernels/sources.py): it rotates and quantizes the new rows itself, exactly as `quantize`
-below, and reads the codes directly.
+below, and reads the codes directly; so does a 4-bit cache's decode step that completes no key
+group (its new key into the float tail, as `write_key_groups` with seal=False puts it).
 
 A quantized buffer holds its rows rotated (`rotate`, before quantizing): a fixed orthogonal
 matrix, normalized Walsh-Hadamard blocks, mixes each head's channels, so the few channels of

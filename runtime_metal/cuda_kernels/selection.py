@@ -21,6 +21,7 @@ import numpy as np
 from fuselm.config import RuntimeConfig, apply_mlx_settings, resolve
 from fuselm.runtime_metal.cuda_kernels import kernel_files
 from fuselm.runtime_metal.errors import RuntimeUserError
+from fuselm.runtime_metal.kv_cache import KEY_GROUP, KEY_TAIL, KEY_WORDS
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the activation dtypes the kernels take
 
@@ -226,16 +227,63 @@ def _q8_cache(buf: tuple[object, ...], head_dim: int) -> tuple[tuple[int, ...], 
     return codes.shape[:3], scales.dtype
 
 
+def _q4_cache(keys: tuple[object, ...], values: tuple[object, ...], head_dim: int,
+              table: mx.array | None, tails: mx.array | None
+              ) -> tuple[tuple[int, ...], mx.Dtype] | None:
+    """A 4-bit cache's (values' leading shape, dtype) when the kernel's 4-bit form takes it:
+    per-channel keys as kv_cache.key_groups_zeros makes them (a block pool:
+    key_blocks_zeros', one group a block, with int32 tail slots `tails` [table rows]), values
+    4-bit codes per token of one group size 32, 64 or 128 (mx.quantize's triple), all of one
+    float dtype, head_dim a power of two from 32 to 256 (a lane's values in one code word);
+    else None."""
+    if len(keys) != 4 or len(values) != 3 or not all(
+            isinstance(a, mx.array) and a.ndim == 4 for a in (*keys, *values)):
+        return None
+    kp, ks, kb, kt = keys
+    vp, vs, vb = values
+    assert isinstance(kp, mx.array) and isinstance(ks, mx.array) and isinstance(kb, mx.array)
+    assert isinstance(kt, mx.array) and isinstance(vp, mx.array) and isinstance(vs, mx.array)
+    assert isinstance(vb, mx.array)
+    d, dtype, kg = head_dim, ks.dtype, ks.shape[-1]
+    if (d & (d - 1) or not 32 <= d <= 256 or dtype not in DTYPES
+            or any(a.dtype != dtype for a in (kb, kt, vs, vb))
+            or kp.dtype != mx.uint32 or vp.dtype != mx.uint32
+            or kp.shape != (*ks.shape[:3], kg * KEY_WORDS) or kb.shape != ks.shape
+            or ks.shape[2] != d or kt.shape[1:] != (ks.shape[1], KEY_TAIL, d)
+            or vp.shape[-1] * 8 != d or vs.shape != vb.shape or vs.shape[:3] != vp.shape[:3]
+            or vs.shape[-1] == 0 or d % vs.shape[-1] or vp.shape[1] != ks.shape[1]):
+        return None
+    if d // vs.shape[-1] not in (32, 64, 128):
+        return None
+    if table is None:  # one buffer a row: every position's group, and the spare
+        ok = (tails is None and ks.shape[0] == vp.shape[0] == kt.shape[0]
+              and kg == vp.shape[2] // KEY_GROUP + 1 and vp.shape[2] % KEY_GROUP == 0)
+    else:  # a block a group (and the pool's sink block), a tail slot a row
+        ok = (isinstance(tails, mx.array) and tails.dtype == mx.int32
+              and tails.shape == (table.shape[0],) and kg == 1
+              and vp.shape[2] == KEY_GROUP and ks.shape[0] == vp.shape[0] + 1)
+    return (vp.shape[:3], dtype) if ok else None
+
+
 def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, object],
                      keys: mx.array | tuple[object, ...], values: mx.array | tuple[object, ...],
                      hq: int, hk: int, head_dim: int, rotary_dim: int,
-                     table: mx.array | None = None) -> bool:
+                     table: mx.array | None = None, tails: mx.array | None = None) -> bool:
     """One token per batch row (3-D [b, 1, H*D] q/k/v, b = the cache's batch, or the block
     table's rows: int32 [b, W] over pools of power-of-two blocks), head_dim a multiple of 32
     up to 256 for keys and values alike, even rotary width, whole GQA groups, cache of the
-    activation dtype or 8-bit (_q8_cache: keys and values alike, scales of the activation
-    dtype), q/k-norm scales (when present) of one head's width."""
-    if isinstance(keys, tuple) or isinstance(values, tuple):
+    activation dtype, 8-bit (_q8_cache: keys and values alike, scales of the activation
+    dtype) or 4-bit (_q4_cache; `tails` with a block table: its rows' tail slots), q/k-norm
+    scales (when present) of one head's width. A 4-bit cache's kernel writes no key group:
+    only for a step that completes none (the caller knows)."""
+    if isinstance(keys, tuple) and len(keys) == 4:
+        if not isinstance(values, tuple):
+            return False
+        found = _q4_cache(keys, values, head_dim, table, tails)
+        if found is None:
+            return False
+        lead, dtype, d = found[0], found[1], head_dim
+    elif isinstance(keys, tuple) or isinstance(values, tuple):
         if not (isinstance(keys, tuple) and isinstance(values, tuple)):
             return False
         kq, vq = _q8_cache(keys, head_dim), _q8_cache(values, head_dim)

@@ -17,7 +17,12 @@ on first use). Each replaces a run of MLX launches that its built-ins leave sepa
   writes swapped) also rotates q and the new k/v rows, quantizes the new rows as mx.quantize
   does, writes codes, scales and biases in place, reads the keys as code * scale + bias and
   rotates its output back: still one launch a layer, where the plain path dequantizes the
-  layer's cache for MLX's float matmuls. A 4-bit cache (keys per channel) is not taken.
+  layer's cache for MLX's float matmuls. Over a 4-bit cache (keys per channel, KIVI) the
+  4-bit variant (`_Q4_CACHE`) runs in the decode steps whose write completes no key group (63
+  of a row's 64; a sealing step, which quantizes the completed group, runs the plain path):
+  the new key goes into the row's float tail, the new value row is rotated and quantized to 4
+  bits in place, the keys of the row's open group are read from the tail, the older ones from
+  their per-channel codes, the values from theirs.
 
 The plain-MLX paths they replace are in runtime_metal/mlx_engine/program_ops.py, eligibility and the
 on/off switch in runtime_metal/cuda_kernels/selection.py, the equivalence tests in
@@ -35,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
-from fuselm.runtime_metal.kv_cache import Buffer
+from fuselm.runtime_metal.kv_cache import KEY_GROUP, Buffer
 
 _HEADER = """
 __device__ __forceinline__ float warp_sum(float v) {
@@ -247,7 +252,7 @@ _ATTEND_SPLIT = """
   // are in flight through it (ncu had the kernel ~77 % stalled on dependent loads). Measured
   // in the H200 step: 17.3 -> 17.0 us, so those stalls are not where its time goes.
   const int pos = offset[b];
-  const int cap = kc_shape[2];
+  const int cap = /*CAP*/;
   const size_t kh = (size_t)b * HK + g;
 /*KVROW*/  const float eps = __int_as_float(PE), qscale = __int_as_float(PQ);
   const float ascale = __int_as_float(PA);
@@ -415,6 +420,7 @@ _ATTEND_SPLIT = """
 # /*QUANT*/ and /*AFTER*/ places (_split_source). A float cache (the activation dtype): rows read
 # as they are, the new row written as the last step of the prologue.
 _FLOAT_CACHE = {
+    "/*CAP*/": "kc_shape[2]",
     "/*KVPTR*/": """  const T* kb = kc + lane * VPT;
   const T* vb = vc + lane * VPT;
 """,
@@ -443,6 +449,7 @@ _FLOAT_CACHE = {
 # scales and biases in place (no other block reads that row). The output, a mix of rotated
 # values, is rotated back before it is written (R is symmetric: the same transform).
 _Q8_CACHE = {
+    "/*CAP*/": "kc_shape[2]",
     "/*KVPTR*/": """  constexpr int NG = D / GS;  // groups a row
   const unsigned char* kb = (const unsigned char*)kc + lane * VPT;
   const unsigned char* vb = (const unsigned char*)vc + lane * VPT;
@@ -490,6 +497,136 @@ _Q8_CACHE = {
 # RoPE buffer, free by then) for the rotation back
 _Q8_STASH = """    tq[hh][e] = num;
     if (e == 0) { smx[hh] = mx_; sden[hh] = den; }"""
+
+# A 4-bit cache (kv_cache.KVQuant bits 4, keys per channel: KIVI), in the decode steps that
+# complete no key group (the step_open / paged_open programs: a sealing step, whose write
+# quantizes the completed group, runs the plain path). Keys: four arrays, per-channel codes kc
+# (uint32 [.., D, KG * 8]: channel e's group of KGP positions in 8 words, position jj of it at
+# nibble jj % 8 of word jj / 8, low nibble first), scales kcs and biases kcb ([.., D, KG]: one per
+# channel and group), unrotated, and the float tail kct ([rows, HK, KT, D]: position j at slot
+# j % KT); a block pool holds one group a block (KG = 1) and each row's tail is its slot tr[b].
+# As Attention._channels reads them, the keys of the row's open group (the one holding pos,
+# from g0) come from the tail (the token being decoded: from shared memory), the others from
+# the codes, code * scale + bias. Values: per token as the 8-bit form's, 4 bits (8 codes a word,
+# low nibble first), rows rotated. The prologue rounds q * scale to T (the plain path's
+# `(q * scale).astype(dt)`; no rotation: the keys are not rotated), writes the new key, unrotated,
+# into the tail slot, rotates the new value row and quantizes it as mx.quantize does (q4_group),
+# written in place by block (gb 0, split 0); the output is rotated back as the 8-bit form's.
+# A key read from the codes gathers one nibble from each of D channel rows (a word and a scale
+# and bias per channel, for one position): L1 serves the word's other 7 positions to the next
+# keys, but the requests stay per key; scoring a word's 8 positions at once is not done here.
+_Q4_CACHE = {
+    "/*CAP*/": "vc_shape[2]",
+    "/*KVPTR*/": """  constexpr int NG = D / GS, VW = D / 8;  // value groups and uint32 words a row
+  const unsigned int* vb = (const unsigned int*)vc + lane * VPT / 8;
+  const int lg = lane * VPT / GS, vsh = lane * VPT % 8 * 4;  // this lane's group, its nibble
+  const int g0 = pos - pos % KGP;  // the open key group's first position
+  const size_t trow = BT ? (size_t)tr[b] * HK + g : kh;  // the row's tail
+  const T* kt = kct + trow * KT * D + lane * VPT;
+  // channel lane * VPT's group slot of key j (the next channel's: KG slots on)
+  auto kslot = [&](int j) -> size_t {
+    return BT ? ((size_t)bt[(size_t)b * MB + j / BS] * HK + g) * D + lane * VPT
+              : (kh * D + lane * VPT) * KG + j / KGP;
+  };
+""",
+    "/*LOAD*/": """      if (j >= g0) {
+        fl_load_row<T, VPT>(kt + (size_t)(j % KT) * D, kr[u]);
+      } else {
+        q4_key_load<T, VPT, KG, KGP>((const unsigned int*)kc, kcs, kcb, kslot(j), j % KGP, kr[u]);
+      }
+      const size_t at = kv_row(j);
+      q4_load_row<T, VPT>(vb[at * VW], vsh, vcs[at * NG + lg], vcb[at * NG + lg], vr[u]);""",
+    "/*QSCALE*/": "",  # below: rounded to T as the plain path's scaled queries
+    "/*PUTROW*/": """      if (s == 0 && gb == 0)
+        const_cast<T*>(kct)[(trow * KT + pos % KT) * D + e] = ta;
+""",
+    "/*QUANT*/": """  const float qst = static_cast<float>(T(qscale));
+  for (int i = tid; i < GB * D; i += NT)
+    sq[i / D][i % D] = static_cast<float>(T(sq[i / D][i % D] * qst));
+  fwht_rows<D, NT>([&](int r) -> float* { return sv; }, 1, tid);
+  const float rh = static_cast<float>(T(__int_as_float(PR)));
+  for (int i = tid; i < D; i += NT) sv[i] = static_cast<float>(T(sv[i] * rh));
+  __syncthreads();
+  for (int r = warp; r < NG; r += NW) {  // a warp a value group
+    const size_t prow = kv_row(pos);
+    q4_group<T, GS>(sv + r * GS, lane, s == 0 && gb == 0,
+                    const_cast<unsigned int*>((const unsigned int*)vc) + prow * VW + r * GS / 8,
+                    const_cast<T*>(vcs) + prow * NG + r, const_cast<T*>(vcb) + prow * NG + r);
+  }
+  __syncthreads();
+  __shared__ float smx[GB], sden[GB];
+""",
+    "/*AFTER*/": _Q8_CACHE["/*AFTER*/"],
+}
+
+_Q4_HEADER = """
+// The 4-bit cache's helpers (kv_cache.KVQuant bits 4; fwht_rows from the 8-bit header).
+// q4_group: q8_group at 4 bits (MLX-CUDA's affine_quantize with n_bins 15), the codes packed 8
+// a uint32 word, low nibble first (its byte packing read as little-endian words): the lanes
+// holding one word's codes OR their nibbles together and the first of them writes it.
+template <typename TT, int GS_>
+__device__ __forceinline__ void q4_group(float* x, int lane, bool put, unsigned int* codes,
+                                         TT* sc, TT* bi) {
+  constexpr int VPR = GS_ / 32, LPW = 8 / VPR;  // values a lane, lanes a word
+  float w[VPR];
+  float wmin = 3.402823466e+38f, wmax = 0.f;
+  #pragma unroll
+  for (int i = 0; i < VPR; ++i) {
+    w[i] = x[lane * VPR + i];
+    wmin = fminf(wmin, w[i]);
+    wmax = fmaxf(wmax, w[i]);
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    wmin = fminf(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
+    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffff, wmax, o));
+  }
+  float scale = fmaxf(__fdiv_rn(wmax - wmin, 15.f), 1e-7f);
+  const bool side = fabsf(wmin) > fabsf(wmax);
+  scale = side ? scale : -scale;
+  const float edge = side ? wmin : wmax;
+  const float q0 = roundf(__fdiv_rn(edge, scale));
+  const bool at_zero = q0 == 0.f;
+  scale = at_zero ? scale : __fdiv_rn(edge, q0);
+  const float bias = at_zero ? 0.f : edge;
+  const TT ts = TT(scale), tb = TT(bias);
+  const float fs = static_cast<float>(ts), fb = static_cast<float>(tb);
+  unsigned int word = 0u;
+  #pragma unroll
+  for (int i = 0; i < VPR; ++i) {
+    const float c = fminf(roundf(__fdiv_rn(w[i] - bias, scale)), 15.f);
+    x[lane * VPR + i] = fmaf(c, fs, fb);
+    word |= ((unsigned int)c & 15u) << ((lane * VPR + i) % 8 * 4);
+  }
+  #pragma unroll
+  for (int o = 1; o < LPW; o <<= 1) word |= __shfl_xor_sync(0xffffffff, word, o);
+  if (put && lane % LPW == 0) codes[lane * VPR / 8] = word;
+  if (put && lane == 0) {
+    *sc = ts;
+    *bi = tb;
+  }
+}
+// N values of a 4-bit row from one word (nibbles sh / 4 .. sh / 4 + N - 1) as
+// code * scale + bias in float32
+template <typename TT, int N>
+__device__ __forceinline__ void q4_load_row(unsigned int w, int sh, TT sc, TT bi, float* o) {
+  const float fs = static_cast<float>(sc), fb = static_cast<float>(bi);
+  #pragma unroll
+  for (int e = 0; e < N; ++e) o[e] = fmaf(static_cast<float>((w >> (sh + 4 * e)) & 15u), fs, fb);
+}
+// Channels slot, slot + KG_, .. (N of them) of per-channel keys at position jj of their group
+// (KGP_ positions: KGP_ / 8 words a channel's group) as code * scale + bias in float32
+template <typename TT, int N, int KG_, int KGP_>
+__device__ __forceinline__ void q4_key_load(const unsigned int* p, const TT* sc, const TT* bi,
+                                            size_t slot, int jj, float* o) {
+  #pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const size_t at = slot + (size_t)i * KG_;
+    const float c = static_cast<float>((p[at * (KGP_ / 8) + jj / 8] >> (jj % 8 * 4)) & 15u);
+    o[i] = fmaf(c, static_cast<float>(sc[at]), static_cast<float>(bi[at]));
+  }
+}
+"""
 
 _Q8_HEADER = """
 // The 8-bit cache's helpers (kv_cache.KVQuant). fwht_rows: the rows row_of(0..nrows-1) of D_
@@ -638,52 +775,64 @@ _SCRATCH_PARTS = """
 # fused projection (joined: q, k and v are slices of it) is one input `q` that k and v alias,
 # and absent q/k-norm scales are no inputs (null pointers, never read: HAS_QN / HAS_KN).
 def _attend_inputs(joined: bool, norms: tuple[bool, bool], paged: bool = False,
-                   quant: bool = False) -> list[str]:
+                   cache: str = "float") -> list[str]:
     """The attention kernels' input names: q (k, v unless joined), qn / kn where present, the
-    caches kc, vc (an 8-bit cache's triples: codes, scales, biases), the block table bt when
-    the caches are block pools (paged)."""
-    caches = ["kc", "kcs", "kcb", "vc", "vcs", "vcb"] if quant else ["kc", "vc"]
+    caches kc, vc (`cache` "q8": each a triple of codes, scales, biases; "q4": the keys' four
+    arrays, the tail kct last, and the values' triple), the block table bt when the caches are
+    block pools (paged; a 4-bit cache's rows' tail slots tr too)."""
+    caches = {"float": ["kc", "vc"], "q8": ["kc", "kcs", "kcb", "vc", "vcs", "vcb"],
+              "q4": ["kc", "kcs", "kcb", "kct", "vc", "vcs", "vcb"]}[cache]
     return (["q"] + ([] if joined else ["k", "v"]) + (["qn"] if norms[0] else [])
             + (["kn"] if norms[1] else []) + ["inv_freq", "offset", *caches]
-            + (["bt"] if paged else []))
+            + (["bt"] if paged else []) + (["tr"] if paged and cache == "q4" else []))
 
 
-def _attend_prelude(joined: bool, norms: tuple[bool, bool], paged: bool = False) -> str:
+def _attend_prelude(joined: bool, norms: tuple[bool, bool], paged: bool = False,
+                    cache: str = "float") -> str:
     """The kernel body's first lines: the names of the inputs _attend_inputs leaves out
     (MLX puts the body after the kernel's parameters, so these come before any use)."""
     return (("  const T* k = q;\n  const T* v = q;\n" if joined else "")
             + ("" if norms[0] else "  const T* qn = nullptr;\n")
             + ("" if norms[1] else "  const T* kn = nullptr;\n")
-            + ("" if paged else "  const int* bt = nullptr;\n"))
+            + ("" if paged else "  const int* bt = nullptr;\n")
+            + ("  const int* tr = nullptr;\n" if cache == "q4" and not paged else ""))
 
 
 def _attend_suffix(joined: bool, norms: tuple[bool, bool], paged: bool = False,
-                   quant: bool = False) -> str:
+                   cache: str = "float") -> str:
     """A kernel name per input set, so profiles (ncu, kernel_bench, step_profile) tell the
     variants apart (MLX-CUDA keeps one module per text in any case: custom_kernel.cpp names it
     by the kernel's name and a hash of its source)."""
     return (("_qkv" if joined else "") + ("_qn" if norms[0] else "") + ("_kn" if norms[1] else "")
-            + ("_bt" if paged else "") + ("_q8" if quant else ""))
+            + ("_bt" if paged else "") + ("" if cache == "float" else "_" + cache))
 
 
 def _attend_args(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                  kn: mx.array | None, inv_freq: mx.array, offset: mx.array, kc: Buffer,
-                 vc: Buffer, joined: bool, table: mx.array | None = None) -> list[mx.array]:
+                 vc: Buffer, joined: bool, table: mx.array | None = None,
+                 tails: mx.array | None = None) -> list[mx.array]:
     """The input arrays, in _attend_inputs' order (its names pick them)."""
     arrays: dict[str, Any] = {"q": q, "k": k, "v": v, "qn": qn, "kn": kn,
-                              "inv_freq": inv_freq, "offset": offset, "bt": table}
+                              "inv_freq": inv_freq, "offset": offset, "bt": table, "tr": tails}
     for name, c in (("kc", kc), ("vc", vc)):
-        arrays.update(zip((name, name + "s", name + "b"), c, strict=True)
-                      if isinstance(c, tuple) else [(name, c)])
+        names = (name, name + "s", name + "b", name + "t")[:len(c)] if isinstance(c, tuple) else ()
+        arrays.update(zip(names, c, strict=True) if isinstance(c, tuple) else [(name, c)])
     return [arrays[n] for n in _attend_inputs(joined, (qn is not None, kn is not None),
-                                              table is not None, isinstance(kc, tuple))]
+                                              table is not None, _cache_kind(kc))]
 
 
-def _table_consts(kc: Buffer, table: mx.array | None) -> list[tuple[str, Any]]:
-    """BT (block pools), BS (positions a block) and MB (blocks a row) template constants."""
+def _cache_kind(kc: Buffer) -> str:
+    """"float", "q8" (an 8-bit cache's key triple) or "q4" (a 4-bit cache's per-channel keys:
+    four arrays, kv_cache.key_groups_zeros / key_blocks_zeros)."""
+    return "float" if not isinstance(kc, tuple) else "q4" if len(kc) == 4 else "q8"
+
+
+def _table_consts(vc: Buffer, table: mx.array | None) -> list[tuple[str, Any]]:
+    """BT (block pools), BS (positions a block: the value pool's axis 2) and MB (blocks a row)
+    template constants."""
     if table is None:
         return [("BT", False), ("BS", 1), ("MB", 1)]
-    return [("BT", True), ("BS", _codes(kc).shape[2]), ("MB", table.shape[1])]
+    return [("BT", True), ("BS", _codes(vc).shape[2]), ("MB", table.shape[1])]
 
 
 def _codes(c: Buffer) -> mx.array:
@@ -691,9 +840,12 @@ def _codes(c: Buffer) -> mx.array:
     return c[0] if isinstance(c, tuple) else c
 
 
-def _head_dim(c: Buffer) -> int:
-    """D: a float cache's last axis; an 8-bit cache's codes hold 4 a uint32 word."""
-    return c[0].shape[-1] * 4 if isinstance(c, tuple) else c.shape[-1]
+def _head_dim(kc: Buffer, vc: Buffer) -> int:
+    """D: a float cache's last axis; an 8-bit cache's codes hold 4 a uint32 word, a 4-bit
+    cache's values 8 (its keys: the tail's last axis)."""
+    kind = _cache_kind(kc)
+    return (kc.shape[-1] if kind == "float" else  # type: ignore[union-attr]
+            _codes(vc).shape[-1] * (8 if kind == "q4" else 4))
 
 
 def _act_dtype(c: Buffer) -> mx.Dtype:
@@ -701,12 +853,17 @@ def _act_dtype(c: Buffer) -> mx.Dtype:
     return c[1].dtype if isinstance(c, tuple) else c.dtype
 
 
-def _q8_consts(kc: Buffer, d: int) -> list[tuple[str, Any]]:
-    """An 8-bit cache's group size GS and rotation constant PR (kv_cache.rotate's 1/sqrt(P) as
-    float32 bits, P the largest power of two dividing D): none for a float cache."""
-    if not isinstance(kc, tuple):
+def _quant_consts(kc: Buffer, vc: Buffer, d: int) -> list[tuple[str, Any]]:
+    """A quantized cache's value group size GS and rotation constant PR (kv_cache.rotate's
+    1/sqrt(P) as float32 bits, P the largest power of two dividing D); a 4-bit cache's key
+    groups a channel's row KG (1 in a block pool), positions a key group KGP and tail slots KT:
+    none for a float cache."""
+    if not isinstance(kc, tuple) or not isinstance(vc, tuple):
         return []
-    return [("GS", d // kc[1].shape[-1]), ("PR", kernels.float_bits(1 / math.sqrt(d & -d)))]
+    consts = [("GS", d // vc[1].shape[-1]), ("PR", kernels.float_bits(1 / math.sqrt(d & -d)))]
+    if len(kc) == 4:
+        consts += [("KG", kc[1].shape[-1]), ("KGP", KEY_GROUP), ("KT", kc[3].shape[2])]
+    return consts
 
 
 def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
@@ -716,12 +873,14 @@ def _attend_consts(prm: tuple[float, float, float]) -> list[tuple[str, int]]:
             ("PA", kernels.float_bits(ascale))]
 
 
-def _split_source(form: str, quant: bool) -> str:
-    """The split kernel's body for a form (_attend_split_kernel's) and cache (float or 8-bit)."""
+def _split_source(form: str, cache: str) -> str:
+    """The split kernel's body for a form (_attend_split_kernel's) and cache ("float", "q8",
+    "q4")."""
     write = _WRITE_OUT if form == "merged" else _WRITE_PART
-    fill = dict(_Q8_CACHE if quant else _FLOAT_CACHE)
+    fill = dict({"float": _FLOAT_CACHE, "q8": _Q8_CACHE, "q4": _Q4_CACHE}[cache])
     fill["/*AFTER*/"] = fill["/*AFTER*/"].replace("/*WRITE*/", write)
-    fill["/*WRITE*/"] = _Q8_STASH if quant else write  # after AFTER's: it holds a /*WRITE*/
+    # after AFTER's: it holds a /*WRITE*/
+    fill["/*WRITE*/"] = write if cache == "float" else _Q8_STASH
     fill["/*TAIL*/"] = "" if form == "merged" else _MERGE_LAST
     fill["/*EMPTY*/"] = "" if form == "merged" else _EMPTY_PART
     source = _ATTEND_SPLIT
@@ -732,21 +891,22 @@ def _split_source(form: str, quant: bool) -> str:
 
 @kernels.kernel_factory
 def _attend_split_kernel(form: str, joined: bool, norms: tuple[bool, bool], paged: bool = False,
-                         quant: bool = False) -> Any:
+                         cache: str = "float") -> Any:
     """form "merged": S = 1, the block writes the output; else it writes the split's partial
     and the last block of its head group merges them, the partials in the module's scratch
     ("scratch") or in three more outputs ("outputs"). joined / norms: the inputs
-    (_attend_inputs). quant: the caches are 8-bit (_Q8_CACHE)."""
+    (_attend_inputs). cache: "float", "q8" (_Q8_CACHE) or "q4" (_Q4_CACHE)."""
     scratch = form == "scratch"
     return kernels.cuda_kernel(
         name={"merged": "fuselm_rope_attend_split1", "scratch": "fuselm_rope_attend_split",
               "outputs": "fuselm_rope_attend_split_out"}[form]
-        + _attend_suffix(joined, norms, paged, quant),
-        input_names=_attend_inputs(joined, norms, paged, quant),
+        + _attend_suffix(joined, norms, paged, cache),
+        input_names=_attend_inputs(joined, norms, paged, cache),
         output_names=["out", "pm", "pl", "pacc"] if form == "outputs" else ["out"],
-        source=_attend_prelude(joined, norms, paged) + (_SCRATCH_PARTS if scratch else "")
-        + _split_source(form, quant),
-        header=_HEADER + _VEC_HEADER + (_Q8_HEADER if quant else "")
+        source=_attend_prelude(joined, norms, paged, cache) + (_SCRATCH_PARTS if scratch else "")
+        + _split_source(form, cache),
+        header=_HEADER + _VEC_HEADER + ("" if cache == "float" else _Q8_HEADER)
+        + (_Q4_HEADER if cache == "q4" else "")
         + ("" if form == "merged" else _TICKETS) + (_SCRATCH if scratch else ""))
 
 
@@ -764,22 +924,22 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
                        vc: Buffer, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
                        splits: int, rows_at: list[Any], joined: bool,
                        warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS,
-                       table: mx.array | None = None) -> mx.array:
-    d, dtype, rows = _head_dim(kc), _act_dtype(kc), q.shape[0]
-    quant = isinstance(kc, tuple)
+                       table: mx.array | None = None,
+                       tails: mx.array | None = None) -> mx.array:
+    d, dtype, rows = _head_dim(kc, vc), _act_dtype(kc), q.shape[0]
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     form = ("merged" if splits == 1 else
             "scratch" if rows * hq * splits * (d + 2) <= SPLIT_SCRATCH else "outputs")
     partials = form == "outputs"
     outs = _attend_split_kernel(form, joined, (qn is not None, kn is not None),
-                                table is not None, quant)(
-        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined, table),
+                                table is not None, _cache_kind(kc))(
+        inputs=_attend_args(q, k, v, qn, kn, inv_freq, offset, kc, vc, joined, table, tails),
         template=[("T", dtype), ("D", d), ("HQ", hq), ("HK", hk), ("RD", rotary_dim),
                   ("INTERLEAVED", interleaved), ("HAS_QN", qn is not None),
                   ("HAS_KN", kn is not None), ("NW", warps), ("GB", gb), ("S", splits),
-                  ("KB", keys), *rows_at, *_attend_consts(prm), *_table_consts(kc, table),
-                  *_q8_consts(kc, d)],
+                  ("KB", keys), *rows_at, *_attend_consts(prm), *_table_consts(vc, table),
+                  *_quant_consts(kc, vc, d)],
         grid=(blocks * warps * 32, rows, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(rows, 1, hq * d)] + (
             [(rows, hq, splits), (rows, hq, splits), (rows, hq, splits, d)] if partials else []),
@@ -823,8 +983,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 offset: mx.array, kc: Buffer, vc: Buffer, *, hq: int, hk: int,
                 rotary_dim: int, interleaved: bool, splits: int | None = None,
                 split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
-                qkv: mx.array | None = None, table: mx.array | None = None
-                ) -> tuple[mx.array, Buffer, Buffer]:
+                qkv: mx.array | None = None, table: mx.array | None = None,
+                tails: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
     [b, hk, capacity, D], row i holding positions 0..offset[i]-1 (offset: int32 [b]); or,
     with a block `table` (int32 [b, W]: kv_cache.BlockCache), the caches are block pools
@@ -860,9 +1020,17 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     it with one split): q and the new k and v rotated, the new rows quantized as mx.quantize
     does and written in place (codes, scales and biases, the same ownership as above), the
     keys read as code * scale + bias, the output rotated back; what the plain path
-    (attention.Attention.over_cache) computes over the same buffers."""
-    d, rows = _head_dim(kc), q.shape[0]
-    capacity = _codes(kc).shape[2] * (1 if table is None else table.shape[1])
+    (attention.Attention.over_cache) computes over the same buffers.
+
+    kc a 4-bit cache's per-channel keys (kv_cache.key_groups_zeros' four arrays, or a block
+    pool's, key_blocks_zeros', with `tails`: int32 [b], each row's tail slot, BlockIndex.tails)
+    and vc its 4-bit values: the split kernel's 4-bit form (_Q4_CACHE), for a step in which no
+    row's write completes a key group (over_cache's seal=False; the caller knows the offsets):
+    the new key written into the row's float tail, the new value row rotated, quantized and
+    written in place, the keys of each row's open group read from the tail, the others from
+    their per-channel codes, as Attention._channels reads them."""
+    d, rows = _head_dim(kc, vc), q.shape[0]
+    capacity = _codes(vc).shape[2] * (1 if table is None else table.shape[1])
     joined = qkv is not None
     if qkv is not None:
         q = k = v = qkv
@@ -875,13 +1043,14 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                if splits is None else splits)
     if n_split > 1 and rows * hq // gb > TICKET_SLOTS:
         n_split = 0  # more head groups than tickets (a batch of thousands): no split
-    if isinstance(kc, tuple):  # an 8-bit cache: the split kernel's form only (one split at least)
+    if isinstance(kc, tuple):  # quantized: the split kernel's forms only (one split at least)
         n_split = max(n_split, 1)
     if n_split > 0:
         out = _rope_attend_split(q, k, v, qn, kn, inv_freq, prm, offset, kc, vc, hq=hq, hk=hk,
                                  rotary_dim=rotary_dim, interleaved=interleaved,
                                  splits=n_split, rows_at=rows_at, joined=joined,
-                                 warps=split_warps, keys=split_keys, table=table)
+                                 warps=split_warps, keys=split_keys, table=table,
+                                 tails=tails)
         return out, kc, vc
     warps = 32 if d <= 128 else 16  # 1024 threads need <= 64 registers each; wide heads use more
     (out,) = _rope_attend_kernel(joined, (qn is not None, kn is not None), table is not None)(

@@ -305,8 +305,8 @@ class DecodeProgram:
                     k_old, v_old = out_kv[layer]
                     mask = mask_for(attn.step)
                     # the fused kernel reads every cached row: full-attention layers only; a
-                    # float or 8-bit cache (kernels.rope_attend_fits: a 4-bit one takes
-                    # attention.py's quantized path)
+                    # float or 8-bit cache, or a 4-bit one in a step that seals no key group
+                    # (program_ops.rope_attention, kernels.rope_attend_fits)
                     use_kernel = self.kernels and _window(self.windows, attn.step) is None
                     if o.partner is not None:
                         v = _resolve(attn.args[2:3], env)[0]

@@ -8,7 +8,8 @@ Pairs (found at load by `fuse_pairs`, executed at trace time):
   epilogue (kernels_q4.q4_gemv_add_norm);
 * a `FusedRoPE` and the `Attention` that reads both its outputs -> kernels_cuda.rope_attend
   for one decoded token per sequence, which also writes the new key/value rows into the cache
-  (a float cache, or an 8-bit one: quantized by the kernel; a 4-bit cache runs the two steps).
+  (a float cache, or an 8-bit one: quantized by the kernel; a 4-bit cache in the steps whose
+  write completes no key group, `seal=False`: its sealing steps run the two steps).
 Where the kernels are off (not MLX-CUDA, FUSELM_KERNELS=off) or the shapes do not fit, the
 pair runs as its two steps, exactly what the graph says, through attention.Attention.
 """
@@ -22,7 +23,7 @@ import numpy as np
 
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
-from fuselm.runtime_metal.kv_cache import BlockIndex, Buffer
+from fuselm.runtime_metal.kv_cache import BlockIndex, Buffer, is_key_groups
 from fuselm.runtime_metal.mlx_engine.attention import Attention, Mask
 from fuselm.runtime_metal.mlx_engine.qweight import QWeight
 from fuselm.runtime_metal.mlx_engine.step import Step, call_step
@@ -181,7 +182,9 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     in the blocks of its table row (kv_cache.BlockCache; the kernel reads blocks.table, the
     plain path the step's index math over it, kv_cache.BlockIndex). `seal`: over_cache's. An
     8-bit cache (kv_cache.Buffer triples) takes the kernel's 8-bit form (it quantizes the new
-    rows itself); a 4-bit one (keys per channel) RoPE, then Attention."""
+    rows itself); a 4-bit one (keys per channel) its 4-bit form where `seal` is False (no
+    row's write completes a key group, which the kernel never quantizes), else RoPE, then
+    Attention."""
     q, k = rargs[0], rargs[1]
     qn = rargs[3] if len(rargs) > 3 else None
     kn = rargs[4] if len(rargs) > 4 else None
@@ -196,15 +199,17 @@ def rope_attention(rope: Step, attn_step: Step, rargs: list[object], v: mx.array
     prm = (norm_eps, attn.scale_for(head_dim), ascale)
     # The kernel has plain softmax: other semantics (softcap, ...) take Attention's own path.
     table = None if blocks is None else blocks.table
+    tails = None if blocks is None else blocks.tails
     if (use_kernel and attn.softcap == 0 and kernels.takes_float_bits(*prm)
+            and not (seal and is_key_groups(keys))
             and kernels.rope_attend_fits(q, k, v, (qn, kn), keys, values, attn.q_heads,
-                                         attn.kv_heads, head_dim, rotary, table)):
+                                         attn.kv_heads, head_dim, rotary, table, tails)):
         inv_freq = mx.array(np.asarray(ra.get("inv_freq") or [], np.float32))
         return kernels_cuda.rope_attend(
             q, k, v, qn, kn, inv_freq, prm, offset_rows, keys, values,  # type: ignore[arg-type]
             hq=attn.q_heads, hk=attn.kv_heads, rotary_dim=rotary,
             interleaved=bool(int(ra.get("interleaved", 0))), qkv=qkv,  # type: ignore[call-overload]
-            splits=splits, table=table)
+            splits=splits, table=table, tails=tails)
     qr, kr = call_step(rope, rargs, {"device_offset": offset})
     return attn.over_cache(qr, kr, v, keys, values, offset, mask, rows, blocks,  # type: ignore[arg-type]
                            seal)
