@@ -92,7 +92,10 @@
 #                                               # cache float, 8-bit and 4-bit (fuselm bench
 #                                               # -p 4096 -n 128 --kv-bits B on the Q4
 #                                               # conversion), one process each, alternating,
-#                                               # ROUNDS (KVS="float 8" picks) -> $OUT/kv_SHAPE_gGROUP_*.json
+#                                               # ROUNDS (KVS="float 8" picks) ->
+#                                               # $OUT/kv_SHAPE_gGROUP_*.json; the fused
+#                                               # attention over a quantized cache runs with
+#                                               # FUSELM_KV_ATTN=on in the environment
 #
 # SHAPE: qwen3-0.6b | llama-3.2-1b; GROUP: 32 | 64. MLX (CUDA), mlx-lm and onnx-graphsurgeon
 # must be importable (../shared/gpu/fetch-mlx-wheels explains how to bring them), and so must

@@ -84,6 +84,11 @@ SETTINGS: tuple[Setting, ...] = (
             "CUDA: from how many rows (a batched decode step, float16 / bfloat16) the Q4 GEMV "
             "runs on tensor cores: `auto` = never (the tensor-core form is not yet measured on "
             "a GPU), `N` rows (1: the one-row step too), `0` never"),
+    Setting("kv_attn", "FUSELM_KV_ATTN", ("auto", "on", "off"), "auto",
+            "CUDA: the decode step's fused attention reads a quantized KV cache (`--kv-bits 8` "
+            "or `4`) itself: `auto` = off (its 8- and 4-bit forms compile for sm_90 and match "
+            "the MLX path in emulation, but have not yet run on a GPU), `on` runs them, `off` "
+            "MLX's ops"),
     Setting("kernel_dir", "FUSELM_KERNEL_DIR", (), "~/.cache/fuselm/cuda",
             "CUDA: the folder of the kernel header files MLX #includes (default "
             "$XDG_CACHE_HOME/fuselm/cuda, else ~/.cache/fuselm/cuda); `inline` hands MLX the "
@@ -116,6 +121,7 @@ class RuntimeConfig:
     attn_split: str = "auto"
     prefill_dense: int | None = None  # None: auto
     gemv_mma: int | None = None  # None: auto
+    kv_attn: str = "auto"
     kernel_dir: str = ""  # "": the cache folder; KERNEL_DIR_INLINE; else a folder
     mlx_max_ops_per_buffer: int = CUDA_GRAPH_OPS
     micro_batches: int | None = None  # None: auto (one per pipeline rank)

@@ -149,6 +149,29 @@ def gemv_mma_rows() -> int:
         use_gemv_mma(resolve().gemv_mma)
     return _gemv_mma[0]
 
+# Whether the decode step's fused attention reads a quantized KV cache itself (the 8- and 4-bit
+# forms of sources.py's split kernel). Off by default: both compile for sm_90 (every variant,
+# cuda_compile_check.py) and their index math matches the MLX path in a numpy emulation, but
+# they have not yet run on a GPU, so neither their results nor their speed are measured;
+# FUSELM_KV_ATTN=on turns them on (test_kv_kernels.py's GPU tests and `gpu_run.sh kvbench`
+# measure them). Off, a quantized cache takes MLX's ops, as before.
+QUANT_KV_ATTN = False
+_kv_attn: list[bool] = []  # the process's setting; until configure hands one over, the default's
+
+
+def use_kv_attn(setting: str) -> None:
+    """RuntimeConfig.kv_attn (FUSELM_KV_ATTN) for this process from now on: "auto" =
+    QUANT_KV_ATTN, "on", "off"."""
+    _kv_attn[:] = [QUANT_KV_ATTN if setting == "auto" else setting == "on"]
+
+
+def kv_attn() -> bool:
+    """Whether the fused attention takes a quantized KV cache."""
+    if not _kv_attn:
+        use_kv_attn(resolve().kv_attn)
+    return _kv_attn[0]
+
+
 def configure(config: RuntimeConfig) -> None:
     """The process-wide settings, before an engine loads its weights: the folder of the kernel
     headers, and on MLX's CUDA backend MLX's launches per CUDA graph (MLX reads it once, at the
@@ -156,6 +179,7 @@ def configure(config: RuntimeConfig) -> None:
     buffers, and CPU are left alone)."""
     kernel_files.use_folder(config.kernel_folder())
     use_gemv_mma(config.gemv_mma)
+    use_kv_attn(config.kv_attn)
     if cuda_device():
         apply_mlx_settings(config)
 
@@ -275,7 +299,10 @@ def rope_attend_fits(q: object, k: object, v: object, norms: tuple[object, objec
     activation dtype, 8-bit (_q8_cache: keys and values alike, scales of the activation
     dtype) or 4-bit (_q4_cache; `tails` with a block table: its rows' tail slots), q/k-norm
     scales (when present) of one head's width. A 4-bit cache's kernel writes no key group:
-    only for a step that completes none (the caller knows)."""
+    only for a step that completes none (the caller knows). A quantized cache only with
+    FUSELM_KV_ATTN on (kv_attn)."""
+    if (isinstance(keys, tuple) or isinstance(values, tuple)) and not kv_attn():
+        return False
     if isinstance(keys, tuple) and len(keys) == 4:
         if not isinstance(values, tuple):
             return False

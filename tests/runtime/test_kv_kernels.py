@@ -9,6 +9,7 @@ tested everywhere through the recorded launches."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,9 +40,43 @@ def _q8(lead: tuple[int, ...], d: int, group: int, dtype: mx.Dtype) -> tuple[mx.
     return KVQuant(8, group).zeros(lead, d, dtype)
 
 
-def test_fits_takes_eight_and_four_bit_caches() -> None:
-    """8-bit triples (every group size, contiguous or block pools) fit, and 4-bit caches (per-
-    channel keys with 4-bit values, contiguous, or block pools with the rows' tail slots);
+@pytest.fixture
+def kv_attn_on() -> Iterator[None]:
+    """FUSELM_KV_ATTN=on for the test (the quantized forms are off by default), then the
+    process's setting as it was."""
+    was = kernels.kv_attn()
+    kernels.use_kv_attn("on")
+    yield
+    kernels.use_kv_attn("on" if was else "off")
+
+
+def test_quantized_caches_take_the_kernel_only_when_asked() -> None:
+    """By default (FUSELM_KV_ATTN=auto) the fused attention takes float caches only: an 8-bit
+    or 4-bit cache that its forms would fit runs MLX's ops until they are measured on a GPU
+    (selection.QUANT_KV_ATTN); `on` takes them, `off` refuses them."""
+    f16, d, hq, hk = mx.float16, 64, 4, 2
+    q, kv = mx.zeros((2, 1, hq * d), f16), mx.zeros((2, 1, hk * d), f16)
+    c8 = _q8((2, hk, 256), d, 32, f16)
+    keys4 = key_groups_zeros((2, hk), 256, d, f16)
+    values4 = KVQuant(4, 32).zeros((2, hk, 256), d, f16)
+    plain = mx.zeros((2, hk, 256, d), f16)
+    was = kernels.kv_attn()
+    try:
+        for setting, quantized in (("auto", kernels.QUANT_KV_ATTN), ("on", True), ("off", False)):
+            kernels.configure(RuntimeConfig(kv_attn=setting))
+            for keys, values in ((c8, c8), (keys4, values4)):
+                assert kernels.rope_attend_fits(q, kv, kv, (None, None), keys, values, hq, hk,
+                                                d, d) == quantized
+            assert kernels.rope_attend_fits(q, kv, kv, (None, None), plain, plain, hq, hk, d, d)
+        assert not kernels.QUANT_KV_ATTN  # off until the GPU tests below have run on a GPU
+    finally:
+        kernels.use_kv_attn("on" if was else "off")
+
+
+def test_fits_takes_eight_and_four_bit_caches(kv_attn_on: None) -> None:
+    """With FUSELM_KV_ATTN=on: 8-bit triples (every group size, contiguous or block pools)
+    fit, and 4-bit caches (per-channel keys with 4-bit values, contiguous, or block pools
+    with the rows' tail slots);
     4-bit keys per token, a pool without tail slots, a float/8-bit mix, scales of another
     dtype than the activations and a head whose lanes' values straddle groups or code words
     (D 96: 3 a lane) do not."""
@@ -104,8 +139,9 @@ def _small_qwen3(tmp_path: Path) -> Path:
 
 def test_decode_step_launches_the_quantized_kernels(tmp_path: Path, launches: list,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Everywhere (launches recorded, none run): with the kernels on, generate's decode steps
-    and the batch decoder's over an 8-bit cache launch the 8-bit attention kernel, one a layer,
+    """Everywhere (launches recorded, none run): with the kernels and FUSELM_KV_ATTN on,
+    generate's decode steps and the batch decoder's over an 8-bit cache launch the 8-bit
+    attention kernel, one a layer,
     taking each layer's codes, scales and biases (the block table too in the batch); over a
     4-bit cache, the steps that complete no key group launch the 4-bit form, taking the
     per-channel keys' four arrays and the values' triple (the block table and the rows' tail
@@ -123,7 +159,7 @@ def test_decode_step_launches_the_quantized_kernels(tmp_path: Path, launches: li
     out = _small_qwen3(tmp_path)
     d, hk = 64, 2
     for bits in (8, 4):
-        engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=bits,
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=bits,
                              kv_group_size=32)
         layers = engine.fast.program.num_layers
         launches.clear()
@@ -144,7 +180,7 @@ def test_decode_step_launches_the_quantized_kernels(tmp_path: Path, launches: li
                 _check_q4_launch(r, d, hk)
             # a prompt of 62: decode steps at position 62 (the open program's one trace: a
             # launch a layer) and 63, a key group's last (the sealing program: none)
-            engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=4,
+            engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=4,
                                  kv_group_size=32)
             launches.clear()
             assert len(generate(engine, list(range(3, 65)), max_new_tokens=3).tokens) == 3
@@ -314,7 +350,7 @@ def test_q8_rope_attend_matches_plain_path(dtype: mx.Dtype, case: int, group_at:
 
 
 @cuda
-def test_q8_program_with_kernels_matches_plain_path(tmp_path: Path,
+def test_eight_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 (head_dim 64, GQA 2:1, float32) over an 8-bit cache: generate's greedy tokens
     with the kernels on (the 8-bit attention kernel) equal those with them off (the plain
@@ -332,7 +368,7 @@ def test_q8_program_with_kernels_matches_plain_path(tmp_path: Path,
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 300)]
     tokens, graphs = {}, {}
     for mode in ("off", "on"):
-        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode), kv_bits=8,
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode, kv_attn="on"), kv_bits=8,
                              kv_group_size=32)
         tokens[mode] = generate(engine, prompt, max_new_tokens=24, prefill_chunk=128).tokens
         dot = tmp_path / f"{mode}.dot"
@@ -342,7 +378,8 @@ def test_q8_program_with_kernels_matches_plain_path(tmp_path: Path,
     assert tokens["on"] == tokens["off"]
     assert graphs["on"]["Softmax"] == 0 and graphs["off"]["Softmax"] > 0
 
-    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=8, kv_group_size=32)
+    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=8,
+                         kv_group_size=32)
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
     want = [generate(engine, p, max_new_tokens=16).tokens for p in prompts]
@@ -503,7 +540,7 @@ def test_q4_rope_attend_matches_plain_path(dtype: mx.Dtype, case: int, group_at:
 
 
 @cuda
-def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
+def test_four_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 (head_dim 64, GQA 2:1, float32) over a 4-bit cache, 160 tokens past a 100-token
     prompt (key groups sealed by the plain path at 127, 191 and 255, the steps between through
@@ -522,7 +559,7 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, 384, 100)]
     tokens, graphs = {}, {}
     for mode in ("off", "on"):
-        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode), kv_bits=4,
+        engine = make_engine(out, "mlx", RuntimeConfig(kernels=mode, kv_attn="on"), kv_bits=4,
                              kv_group_size=32)
         tokens[mode] = generate(engine, prompt, max_new_tokens=160, prefill_chunk=64).tokens
         assert (engine.fast.caches[0].offset + 1) % KEY_GROUP  # the next step is an open one
@@ -533,7 +570,8 @@ def test_q4_program_with_kernels_matches_plain_path(tmp_path: Path,
     assert tokens["on"] == tokens["off"]
     assert graphs["on"]["Softmax"] == 0 and graphs["off"]["Softmax"] > 0
 
-    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on"), kv_bits=4, kv_group_size=32)
+    engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=4,
+                         kv_group_size=32)
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 130)]
     want = [generate(engine, p, max_new_tokens=150).tokens for p in prompts]
