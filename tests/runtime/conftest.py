@@ -35,6 +35,31 @@ def convert(model_dir: Path, out_dir: Path, **options: object) -> Path:
     return out_dir
 
 
+def joined_rows_equal_generate(engine: object, lengths: tuple[int, ...] = (7, 70, 300),
+                               new_tokens: int = 16, max_context: int = 400) -> None:
+    """Three sequences (seeded random prompts of `lengths`) join one BatchDecoder at steps 0,
+    2 and 5: each row's first `new_tokens` greedy tokens equal generate's for it alone (rows of
+    different lengths joining mid-generation change no row's tokens)."""
+    import numpy as np
+
+    from fuselm.runtime_metal.batch import BatchDecoder
+    from fuselm.runtime_metal.generate import generate
+
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in lengths]
+    want = [generate(engine, p, max_new_tokens=new_tokens).tokens for p in prompts]  # type: ignore[arg-type]
+    dec = BatchDecoder(engine, max_batch=4, max_context=max_context)  # type: ignore[arg-type]
+    assert dec.mode == "batched"
+    joins = (0, 2, 5)
+    got: dict[int, list[int]] = {}
+    for step in range(new_tokens + joins[-1] + 3):
+        if step in joins:
+            got[dec.add(prompts[joins.index(step)])] = []
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s][:new_tokens] for s in sorted(got)] == want
+
+
 def quantized_copy(artifact: Path, out: Path, **quant: object) -> Path:
     """A copy of a converted float artifact with the Q4 pass (passes/quant/quantize.py) applied,
     e.g. lm_head=True, embeddings=True."""

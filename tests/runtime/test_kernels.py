@@ -20,7 +20,7 @@ from fuselm.passes.ops import fused_rope_reference, rms_norm_reference
 from fuselm.runtime_metal.cuda_kernels import selection as kernels
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.validate import rel
-from tests.runtime.conftest import convert
+from tests.runtime.conftest import convert, joined_rows_equal_generate
 
 cuda = pytest.mark.skipif(not kernels.cuda_device(), reason="needs MLX's CUDA backend")
 TOL = {mx.float32: 2e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
@@ -631,26 +631,13 @@ def test_batch_decoder_with_kernels_matches_generate(tmp_path: Path,
     """The batched program on MLX-CUDA (the rope+attention kernel over b rows): greedy tokens
     of three sequences of different lengths, joined at different steps, equal generate's."""
     from fuselm.converter.models.builtin import build_model
-    from fuselm.runtime_metal.batch import BatchDecoder
     from fuselm.runtime_metal.engine import make_engine
-    from fuselm.runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     hf = build_model(tmp_path / "hf", "qwen3", seed=5, hidden_size=96, head_dim=64,
                      num_attention_heads=4, num_key_value_heads=2)
     engine = make_engine(convert(hf, tmp_path / "out"), "mlx", RuntimeConfig(kernels="on"))
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
-    want = [generate(engine, p, max_new_tokens=16).tokens for p in prompts]
-    dec = BatchDecoder(engine, max_batch=4, max_context=400)
-    assert dec.mode == "batched"
-    got: dict[int, list[int]] = {}
-    for step in range(24):
-        if step in (0, 2, 5):
-            got[dec.add(prompts[(0, 2, 5).index(step)])] = []
-        for slot, token in dec.step().items():
-            got[slot].append(token)
-    assert [got[s][:16] for s in sorted(got)] == want
+    joined_rows_equal_generate(engine)
 
 
 # ---- MLX-CUDA: the Q4 GEMV kernel (kernels_q4.py) ----------------------------------------------
@@ -951,10 +938,8 @@ def test_batch_decoder_on_tensor_core_gemvs_matches_generate(tmp_path: Path,
     sequences joining at different steps equal generate's, one sequence at a time (the GEMVs
     compute each row as they would alone), and the decode steps did run that form."""
     from fuselm.converter.models.builtin import build_model
-    from fuselm.runtime_metal.batch import BatchDecoder
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.engine import make_engine
-    from fuselm.runtime_metal.generate import generate
 
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
     ran: collections.Counter[bool] = collections.Counter()
@@ -971,20 +956,9 @@ def test_batch_decoder_on_tensor_core_gemvs_matches_generate(tmp_path: Path,
     try:
         engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", gemv_mma=1))
         assert kernels.gemv_mma_rows() == 1
-        rng = np.random.default_rng(3)
-        prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
-        want = [generate(engine, p, max_new_tokens=12).tokens for p in prompts]
-        dec = BatchDecoder(engine, max_batch=4, max_context=400)
-        assert dec.mode == "batched"
-        got: dict[int, list[int]] = {}
-        for step in range(20):
-            if step in (0, 2, 5):
-                got[dec.add(prompts[(0, 2, 5).index(step)])] = []
-            for slot, token in dec.step().items():
-                got[slot].append(token)
+        joined_rows_equal_generate(engine, new_tokens=12)
     finally:
         kernels.configure(resolve())
-    assert [got[s][:12] for s in sorted(got)] == want
     assert ran[True] > 0 and ran[False] == 0
 
 def _q4_qwen3(tmp_path: Path, seed: int) -> Path:

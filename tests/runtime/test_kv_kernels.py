@@ -30,7 +30,7 @@ from fuselm.runtime_metal.kv_cache import (
     write_key_groups,
 )
 from fuselm.runtime_metal.validate import rel
-from tests.runtime.conftest import convert
+from tests.runtime.conftest import convert, joined_rows_equal_generate
 from tests.runtime.test_kernels import TOL, cuda, rounded
 
 # ---- everywhere: which caches the kernel takes, and that the decode step launches it ----------
@@ -359,7 +359,6 @@ def test_eight_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
     import collections
     import re
 
-    from fuselm.runtime_metal.batch import BatchDecoder
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
@@ -380,18 +379,7 @@ def test_eight_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
 
     engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=8,
                          kv_group_size=32)
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 300)]
-    want = [generate(engine, p, max_new_tokens=16).tokens for p in prompts]
-    dec = BatchDecoder(engine, max_batch=4, max_context=400)
-    assert dec.mode == "batched"
-    got: dict[int, list[int]] = {}
-    for step in range(24):
-        if step in (0, 2, 5):
-            got[dec.add(prompts[(0, 2, 5).index(step)])] = []
-        for slot, token in dec.step().items():
-            got[slot].append(token)
-    assert [got[s][:16] for s in sorted(got)] == want
+    joined_rows_equal_generate(engine)
 
 
 # ---- MLX-CUDA: the 4-bit form against the plain path ------------------------------------------
@@ -550,7 +538,6 @@ def test_four_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
     import collections
     import re
 
-    from fuselm.runtime_metal.batch import BatchDecoder
     from fuselm.runtime_metal.engine import make_engine
     from fuselm.runtime_metal.generate import generate
 
@@ -572,15 +559,4 @@ def test_four_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
 
     engine = make_engine(out, "mlx", RuntimeConfig(kernels="on", kv_attn="on"), kv_bits=4,
                          kv_group_size=32)
-    rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (7, 70, 130)]
-    want = [generate(engine, p, max_new_tokens=150).tokens for p in prompts]
-    dec = BatchDecoder(engine, max_batch=4, max_context=400)
-    assert dec.mode == "batched"
-    got: dict[int, list[int]] = {}
-    for step in range(160):
-        if step in (0, 2, 5):
-            got[dec.add(prompts[(0, 2, 5).index(step)])] = []
-        for slot, token in dec.step().items():
-            got[slot].append(token)
-    assert [got[s][:150] for s in sorted(got)] == want
+    joined_rows_equal_generate(engine, (7, 70, 130), new_tokens=150)
