@@ -82,30 +82,43 @@ def allocate_blocks(
         imp = None if importance is None or act is None else importance.get(act)
         errs[name] = tensor_errors(w, choices, symmetric, method, imp)
         del w
-    total = sum(sizes.values())
-    if total == 0:
+    if not sizes or sum(sizes.values()) == 0:
         return {}
-    level = dict.fromkeys(sizes, 0)  # index into choices
-    bits = sum(sizes[n] * bits_per_weight(choices[0]) for n in sizes)
+    ladders = {n: [(bits_per_weight(c), errs[n][c]) for c in choices] for n in sizes}
+    # the weights' mean relative squared error: each tensor's drop counts by its weights
+    level = upgrade_greedily(ladders, sizes, budget, by_weights=True)
+    return {n: choices[level[n]] for n in sizes}
+
+
+def upgrade_greedily(ladders: dict[str, list[tuple[float, float]]], sizes: dict[str, int],
+                     budget: float, by_weights: bool) -> dict[str, int]:
+    """The greedy allocation both rules share: each tensor's ladder of options (bits per
+    weight rising, error falling), every tensor starting at its first; then, while one fits
+    the budget (a mean of `budget` bits per weight over all tensors' weights), the upgrade to
+    a tensor's next option with the largest error drop per added bit of the model is taken
+    (the drop times the tensor's weights when `by_weights`: the weights' mean error; else the
+    drop itself: the sum of the tensors' errors); an upgrade that does not fit is passed over
+    for the next. Ties by name order. Returns each tensor's index into its ladder."""
+    total = sum(sizes.values())
+    level = dict.fromkeys(sizes, 0)
+    bits = sum(sizes[n] * ladders[n][0][0] for n in sizes)
     while True:
         best, best_gain = None, 0.0
         for n in sorted(sizes):
-            i = level[n]
-            if i + 1 >= len(choices):
+            h, i = ladders[n], level[n]
+            if i + 1 >= len(h):
                 continue
-            cost = sizes[n] * (bits_per_weight(choices[i + 1]) - bits_per_weight(choices[i]))
+            cost = sizes[n] * (h[i + 1][0] - h[i][0])
             if bits + cost > budget * total:
                 continue
-            # the drop in the weights' mean relative squared error, per added bit
-            gain = (errs[n][choices[i]] - errs[n][choices[i + 1]]) * sizes[n] / cost
+            gain = (h[i][1] - h[i + 1][1]) * (sizes[n] if by_weights else 1) / cost
             if gain > best_gain:
                 best, best_gain = n, gain
         if best is None:
-            break
-        i = level[best]
-        bits += sizes[best] * (bits_per_weight(choices[i + 1]) - bits_per_weight(choices[i]))
+            return level
+        h, i = ladders[best], level[best]
+        bits += sizes[best] * (h[i + 1][0] - h[i][0])
         level[best] = i + 1
-    return {n: choices[level[n]] for n in sizes}
 
 
 WIDE_BLOCKS = (128, 64, 32)  # the 6- and 8-bit blocks choose_bits offers
@@ -152,26 +165,8 @@ def choose_bits(
             opts += [(mixed_bits_per_weight(nbits, b), e[b], nbits, b) for b in blocks]
         hulls[name], sizes[name] = _lower_hull(sorted(opts)), w.size
         del w
-    total = sum(sizes.values())
-    level = dict.fromkeys(sizes, 0)
-    bits = sum(sizes[n] * hulls[n][0][0] for n in sizes)
-    while True:
-        best, best_gain = None, 0.0
-        for n in sorted(sizes):
-            h, i = hulls[n], level[n]
-            if i + 1 >= len(h):
-                continue
-            cost = sizes[n] * (h[i + 1][0] - h[i][0])
-            if bits + cost > budget * total:
-                continue
-            gain = (h[i][1] - h[i + 1][1]) / cost  # per added bit of the model
-            if gain > best_gain:
-                best, best_gain = n, gain
-        if best is None:
-            break
-        h, i = hulls[best], level[best]
-        bits += sizes[best] * (h[i + 1][0] - h[i][0])
-        level[best] = i + 1
+    level = upgrade_greedily({n: [o[:2] for o in h] for n, h in hulls.items()}, sizes, budget,
+                             by_weights=False)
     return {n: hulls[n][level[n]][2:] for n in sizes}
 
 
