@@ -265,9 +265,7 @@ _ATTEND_SPLIT = """
   __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
   __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
   // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
-  const int n = pos + 1, chunk = /*CHUNK*/;
-  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
-  const int j_first = j_begin + warp * KB;
+/*SPAN*/  const int j_first = j_begin + warp * KB;
 /*KVPTR*//*FIRST*/
   for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
     sq[i / D][i % D] = static_cast<float>(q[(size_t)b * QRW + h0 * D + i]);
@@ -356,9 +354,11 @@ _ATTEND_SPLIT = """
 /*TAIL*/"""
 # The float and 8-bit forms' keys: a warp step of KB keys (keys j_first + u, then NW * KB on),
 # each key's row read whole (/*LOAD*/), the first step's rows loaded before the prologue;
-# filled into the split kernel's /*CHUNK*/ (the keys a split), /*FIRST*/ and /*KEYS*/ places.
+# filled into the split kernel's /*SPAN*/ (the keys of a split), /*FIRST*/ and /*KEYS*/ places.
 _ROW_KEYS = {
-    "/*CHUNK*/": "(n + SE - 1) / SE",
+    "/*SPAN*/": """  const int n = pos + 1, chunk = (n + SE - 1) / SE;
+  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
+""",
     "/*FIRST*/": """  float kr[KB][VPT], vr[KB][VPT];
   #pragma unroll
   for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
@@ -426,9 +426,10 @@ _ROW_KEYS = {
 """,
 }
 
-# The split kernel's two cache forms, filled into its /*KVPTR*/, /*LOAD*/, /*QSCALE*/, /*PUTROW*/,
-# /*QUANT*/ and /*AFTER*/ places (_split_source). A float cache (the activation dtype): rows read
-# as they are, the new row written as the last step of the prologue.
+# The split kernel's cache forms, filled into its /*KVPTR*/, /*LOAD*/ (_ROW_KEYS' rows; the 4-bit
+# form has its own keys loop), /*QSCALE*/, /*PUTROW*/, /*QUANT*/ and /*AFTER*/ places
+# (_split_source). A float cache (the activation dtype): rows read as they are, the new row
+# written as the last step of the prologue.
 _FLOAT_CACHE = {
     "/*CAP*/": "kc_shape[2]",
     "/*KVPTR*/": """  const T* kb = kc + lane * VPT;
@@ -522,14 +523,15 @@ _Q8_STASH = """    tq[hh][e] = num;
 # `(q * scale).astype(dt)`; no rotation: the keys are not rotated), writes the new key, unrotated,
 # into the tail slot, rotates the new value row and quantizes it as mx.quantize does (q4_group),
 # written in place by block (gb 0, split 0); the output is rotated back as the 8-bit form's.
-# The keys' reads (_Q4_KEYS): a channel's codes of a group are one 32-byte sector of its own row
-# (rows KG * 32 bytes apart), its scale and bias two more reads in other rows, so a warp's load
-# of a word per channel touches D / VPT sectors in as many cache lines. Read a key at a time,
-# that was D words, D scales and D biases a key (against a float key's 2 * D contiguous bytes);
-# read a step of KB keys at a time, it is D loads of KB / 8 words and D scales and biases for
-# KB keys: 3 * D / KB lines a key (D 128, KB 16: 24), each loaded word serving 8 keys' scores.
-# Still more L1 requests a key than a float row's 2 (D 128 at 16 bits: 256 bytes) but about a
-# quarter of the float cache's DRAM bytes; which of the two bounds the H200 is a measurement.
+# The keys' reads (_Q4_KEYS): a channel's codes of one group are one 32-byte sector of its own
+# row (rows KG * 32 bytes apart), its scales and biases in rows of their own too, so a warp's load
+# of a word (or a scale) per lane touches 32 cache lines. Read a key at a time, that would be
+# 3 * D lines a key (a word, a scale and a bias per channel), against 2 for a float key's 2 * D
+# contiguous bytes (D 128, 16 bits); read in steps of KB keys, it is 3 * D lines a step (each
+# channel's KB / 8 words in one load, its scale and bias once): 3 * D / KB a key (D 128, KB 16:
+# 24), each word serving 8 keys' scores. Still more L1 lines a key than a float key's, for about
+# a quarter of its DRAM bytes: which of the two bounds the step on the H200 is a measurement
+# (`gpu_run.sh kvbench`).
 _Q4_CACHE = {
     "/*CAP*/": "vc_shape[2]",
     "/*KVPTR*/": """  constexpr int NG = D / GS, VW = D / 8;  // value groups and uint32 words a row
@@ -567,8 +569,10 @@ _Q4_CACHE = {
     "/*AFTER*/": _Q8_CACHE["/*AFTER*/"],
 }
 
-# The 4-bit form's keys, in steps of KB keys a warp (KB a multiple of 8 dividing KGP: the split's
-# chunk and so every step start a multiple of KB, so a step's keys lie in one key group): a step
+# The 4-bit form's keys, in steps of KB keys a warp (KB a multiple of 8 dividing KGP: a split
+# spans whole steps, so every step starts at a multiple of KB and its keys lie in one key
+# group; the splits take the row's steps evenly, none left empty while there are as many steps
+# as splits, which rounding each split's keys up to a step would leave at the end): a step
 # in the sealed groups (before g0) reads, for each of the lane's VPT channels, the KB / 8 code
 # words holding its codes of the step's keys (one load) and the channel's scale and bias once;
 # a step in the open group reads the tail's float rows (the token being decoded: shared memory).
@@ -577,7 +581,9 @@ _Q4_CACHE = {
 # offsets 16, 8, 4: key (lane >> 2) & 7 ends in lane, summed over the offsets 2 and 1 too; 9
 # shuffles a head instead of 40) and handed to every lane (8 more); online softmax over the run.
 _Q4_KEYS = {
-    "/*CHUNK*/": "((n + SE - 1) / SE + KB - 1) / KB * KB",
+    "/*SPAN*/": """  const int n = pos + 1, steps = (n + KB - 1) / KB;  // shared by the splits
+  const int j_begin = s * steps / SE * KB, j_end = min(n, (s + 1) * steps / SE * KB);
+""",
     "/*FIRST*/": """  static_assert(KB % 8 == 0 && KGP % KB == 0, "whole words, one key group");
   constexpr int RW = KB / 8;  // code words of a channel a step reads
   unsigned int kw[VPT][RW];
