@@ -229,6 +229,25 @@ def _check_q4_launch(r: dict, d: int, hk: int) -> None:
     t = r["template"]
     assert (t["GS"], t["D"], t["KGP"], t["KT"]) == (32, d, KEY_GROUP, KEY_TAIL)
     assert t["KG"] == (1 if "_bt" in name else kc.shape[3] // 8)
+    # a warp step of whole code words (8 keys each) of one key group (_Q4_KEYS' static_assert)
+    assert t["KB"] % 8 == 0 and KEY_GROUP % t["KB"] == 0
+
+
+def test_q4_form_refuses_a_step_of_part_words(kv_attn_on: None) -> None:
+    """The 4-bit form reads its keys in steps of whole code words of one key group: a
+    split_keys of 8, 16 or 32; any other is refused by name before a launch."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+
+    f16, d, hq, hk = mx.float16, 64, 4, 2
+    q, kv = mx.zeros((1, 1, hq * d), f16), mx.zeros((1, 1, hk * d), f16)
+    keys = key_groups_zeros((1, hk), 256, d, f16)
+    values = KVQuant(4, 32).zeros((1, hk, 256), d, f16)
+    for bad in (4, 12, 64):
+        with pytest.raises(ValueError, match="split_keys"):
+            kernels_cuda.rope_attend(q, kv, kv, None, None, mx.ones((d // 2,)),
+                                     (1e-6, 0.125, 1.0), mx.array([5], mx.int32), keys, values,
+                                     hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=2,
+                                     split_keys=bad)
 
 
 # ---- MLX-CUDA: the kernel against the plain path ----------------------------------------------
