@@ -559,6 +559,33 @@ def test_q4_rope_attend_matches_plain_path(dtype: mx.Dtype, case: int, group_at:
 
 
 @cuda
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("step", [8, 32])
+def test_q4_rope_attend_other_steps_match_plain_path(step: int, paged: bool) -> None:
+    """The 4-bit form's other warp steps (split_keys 8: a code word a channel, 32: four)
+    against Attention.over_cache as the default step's above: Qwen3-0.6B's heads, bfloat16,
+    8 splits, rows in and at the start of key groups."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.mlx_engine.attention import Attention
+
+    dtype, (d, hq, hk, norms, groups) = mx.bfloat16, Q8_CASES[0]
+    positions = [300, 3, 256, 0, 130, 190]
+    q, k, v, qn, kn, inv, qr, kr, caches, table, tails = _q4_case(
+        dtype, d, hq, hk, norms, groups[0], positions, paged, seed=step)
+    offset = mx.array(positions, mx.int32)
+    y, _, _ = kernels_cuda.rope_attend(
+        q, k, v, qn, kn, inv, (1e-6, 1 / np.sqrt(d), 1.0), offset, *caches(), hq=hq, hk=hk,
+        rotary_dim=d, interleaved=False, splits=8, table=table, tails=tails, split_keys=step)
+    width = table.shape[1] * BLOCK if table is not None else 512
+    mask = (mx.arange(width).reshape(1, 1, 1, -1) <= offset.reshape(-1, 1, 1, 1))
+    blocks = None if table is None else BlockIndex(table, offset, 1, tails)
+    y_ref, _, _ = Attention(hq, hk).over_cache(qr, kr, v, *caches(), offset, mask,
+                                               blocks=blocks, seal=False)
+    assert rel(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))) \
+        <= TOL[dtype] * 2
+
+
+@cuda
 def test_four_bit_kv_program_with_kernels_matches_plain_path(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 (head_dim 64, GQA 2:1, float32) over a 4-bit cache, 160 tokens past a 100-token
