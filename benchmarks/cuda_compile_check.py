@@ -192,7 +192,8 @@ def main() -> None:
         # the 4-bit cache's form (keys per channel, kv_cache.key_groups_zeros /
         # key_blocks_zeros; values 4-bit per token): merged and split, contiguous and paged
         # (with the rows' tail slots), q/k/v apart and joined at value group 64; groups 32 and
-        # 128 at 8 splits; D 64, 128 and 256 (float32: two shapes)
+        # 128 at 8 splits; D 64, 128 and 256 (float32: two shapes); its warp steps of 8 and 32
+        # keys besides the default 16 (D 128, bfloat16, 8 splits, contiguous and paged)
         from fuselm.runtime_metal.kv_cache import KVQuant, key_blocks_zeros, key_groups_zeros
         for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
             qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
@@ -200,10 +201,12 @@ def main() -> None:
             n = mx.ones((d,), dt) if norms else None
             inv = mx.array(rng.random(d // 2).astype(np.float32))
             prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
-            cases = [(64, s, j, p) for s in (1, 8) for j in (None, qkv)
-                     for p in (False, True)]
-            cases += [(g, 8, None, p) for g in (32, 128) if g <= d for p in (False, True)]
-            for group, splits, joined, paged in cases:
+            cases: list[tuple[int, int, Any, bool, int | None]] = [
+                (64, s, j, p, None) for s in (1, 8) for j in (None, qkv) for p in (False, True)]
+            cases += [(g, 8, None, p, None) for g in (32, 128) if g <= d for p in (False, True)]
+            if (d, dt) == (128, mx.bfloat16):  # the other keys a warp step it takes: 8, 32
+                cases += [(64, 8, None, p, kb) for p in (False, True) for kb in (8, 32)]
+            for group, splits, joined, paged, step in cases:
                 four = KVQuant(4, group)
                 if paged:
                     keys = key_blocks_zeros(4, 1, hk, d, dt)
@@ -216,7 +219,7 @@ def main() -> None:
                 kernels_cuda.rope_attend(q, k, k, n, n, inv, prm, off, keys, values, hq=hq,
                                          hk=hk, rotary_dim=d, interleaved=inter,
                                          splits=splits, qkv=joined, table=table,
-                                         tails=tails)
+                                         tails=tails, split_keys=step)
         for rows, kdim, nout, act in ((1, 1024, 4096, None), (1, 1024, 6144, "silu"),
                                       (4, 2048, 8192, "silu"), (16, 1024, 4096, None),
                                       (1, 4096, 1024, None)):

@@ -265,17 +265,8 @@ _ATTEND_SPLIT = """
   __shared__ float sqn[D], skn[D], sif[RD / 2 + 1];
   __shared__ float wm[NW][GB], wl[NW][GB], wacc[NW][GB][D];
   // this split's keys [j_begin, j_end) of the pos + 1 (the last one: the token being decoded)
-  const int n = pos + 1, chunk = (n + SE - 1) / SE;
-  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
-  const int j_first = j_begin + warp * KB;
-/*KVPTR*/  float kr[KB][VPT], vr[KB][VPT];
-  #pragma unroll
-  for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
-    const int j = j_first + u;
-    if (j < j_end && j < pos) {
-/*LOAD*/
-    }
-  }
+/*SPAN*/  const int j_first = j_begin + warp * KB;
+/*KVPTR*//*FIRST*/
   for (int i = tid; i < GB * D; i += NT)  // q/k/v rows as in the kernel above (QRW, KRW, KO, VO)
     sq[i / D][i % D] = static_cast<float>(q[(size_t)b * QRW + h0 * D + i]);
   for (int i = tid; i < D; i += NT) {
@@ -336,7 +327,48 @@ _ATTEND_SPLIT = """
     #pragma unroll
     for (int e = 0; e < VPT; ++e) { qr[hh][e] = sq[hh][lane * VPT + e]; acc[hh][e] = 0.f; }
   }
-  for (int j0 = j_first; j0 < j_end; j0 += NW * KB) {
+/*KEYS*/  #pragma unroll
+  for (int hh = 0; hh < GB; ++hh) {
+    if (lane == 0) { wm[warp][hh] = m[hh]; wl[warp][hh] = l[hh]; }
+    #pragma unroll
+    for (int e = 0; e < VPT; ++e) wacc[warp][hh][lane * VPT + e] = acc[hh][e];
+  }
+  __syncthreads();
+  for (int i = tid; i < GB * D; i += NT) {  // merge the warps' partial softmaxes
+    const int hh = i / D, e = i % D;
+    float mx_ = __int_as_float(0xff800000);
+    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w][hh]);
+    float den = 0.f, num = 0.f;
+    for (int w = 0; w < NW; ++w) {
+      const float c = wl[w][hh] > 0.f ? __expf(wm[w][hh] - mx_) : 0.f;
+      den += wl[w][hh] * c;
+      num += wacc[w][hh][e] * c;
+    }
+    const size_t qh = (size_t)b * HQ + h0 + hh;
+/*WRITE*/
+  }
+/*AFTER*/  } else if (tid < GB) {  // an empty split (S > 1 only: SE >= 1)
+    const size_t qh = (size_t)b * HQ + h0 + tid;
+/*EMPTY*/
+  }
+/*TAIL*/"""
+# The float and 8-bit forms' keys: a warp step of KB keys (keys j_first + u, then NW * KB on),
+# each key's row read whole (/*LOAD*/), the first step's rows loaded before the prologue;
+# filled into the split kernel's /*SPAN*/ (the keys of a split), /*FIRST*/ and /*KEYS*/ places.
+_ROW_KEYS = {
+    "/*SPAN*/": """  const int n = pos + 1, chunk = (n + SE - 1) / SE;
+  const int j_begin = s * chunk, j_end = min(n, j_begin + chunk);
+""",
+    "/*FIRST*/": """  float kr[KB][VPT], vr[KB][VPT];
+  #pragma unroll
+  for (int u = 0; u < KB; ++u) {  // the first keys' loads, in flight through the prologue
+    const int j = j_first + u;
+    if (j < j_end && j < pos) {
+/*LOAD*/
+    }
+  }
+""",
+    "/*KEYS*/": """  for (int j0 = j_first; j0 < j_end; j0 += NW * KB) {
     float sc[KB][GB];
     #pragma unroll
     for (int u = 0; u < KB; ++u) {  // all KB rows' loads in flight before the first score
@@ -391,34 +423,13 @@ _ATTEND_SPLIT = """
       m[hh] = mn;
     }
   }
-  #pragma unroll
-  for (int hh = 0; hh < GB; ++hh) {
-    if (lane == 0) { wm[warp][hh] = m[hh]; wl[warp][hh] = l[hh]; }
-    #pragma unroll
-    for (int e = 0; e < VPT; ++e) wacc[warp][hh][lane * VPT + e] = acc[hh][e];
-  }
-  __syncthreads();
-  for (int i = tid; i < GB * D; i += NT) {  // merge the warps' partial softmaxes
-    const int hh = i / D, e = i % D;
-    float mx_ = __int_as_float(0xff800000);
-    for (int w = 0; w < NW; ++w) mx_ = fmaxf(mx_, wm[w][hh]);
-    float den = 0.f, num = 0.f;
-    for (int w = 0; w < NW; ++w) {
-      const float c = wl[w][hh] > 0.f ? __expf(wm[w][hh] - mx_) : 0.f;
-      den += wl[w][hh] * c;
-      num += wacc[w][hh][e] * c;
-    }
-    const size_t qh = (size_t)b * HQ + h0 + hh;
-/*WRITE*/
-  }
-/*AFTER*/  } else if (tid < GB) {  // an empty split (S > 1 only: SE >= 1)
-    const size_t qh = (size_t)b * HQ + h0 + tid;
-/*EMPTY*/
-  }
-/*TAIL*/"""
-# The split kernel's two cache forms, filled into its /*KVPTR*/, /*LOAD*/, /*QSCALE*/, /*PUTROW*/,
-# /*QUANT*/ and /*AFTER*/ places (_split_source). A float cache (the activation dtype): rows read
-# as they are, the new row written as the last step of the prologue.
+""",
+}
+
+# The split kernel's cache forms, filled into its /*KVPTR*/, /*LOAD*/ (_ROW_KEYS' rows; the 4-bit
+# form has its own keys loop), /*QSCALE*/, /*PUTROW*/, /*QUANT*/ and /*AFTER*/ places
+# (_split_source). A float cache (the activation dtype): rows read as they are, the new row
+# written as the last step of the prologue.
 _FLOAT_CACHE = {
     "/*CAP*/": "kc_shape[2]",
     "/*KVPTR*/": """  const T* kb = kc + lane * VPT;
@@ -512,9 +523,15 @@ _Q8_STASH = """    tq[hh][e] = num;
 # `(q * scale).astype(dt)`; no rotation: the keys are not rotated), writes the new key, unrotated,
 # into the tail slot, rotates the new value row and quantizes it as mx.quantize does (q4_group),
 # written in place by block (gb 0, split 0); the output is rotated back as the 8-bit form's.
-# A key read from the codes gathers one nibble from each of D channel rows (a word and a scale
-# and bias per channel, for one position): L1 serves the word's other 7 positions to the next
-# keys, but the requests stay per key; scoring a word's 8 positions at once is not done here.
+# The keys' reads (_Q4_KEYS): a channel's codes of one group are one 32-byte sector of its own
+# row (rows KG * 32 bytes apart), its scales and biases in rows of their own too, so a warp's load
+# of a word (or a scale) per lane touches 32 cache lines. Read a key at a time, that would be
+# 3 * D lines a key (a word, a scale and a bias per channel), against 2 for a float key's 2 * D
+# contiguous bytes (D 128, 16 bits); read in steps of KB keys, it is 3 * D lines a step (each
+# channel's KB / 8 words in one load, its scale and bias once): 3 * D / KB a key (D 128, KB 16:
+# 24), each word serving 8 keys' scores. Still more L1 lines a key than a float key's, for about
+# a quarter of its DRAM bytes: which of the two bounds the step on the H200 is a measurement
+# (`gpu_run.sh kvbench`).
 _Q4_CACHE = {
     "/*CAP*/": "vc_shape[2]",
     "/*KVPTR*/": """  constexpr int NG = D / GS, VW = D / 8;  // value groups and uint32 words a row
@@ -529,13 +546,6 @@ _Q4_CACHE = {
               : (kh * D + lane * VPT) * KG + j / KGP;
   };
 """,
-    "/*LOAD*/": """      if (j >= g0) {
-        fl_load_row<T, VPT>(kt + (size_t)(j % KT) * D, kr[u]);
-      } else {
-        q4_key_load<T, VPT, KG, KGP>((const unsigned int*)kc, kcs, kcb, kslot(j), j % KGP, kr[u]);
-      }
-      const size_t at = kv_row(j);
-      q4_load_row<T, VPT>(vb[at * VW], vsh, vcs[at * NG + lg], vcb[at * NG + lg], vr[u]);""",
     "/*QSCALE*/": "",  # below: rounded to T as the plain path's scaled queries
     "/*PUTROW*/": """      if (s == 0 && gb == 0)
         const_cast<T*>(kct)[(trow * KT + pos % KT) * D + e] = ta;
@@ -557,6 +567,148 @@ _Q4_CACHE = {
   __shared__ float smx[GB], sden[GB];
 """,
     "/*AFTER*/": _Q8_CACHE["/*AFTER*/"],
+}
+
+# The 4-bit form's keys, in steps of KB keys a warp (KB a multiple of 8 dividing KGP: a split
+# spans whole steps, so every step starts at a multiple of KB and its keys lie in one key
+# group; the splits take the row's steps evenly, none left empty while there are as many steps
+# as splits, which rounding each split's keys up to a step would leave at the end): a step
+# in the sealed groups (before g0) reads, for each of the lane's VPT channels, the KB / 8 code
+# words holding its codes of the step's keys (one load) and the channel's scale and bias once;
+# a step in the open group reads the tail's float rows (the token being decoded: shared memory).
+# Each run of 8 keys is then scored at once: each lane's partial dot products of the 8 keys,
+# summed over the warp by a transposing butterfly (lanes halve the keys they keep at each of the
+# offsets 16, 8, 4: key (lane >> 2) & 7 ends in lane, summed over the offsets 2 and 1 too; 9
+# shuffles a head instead of 40) and handed to every lane (8 more); online softmax over the run.
+_Q4_KEYS = {
+    "/*SPAN*/": """  const int n = pos + 1, steps = (n + KB - 1) / KB;  // shared by the splits
+  const int j_begin = s * steps / SE * KB, j_end = min(n, (s + 1) * steps / SE * KB);
+""",
+    "/*FIRST*/": """  static_assert(KB % 8 == 0 && KGP % KB == 0, "whole words, one key group");
+  constexpr int RW = KB / 8;  // code words of a channel a step reads
+  unsigned int kw[VPT][RW];
+  float ks[VPT], kz[VPT];
+  auto load_codes = [&](int j0) {  // the step's codes, scales and biases of the lane's channels
+    const size_t at = kslot(j0);
+    #pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const size_t c = at + (size_t)i * KG;
+      q4_words<RW>((const unsigned int*)kc + c * (KGP / 8) + j0 % KGP / 8, kw[i]);
+      ks[i] = static_cast<float>(kcs[c]);
+      kz[i] = static_cast<float>(kcb[c]);
+    }
+  };
+  if (j_first < j_end && j_first < g0) load_codes(j_first);  // in flight through the prologue
+""",
+    "/*KEYS*/": """  for (int j0 = j_first; j0 < j_end; j0 += NW * KB) {
+    const bool coded = j0 < g0;  // then every key of the step is before g0 and in the split
+    if (coded && j0 != j_first) load_codes(j0);
+    #pragma unroll
+    for (int r = 0; r < RW; ++r) {
+      const int jr = j0 + 8 * r;  // the run's first key
+      if (jr < j_end) {
+        unsigned int vw[8];
+        T vs8[8], vz8[8];
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) {  // the run's value loads, in flight before the scores
+          const int j = jr + u;
+          if (j < j_end && j < pos) {
+            const size_t at = kv_row(j);
+            vw[u] = vb[at * VW];
+            vs8[u] = vcs[at * NG + lg];
+            vz8[u] = vcb[at * NG + lg];
+          } else {
+            vw[u] = 0u;
+            vs8[u] = vz8[u] = T(0.f);
+          }
+        }
+        float sc[8][GB];
+        if (coded) {
+          #pragma unroll
+          for (int u = 0; u < 8; ++u)
+            #pragma unroll
+            for (int hh = 0; hh < GB; ++hh) sc[u][hh] = 0.f;
+          #pragma unroll
+          for (int i = 0; i < VPT; ++i)
+            #pragma unroll
+            for (int u = 0; u < 8; ++u) {
+              const float kv = fmaf(static_cast<float>((kw[i][r] >> (4 * u)) & 15u), ks[i], kz[i]);
+              #pragma unroll
+              for (int hh = 0; hh < GB; ++hh) sc[u][hh] += qr[hh][i] * kv;
+            }
+        } else {
+          #pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int j = jr + u;
+            float kr[VPT];
+            if (j < j_end && j < pos) {
+              fl_load_row<T, VPT>(kt + (size_t)(j % KT) * D, kr);
+            } else {
+              const bool now = j == pos && j < j_end;  // the token being decoded, else weighed 0
+              #pragma unroll
+              for (int e = 0; e < VPT; ++e) kr[e] = now ? sk[lane * VPT + e] : 0.f;
+            }
+            #pragma unroll
+            for (int hh = 0; hh < GB; ++hh) {
+              float d = 0.f;
+              #pragma unroll
+              for (int e = 0; e < VPT; ++e) d += qr[hh][e] * kr[e];
+              sc[u][hh] = d;
+            }
+          }
+        }
+        #pragma unroll
+        for (int hh = 0; hh < GB; ++hh) {
+          float t4[4], t2[2], t1;
+          const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+          #pragma unroll
+          for (int i = 0; i < 4; ++i)
+            t4[i] = (b4 ? sc[i + 4][hh] : sc[i][hh])
+                    + __shfl_xor_sync(0xffffffff, b4 ? sc[i][hh] : sc[i + 4][hh], 16);
+          #pragma unroll
+          for (int i = 0; i < 2; ++i)
+            t2[i] = (b3 ? t4[i + 2] : t4[i])
+                    + __shfl_xor_sync(0xffffffff, b3 ? t4[i] : t4[i + 2], 8);
+          t1 = (b2 ? t2[1] : t2[0]) + __shfl_xor_sync(0xffffffff, b2 ? t2[0] : t2[1], 4);
+          t1 += __shfl_xor_sync(0xffffffff, t1, 2);
+          t1 += __shfl_xor_sync(0xffffffff, t1, 1);
+          #pragma unroll
+          for (int u = 0; u < 8; ++u) sc[u][hh] = __shfl_sync(0xffffffff, t1, u << 2);
+          float mn = m[hh];  // jr < j_end: the first key counts, so mn is finite
+          #pragma unroll
+          for (int u = 0; u < 8; ++u)
+            if (jr + u < j_end) mn = fmaxf(mn, sc[u][hh]);
+          const float corr = __expf(m[hh] - mn);
+          l[hh] *= corr;
+          #pragma unroll
+          for (int e = 0; e < VPT; ++e) acc[hh][e] *= corr;
+          #pragma unroll
+          for (int u = 0; u < 8; ++u) {  // the weights
+            sc[u][hh] = jr + u < j_end ? __expf(sc[u][hh] - mn) : 0.f;
+            l[hh] += sc[u][hh];
+          }
+          m[hh] = mn;
+        }
+        #pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (jr + u < j_end) {
+            float vr[VPT];
+            if (jr + u < pos) {
+              q4_load_row<T, VPT>(vw[u], vsh, vs8[u], vz8[u], vr);
+            } else {
+              #pragma unroll
+              for (int e = 0; e < VPT; ++e) vr[e] = sv[lane * VPT + e];
+            }
+            #pragma unroll
+            for (int hh = 0; hh < GB; ++hh)
+              #pragma unroll
+              for (int e = 0; e < VPT; ++e) acc[hh][e] += sc[u][hh] * vr[e];
+          }
+        }
+      }
+    }
+  }
+""",
 }
 
 _Q4_HEADER = """
@@ -614,16 +766,18 @@ __device__ __forceinline__ void q4_load_row(unsigned int w, int sh, TT sc, TT bi
   #pragma unroll
   for (int e = 0; e < N; ++e) o[e] = fmaf(static_cast<float>((w >> (sh + 4 * e)) & 15u), fs, fb);
 }
-// Channels slot, slot + KG_, .. (N of them) of per-channel keys at position jj of their group
-// (KGP_ positions: KGP_ / 8 words a channel's group) as code * scale + bias in float32
-template <typename TT, int N, int KG_, int KGP_>
-__device__ __forceinline__ void q4_key_load(const unsigned int* p, const TT* sc, const TT* bi,
-                                            size_t slot, int jj, float* o) {
-  #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const size_t at = slot + (size_t)i * KG_;
-    const float c = static_cast<float>((p[at * (KGP_ / 8) + jj / 8] >> (jj % 8 * 4)) & 15u);
-    o[i] = fmaf(c, static_cast<float>(sc[at]), static_cast<float>(bi[at]));
+// N consecutive code words at p (N 1, 2 or 4; p aligned to N words) in one load
+template <int N>
+__device__ __forceinline__ void q4_words(const unsigned int* p, unsigned int* o) {
+  if (N == 4) {
+    const uint4 w = *reinterpret_cast<const uint4*>(p);
+    o[0] = w.x; o[1] = w.y; o[2] = w.z; o[3] = w.w;
+  } else if (N == 2) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    o[0] = w.x; o[1] = w.y;
+  } else {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) o[i] = p[i];
   }
 }
 """
@@ -751,6 +905,11 @@ TICKET_SLOTS = 65536
 _TICKETS = f"__device__ unsigned int fuselm_split_tickets[{TICKET_SLOTS}] = {{}};\n"
 _SPLIT_WARPS = 8  # 256 threads a block; the splits give the parallelism
 _SPLIT_KEYS = 4  # keys per warp step in flight: 32 a block, 16 KB of K/V loads outstanding
+# The 4-bit form's keys a warp step (_Q4_KEYS: 8, 16 or 32, whole code words of one key group):
+# 16 keeps a block's 8 warps busy on a split of 128 keys (a 4,096-key row at 32 splits) while
+# halving the scale and bias reads a key of a step of 8.
+_Q4_SPLIT_KEYS = 16
+_Q4_STEPS = (8, 16, 32)
 _SPLIT_LANE_FLOATS = 16  # GB * VPT: each lane's q and accumulator floats per kept head
 
 
@@ -884,6 +1043,8 @@ def _split_source(form: str, cache: str) -> str:
     fill["/*TAIL*/"] = "" if form == "merged" else _MERGE_LAST
     fill["/*EMPTY*/"] = "" if form == "merged" else _EMPTY_PART
     source = _ATTEND_SPLIT
+    for place, text in (_Q4_KEYS if cache == "q4" else _ROW_KEYS).items():  # hold /*LOAD*/
+        source = source.replace(place, text)
     for place in ("/*AFTER*/", "/*WRITE*/", *fill):
         source = source.replace(place, fill[place])
     return source
@@ -923,10 +1084,15 @@ def _rope_attend_split(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | Non
                        prm: tuple[float, float, float], offset: mx.array, kc: Buffer,
                        vc: Buffer, *, hq: int, hk: int, rotary_dim: int, interleaved: bool,
                        splits: int, rows_at: list[Any], joined: bool,
-                       warps: int = _SPLIT_WARPS, keys: int = _SPLIT_KEYS,
+                       warps: int = _SPLIT_WARPS, keys: int | None = None,
                        table: mx.array | None = None,
                        tails: mx.array | None = None) -> mx.array:
     d, dtype, rows = _head_dim(kc, vc), _act_dtype(kc), q.shape[0]
+    q4 = _cache_kind(kc) == "q4"
+    if keys is None:
+        keys = _Q4_SPLIT_KEYS if q4 else _SPLIT_KEYS
+    elif q4 and keys not in _Q4_STEPS:
+        raise ValueError(f"split_keys {keys}: the 4-bit form takes a step of {_Q4_STEPS} keys")
     gb = split_heads_per_block(hq, hk, d)
     blocks = hk * (hq // hk // gb) * splits
     form = ("merged" if splits == 1 else
@@ -982,7 +1148,7 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
                 kn: mx.array | None, inv_freq: mx.array, prm: tuple[float, float, float],
                 offset: mx.array, kc: Buffer, vc: Buffer, *, hq: int, hk: int,
                 rotary_dim: int, interleaved: bool, splits: int | None = None,
-                split_warps: int = _SPLIT_WARPS, split_keys: int = _SPLIT_KEYS,
+                split_warps: int = _SPLIT_WARPS, split_keys: int | None = None,
                 qkv: mx.array | None = None, table: mx.array | None = None,
                 tails: mx.array | None = None) -> tuple[mx.array, Buffer, Buffer]:
     """One token per batch row: q [b, 1, hq*D], k/v [b, 1, hk*D], the caches
@@ -1007,7 +1173,8 @@ def rope_attend(q: mx.array, k: mx.array, v: mx.array, qn: mx.array | None,
     splits (_ATTEND_SPLIT), one launch either way; None: kernels.auto_splits (from the
     capacity and heads; the default, FUSELM_ATTN_SPLIT=auto). split_warps / split_keys: the split
     kernel's warps per block and keys per warp step in flight (benchmarks/kernel_bench.py
-    compares them; the defaults are what the program runs).
+    compares them; the defaults are what the program runs; split_keys None: 4, the 4-bit
+    form's 16, which takes 8, 16 or 32 only).
 
     qkv: the fused projection [b, 1, (hq + 2 hk) * D] that q, k and v are slices of: the
     kernel reads them from it (q, k, v then only give the shapes), so the three slices are

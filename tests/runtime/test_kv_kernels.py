@@ -229,6 +229,25 @@ def _check_q4_launch(r: dict, d: int, hk: int) -> None:
     t = r["template"]
     assert (t["GS"], t["D"], t["KGP"], t["KT"]) == (32, d, KEY_GROUP, KEY_TAIL)
     assert t["KG"] == (1 if "_bt" in name else kc.shape[3] // 8)
+    # a warp step of whole code words (8 keys each) of one key group (_Q4_KEYS' static_assert)
+    assert t["KB"] % 8 == 0 and KEY_GROUP % t["KB"] == 0
+
+
+def test_q4_form_refuses_a_step_of_part_words(kv_attn_on: None) -> None:
+    """The 4-bit form reads its keys in steps of whole code words of one key group: a
+    split_keys of 8, 16 or 32; any other is refused by name before a launch."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+
+    f16, d, hq, hk = mx.float16, 64, 4, 2
+    q, kv = mx.zeros((1, 1, hq * d), f16), mx.zeros((1, 1, hk * d), f16)
+    keys = key_groups_zeros((1, hk), 256, d, f16)
+    values = KVQuant(4, 32).zeros((1, hk, 256), d, f16)
+    for bad in (4, 12, 64):
+        with pytest.raises(ValueError, match="split_keys"):
+            kernels_cuda.rope_attend(q, kv, kv, None, None, mx.ones((d // 2,)),
+                                     (1e-6, 0.125, 1.0), mx.array([5], mx.int32), keys, values,
+                                     hq=hq, hk=hk, rotary_dim=d, interleaved=False, splits=2,
+                                     split_keys=bad)
 
 
 # ---- MLX-CUDA: the kernel against the plain path ----------------------------------------------
@@ -525,6 +544,33 @@ def test_q4_rope_attend_matches_plain_path(dtype: mx.Dtype, case: int, group_at:
     got, old = (np.array(x.astype(mx.float32)).transpose(0, 2, 1, 3)[~slots]
                 for x in (kc[3], before[0][3]))
     assert np.array_equal(got, old)
+
+
+@cuda
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("step", [8, 32])
+def test_q4_rope_attend_other_steps_match_plain_path(step: int, paged: bool) -> None:
+    """The 4-bit form's other warp steps (split_keys 8: a code word a channel, 32: four)
+    against Attention.over_cache as the default step's above: Qwen3-0.6B's heads, bfloat16,
+    8 splits, rows in and at the start of key groups."""
+    from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.mlx_engine.attention import Attention
+
+    dtype, (d, hq, hk, norms, groups) = mx.bfloat16, Q8_CASES[0]
+    positions = [300, 3, 256, 0, 130, 190]
+    q, k, v, qn, kn, inv, qr, kr, caches, table, tails = _q4_case(
+        dtype, d, hq, hk, norms, groups[0], positions, paged, seed=step)
+    offset = mx.array(positions, mx.int32)
+    y, _, _ = kernels_cuda.rope_attend(
+        q, k, v, qn, kn, inv, (1e-6, 1 / np.sqrt(d), 1.0), offset, *caches(), hq=hq, hk=hk,
+        rotary_dim=d, interleaved=False, splits=8, table=table, tails=tails, split_keys=step)
+    width = table.shape[1] * BLOCK if table is not None else 512
+    mask = (mx.arange(width).reshape(1, 1, 1, -1) <= offset.reshape(-1, 1, 1, 1))
+    blocks = None if table is None else BlockIndex(table, offset, 1, tails)
+    y_ref, _, _ = Attention(hq, hk).over_cache(qr, kr, v, *caches(), offset, mask,
+                                               blocks=blocks, seal=False)
+    assert rel(np.array(y.astype(mx.float32)), np.array(y_ref.astype(mx.float32))) \
+        <= TOL[dtype] * 2
 
 
 @cuda
