@@ -720,27 +720,8 @@ template <typename TT, int GS_>
 __device__ __forceinline__ void q4_group(float* x, int lane, bool put, unsigned int* codes,
                                          TT* sc, TT* bi) {
   constexpr int VPR = GS_ / 32, LPW = 8 / VPR;  // values a lane, lanes a word
-  float w[VPR];
-  float wmin = 3.402823466e+38f, wmax = 0.f;
-  #pragma unroll
-  for (int i = 0; i < VPR; ++i) {
-    w[i] = x[lane * VPR + i];
-    wmin = fminf(wmin, w[i]);
-    wmax = fmaxf(wmax, w[i]);
-  }
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    wmin = fminf(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
-    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffff, wmax, o));
-  }
-  float scale = fmaxf(__fdiv_rn(wmax - wmin, 15.f), 1e-7f);
-  const bool side = fabsf(wmin) > fabsf(wmax);
-  scale = side ? scale : -scale;
-  const float edge = side ? wmin : wmax;
-  const float q0 = roundf(__fdiv_rn(edge, scale));
-  const bool at_zero = q0 == 0.f;
-  scale = at_zero ? scale : __fdiv_rn(edge, q0);
-  const float bias = at_zero ? 0.f : edge;
+  float w[VPR], scale, bias;
+  affine_group<VPR>(x, lane, 15.f, w, scale, bias);
   const TT ts = TT(scale), tb = TT(bias);
   const float fs = static_cast<float>(ts), fb = static_cast<float>(tb);
   unsigned int word = 0u;
@@ -801,6 +782,34 @@ __device__ __forceinline__ void fwht_rows(F row_of, int nrows, int tid) {
     __syncthreads();
   }
 }
+// One warp: a group of 32 * VPR_ values at x (lane l holds [l * VPR_, (l+1) * VPR_), loaded
+// into w) and the scale and bias MLX-CUDA's affine_quantize gives it for `levels` + 1 codes
+// (mlx/backend/cuda/quantized/affine_quantize.cu: its min from FLT_MAX and max from 0, eps
+// 1e-7, the edge of larger magnitude exact, IEEE divisions), for q8_group and q4_group alike
+template <int VPR_>
+__device__ __forceinline__ void affine_group(const float* x, int lane, float levels, float* w,
+                                             float& scale, float& bias) {
+  float wmin = 3.402823466e+38f, wmax = 0.f;
+  #pragma unroll
+  for (int i = 0; i < VPR_; ++i) {
+    w[i] = x[lane * VPR_ + i];
+    wmin = fminf(wmin, w[i]);
+    wmax = fmaxf(wmax, w[i]);
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    wmin = fminf(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
+    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffff, wmax, o));
+  }
+  scale = fmaxf(__fdiv_rn(wmax - wmin, levels), 1e-7f);
+  const bool side = fabsf(wmin) > fabsf(wmax);
+  scale = side ? scale : -scale;
+  const float edge = side ? wmin : wmax;
+  const float q0 = roundf(__fdiv_rn(edge, scale));
+  const bool at_zero = q0 == 0.f;
+  scale = at_zero ? scale : __fdiv_rn(edge, q0);
+  bias = at_zero ? 0.f : edge;
+}
 // One warp: GS_ values at x (each T-exact; lane l holds [l * GS_/32, (l+1) * GS_/32)) quantized
 // to 8 bits as MLX-CUDA's affine_quantize does (mlx/backend/cuda/quantized/affine_quantize.cu:
 // its min from FLT_MAX and max from 0, eps 1e-7, the edge of larger magnitude exact, round half
@@ -810,27 +819,8 @@ template <typename TT, int GS_>
 __device__ __forceinline__ void q8_group(float* x, int lane, bool put, unsigned char* codes,
                                          TT* sc, TT* bi) {
   constexpr int VPR = GS_ / 32;
-  float w[VPR];
-  float wmin = 3.402823466e+38f, wmax = 0.f;
-  #pragma unroll
-  for (int i = 0; i < VPR; ++i) {
-    w[i] = x[lane * VPR + i];
-    wmin = fminf(wmin, w[i]);
-    wmax = fmaxf(wmax, w[i]);
-  }
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    wmin = fminf(wmin, __shfl_xor_sync(0xffffffff, wmin, o));
-    wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffff, wmax, o));
-  }
-  float scale = fmaxf(__fdiv_rn(wmax - wmin, 255.f), 1e-7f);
-  const bool side = fabsf(wmin) > fabsf(wmax);
-  scale = side ? scale : -scale;
-  const float edge = side ? wmin : wmax;
-  const float q0 = roundf(__fdiv_rn(edge, scale));
-  const bool at_zero = q0 == 0.f;
-  scale = at_zero ? scale : __fdiv_rn(edge, q0);
-  const float bias = at_zero ? 0.f : edge;
+  float w[VPR], scale, bias;
+  affine_group<VPR>(x, lane, 255.f, w, scale, bias);
   const TT ts = TT(scale), tb = TT(bias);
   const float fs = static_cast<float>(ts), fb = static_cast<float>(tb);
   #pragma unroll
