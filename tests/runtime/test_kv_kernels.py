@@ -266,11 +266,12 @@ def _ordered(x: mx.array) -> np.ndarray:
     return np.where(bits & top, -(bits & (top - 1)), bits)
 
 
-def _q8_case(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool, group: int,
-             positions: list[int], paged: bool, seed: int):  # noqa: ANN202
-    """The step's inputs, the RoPE'd q/k rows (fused_rope_reference, rounded to dtype: the
-    plain path's inputs) and a factory of fresh cache buffers (the kernel writes in place):
-    random rows quantized at every position, rows past a row's position large (never read)."""
+def _step_inputs(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool,
+                 positions: list[int], seed: int):  # noqa: ANN202
+    """What both cache forms' cases share: the generator (seeded, drawn from after these),
+    the capacity, the step's inputs q, k, v, q/k-norm scales (or None) and inv_freq, the
+    RoPE'd q/k rows (fused_rope_reference on the dtype-rounded inputs), and float K/V rows
+    [2, b, hk, cap, d] for the cache, large past each row's position (never read)."""
     rng = np.random.default_rng(seed)
     b, cap = len(positions), 512
     inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
@@ -286,7 +287,18 @@ def _q8_case(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool, group: int,
     qr, kr = fused_rope_reference(qf, kf, np.array(positions).reshape(b, 1), qnf, knf, **attrs)
     rows = rng.normal(size=(2, b, hk, cap, d)) * np.array([2.0, 1.0]).reshape(2, 1, 1, 1, 1)
     for i, p in enumerate(positions):
-        rows[:, i, :, p:] = 50.0  # never read: past the row's position
+        rows[:, i, :, p:] = 50.0
+    return rng, cap, (q, k, v, qn, kn, inv_freq, qr, kr), rows
+
+
+def _q8_case(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool, group: int,
+             positions: list[int], paged: bool, seed: int):  # noqa: ANN202
+    """The step's inputs, the RoPE'd q/k rows (fused_rope_reference, rounded to dtype: the
+    plain path's inputs) and a factory of fresh cache buffers (the kernel writes in place):
+    random rows quantized at every position, rows past a row's position large (never read)."""
+    rng, cap, (q, k, v, qn, kn, inv_freq, qr, kr), rows = _step_inputs(
+        dtype, d, hq, hk, norms, positions, seed)
+    b = len(positions)
     quant = KVQuant(8, group)
     table = None
     if paged:  # row r's block j at table[r, j], out of order in a pool with spare blocks
@@ -422,22 +434,9 @@ def _q4_case(dtype: mx.Dtype, d: int, hq: int, hk: int, norms: bool, group: int,
     KEY_TAIL keys in the float tail), values quantized at every position (large past the row's
     position: never read); paged: the groups in the blocks of a shuffled table, the tails in
     shuffled slots (`tails`)."""
-    rng = np.random.default_rng(seed)
-    b, cap = len(positions), 512
-    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
-    q, qf = rounded(rng.normal(size=(b, 1, hq * d)), dtype)
-    k, kf = rounded(rng.normal(size=(b, 1, hk * d)), dtype)
-    v, _ = rounded(rng.normal(size=(b, 1, hk * d)), dtype)
-    qn = kn = qnf = knf = None
-    if norms:
-        qn, qnf = rounded(rng.uniform(0.5, 1.5, d), dtype)
-        kn, knf = rounded(rng.uniform(0.5, 1.5, d), dtype)
-    attrs = dict(head_dim=d, rotary_dim=d, inv_freq=inv_freq.tolist(), attention_scale=1.0,
-                 interleaved=0, norm_eps=1e-6)
-    qr, kr = fused_rope_reference(qf, kf, np.array(positions).reshape(b, 1), qnf, knf, **attrs)
-    rows = rng.normal(size=(2, b, hk, cap, d)) * np.array([2.0, 1.0]).reshape(2, 1, 1, 1, 1)
-    for i, p in enumerate(positions):
-        rows[:, i, :, p:] = 50.0
+    rng, cap, (q, k, v, qn, kn, inv_freq, qr, kr), rows = _step_inputs(
+        dtype, d, hq, hk, norms, positions, seed)
+    b = len(positions)
     quant = KVQuant(4, group)
     w = cap // BLOCK
     table = tails = None
