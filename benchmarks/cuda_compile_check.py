@@ -159,15 +159,21 @@ def main() -> None:
         # (1 split) and split (scratch) forms, contiguous and paged, q/k/v apart and joined, at
         # group 64; every group size the head takes at 8 splits; the partials as outputs (a
         # batch too large for the scratch, through a block table over a small pool)
-        q8_shapes = [(128, 16, 8, True, False), (64, 32, 8, False, False),
-                     (128, 8, 1, True, False), (256, 4, 2, False, False),
-                     (64, 4, 4, False, True)]
-        for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
+        def step_inputs(d: int, hq: int, hk: int, norms: bool, dt: Any) -> tuple[Any, ...]:
+            """A one-token step's inputs for the quantized caches' forms: the fused
+            projection, q and k slices of it, the norm scale (or None), inv_freq, the float
+            constants and the offset."""
             qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
             q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
             n = mx.ones((d,), dt) if norms else None
             inv = mx.array(rng.random(d // 2).astype(np.float32))
-            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
+            return qkv, q, k, n, inv, (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
+
+        q8_shapes = [(128, 16, 8, True, False), (64, 32, 8, False, False),
+                     (128, 8, 1, True, False), (256, 4, 2, False, False),
+                     (64, 4, 4, False, True)]
+        for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
+            qkv, q, k, n, inv, prm, off = step_inputs(d, hq, hk, norms, dt)
 
             def q8(lead: tuple[int, ...], group: int, d: int = d, dt: Any = dt
                    ) -> tuple[mx.array, ...]:
@@ -196,11 +202,7 @@ def main() -> None:
         # keys besides the default 16 (D 128, bfloat16, 8 splits, contiguous and paged)
         from fuselm.runtime_metal.kv_cache import KVQuant, key_blocks_zeros, key_groups_zeros
         for d, hq, hk, norms, inter in q8_shapes if dt != mx.float32 else q8_shapes[:2]:
-            qkv = mx.zeros((1, 1, (hq + 2 * hk) * d), dt)
-            q, k = qkv[..., :hq * d], qkv[..., hq * d:(hq + hk) * d]
-            n = mx.ones((d,), dt) if norms else None
-            inv = mx.array(rng.random(d // 2).astype(np.float32))
-            prm, off = (1e-6, float(d) ** -0.5, 1.0), mx.array([5], mx.int32)
+            qkv, q, k, n, inv, prm, off = step_inputs(d, hq, hk, norms, dt)
             cases: list[tuple[int, int, Any, bool, int | None]] = [
                 (64, s, j, p, None) for s in (1, 8) for j in (None, qkv) for p in (False, True)]
             cases += [(g, 8, None, p, None) for g in (32, 128) if g <= d for p in (False, True)]
