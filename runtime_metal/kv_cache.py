@@ -21,7 +21,8 @@ position axis where a float buffer has it, so every write, read, gather and copy
 to each of the three arrays alike (`Buffer`), new rows are quantized as they are written, and
 attention reads the triple directly (attention.Attention.attend: quantized matmuls, no
 dequantized copy of the cache). The triple describes itself given the head dim (`spec_of`).
-On MLX-CUDA a decode step over an 8-bit cache runs the fused attention kernel instead
+On MLX-CUDA, with the fused attention's quantized forms on (FUSELM_KV_ATTN; off by default
+until measured on a GPU), a decode step over an 8-bit cache runs that kernel instead
 (cuda_kernels/sources.py): it rotates and quantizes the new rows itself, exactly as `quantize`
 below, and reads the codes directly; so does a 4-bit cache's decode step that completes no key
 group (its new key into the float tail, as `write_key_groups` with seal=False puts it).

@@ -16,10 +16,10 @@ quantized once it is full (kv_cache.write_key_groups): q·Kᵀ is then the quant
 the transposed keys, with the queries as they are, each query's own open group read from the
 float keys of the write, the values' side unchanged. On MLX-CUDA, whose quantized matmul
 lacks most of these shapes, a layer's keys and values are dequantized (values still rotated)
-for its attention instead; there a decode step over an 8-bit cache takes the fused kernel
-(program_ops.rope_attention: cuda_kernels/sources.py), which reads the codes directly, and so
-does one over a 4-bit cache whose write completes no key group (`seal=False`: what
-`_channels` reads, the open group from the tail, the rest from the codes).
+for its attention instead; there (with FUSELM_KV_ATTN on) a decode step over an 8-bit cache
+takes the fused kernel (program_ops.rope_attention: cuda_kernels/sources.py), which reads the
+codes directly, and so does one over a 4-bit cache whose write completes no key group
+(`seal=False`: what `_channels` reads, the open group from the tail, the rest from the codes).
 """
 
 from __future__ import annotations

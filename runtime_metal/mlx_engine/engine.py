@@ -161,14 +161,15 @@ class MLXEngine:
         with the cache layout and the span step (Engine.batch_program); None when the program
         is refused or cannot allocate its cache. With the CUDA attention kernel on every layer
         (no sliding window), attention already stops at each row's length: one span, one
-        trace per row count (a float or 8-bit cache; not a 4-bit one, which the kernel does not
-        read)."""
+        trace per row count (a float cache, or an 8-bit one with the kernel's quantized forms
+        on, kernels.kv_attn; not a 4-bit one, whose sealing steps run MLX's ops)."""
         if self.fast is None or self.fast.program.kv_layout is None:
             return None
         program = self.fast.program
         fn = self._compiled_once("paged")
         whole = (program.kernels
-                 and (self.kv_quant is None or not self.kv_quant.keys_per_channel)
+                 and (self.kv_quant is None
+                      or (kernels.kv_attn() and not self.kv_quant.keys_per_channel))
                  and not any(w is not None for w in program.windows.values()))
         return fn, program.kv_layout, 0 if whole else KVCache.step
 

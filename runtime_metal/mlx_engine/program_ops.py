@@ -8,8 +8,9 @@ Pairs (found at load by `fuse_pairs`, executed at trace time):
   epilogue (kernels_q4.q4_gemv_add_norm);
 * a `FusedRoPE` and the `Attention` that reads both its outputs -> kernels_cuda.rope_attend
   for one decoded token per sequence, which also writes the new key/value rows into the cache
-  (a float cache, or an 8-bit one: quantized by the kernel; a 4-bit cache in the steps whose
-  write completes no key group, `seal=False`: its sealing steps run the two steps).
+  (a float cache; with FUSELM_KV_ATTN on, an 8-bit one, quantized by the kernel, and a 4-bit
+  cache in the steps whose write completes no key group, `seal=False`: its sealing steps run
+  the two steps).
 Where the kernels are off (not MLX-CUDA, FUSELM_KERNELS=off) or the shapes do not fit, the
 pair runs as its two steps, exactly what the graph says, through attention.Attention.
 """
