@@ -58,6 +58,11 @@
 #                                               # ROWS=16: a batched step's GEMVs, one column
 #                                               # a warp and on tensor cores (MMA_TILES adds
 #                                               # NJxNWK tiles), POS="" no attention
+#   benchmarks/gpu_run.sh kvattn SHAPE GROUP    # kernel_bench.py: the attention kernel alone over
+#                                               # a float, 8-bit and 4-bit cache (the 4-bit form
+#                                               # at warp steps of 8, 16, 32 keys) at POS (default
+#                                               # "1024 4096") cached keys, auto splits
+#                                               # -> $OUT/kvattn_*.json
 #   benchmarks/gpu_run.sh attn SHAPE GROUP      # where the split attention's ~17 µs go: its time
 #                                               # at 16 and 640 cached keys by split count (a
 #                                               # fixed cost shows at 16), then one launch under
@@ -291,6 +296,12 @@ print(json.dumps({k: {'median_ms': round(st.median(v), 4), 'min': round(min(v), 
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --rows "${ROWS:-1}" \
       ${MMA_TILES:+--mma-tiles $MMA_TILES} ${POS+--pos $POS} \
       | tee "$OUT/kernels_$2_g$3${ROWS:+_r$ROWS}.json"
+    ;;
+  kvattn)
+    # shellcheck disable=SC2086
+    python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --pos ${POS:-1024 4096} \
+      --splits auto --split-configs --kv-forms float 8 4 --only-attention \
+      | tail -1 > "$OUT/kvattn_$2_g$3.json"
     ;;
   attn)
     python3 benchmarks/kernel_bench.py --shape "$2" --group-size "$3" --pos 16 640 \

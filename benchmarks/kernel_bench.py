@@ -17,8 +17,12 @@ Python's launch overhead is not in the figure. Compared:
   program does: one input for the three): a block per query head (split 0), and the split
   kernel with --splits key splits (`auto` as kernels.auto_splits picks: FUSELM_ATTN_SPLIT=auto)
   at each cached length --pos, with the program's warps/keys per block and each of
-  --split-configs (WARPSxKEYS) at the auto split count.
-Prints one JSON line.
+  --split-configs (WARPSxKEYS) at the auto split count; with --kv-forms 8 / 4, the same
+  kernel's forms over a quantized cache (kv_cache.KVQuant at --kv-group-size, random codes) at
+  the auto split count, the 4-bit form at each of its warp steps --q4-steps (a step that seals
+  no key group, the only one it runs in), so a cached length's float, 8- and 4-bit reads
+  compare on the device alone (FUSELM_KV_ATTN's question; `gpu_run.sh kvattn`).
+--only-attention leaves the GEMVs out. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -67,6 +71,15 @@ def main() -> None:
     ap.add_argument("--mma-tiles", nargs="*", default=[],
                     help="more NJxNWK tiles for the tensor-core GEMVs (columns / 8 a block x "
                          "warps splitting K)")
+    ap.add_argument("--kv-forms", nargs="+", choices=["float", "8", "4"], default=["float"],
+                    help="the attention kernel's cache forms at each --pos (float: every "
+                         "--splits and --split-configs; 8 / 4: the auto split count)")
+    ap.add_argument("--kv-group-size", type=int, default=64,
+                    help="the quantized caches' group (kv_cache.KVQuant: 32, 64 or 128)")
+    ap.add_argument("--q4-steps", type=int, nargs="+", default=[8, 16, 32],
+                    help="the 4-bit form's keys a warp step (split_keys: 8, 16 or 32)")
+    ap.add_argument("--only-attention", action="store_true",
+                    help="time the attention kernels only (no GEMVs, no add+RMSNorm)")
     ap.add_argument("--launch-only", action="store_true",
                     help="launch each kernel (3 + n times) without PyTorch's profiler, for an "
                          "outside profiler (ncu: gpu_run.sh attn); prints nothing")
@@ -80,6 +93,7 @@ def main() -> None:
     from fuselm.runtime_metal.cuda_kernels import q4_gemv as kernels_q4
     from fuselm.runtime_metal.cuda_kernels import selection as kernels
     from fuselm.runtime_metal.cuda_kernels import sources as kernels_cuda
+    from fuselm.runtime_metal.kv_cache import KEY_GROUP, KVQuant, key_groups_zeros
 
     torch.cuda.init()
     hidden, hq, hk, d, inter, qk_norm, vocab = SHAPES[args.shape]
@@ -120,9 +134,9 @@ def main() -> None:
                                                                 **kw),
         }
 
-    calls: dict[str, Any] = {"add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps),
-                             **gemvs(False)}
-    if b > 1:
+    calls: dict[str, Any] = {} if args.only_attention else {
+        "add_rms_norm": lambda: kernels_cuda.add_rms_norm(x, r, nw, eps), **gemvs(False)}
+    if b > 1 and not args.only_attention:
         calls |= {f"{n} mma": fn for n, fn in gemvs(True).items()}
         for cfg in args.mma_tiles:
             nj, nwk = (int(t) for t in cfg.split("x"))
@@ -134,12 +148,47 @@ def main() -> None:
     q, k, v = (qkv_row[..., :hq * d], qkv_row[..., hq * d:(hq + hk) * d],
                qkv_row[..., (hq + hk) * d:])
     norm = rand(d, scale=0.1) + 1 if qk_norm else None
+    def codes(*shape: int) -> mx.array:
+        return mx.array(rng.integers(0, 2**32, shape, dtype=np.uint32))
+
+    def quantized(lead: tuple[int, ...], stored: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
+        """A KVQuant-shaped cache of random codes, positive scales and negative biases (the
+        values the kernel reads stay finite and of the activations' size)."""
+        return (codes(*stored[0].shape), rand(*stored[1].shape, scale=0.01).abs() + 0.005,
+                -rand(*stored[2].shape, scale=0.05).abs(), *stored[3:])
+
     for pos in args.pos:
         cap = (pos // 256 + 1) * 256
         kc, vc = rand(1, hk, cap, d), rand(1, hk, cap, d)
         off = mx.array([pos], mx.int32)
         groups = hq // hk // kernels_cuda.split_heads_per_block(hq, hk, d)
         auto = kernels.auto_splits(cap, hk, groups)
+        kvg = args.kv_group_size
+        for form in args.kv_forms:
+            if form == "float":
+                continue
+            if form == "8":
+                kq = quantized((1, hk, cap), KVQuant(8, kvg).zeros((1, hk, cap), d, dt))
+                vq = quantized((1, hk, cap), KVQuant(8, kvg).zeros((1, hk, cap), d, dt))
+                steps: list[int | None] = [None]
+            else:
+                if pos % KEY_GROUP == KEY_GROUP - 1:
+                    raise SystemExit(f"--pos {pos}: that step seals a key group, which the "
+                                     "4-bit form leaves to MLX's ops; take another length")
+                kq = quantized((1, hk), key_groups_zeros((1, hk), cap, d, dt))
+                kq = (*kq[:3], rand(*kq[3].shape))  # the open group's float keys
+                vq = quantized((1, hk, cap), KVQuant(4, kvg).zeros((1, hk, cap), d, dt))
+                steps = list(args.q4_steps)
+            for step in steps:
+                label = f"attend pos {pos} kv {form}-bit g{kvg} split auto={auto}" + (
+                    f" step {step}" if step else "")
+                calls[label] = (
+                    lambda kq=kq, vq=vq, off=off, step=step, n=auto: kernels_cuda.rope_attend(
+                        q, k, v, norm, norm, inv_freq, prm, off, kq, vq, hq=hq, hk=hk,
+                        rotary_dim=d, interleaved=False, splits=n, split_keys=step,
+                        qkv=qkv_row)[0])
+        if "float" not in args.kv_forms:
+            continue
         for sp in args.splits:
             n_split = auto if sp == "auto" else int(sp)
             calls[f"attend pos {pos} split {sp}={n_split}"] = (
