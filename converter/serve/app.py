@@ -65,7 +65,7 @@ from fuselm.runtime_metal.chat_template import (
     tokenizer_template,
 )
 from fuselm.runtime_metal.chat_window import fit
-from fuselm.runtime_metal.constraint import TokenConstraint, constraint_vocab
+from fuselm.runtime_metal.constraint import ConstraintError, TokenConstraint, constraint_vocab
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 from fuselm.runtime_metal.text_stream import token_text
@@ -114,12 +114,23 @@ class ServeState:
                                         self.tokenizer.all_special_ids, strict=False)}
         return request_structure(req, template, special)
 
+    def vocab(self) -> Any:
+        """llguidance's view of this model's vocabulary (its tokens' bytes), built once."""
+        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
+            return constraint_vocab(self.tokenizer, self.vocab_size, sorted(self.scheduler.eos))
+
     def constraint(self, grammar: str) -> TokenConstraint:
         """A request's own grammar state over this model's vocabulary."""
-        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
-            vocab = constraint_vocab(self.tokenizer, self.vocab_size,
-                                     sorted(self.scheduler.eos))
-        return TokenConstraint(vocab, grammar)
+        return TokenConstraint(self.vocab(), grammar)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """One token's own bytes, a piece of a UTF-8 character included (None: a tokenizer
+        llguidance cannot read). Call `vocab` off the event loop first: its first build takes
+        a while."""
+        try:
+            return bytes(self.vocab().decode_bytes([int(token)]))
+        except ConstraintError:
+            return None
 
 
 def _parse(chat: bool, data: dict[str, Any]) -> Any:
@@ -233,6 +244,8 @@ async def _submit(request: Request, kind: str) -> Response:
         sampling[0].check_vocab(state.vocab_size)
     except RuntimeUserError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
+    if chat and req.alternatives() is not None:
+        await run_in_threadpool(_prepare_bytes, state)
     constraints: list[TokenConstraint | None] = [None] * req.n
     if structure.grammar is not None:  # each choice follows the grammar with its own state
         grammar = structure.grammar
@@ -294,6 +307,15 @@ def _token_text(state: ServeState) -> Callable[[int], str]:
     return partial(token_text, state.scheduler.decode)
 
 
+def _prepare_bytes(state: ServeState) -> None:
+    """Build the vocabulary chat logprobs' `bytes` read (state.token_bytes) now, off the event
+    loop; a tokenizer llguidance cannot read leaves them the token text's."""
+    try:
+        state.vocab()
+    except ConstraintError:
+        pass
+
+
 def _total(jobs_usage: list[dict[str, int]]) -> dict[str, Any]:
     """One request's usage: its prompt once, every choice's completion tokens."""
     first = jobs_usage[0]
@@ -335,7 +357,7 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
         for job, (text, records, (_, finish, _)) in zip(jobs, results, strict=True):
             lp = None
             if job.top_logprobs is not None:
-                lp = (chat_logprobs(records, token_text) if chat else
+                lp = (chat_logprobs(records, token_text, state.token_bytes) if chat else
                       completion_logprobs(records, token_text, 0))
             content: str | None = text
             found = None
@@ -385,7 +407,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
         if jobs[i].top_logprobs is None:
             return None
         if chat:
-            return chat_logprobs(records, token_text)
+            return chat_logprobs(records, token_text, state.token_bytes)
         out = completion_logprobs(records, token_text, offsets[i])
         offsets[i] += sum(len(t) for t in out["tokens"])
         return out

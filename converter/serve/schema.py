@@ -25,6 +25,7 @@ from fuselm.runtime_metal.sampling import (
     TokenLogprobs,
     parse_logit_bias,
 )
+from fuselm.runtime_metal.text_stream import REPLACEMENT
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 # Choices per request at most: each is a batch row (and a place in the queue) of its own.
@@ -243,18 +244,28 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 TokenText = Callable[[int], str]  # one token id's text
+TokenBytes = Callable[[int], bytes | None]  # one token id's own bytes (None: not known)
 
 
-def _entry(token_text: TokenText, token: int, logprob: float) -> dict[str, Any]:
+def _entry(token_text: TokenText, token_bytes: TokenBytes, token: int, logprob: float
+           ) -> dict[str, Any]:
     text = token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    raw = token_bytes(token) if REPLACEMENT in text else None
+    return {"token": text, "logprob": logprob,
+            "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
 
-def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
+                  token_bytes: TokenBytes) -> dict[str, Any]:
     """A chat choice's `logprobs`: content[{token, logprob, bytes, top_logprobs}] (a token's
-    text as it decodes alone; its bytes that text's UTF-8)."""
-    return {"content": [{**_entry(token_text, r.token, r.logprob),
-                         "top_logprobs": [_entry(token_text, t, lp) for t, lp in r.top]}
+    text as it decodes alone; its bytes that text's UTF-8, or, for a token holding part of a
+    UTF-8 character (which decodes alone to U+FFFD), its own bytes, as OpenAI gives them: the
+    tokens' bytes joined make the reply's text)."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return _entry(token_text, token_bytes, token, logprob)
+
+    return {"content": [{**entry(r.token, r.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                         for r in records], "refusal": None}
 
 
