@@ -163,8 +163,11 @@ def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> Non
                             f"{state.model_id!r}", param="model", code="model_not_found")
 
 
-def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str) -> int:
-    """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating."""
+def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str,
+           limit_param: str) -> int:
+    """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating.
+    `limit_param`: the parameter that asked for `requested` (max_tokens or
+    max_completion_tokens)."""
     if n_prompt >= state.max_context:
         raise ApiError(400, f"the prompt has {n_prompt} tokens; this server's context is "
                             f"{state.max_context} tokens. Shorten the prompt.",
@@ -176,8 +179,8 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
     if requested > room:
         raise ApiError(400, f"this server's context is {state.max_context} tokens, but "
                             f"{n_prompt + requested} were requested ({n_prompt} in the prompt, "
-                            f"{requested} for the completion); lower max_tokens or shorten the "
-                            "prompt", param="max_tokens", code="context_length_exceeded")
+                            f"{requested} for the completion); lower {limit_param} or shorten "
+                            "the prompt", param=limit_param, code="context_length_exceeded")
     return requested
 
 
@@ -238,7 +241,8 @@ async def _submit(request: Request, kind: str) -> Response:
         ids, dropped = await run_in_threadpool(_chat_ids, state, req, structure)
     else:
         ids, dropped = await run_in_threadpool(_completion_ids, state, req), 0
-    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
+    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt",
+                        req.token_limit_param())
     sampling = [req.sampling(state.sampling, i) for i in range(req.n)]
     try:
         sampling[0].check_vocab(state.vocab_size)

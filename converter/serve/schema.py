@@ -202,6 +202,9 @@ class ChatRequest(_Request):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def token_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
@@ -226,6 +229,9 @@ class CompletionRequest(_Request):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def token_limit_param(self) -> str:
+        return "max_tokens"
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,

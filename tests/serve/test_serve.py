@@ -352,3 +352,12 @@ def test_context_limit(server: Server) -> None:
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": list(range(1, MAX_CONTEXT + 1)), "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_context_limit_names_the_parameter_sent(server: Server, name: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], name: MAX_CONTEXT})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == name and f"lower {name}" in error["message"]
