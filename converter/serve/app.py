@@ -1,6 +1,6 @@
-"""The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions
-and /v1/models, plus /health. Handlers parse and check requests, tokenize off the event loop,
-hand a Job to the scheduler and turn its delivery (delivery.py) into a response or a
+"""The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions,
+/v1/models and /v1/models/{model}, plus /health. Handlers parse and check requests, tokenize off
+the event loop, hand a Job to the scheduler and turn its delivery (delivery.py) into a response or a
 server-sent-event stream. Every failure is a JSON error in OpenAI's schema with its status;
 none reaches the client as a traceback, and none stops the server. Before any handler,
 access.AccessGuard checks who is asking (Host, Origin, API key); request_body checks what the
@@ -472,13 +472,27 @@ async def completions(request: Request) -> Response:
     return await _submit(request, "completion")
 
 
+def _model_card(state: ServeState) -> dict[str, Any]:
+    return {"id": state.model_id, "object": "model", "created": state.created,
+            "owned_by": "fuselm",
+            "fuselm": {"max_context": state.max_context,
+                       "sampling_defaults": state.sampling.describe()}}
+
+
 async def models(request: Request) -> Response:
     state: ServeState = request.app.state.serve
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.model_id, "object": "model", "created": state.created,
-         "owned_by": "fuselm",
-         "fuselm": {"max_context": state.max_context,
-                    "sampling_defaults": state.sampling.describe()}}]})
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    """OpenAI's retrieve-a-model (GET /v1/models/{model}; the openai client's
+    models.retrieve)."""
+    state: ServeState = request.app.state.serve
+    name = request.path_params["model"]
+    if name != state.model_id:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{state.model_id!r}", param="model", code="model_not_found")
+    return JSONResponse(_model_card(state))
 
 
 async def health(request: Request) -> Response:
@@ -522,6 +536,7 @@ def create_app(state: ServeState, access: AccessRules | None = None) -> Starlett
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     guard = Middleware(AccessGuard, rules=access or AccessRules.build("127.0.0.1"),

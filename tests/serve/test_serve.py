@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 from click.testing import CliRunner
@@ -42,6 +43,10 @@ def chat(srv: Server, prompt: str, n: int, **kw: object):  # noqa: ANN201
 def test_models_and_health(server: Server) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    one = server.client().models.retrieve(MODEL)  # GET /v1/models/{model}
+    assert one.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("other")
     h = server.health()
     assert h["status"] == "ok" and h["max_batch"] == MAX_BATCH
 
