@@ -424,24 +424,30 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                               finish, i, lp)
         return completion_chunk(rid, model, created, text or "", finish, i, lp)
 
+    def sse(out: dict[str, Any]) -> str:
+        # with include_usage every chunk has a usage field, null but in the last (OpenAI's)
+        if include_usage and "choices" in out and "usage" not in out:
+            out["usage"] = None
+        return _sse(out)
+
     ended: dict[int, dict[str, int]] = {}
     try:
         if chat:
             for i in range(len(jobs)):
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
                                       index=i))
         async for i, event in _events(state, jobs):
             if event[0] == "delta":
                 if tools is None:
-                    yield _sse(chunk(i, event[1], records=event[2]))
+                    yield sse(chunk(i, event[1], records=event[2]))
                     continue
                 held[i] += event[2]
                 text = tools[i].push(event[1])
                 if text:
-                    yield _sse(chunk(i, text, records=held[i]))
+                    yield sse(chunk(i, text, records=held[i]))
                     held[i] = []
             elif event[0] == "error":
-                yield _sse(error_body(event[2], _error_kind(event[1])))
+                yield sse(error_body(event[2], _error_kind(event[1])))
                 break
             else:
                 _, finish, u = event
@@ -449,14 +455,14 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                 if tools is not None:
                     rest, calls = tools[i].finish()
                     if rest or held[i]:
-                        yield _sse(chunk(i, rest, records=held[i]))
+                        yield sse(chunk(i, rest, records=held[i]))
                         held[i] = []
                     for delta in call_deltas(calls):
-                        yield _sse(chat_chunk(rid, model, created, delta, index=i))
+                        yield sse(chat_chunk(rid, model, created, delta, index=i))
                     finish = "tool_calls" if calls else finish
-                yield _sse(chunk(i, None, finish))
+                yield sse(chunk(i, None, finish))
         if include_usage and len(ended) == len(jobs):
-            yield _sse(usage_chunk(rid, model, created, obj,
+            yield sse(usage_chunk(rid, model, created, obj,
                                    _total([ended[i] for i in range(len(jobs))])))
         yield "data: [DONE]\n\n"
     finally:

@@ -107,6 +107,26 @@ def test_streaming_equals_non_streaming(server: Server) -> None:
     assert "".join(p.choices[0].text for p in pieces) == comp.choices[0].text
 
 
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_include_usage_chunks_as_openai_sends_them(server: Server, path: str) -> None:
+    """With stream_options.include_usage every chunk has a `usage` field, null but in the
+    last one before [DONE], whose `choices` is empty (OpenAI's shape); without it none has."""
+    ask = ({"messages": [{"role": "user", "content": PROMPTS[2]}]} if path.startswith("chat")
+           else {"prompt": PROMPTS[2]})
+    for include in (True, False):
+        with httpx.stream("POST", f"{server.url}/v1/{path}", timeout=60, json={
+                "model": MODEL, **ask, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": include}}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        if include:
+            assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        else:
+            assert all("usage" not in c and c["choices"] for c in chunks)
+
+
 def test_stop_strings(server: Server) -> None:
     text = chat(server, PROMPTS[3], 24).choices[0].message.content
     assert len(text) >= 6, text
