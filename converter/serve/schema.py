@@ -165,6 +165,19 @@ class Message(BaseModel):
                     {"name": name})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        # OpenAI's shape, which the chat templates read: a name to write, arguments as text
+        # (JSON) or an object
+        for i, call in enumerate(v or []):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                    fn.get("arguments", "{}"), str | dict):
+                raise ValueError(f'call {i} must be {{"id": ..., "type": "function", "function": '
+                                 '{"name": ..., "arguments": "<JSON text>"}}')
+        return v
+
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""
         if self.content is None:
