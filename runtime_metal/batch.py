@@ -269,9 +269,10 @@ class BatchDecoder:
     @property
     def kv_window(self) -> int:
         """The longest sequence (prompt + completion) the whole budget holds: max_context, or
-        less when the block pool is smaller than one sequence of max_context."""
+        less when the block pool is smaller than one sequence of max_context (kv_cost: one
+        position fed ahead and a speculative step's drafts)."""
         if self.mode == "batched":
-            return min(self.max_context, self.kv_budget - 1)
+            return min(self.max_context, self.kv_budget - 1 - self.num_draft)
         return self.max_context
 
     def kv_held(self) -> int:

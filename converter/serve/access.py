@@ -153,8 +153,18 @@ class AccessGuard:
     def __init__(self, app: ASGIApp, rules: AccessRules, methods: Mapping[str, Iterable[str]]
                  ) -> None:
         self.app, self.rules = app, rules
-        # Each path's methods, for the Allow header of a plain OPTIONS request.
+        # Each path's methods, for the Allow header of a plain OPTIONS request; a route that
+        # ends in a path parameter ("/v1/models/{model:path}") stands for every path under it.
         self.methods = {path: sorted({*m, "OPTIONS"}) for path, m in methods.items()}
+        self.prefixes = {path.split("{", 1)[0]: allow for path, allow in self.methods.items()
+                         if path.endswith(":path}")}
+
+    def allowed(self, path: str) -> list[str] | None:
+        """The methods of the route `path` is, None where it is none."""
+        if path in self.methods:
+            return self.methods[path]
+        return next((allow for prefix, allow in self.prefixes.items()
+                     if path.startswith(prefix) and len(path) > len(prefix)), None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -200,8 +210,8 @@ class AccessGuard:
                                      "answers no other origin unless started with "
                                      "--cors-origin ORIGIN", "origin_not_allowed"), {}
             cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
-        if method == "OPTIONS" and path in self.methods:
-            allow = ", ".join(self.methods[path])
+        if method == "OPTIONS" and (methods := self.allowed(path)) is not None:
+            allow = ", ".join(methods)
             if preflight and cross:
                 requested = headers.get("access-control-request-headers", "")
                 cors.update({"Access-Control-Allow-Methods": allow,

@@ -1,6 +1,6 @@
-"""The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions
-and /v1/models, plus /health. Handlers parse and check requests, tokenize off the event loop,
-hand a Job to the scheduler and turn its delivery (delivery.py) into a response or a
+"""The ASGI app of `fuselm serve` (Starlette): OpenAI's /v1/chat/completions, /v1/completions,
+/v1/models and /v1/models/{model}, plus /health. Handlers parse and check requests, tokenize off
+the event loop, hand a Job to the scheduler and turn its delivery (delivery.py) into a response or a
 server-sent-event stream. Every failure is a JSON error in OpenAI's schema with its status;
 none reaches the client as a traceback, and none stops the server. Before any handler,
 access.AccessGuard checks who is asking (Host, Origin, API key); request_body checks what the
@@ -65,7 +65,7 @@ from fuselm.runtime_metal.chat_template import (
     tokenizer_template,
 )
 from fuselm.runtime_metal.chat_window import fit
-from fuselm.runtime_metal.constraint import TokenConstraint, constraint_vocab
+from fuselm.runtime_metal.constraint import ConstraintError, TokenConstraint, constraint_vocab
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
 from fuselm.runtime_metal.text_stream import token_text
@@ -114,12 +114,23 @@ class ServeState:
                                         self.tokenizer.all_special_ids, strict=False)}
         return request_structure(req, template, special)
 
+    def vocab(self) -> Any:
+        """llguidance's view of this model's vocabulary (its tokens' bytes), built once."""
+        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
+            return constraint_vocab(self.tokenizer, self.vocab_size, sorted(self.scheduler.eos))
+
     def constraint(self, grammar: str) -> TokenConstraint:
         """A request's own grammar state over this model's vocabulary."""
-        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
-            vocab = constraint_vocab(self.tokenizer, self.vocab_size,
-                                     sorted(self.scheduler.eos))
-        return TokenConstraint(vocab, grammar)
+        return TokenConstraint(self.vocab(), grammar)
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """One token's own bytes, a piece of a UTF-8 character included (None: a tokenizer
+        llguidance cannot read). Call `vocab` off the event loop first: its first build takes
+        a while."""
+        try:
+            return bytes(self.vocab().decode_bytes([int(token)]))
+        except ConstraintError:
+            return None
 
 
 def _parse(chat: bool, data: dict[str, Any]) -> Any:
@@ -152,8 +163,11 @@ def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> Non
                             f"{state.model_id!r}", param="model", code="model_not_found")
 
 
-def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str) -> int:
-    """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating."""
+def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param: str,
+           limit_param: str) -> int:
+    """max_tokens for this prompt: OpenAI refuses what does not fit rather than truncating.
+    `limit_param`: the parameter that asked for `requested` (max_tokens or
+    max_completion_tokens)."""
     if n_prompt >= state.max_context:
         raise ApiError(400, f"the prompt has {n_prompt} tokens; this server's context is "
                             f"{state.max_context} tokens. Shorten the prompt.",
@@ -165,8 +179,8 @@ def _limit(state: ServeState, n_prompt: int, requested: int | None, prompt_param
     if requested > room:
         raise ApiError(400, f"this server's context is {state.max_context} tokens, but "
                             f"{n_prompt + requested} were requested ({n_prompt} in the prompt, "
-                            f"{requested} for the completion); lower max_tokens or shorten the "
-                            "prompt", param="max_tokens", code="context_length_exceeded")
+                            f"{requested} for the completion); lower {limit_param} or shorten "
+                            "the prompt", param=limit_param, code="context_length_exceeded")
     return requested
 
 
@@ -227,12 +241,15 @@ async def _submit(request: Request, kind: str) -> Response:
         ids, dropped = await run_in_threadpool(_chat_ids, state, req, structure)
     else:
         ids, dropped = await run_in_threadpool(_completion_ids, state, req), 0
-    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt")
+    max_tokens = _limit(state, len(ids), req.token_limit(), "messages" if chat else "prompt",
+                        req.token_limit_param())
     sampling = [req.sampling(state.sampling, i) for i in range(req.n)]
     try:
         sampling[0].check_vocab(state.vocab_size)
     except RuntimeUserError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
+    if chat and req.alternatives() is not None:
+        await run_in_threadpool(_prepare_bytes, state)
     constraints: list[TokenConstraint | None] = [None] * req.n
     if structure.grammar is not None:  # each choice follows the grammar with its own state
         grammar = structure.grammar
@@ -294,6 +311,15 @@ def _token_text(state: ServeState) -> Callable[[int], str]:
     return partial(token_text, state.scheduler.decode)
 
 
+def _prepare_bytes(state: ServeState) -> None:
+    """Build the vocabulary chat logprobs' `bytes` read (state.token_bytes) now, off the event
+    loop; a tokenizer llguidance cannot read leaves them the token text's."""
+    try:
+        state.vocab()
+    except ConstraintError:
+        pass
+
+
 def _total(jobs_usage: list[dict[str, int]]) -> dict[str, Any]:
     """One request's usage: its prompt once, every choice's completion tokens."""
     first = jobs_usage[0]
@@ -335,7 +361,7 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
         for job, (text, records, (_, finish, _)) in zip(jobs, results, strict=True):
             lp = None
             if job.top_logprobs is not None:
-                lp = (chat_logprobs(records, token_text) if chat else
+                lp = (chat_logprobs(records, token_text, state.token_bytes) if chat else
                       completion_logprobs(records, token_text, 0))
             content: str | None = text
             found = None
@@ -385,7 +411,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
         if jobs[i].top_logprobs is None:
             return None
         if chat:
-            return chat_logprobs(records, token_text)
+            return chat_logprobs(records, token_text, state.token_bytes)
         out = completion_logprobs(records, token_text, offsets[i])
         offsets[i] += sum(len(t) for t in out["tokens"])
         return out
@@ -398,24 +424,30 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                               finish, i, lp)
         return completion_chunk(rid, model, created, text or "", finish, i, lp)
 
+    def sse(out: dict[str, Any]) -> str:
+        # with include_usage every chunk has a usage field, null but in the last (OpenAI's)
+        if include_usage and "choices" in out and "usage" not in out:
+            out["usage"] = None
+        return _sse(out)
+
     ended: dict[int, dict[str, int]] = {}
     try:
         if chat:
             for i in range(len(jobs)):
-                yield _sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                yield sse(chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
                                       index=i))
         async for i, event in _events(state, jobs):
             if event[0] == "delta":
                 if tools is None:
-                    yield _sse(chunk(i, event[1], records=event[2]))
+                    yield sse(chunk(i, event[1], records=event[2]))
                     continue
                 held[i] += event[2]
                 text = tools[i].push(event[1])
                 if text:
-                    yield _sse(chunk(i, text, records=held[i]))
+                    yield sse(chunk(i, text, records=held[i]))
                     held[i] = []
             elif event[0] == "error":
-                yield _sse(error_body(event[2], _error_kind(event[1])))
+                yield sse(error_body(event[2], _error_kind(event[1])))
                 break
             else:
                 _, finish, u = event
@@ -423,14 +455,14 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
                 if tools is not None:
                     rest, calls = tools[i].finish()
                     if rest or held[i]:
-                        yield _sse(chunk(i, rest, records=held[i]))
+                        yield sse(chunk(i, rest, records=held[i]))
                         held[i] = []
                     for delta in call_deltas(calls):
-                        yield _sse(chat_chunk(rid, model, created, delta, index=i))
+                        yield sse(chat_chunk(rid, model, created, delta, index=i))
                     finish = "tool_calls" if calls else finish
-                yield _sse(chunk(i, None, finish))
+                yield sse(chunk(i, None, finish))
         if include_usage and len(ended) == len(jobs):
-            yield _sse(usage_chunk(rid, model, created, obj,
+            yield sse(usage_chunk(rid, model, created, obj,
                                    _total([ended[i] for i in range(len(jobs))])))
         yield "data: [DONE]\n\n"
     finally:
@@ -446,13 +478,27 @@ async def completions(request: Request) -> Response:
     return await _submit(request, "completion")
 
 
+def _model_card(state: ServeState) -> dict[str, Any]:
+    return {"id": state.model_id, "object": "model", "created": state.created,
+            "owned_by": "fuselm",
+            "fuselm": {"max_context": state.max_context,
+                       "sampling_defaults": state.sampling.describe()}}
+
+
 async def models(request: Request) -> Response:
     state: ServeState = request.app.state.serve
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.model_id, "object": "model", "created": state.created,
-         "owned_by": "fuselm",
-         "fuselm": {"max_context": state.max_context,
-                    "sampling_defaults": state.sampling.describe()}}]})
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    """OpenAI's retrieve-a-model (GET /v1/models/{model}; the openai client's
+    models.retrieve)."""
+    state: ServeState = request.app.state.serve
+    name = request.path_params["model"]
+    if name != state.model_id:
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                            f"{state.model_id!r}", param="model", code="model_not_found")
+    return JSONResponse(_model_card(state))
 
 
 async def health(request: Request) -> Response:
@@ -496,6 +542,7 @@ def create_app(state: ServeState, access: AccessRules | None = None) -> Starlett
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
     guard = Middleware(AccessGuard, rules=access or AccessRules.build("127.0.0.1"),

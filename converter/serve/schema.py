@@ -25,6 +25,7 @@ from fuselm.runtime_metal.sampling import (
     TokenLogprobs,
     parse_logit_bias,
 )
+from fuselm.runtime_metal.text_stream import REPLACEMENT
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 # Choices per request at most: each is a batch row (and a place in the queue) of its own.
@@ -164,6 +165,19 @@ class Message(BaseModel):
                     {"name": name})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        # OpenAI's shape, which the chat templates read: a name to write, arguments as text
+        # (JSON) or an object
+        for i, call in enumerate(v or []):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                    fn.get("arguments", "{}"), str | dict):
+                raise ValueError(f'call {i} must be {{"id": ..., "type": "function", "function": '
+                                 '{"name": ..., "arguments": "<JSON text>"}}')
+        return v
+
     def text(self) -> str:
         """Plain text; a content-part list may only hold text parts."""
         if self.content is None:
@@ -201,6 +215,9 @@ class ChatRequest(_Request):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def token_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] = Field(
@@ -226,6 +243,9 @@ class CompletionRequest(_Request):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    def token_limit_param(self) -> str:
+        return "max_tokens"
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
@@ -243,18 +263,28 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 TokenText = Callable[[int], str]  # one token id's text
+TokenBytes = Callable[[int], bytes | None]  # one token id's own bytes (None: not known)
 
 
-def _entry(token_text: TokenText, token: int, logprob: float) -> dict[str, Any]:
+def _entry(token_text: TokenText, token_bytes: TokenBytes, token: int, logprob: float
+           ) -> dict[str, Any]:
     text = token_text(token)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    raw = token_bytes(token) if REPLACEMENT in text else None
+    return {"token": text, "logprob": logprob,
+            "bytes": list(text.encode("utf-8") if raw is None else raw)}
 
 
-def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
+                  token_bytes: TokenBytes) -> dict[str, Any]:
     """A chat choice's `logprobs`: content[{token, logprob, bytes, top_logprobs}] (a token's
-    text as it decodes alone; its bytes that text's UTF-8)."""
-    return {"content": [{**_entry(token_text, r.token, r.logprob),
-                         "top_logprobs": [_entry(token_text, t, lp) for t, lp in r.top]}
+    text as it decodes alone; its bytes that text's UTF-8, or, for a token holding part of a
+    UTF-8 character (which decodes alone to U+FFFD), its own bytes, as OpenAI gives them: the
+    tokens' bytes joined make the reply's text)."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return _entry(token_text, token_bytes, token, logprob)
+
+    return {"content": [{**entry(r.token, r.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                         for r in records], "refusal": None}
 
 

@@ -173,3 +173,16 @@ def test_kv_token_bytes_is_what_the_caches_hold(qwen3_artifact) -> None:  # noqa
     assert budget_tokens(None, 0.001, 1000) == 1000
     with pytest.raises(RuntimeUserError, match="not both"):
         budget_tokens(10, 1.0, 1000)
+
+
+def test_the_window_fits_the_budget_with_drafts(qwen3_artifact) -> None:  # noqa: ANN001
+    """The longest sequence the budget holds (what a chat is cut to, and where a request
+    without max_tokens stops) reserves no more than the budget, a speculative row's drafted
+    positions included."""
+    from fuselm.runtime_metal.drafting import PromptLookup
+
+    engine = make_engine(qwen3_artifact, "mlx")
+    for drafter in (None, PromptLookup()):
+        dec = BatchDecoder(engine, max_batch=2, max_context=250, kv_tokens=3 * BLOCK,
+                           drafter=drafter)
+        assert dec.kv_cost(dec.kv_window) <= dec.kv_budget < dec.kv_cost(dec.kv_window + 1)

@@ -147,8 +147,9 @@ def test_allowed_origin_preflight_and_request(guarded: Guarded) -> None:
 
 def test_options_answered(guarded: Guarded) -> None:
     srv = guarded.open
-    r = httpx.options(srv.url + "/v1/models", timeout=10)
-    assert r.status_code == 204 and r.headers["allow"] == "GET, HEAD, OPTIONS"
+    for path in ("/v1/models", f"/v1/models/{MODEL}"):
+        r = httpx.options(srv.url + path, timeout=10)
+        assert r.status_code == 204 and r.headers["allow"] == "GET, HEAD, OPTIONS"
     r = httpx.options(srv.url + "/v1/completions", timeout=10)
     assert r.status_code == 204 and r.headers["allow"] == "OPTIONS, POST"
     assert httpx.options(srv.url + "/nowhere", timeout=10).status_code == 404

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 from click.testing import CliRunner
@@ -42,6 +43,10 @@ def chat(srv: Server, prompt: str, n: int, **kw: object):  # noqa: ANN201
 def test_models_and_health(server: Server) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    one = server.client().models.retrieve(MODEL)  # GET /v1/models/{model}
+    assert one.model_dump() == models.data[0].model_dump()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("other")
     h = server.health()
     assert h["status"] == "ok" and h["max_batch"] == MAX_BATCH
 
@@ -100,6 +105,26 @@ def test_streaming_equals_non_streaming(server: Server) -> None:
     pieces = server.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8,
                                                 temperature=0, stream=True)
     assert "".join(p.choices[0].text for p in pieces) == comp.choices[0].text
+
+
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_include_usage_chunks_as_openai_sends_them(server: Server, path: str) -> None:
+    """With stream_options.include_usage every chunk has a `usage` field, null but in the
+    last one before [DONE], whose `choices` is empty (OpenAI's shape); without it none has."""
+    ask = ({"messages": [{"role": "user", "content": PROMPTS[2]}]} if path.startswith("chat")
+           else {"prompt": PROMPTS[2]})
+    for include in (True, False):
+        with httpx.stream("POST", f"{server.url}/v1/{path}", timeout=60, json={
+                "model": MODEL, **ask, "max_tokens": 4, "stream": True,
+                "stream_options": {"include_usage": include}}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        if include:
+            assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        else:
+            assert all("usage" not in c and c["choices"] for c in chunks)
 
 
 def test_stop_strings(server: Server) -> None:
@@ -352,3 +377,12 @@ def test_context_limit(server: Server) -> None:
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": list(range(1, MAX_CONTEXT + 1)), "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])
+def test_context_limit_names_the_parameter_sent(server: Server, name: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], name: MAX_CONTEXT})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == name and f"lower {name}" in error["message"]

@@ -207,3 +207,16 @@ def test_message_fields(server: Server) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi", "x": 1}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.x"
+
+
+@pytest.mark.parametrize("call", [{"id": "c1"}, {"id": "c1", "function": "f"},
+                                  {"id": "c1", "function": {"arguments": "{}"}}])
+def test_a_malformed_earlier_tool_call_is_a_clear_400(server: Server, call: dict) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "user", "content": "and?"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages.1.tool_calls"
+    assert '"function": {"name"' in error["message"], error["message"]

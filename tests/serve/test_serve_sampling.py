@@ -162,3 +162,19 @@ def test_logprob_and_n_rows_keep_their_neighbours_greedy(any_server: Server) -> 
         jobs = [pool.submit(ask, 0, logprobs=2), pool.submit(ask, 1, n=2), pool.submit(ask, 2)]
         got = [j.result() for j in jobs]
     assert got == [[solo[0]], [solo[1]] * 2, [solo[2]]]
+
+
+def test_logprob_bytes_are_the_tokens_own(smol_server: Server) -> None:
+    """A token holding part of a UTF-8 character decodes alone to U+FFFD; its `bytes` are its
+    own bytes all the same (OpenAI's: joined in order they make the reply's text), not those
+    of U+FFFD."""
+    r = smol_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "日本の首都は"}], max_tokens=12,
+        temperature=0, logprobs=True, top_logprobs=2)
+    items = r.choices[0].logprobs.content
+    assert any(i.token == "\ufffd" for i in items)  # the case this is about
+    joined = b"".join(bytes(i.bytes) for i in items)
+    assert joined.decode("utf-8", "replace") == r.choices[0].message.content
+    for item in items:
+        for alt in item.top_logprobs:
+            assert alt.bytes != list("\ufffd".encode()) or alt.token != "\ufffd"
