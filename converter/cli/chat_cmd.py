@@ -18,12 +18,12 @@ from typing import Any
 import click
 
 from fuselm.converter.cli.options import (
+    accuracy_option,
     kv_cache_options,
     model_argument,
     threads_option,
 )
 from fuselm.converter.cli.run_cmd import (
-    ACCURACY_OPTION,
     ENGINE_OPTION,
     JSON_SCHEMA_OPTION,
     open_artifact,
@@ -160,7 +160,7 @@ class Chat:
               show_default=True, help="tokens per reply at most")
 @sampling_options
 @ENGINE_OPTION
-@ACCURACY_OPTION
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--system", default=None, help="system prompt")
@@ -172,7 +172,8 @@ class Chat:
 @JSON_SCHEMA_OPTION
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
-         engine: str, accuracy_level: int, threads: int | None, system: str | None,
+         engine: str, accuracy_level: int | None, threads: int | None,
+         system: str | None,
          max_kv_tokens: int | None = None, memory_limit: float | None = None,
          min_p: float | None = None, presence_penalty: float | None = None,
          frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = (),

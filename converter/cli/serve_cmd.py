@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from fuselm.converter.cli.options import (
+    accuracy_option,
     draft_options,
     join_parallel,
     kv_cache_options,
@@ -55,8 +56,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True,
               help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
@@ -100,7 +100,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               default="info", show_default=True)
 @parallel_option
 @draft_options
-def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
+def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int | None,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, max_kv_tokens: int | None,
           memory_limit: float | None, queue_timeout: float | None, default_max_tokens: int,

@@ -162,3 +162,36 @@ def test_convert_q(hf_dir: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "q" / "fuselm.json").read_text())
     assert manifest["quantization"]["bits"] == 4
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
+    """Each engine's own flags are refused by name on the other one (as --threads is on MLX),
+    never taken and dropped: --accuracy-level (onnxruntime's), --device-sampling and
+    --no-compile (MLX's); refused before the model loads."""
+    mlx_acc = ["--engine", "mlx", "--accuracy-level", "0"]
+    cases = [
+        ("run", ["-p", "Hi", *mlx_acc], "--accuracy-level"),
+        ("chat", mlx_acc, "--accuracy-level"),
+        ("bench", ["-p", "8", "-n", "2", "-r", "1", *mlx_acc], "--accuracy-level"),
+        ("perplexity", mlx_acc, "--accuracy-level"),
+        ("serve", mlx_acc, "--accuracy-level"),
+        ("run", ["-p", "Hi", "--engine", "onnxruntime", "--device-sampling"],
+         "--device-sampling"),
+        ("bench", ["-p", "8", "-n", "2", "-r", "1", "--engine", "onnxruntime", "--no-compile"],
+         "--no-compile"),
+    ]
+    for command, args, flag in cases:
+        line = _one_error_line(cli(command, str(artifact), *args, input="hi\n"))
+        assert flag in line, (command, line)
+    # on its own engine the flag is taken, and left out it is the engine's default
+    r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime",
+            "--accuracy-level", "0", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 0, r.stderr
+    r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 4, r.stderr
