@@ -31,7 +31,7 @@ from fuselm.converter.cli.run_cmd import (
     sampling_from,
     sampling_options,
 )
-from fuselm.runtime_metal.artifact import TOKENIZER_FILES
+from fuselm.runtime_metal.artifact import TOKENIZER_FILES, read_manifest
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_budget import budget_tokens, kv_token_bytes
 
@@ -147,7 +147,10 @@ class Chat:
                            {"role": "assistant", "content": "".join(pieces)}]
             return
         sys.stdout.write("\n")
-        if result.stop_reason == "length":
+        if result.stop_reason == "length" and len(result.tokens) < self.gen["max_new_tokens"]:
+            click.echo(f"[reply cut at {len(result.tokens)} tokens: the conversation filled the "
+                       f"{self.window}-token window]")
+        elif result.stop_reason == "length":
             click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]")
         sys.stdout.flush()
         self.turns += [{"role": "user", "content": line},
@@ -183,6 +186,7 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
                                "(for one reply without stdin use `fuselm run --prompt TEXT`)")
+    read_manifest(out_dir)  # a path that is no artifact is named so, before the tokenizer
     if not any((Path(out_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise RuntimeUserError(
             f"{out_dir} has no tokenizer, and chat needs one to turn text into tokens; "
