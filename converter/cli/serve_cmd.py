@@ -114,13 +114,13 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int |
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
-    Sampling a request leaves out (temperature, top_p, and the extensions top_k and
+    Sampling a request leaves out (temperature, top_p, and the extensions top_k, min_p and
     repetition_penalty) comes from the model's generation_config.json as transformers reads it
     (greedy unless it sets do_sample), else greedy, as in `fuselm run`; /v1/models shows it.
-    response_format (json_object, json_schema) and tools / tool_choice are honoured (the reply
-    constrained by a grammar where it must follow one); OpenAI parameters fuselm does not
-    implement (n > 1, logprobs, logit_bias, penalties, ...) get HTTP 400 naming the
-    parameter.
+    seed, stop, n, logprobs, presence/frequency penalties, logit_bias, response_format
+    (json_object, json_schema) and tools / tool_choice are honoured (the reply constrained by
+    a grammar where it must follow one); OpenAI parameters fuselm does not implement (echo,
+    best_of, suffix, audio, ...) and unknown ones get HTTP 400 naming the parameter.
 
     Only this machine, and no web page from another origin, can use it by default; /health
     stays open without the API key.
