@@ -255,6 +255,9 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if ctx_size is not None and ctx_size > context:
         raise RuntimeUserError(f"--ctx-size {ctx_size} is over the model's context ({context}); "
                                f"give at most {context}")
+    if ctx_size is not None and len(ids) >= ctx_size:
+        raise RuntimeUserError(f"the prompt has {len(ids)} tokens but --ctx-size is {ctx_size}; "
+                               "shorten the prompt or raise -c")
     records: list[Any] = []
     on_logits = None
     if top_logprobs is not None:

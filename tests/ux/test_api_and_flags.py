@@ -119,6 +119,9 @@ def test_ctx_size_bounds_prompt_and_reply(artifact: Path) -> None:
     over = cli("run", str(artifact), "-p", "Hi", "-c", "100000", "--engine", "onnxruntime")
     assert over.returncode == 2 and "--ctx-size 100000 is over the model's context (4096)" \
         in over.stderr
+    short = cli("run", str(artifact), "-p", "Hi", "-c", "3", "--engine", "onnxruntime")
+    line = _one_error_line(short)  # the window the user set, not "the model's context"
+    assert "--ctx-size is 3" in line and "model's context" not in line, line
 
 
 def test_system_message_goes_through_the_template(artifact: Path) -> None:
