@@ -188,6 +188,8 @@ def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
          "--device-sampling"),
         ("bench", ["-p", "8", "-n", "2", "-r", "1", "--engine", "onnxruntime", "--no-compile"],
          "--no-compile"),
+        ("run", ["-p", "Hi", "--engine", "onnxruntime", "--kv-group-size", "32"],
+         "--kv-group-size"),
     ]
     for command, args, flag in cases:
         line = _one_error_line(cli(command, str(artifact), *args, input="hi\n"))
