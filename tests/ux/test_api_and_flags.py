@@ -200,3 +200,29 @@ def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 0, r.stderr
     r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 4, r.stderr
+
+
+def test_convert_q_with_q_bits_is_mlx_lms_spelling(hf_dir: Path, tmp_path: Path) -> None:
+    """`-q --q-bits 8` is mlx_lm.convert's 8-bit quantization (-q: quantize, --q-bits: how)."""
+    for bits in ("8", "6"):
+        r = cli("convert", str(hf_dir), "-o", str(tmp_path / bits), "-q", "--q-bits", bits,
+                "--quiet")
+        assert r.returncode == 0, r.stderr
+        manifest = json.loads((tmp_path / bits / "fuselm.json").read_text())
+        assert manifest["quantization"]["bits"] == int(bits)
+
+
+def test_convert_flags_that_would_be_dropped_are_refused(hf_dir: Path, tmp_path: Path) -> None:
+    """A convert flag that another one overrules, or that has nothing to act on, is one error
+    line naming it, before any work (no output folder)."""
+    cases = [
+        (["--quant", "q4", "--bits-budget", "4.4", "--block-size", "64"], "--block-size"),
+        (["--no-optimize", "--passes", "qkv"], "--passes"),
+        (["--quant-method", "minmax"], "--quant-method"),
+        (["--no-calibration"], "--no-calibration"),
+    ]
+    for args, flag in cases:
+        out = tmp_path / "out"
+        line = _one_error_line(cli("convert", str(hf_dir), "-o", str(out), *args))
+        assert flag in line, (args, line)
+        assert not out.exists()
