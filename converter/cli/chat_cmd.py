@@ -147,11 +147,13 @@ class Chat:
                            {"role": "assistant", "content": "".join(pieces)}]
             return
         sys.stdout.write("\n")
+        # a notice, as the dropped-turns one: stderr, so that piped replies stay the replies
         if result.stop_reason == "length" and len(result.tokens) < self.gen["max_new_tokens"]:
             click.echo(f"[reply cut at {len(result.tokens)} tokens: the conversation filled the "
-                       f"{self.window}-token window]")
+                       f"{self.window}-token window]", err=True)
         elif result.stop_reason == "length":
-            click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]")
+            click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]",
+                       err=True)
         sys.stdout.flush()
         self.turns += [{"role": "user", "content": line},
                        {"role": "assistant", "content": result.text}]
@@ -212,12 +214,14 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     _enable_line_editing()
     state = Chat(tok, model.session(), system, gen, window,
                  (lambda: model.constraint(grammar)) if grammar else None)
-    if sys.stdin.isatty():
+    interactive = sys.stdin.isatty()  # piped (`chat M < questions`): no prompt marks
+    if interactive:
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:
-        line = _read_line(">>> ")
+        line = _read_line(">>> " if interactive else "")
         if line is None:
-            click.echo()
+            if interactive:
+                click.echo()  # end the prompt's line
             return
         if _has_bad_bytes(line):
             click.echo("that line is not valid UTF-8 text (check the terminal's encoding); "
