@@ -135,8 +135,14 @@ class Model:
         items = list(prompt)
         if items and all(isinstance(i, int | np.integer) for i in items):
             return [int(i) for i in items]  # token ids, as given
-        if not items or items[-1].get("role") != "user":
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in items):
+            raise UserError("a prompt is a string, a list of token ids (ints) or a list of chat "
+                            "messages ({'role': ..., 'content': ...} dicts)")
+        if not items or items[-1]["role"] != "user":
             raise UserError("messages must end with a user message")
+        if not isinstance(items[-1].get("content"), str):
+            raise UserError("the last message of the prompt, the user's, needs its text as "
+                            "'content' (a string)")
         return encode_prompt(self.tokenizer, items[-1]["content"], history=items[:-1])
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None,

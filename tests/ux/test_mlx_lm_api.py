@@ -148,3 +148,13 @@ def test_max_tokens_below_one_is_refused(loaded: tuple, max_tokens: int) -> None
                  lambda: list(model.stream("Hello", max_tokens=max_tokens))):
         with pytest.raises(fuselm.converter.errors.UserError, match="max_tokens"):
             call()
+
+
+@pytest.mark.parametrize("prompt", [[{"role": "user"}], [1.5, 2], [{"role": "user",
+                                                                    "content": 3}], ["hi"]])
+def test_a_malformed_prompt_is_one_user_error(loaded: tuple, prompt: list) -> None:
+    """A prompt that is neither text, token ids nor chat messages is refused saying what a
+    prompt is (not a KeyError or AttributeError from inside)."""
+    model, _ = loaded
+    with pytest.raises(fuselm.converter.errors.UserError, match="prompt"):
+        model.generate(prompt, max_tokens=2)
