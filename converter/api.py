@@ -23,6 +23,20 @@ if TYPE_CHECKING:
 Messages = Sequence[dict[str, str]]
 
 
+def _stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """`stop` as OpenAI's takes it: one string or a list of them (a bare string iterated
+    would stop at each of its characters)."""
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _check_max_tokens(max_tokens: int) -> None:
+    """At least one token: mlx-lm reads -1 as "no limit", which fuselm does not offer; an
+    empty reply would hide the mistake."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer) \
+            or max_tokens < 1:
+        raise UserError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+
+
 def convert(src: str | Path, out: str | Path, **options: Any) -> Path:
     """Convert an HF checkpoint folder (or hub id ORG/NAME) into a fused ONNX artifact at `out`.
 
@@ -121,8 +135,14 @@ class Model:
         items = list(prompt)
         if items and all(isinstance(i, int | np.integer) for i in items):
             return [int(i) for i in items]  # token ids, as given
-        if not items or items[-1].get("role") != "user":
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in items):
+            raise UserError("a prompt is a string, a list of token ids (ints) or a list of chat "
+                            "messages ({'role': ..., 'content': ...} dicts)")
+        if not items or items[-1]["role"] != "user":
             raise UserError("messages must end with a user message")
+        if not isinstance(items[-1].get("content"), str):
+            raise UserError("the last message of the prompt, the user's, needs its text as "
+                            "'content' (a string)")
         return encode_prompt(self.tokenizer, items[-1]["content"], history=items[:-1])
 
     def sampling(self, temperature: float | None = None, top_p: float | None = None,
@@ -149,7 +169,7 @@ class Model:
                repetition_penalty: float | None = None, seed: int | None = None,
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None,
-               stop: Sequence[str] = (), raw: bool = False,
+               stop: str | Sequence[str] = (), raw: bool = False,
                result: list[Generation] | None = None,
                json_schema: dict[str, Any] | str | None = None) -> Iterator[str]:
         """Yield the reply's text piece by piece; the finished Generation is appended to
@@ -157,13 +177,14 @@ class Model:
         generation_config.json's (greedy without do_sample), as in `fuselm run` and `serve`.
         presence_penalty, frequency_penalty (-2..2) and logit_bias ({token id: -100..100})
         are OpenAI's. json_schema (a dict or its JSON text): the reply is JSON valid against it
-        (constrained decoding)."""
+        (constrained decoding). stop: one string or several."""
+        _check_max_tokens(max_tokens)
         sampling = self.sampling(temperature, top_p, top_k, min_p, repetition_penalty, seed,
                                  presence_penalty, frequency_penalty, logit_bias)
         shape = self._shape(json_schema)
         ids = self.encode(prompt, raw=raw)
         done = yield from self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                               stop_strings=tuple(stop), **shape)
+                                               stop_strings=_stop_strings(stop), **shape)
         if result is not None:
             result.append(Generation(done.text, done.tokens, done.stop_reason, {
                 "prompt_tokens": len(ids), "prefilled_tokens": done.prompt_tokens,
@@ -177,7 +198,7 @@ class Model:
                  repetition_penalty: float | None = None, seed: int | None = None,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  logit_bias: dict[int, float] | None = None,
-                 stop: Sequence[str] = (), raw: bool = False,
+                 stop: str | Sequence[str] = (), raw: bool = False,
                  json_schema: dict[str, Any] | str | None = None) -> Generation:
         """The whole reply at once; options as `stream`'s."""
         out: list[Generation] = []
@@ -199,17 +220,18 @@ class Model:
         return {"constraint": self.runtime.constraint(json_schema_grammar(json_schema))}
 
     def responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
-                  sampling: SamplingOptions, stop: Sequence[str], logprobs: bool = False,
-                  json_schema: dict[str, Any] | str | None = None
+                  sampling: SamplingOptions, stop: str | Sequence[str],
+                  logprobs: bool = False, json_schema: dict[str, Any] | str | None = None
                   ) -> Iterator[GenerationResponse]:
         """`stream_generate`'s responses: one per token, then the closing one. logprobs:
         each response carries its step's (sampling then runs on the host). A bad json_schema
-        fails here, at the call, not at the first response."""
-        return self._responses(prompt, max_tokens, sampling, stop, logprobs,
+        or max_tokens fails here, at the call, not at the first response."""
+        _check_max_tokens(max_tokens)
+        return self._responses(prompt, max_tokens, sampling, _stop_strings(stop), logprobs,
                                self._shape(json_schema))
 
     def _responses(self, prompt: str | Messages | Sequence[int], max_tokens: int,
-                   sampling: SamplingOptions, stop: Sequence[str], logprobs: bool,
+                   sampling: SamplingOptions, stop: tuple[str, ...], logprobs: bool,
                    shape: dict[str, Any]) -> Iterator[GenerationResponse]:
         from fuselm.runtime_metal.bench import peak_memory
         from fuselm.runtime_metal.sampling import log_softmax
@@ -238,7 +260,7 @@ class Model:
                 peak_memory(self.runtime.engine_name)[0] / 1e9, finish)
 
         pieces = self._session.stream(ids, max_new_tokens=max_tokens, sampling=sampling,
-                                      stop_strings=tuple(stop), on_token=record,
+                                      stop_strings=stop, on_token=record,
                                       on_logits=record_logprobs if logprobs else None,
                                       **shape)
         held = ""
@@ -287,8 +309,9 @@ def stream_generate(model: Model, tokenizer: Any, prompt: str | Messages | Seque
                     min_p: float | None = None, repetition_penalty: float | None = None,
                     seed: int | None = None, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None,
-                    logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
-                    logprobs: bool = False, json_schema: dict[str, Any] | str | None = None
+                    logit_bias: dict[int, float] | None = None,
+                    stop: str | Sequence[str] = (), logprobs: bool = False,
+                    json_schema: dict[str, Any] | str | None = None
                     ) -> Iterator[GenerationResponse]:
     """mlx-lm's `stream_generate`: a GenerationResponse per token (text, token, timing; with
     logprobs=True its logprobs over the vocabulary, else None: asking for them moves sampling
@@ -308,7 +331,7 @@ def generate(model: Model, tokenizer: Any, prompt: str | Messages | Sequence[int
              top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None, seed: int | None = None,
              presence_penalty: float | None = None, frequency_penalty: float | None = None,
-             logit_bias: dict[int, float] | None = None, stop: Sequence[str] = (),
+             logit_bias: dict[int, float] | None = None, stop: str | Sequence[str] = (),
              verbose: bool = False, json_schema: dict[str, Any] | str | None = None) -> str:
     """mlx-lm's `generate`: the reply's text. verbose: the text as it comes, then the prompt
     and generation tokens/s and peak memory, on stdout (as mlx-lm prints them)."""

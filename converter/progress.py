@@ -24,7 +24,7 @@ def stage_progress(enabled: bool = True) -> Iterator:
     if not enabled:
         yield None
         return
-    with Progress(
+    bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
@@ -32,12 +32,18 @@ def stage_progress(enabled: bool = True) -> Iterator:
         TextColumn("{task.fields[value]}"),
         console=stderr,
         transient=False,
-    ) as bar:
-        tasks: dict[str, int] = {}
+    )
+    tasks: dict[str, int] = {}
 
-        def update(stage: str, done: int, total: int, value: str = "") -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total, value=value)
-            bar.update(tasks[stage], completed=done, total=total, value=value)
+    def update(stage: str, done: int, total: int, value: str = "") -> None:
+        if stage not in tasks:
+            if not tasks:  # drawn from the first stage on: a job refused at its start
+                bar.start()  # prints its error line alone, not after an empty display
+            tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total, value=value)
+        bar.update(tasks[stage], completed=done, total=total, value=value)
 
+    try:
         yield update
+    finally:
+        if tasks:
+            bar.stop()

@@ -110,10 +110,12 @@ KV_OPTIONS = ("kv_bits", "kv_group_size")  # the MLX engine's quantized KV cache
 
 def check_kv_options(engine: str, options: dict[str, object]) -> None:
     """A quantized KV cache is the MLX engine's; for onnxruntime it is refused by name."""
-    if engine == "onnxruntime" and any(options.get(k) is not None for k in KV_OPTIONS):
+    given = [k for k in KV_OPTIONS if options.get(k) is not None]
+    if engine == "onnxruntime" and given:
         raise RuntimeUserError(
-            "--kv-bits: the onnxruntime engine keeps its KV cache in float (its attention "
-            "ops read no quantized K/V); use --engine mlx for a quantized KV cache")
+            f"--{given[0].replace('_', '-')}: the onnxruntime engine keeps its KV cache in float "
+            "(its attention ops read no quantized K/V); use --engine mlx for a quantized KV "
+            "cache")
 
 
 def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig | None = None,

@@ -10,6 +10,7 @@ import click
 
 from fuselm.converter.cli.bench_grid import Row, int_list, model_columns, progress_bar, run_grid
 from fuselm.converter.cli.options import (
+    accuracy_option,
     draft_options,
     join_parallel,
     kv_cache_options,
@@ -35,8 +36,7 @@ from fuselm.runtime_metal.errors import RuntimeUserError
               show_default=True, help="timed runs (after one warm-up run), at most 1000")
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True, help="auto: mlx where MLX has a GPU, onnxruntime otherwise")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--no-compile", is_flag=True, help="MLX: decode node by node (the executor)")
@@ -47,7 +47,8 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 @parallel_option
 @draft_options
 @verbose_option
-def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accuracy_level: int,
+def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str,
+          accuracy_level: int | None,
           threads: int | None, no_compile: bool, prefill_chunk: int | None, as_json: bool,
           profile: bool, verbose: bool = False, parallel: str | None = None,
           draft_lookup: bool = False, draft: str | None = None, num_draft: int | None = None,
@@ -68,6 +69,10 @@ def bench(out_dir: str, p: list[int], n: list[int], r: int, engine: str, accurac
     name = resolve_engine(engine, parallel)
     if profile and name != "mlx":
         raise RuntimeUserError("--profile times the MLX engine's nodes; add --engine mlx")
+    if no_compile and name != "mlx":
+        raise RuntimeUserError("--no-compile runs the MLX engine's decode node by node; "
+                               "onnxruntime has no compiled step to turn off (drop it, or add "
+                               "--engine mlx)")
     warn_mlx_on_cpu(manifest, engine)
     options = {**(ort_options(name, accuracy_level, threads, exact_rows,
                               drafting=draft_lookup or draft is not None)

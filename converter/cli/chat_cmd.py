@@ -18,12 +18,12 @@ from typing import Any
 import click
 
 from fuselm.converter.cli.options import (
+    accuracy_option,
     kv_cache_options,
     model_argument,
     threads_option,
 )
 from fuselm.converter.cli.run_cmd import (
-    ACCURACY_OPTION,
     ENGINE_OPTION,
     JSON_SCHEMA_OPTION,
     open_artifact,
@@ -31,7 +31,7 @@ from fuselm.converter.cli.run_cmd import (
     sampling_from,
     sampling_options,
 )
-from fuselm.runtime_metal.artifact import TOKENIZER_FILES
+from fuselm.runtime_metal.artifact import TOKENIZER_FILES, read_manifest
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.kv_budget import budget_tokens, kv_token_bytes
 
@@ -147,8 +147,13 @@ class Chat:
                            {"role": "assistant", "content": "".join(pieces)}]
             return
         sys.stdout.write("\n")
-        if result.stop_reason == "length":
-            click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]")
+        # a notice, as the dropped-turns one: stderr, so that piped replies stay the replies
+        if result.stop_reason == "length" and len(result.tokens) < self.gen["max_new_tokens"]:
+            click.echo(f"[reply cut at {len(result.tokens)} tokens: the conversation filled the "
+                       f"{self.window}-token window]", err=True)
+        elif result.stop_reason == "length":
+            click.echo(f"[reply cut at {len(result.tokens)} tokens; raise -n for longer replies]",
+                       err=True)
         sys.stdout.flush()
         self.turns += [{"role": "user", "content": line},
                        {"role": "assistant", "content": result.text}]
@@ -160,7 +165,7 @@ class Chat:
               show_default=True, help="tokens per reply at most")
 @sampling_options
 @ENGINE_OPTION
-@ACCURACY_OPTION
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--system", default=None, help="system prompt")
@@ -172,7 +177,8 @@ class Chat:
 @JSON_SCHEMA_OPTION
 def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: int | None,
          top_p: float | None, repetition_penalty: float | None, seed: int | None,
-         engine: str, accuracy_level: int, threads: int | None, system: str | None,
+         engine: str, accuracy_level: int | None, threads: int | None,
+         system: str | None,
          max_kv_tokens: int | None = None, memory_limit: float | None = None,
          min_p: float | None = None, presence_penalty: float | None = None,
          frequency_penalty: float | None = None, logit_bias: tuple[str, ...] = (),
@@ -182,6 +188,7 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     if sys.stdin is None or sys.stdin.closed:
         raise RuntimeUserError("stdin is closed; chat reads your messages from stdin "
                                "(for one reply without stdin use `fuselm run --prompt TEXT`)")
+    read_manifest(out_dir)  # a path that is no artifact is named so, before the tokenizer
     if not any((Path(out_dir) / name).is_file() for name in TOKENIZER_FILES):
         raise RuntimeUserError(
             f"{out_dir} has no tokenizer, and chat needs one to turn text into tokens; "
@@ -207,12 +214,14 @@ def chat(out_dir: str, max_new_tokens: int, temperature: float | None, top_k: in
     _enable_line_editing()
     state = Chat(tok, model.session(), system, gen, window,
                  (lambda: model.constraint(grammar)) if grammar else None)
-    if sys.stdin.isatty():
+    interactive = sys.stdin.isatty()  # piped (`chat M < questions`): no prompt marks
+    if interactive:
         click.echo("chat with the model; /help lists the commands, Ctrl-D ends", err=True)
     while True:
-        line = _read_line(">>> ")
+        line = _read_line(">>> " if interactive else "")
         if line is None:
-            click.echo()
+            if interactive:
+                click.echo()  # end the prompt's line
             return
         if _has_bad_bytes(line):
             click.echo("that line is not valid UTF-8 text (check the terminal's encoding); "

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from fuselm.converter.errors import UserError
+
 # The pipeline, the quantization options and the progress display import onnx, numpy and the
 # exporters: imported in the command bodies, so that `fuselm --help` and argument errors answer
 # without them.
@@ -66,7 +68,9 @@ def _passes(value: str | None) -> list[str] | None:
               help="Q4 mean bits per weight (4.3125-4.625, e.g. 4.45): 32 or 64 per tensor, "
               "chosen by measured error. Default: none (block 32 everywhere, 4.625 bits). With "
               "--quant mixed: the mean of its 4/6/8-bit choice (4.625-8.75; default 5.75).")
-@click.option("-q", "--quantize", is_flag=True, help="mlx-lm's spelling: --quant q4.")
+@click.option("-q", "--quantize", is_flag=True,
+              help="mlx-lm's spelling: quantize, to 4 bits (--quant q4) unless --q-bits says "
+              "otherwise.")
 @click.option("--q-bits", type=click.Choice(["4", "6", "8"]), default=None,
               help="mlx-lm's spelling: --q-bits 4 is --quant q4, 6 --quant q6, 8 --quant q8.")
 @click.option("--sym", is_flag=True, help="Symmetric Q4 (fixed zero point).")
@@ -133,8 +137,11 @@ def convert_command(
     from fuselm.converter.progress import stage_progress, stderr
     from fuselm.passes.quant.options import quant_options
 
-    if quantize and quant is None:
+    if quantize and quant is None and q_bits is None:  # -q --q-bits N: mlx-lm's N-bit
         quant = "q4"
+    if no_optimize and passes:
+        raise UserError("--passes picks among the graph passes, which --no-optimize skips; give "
+                        "one of them")
     model_dir = resolve_source(model_dir)
     quant_opts = quant_options(quant, q_bits=None if q_bits is None else int(q_bits),
                                block_size=block_size, bits_budget=bits_budget,

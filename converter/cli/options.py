@@ -52,23 +52,39 @@ def threads_option(f: Callable[..., Any]) -> Callable[..., Any]:
                         f"({MAX_THREADS} here)  [default: one per physical core]")(f)
 
 
-def ort_options(engine_name: str, accuracy_level: int, threads: int | None,
+# onnxruntime's default: int8 activations for the Q4 matmuls (MatMulNBits' fast path)
+DEFAULT_ACCURACY_LEVEL = 4
+
+
+def accuracy_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--accuracy-level: onnxruntime's Q4 activation precision (None when not given, so that
+    the MLX engine can refuse it by name)."""
+    return click.option("--accuracy-level", type=click.IntRange(0, 4), default=None,
+                        help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float "
+                        f"(exact)  [default: {DEFAULT_ACCURACY_LEVEL}]")(f)
+
+
+def ort_options(engine_name: str, accuracy_level: int | None, threads: int | None,
                 exact_rows: bool | None = None, drafting: bool = False) -> dict[str, object]:
     """The engine options the shared flags give: accuracy level, threads and
     --exact-rows/--no-exact-rows for onnxruntime (neither: on with a drafter, `drafting`,
-    drafting.py speculative_engine_options), none for MLX (which schedules its own work;
-    --threads or --[no-]exact-rows there is a mistake, said so)."""
+    drafting.py speculative_engine_options), none for MLX (which schedules its own work and
+    computes in float; --accuracy-level, --threads or --[no-]exact-rows there is a mistake,
+    said so)."""
     from fuselm.runtime_metal.drafting import speculative_engine_options
 
     if engine_name != "onnxruntime":
-        for flag, what, given in (("--threads", "threads", threads is not None),
+        for flag, what, given in (("--accuracy-level", "Q4 activation precision",
+                                   accuracy_level is not None),
+                                  ("--threads", "threads", threads is not None),
                                   ("--exact-rows" if exact_rows else "--no-exact-rows",
                                    "attention rows", exact_rows is not None)):
             if given:
                 raise RuntimeUserError(f"{flag} sets onnxruntime's {what}; the MLX engine takes "
                                        "none (drop it, or add --engine onnxruntime)")
         return {}
-    options = {"accuracy_level": accuracy_level, **({"threads": threads} if threads else {}),
+    level = DEFAULT_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    options = {"accuracy_level": level, **({"threads": threads} if threads else {}),
                **({"exact_rows": exact_rows} if exact_rows is not None else {})}
     return speculative_engine_options(engine_name, options, drafting)
 

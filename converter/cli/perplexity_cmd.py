@@ -7,6 +7,7 @@ import json
 import click
 
 from fuselm.converter.cli.options import (
+    accuracy_option,
     join_parallel,
     kv_cache_options,
     kv_options,
@@ -31,14 +32,13 @@ _RULE = ("The text is tokenized without special tokens and cut into consecutive 
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True,
               help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--json", "as_json", is_flag=True, help="stdout: one JSON object only")
 @parallel_option
 def perplexity(out_dir: str, text_file: str | None, context: int, engine: str,
-               accuracy_level: int, threads: int | None, as_json: bool,
+               accuracy_level: int | None, threads: int | None, as_json: bool,
                parallel: str | None = None, kv_bits: str | None = None,
                kv_group_size: str | None = None) -> None:
     from fuselm.converter.progress import stage_progress

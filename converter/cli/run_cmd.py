@@ -11,6 +11,7 @@ import click
 
 from fuselm.config import RuntimeConfig
 from fuselm.converter.cli.options import (
+    accuracy_option,
     draft_options,
     join_parallel,
     kv_cache_options,
@@ -28,8 +29,6 @@ from fuselm.runtime_metal.errors import RuntimeUserError
 _ENGINE = click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]),
                        default="auto", show_default=True,
                        help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
-_ACC = click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-                    help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
 _CHUNK = click.option("--prefill-chunk", type=click.IntRange(1), default=None,
                       help="prompt tokens per prefill step  [default: 2048 with MLX on CUDA, "
                       "else 512]")
@@ -64,18 +63,22 @@ def _sampling(out_dir: str, temperature: float | None, top_k: int | None, top_p:
     return opts
 
 
-def _open(out_dir: str, engine: str, accuracy_level: int, profile: bool = False,  # noqa: ANN202
+def _open(out_dir: str, engine: str, accuracy_level: int | None, profile: bool = False,  # noqa: ANN202
           threads: int | None = None, config: RuntimeConfig | None = None,
           parallel: str | None = None, kv_bits: str | None = None,
           kv_group_size: str | None = None, exact_rows: bool | None = None,
-          drafting: bool = False):
+          drafting: bool = False, device_sampling: bool = False):
     """The loaded model for these flags (runtime_metal/loaded_model.py), and its profiler;
-    `drafting`: speculative decoding will run on it (ort_options)."""
+    `drafting`: speculative decoding will run on it (ort_options); `device_sampling`:
+    --device-sampling, the MLX engine's only."""
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.loaded_model import open_model
     from fuselm.runtime_metal.mlx_engine.profile import Profiler
 
     name = resolve_engine(engine, parallel)
+    if device_sampling and name != "mlx":
+        raise RuntimeUserError("--device-sampling samples with MLX's generator on the device; "
+                               "onnxruntime samples on the host (drop it, or add --engine mlx)")
     options = {**ort_options(name, accuracy_level, threads, exact_rows, drafting),
                **kv_options(name, kv_bits, kv_group_size)}
     if name == "onnxruntime":
@@ -164,7 +167,7 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 @_sampling_options
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @_ENGINE
-@_ACC
+@accuracy_option
 @threads_option
 @kv_cache_options
 @_CHUNK
@@ -187,7 +190,8 @@ def _sampling_options(f):  # noqa: ANN001, ANN202
 def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max_new_tokens: int,
         temperature: float | None, top_k: int | None, top_p: float | None,
         repetition_penalty: float | None, seed: int | None, stop: tuple[str, ...],
-        engine: str, accuracy_level: int, threads: int | None, prefill_chunk: int | None,
+        engine: str, accuracy_level: int | None, threads: int | None,
+        prefill_chunk: int | None,
         as_json: bool, profile: bool, device_sampling: bool,
         verify_files: bool = False, verbose: bool = False, system: str | None = None,
         ctx_size: int | None = None, min_p: float | None = None,
@@ -218,7 +222,8 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
         verify_artifact(out_dir)
     model, profiler = _open(out_dir, engine, accuracy_level, profile, threads, config, parallel,
                             kv_bits, kv_group_size, exact_rows,
-                            drafting=draft_lookup or draft is not None)
+                            drafting=draft_lookup or draft is not None,
+                            device_sampling=device_sampling)
     sampling.check_vocab(model.manifest.model.vocab_size)
     from fuselm.runtime_metal.drafting import speculative_options
 
@@ -250,6 +255,9 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if ctx_size is not None and ctx_size > context:
         raise RuntimeUserError(f"--ctx-size {ctx_size} is over the model's context ({context}); "
                                f"give at most {context}")
+    if ctx_size is not None and len(ids) >= ctx_size:
+        raise RuntimeUserError(f"the prompt has {len(ids)} tokens but --ctx-size is {ctx_size}; "
+                               "shorten the prompt or raise -c")
     records: list[Any] = []
     on_logits = None
     if top_logprobs is not None:
@@ -342,5 +350,4 @@ JSON_SCHEMA_OPTION = click.option(
     "--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
     help="each reply is JSON valid against the JSON schema in this file")
 ENGINE_OPTION = _ENGINE
-ACCURACY_OPTION = _ACC
 CHUNK_OPTION = _CHUNK

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from fuselm.converter.cli.options import (
+    accuracy_option,
     draft_options,
     join_parallel,
     kv_cache_options,
@@ -55,8 +56,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
 @click.option("--engine", type=click.Choice(["auto", "mlx", "onnxruntime"]), default="auto",
               show_default=True,
               help="auto: mlx where MLX has a GPU (Metal/CUDA), onnxruntime otherwise")
-@click.option("--accuracy-level", type=click.IntRange(0, 4), default=4, show_default=True,
-              help="onnxruntime Q4 activation precision: 4 = int8 (fast), 0 = float (exact)")
+@accuracy_option
 @threads_option
 @kv_cache_options
 @click.option("--max-batch", type=click.IntRange(1, 1024), default=8, show_default=True,
@@ -100,7 +100,7 @@ def make_decoder(engine, max_batch: int, max_context: int,  # noqa: ANN001, ANN2
               default="info", show_default=True)
 @parallel_option
 @draft_options
-def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
+def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int | None,
           threads: int | None, max_batch: int,
           max_queue: int, max_context: int | None, max_kv_tokens: int | None,
           memory_limit: float | None, queue_timeout: float | None, default_max_tokens: int,
@@ -114,13 +114,13 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int,
     """Serve MODEL over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models,
     /health), decoding up to --max-batch requests together.
 
-    Sampling a request leaves out (temperature, top_p, and the extensions top_k and
+    Sampling a request leaves out (temperature, top_p, and the extensions top_k, min_p and
     repetition_penalty) comes from the model's generation_config.json as transformers reads it
     (greedy unless it sets do_sample), else greedy, as in `fuselm run`; /v1/models shows it.
-    response_format (json_object, json_schema) and tools / tool_choice are honoured (the reply
-    constrained by a grammar where it must follow one); OpenAI parameters fuselm does not
-    implement (n > 1, logprobs, logit_bias, penalties, ...) get HTTP 400 naming the
-    parameter.
+    seed, stop, n, logprobs, presence/frequency penalties, logit_bias, response_format
+    (json_object, json_schema) and tools / tool_choice are honoured (the reply constrained by
+    a grammar where it must follow one); OpenAI parameters fuselm does not implement (echo,
+    best_of, suffix, audio, ...) and unknown ones get HTTP 400 naming the parameter.
 
     Only this machine, and no web page from another origin, can use it by default; /health
     stays open without the API key.

@@ -94,6 +94,11 @@ def validate(model_dir: str, out_dir: str | None, tokens: int, prompts: tuple[st
     anywhere fails."""
     from fuselm.converter.model_path import resolve_model, source_kind
 
+    ctx = click.get_current_context()
+    for name, flag in (("ppl_text", "--text"), ("ppl_context", "--context")):
+        if no_ppl and ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
+            raise RuntimeUserError(f"{flag} sets the PPL phase, which --no-ppl skips; give "
+                                   "one of them")
     kind = source_kind(Path(model_dir))
     if kind == "artifact":
         raise click.UsageError(f"{model_dir} is a converted artifact; give the HF folder or the "

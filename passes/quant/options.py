@@ -73,6 +73,10 @@ def _check_values(block_size: int | None, bits_budget: float | None, method: str
         raise PassesError(
             f"--bits-budget {bits_budget} is out of range; give {lo} .. {hi} bits/weight "
             + what)
+    if not mixed and block_size is not None and bits_budget is not None:
+        # the budget picks 32 or 64 per tensor (q4_allocate): one size for all would be dropped
+        raise PassesError("--block-size sets one block size for every tensor and --bits-budget "
+                          "chooses 32 or 64 per tensor; give one of them")
     if block_size is not None and block_size not in BLOCK_SIZES:
         raise PassesError(
             f"--block-size {block_size} is not supported; valid values: "
@@ -161,6 +165,9 @@ def quant_options(
             raise PassesError("--sym/--quant-lm-head/--quant-embeddings need --quant q4")
         if calibration:
             raise PassesError("--calibration needs --quant q4")
+        if quant_method != DEFAULT_METHOD or not default_calibration:
+            raise PassesError("--quant-method/--no-calibration shape 4-bit rounding; they need "
+                              "--quant q4")
         if q_bits:
             raise PassesError("--q-bits needs quantization; drop --quant none")
         return None

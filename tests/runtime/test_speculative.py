@@ -214,7 +214,7 @@ def test_run_cli_speculative_equals_plain(models: dict[str, Path], flags: list[s
     flags = [str(models["draft"]) if f == "D" else f for f in flags]
     ids = ",".join(str(t) for t in _prompts()[0])
     args = ["run", str(models["target"]), "--prompt-ids", ids, "-n", "20", "--json",
-            "--accuracy-level", "0"]
+            "--engine", "onnxruntime", "--accuracy-level", "0"]
     code, out, _ = run_cli(capsys, *args)
     assert code == 0
     want = json.loads(out.splitlines()[-1])

@@ -119,6 +119,9 @@ def test_ctx_size_bounds_prompt_and_reply(artifact: Path) -> None:
     over = cli("run", str(artifact), "-p", "Hi", "-c", "100000", "--engine", "onnxruntime")
     assert over.returncode == 2 and "--ctx-size 100000 is over the model's context (4096)" \
         in over.stderr
+    short = cli("run", str(artifact), "-p", "Hi", "-c", "3", "--engine", "onnxruntime")
+    line = _one_error_line(short)  # the window the user set, not "the model's context"
+    assert "--ctx-size is 3" in line and "model's context" not in line, line
 
 
 def test_system_message_goes_through_the_template(artifact: Path) -> None:
@@ -162,3 +165,64 @@ def test_convert_q(hf_dir: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "q" / "fuselm.json").read_text())
     assert manifest["quantization"]["bits"] == 4
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
+    """Each engine's own flags are refused by name on the other one (as --threads is on MLX),
+    never taken and dropped: --accuracy-level (onnxruntime's), --device-sampling and
+    --no-compile (MLX's); refused before the model loads."""
+    mlx_acc = ["--engine", "mlx", "--accuracy-level", "0"]
+    cases = [
+        ("run", ["-p", "Hi", *mlx_acc], "--accuracy-level"),
+        ("chat", mlx_acc, "--accuracy-level"),
+        ("bench", ["-p", "8", "-n", "2", "-r", "1", *mlx_acc], "--accuracy-level"),
+        ("perplexity", mlx_acc, "--accuracy-level"),
+        ("serve", mlx_acc, "--accuracy-level"),
+        ("run", ["-p", "Hi", "--engine", "onnxruntime", "--device-sampling"],
+         "--device-sampling"),
+        ("bench", ["-p", "8", "-n", "2", "-r", "1", "--engine", "onnxruntime", "--no-compile"],
+         "--no-compile"),
+        ("run", ["-p", "Hi", "--engine", "onnxruntime", "--kv-group-size", "32"],
+         "--kv-group-size"),
+    ]
+    for command, args, flag in cases:
+        line = _one_error_line(cli(command, str(artifact), *args, input="hi\n"))
+        assert flag in line, (command, line)
+    # on its own engine the flag is taken, and left out it is the engine's default
+    r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime",
+            "--accuracy-level", "0", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 0, r.stderr
+    r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["engine"]["accuracy_level"] == 4, r.stderr
+
+
+def test_convert_q_with_q_bits_is_mlx_lms_spelling(hf_dir: Path, tmp_path: Path) -> None:
+    """`-q --q-bits 8` is mlx_lm.convert's 8-bit quantization (-q: quantize, --q-bits: how)."""
+    for bits in ("8", "6"):
+        r = cli("convert", str(hf_dir), "-o", str(tmp_path / bits), "-q", "--q-bits", bits,
+                "--quiet")
+        assert r.returncode == 0, r.stderr
+        manifest = json.loads((tmp_path / bits / "fuselm.json").read_text())
+        assert manifest["quantization"]["bits"] == int(bits)
+
+
+def test_convert_flags_that_would_be_dropped_are_refused(hf_dir: Path, tmp_path: Path) -> None:
+    """A convert flag that another one overrules, or that has nothing to act on, is one error
+    line naming it, before any work (no output folder)."""
+    cases = [
+        (["--quant", "q4", "--bits-budget", "4.4", "--block-size", "64"], "--block-size"),
+        (["--no-optimize", "--passes", "qkv"], "--passes"),
+        (["--quant-method", "minmax"], "--quant-method"),
+        (["--no-calibration"], "--no-calibration"),
+    ]
+    for args, flag in cases:
+        out = tmp_path / "out"
+        line = _one_error_line(cli("convert", str(hf_dir), "-o", str(out), *args))
+        assert flag in line, (args, line)
+        assert not out.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import select
@@ -116,7 +117,7 @@ def test_cut_reply_is_marked(artifact: Path) -> None:
     r = cli("chat", str(artifact), "--max-tokens", "3", "--temp", "0", "--engine",
             "onnxruntime", input="hello\n")
     assert r.returncode == 0, r.stderr
-    assert "[reply cut at 3 tokens" in r.stdout
+    assert "[reply cut at 3 tokens" in r.stderr
 
 
 def test_invalid_utf8_line_is_refused_and_the_session_continues(artifact: Path) -> None:
@@ -225,3 +226,37 @@ def test_chat_memory_limit_sets_the_window(artifact: Path) -> None:
     both = cli("chat", str(artifact), "--max-kv-tokens", "100", "--memory-limit", "1",
                input="hi\n")
     assert both.returncode == 2 and "not both" in both.stderr
+
+
+def test_a_path_that_is_no_artifact_is_named_so(tmp_path: Path) -> None:
+    """chat on a missing folder or a folder that is no model says that, as run does (not that
+    a tokenizer is missing)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, says in ((tmp_path / "missing", "is not a directory"),
+                       (empty, "is not a fuselm artifact")):
+        r = cli("chat", str(path), input="hi\n")
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], r.stderr
+        assert "tokenizer" not in r.stderr
+
+
+def test_a_reply_cut_by_the_window_says_so(artifact: Path) -> None:
+    """A reply that stops because the window is full (not at -n) names the window, not -n."""
+    r = cli("chat", str(artifact), "-n", "200", "--temp", "0", "--engine", "onnxruntime",
+            "--max-kv-tokens", "40", input="hello\n")
+    assert r.returncode == 0, r.stderr
+    cut = next(ln for ln in r.stderr.splitlines() if "[reply cut at" in ln)
+    assert "raise -n" not in cut and "40-token window" in cut, cut
+
+
+def test_piped_chat_writes_only_the_replies(artifact: Path) -> None:
+    """`fuselm chat M < questions > answers`: no prompt marks (there is no one typing), each
+    reply on stdout as `run` gives it; notices (a cut reply) go to stderr."""
+    r = cli("chat", str(artifact), "-n", "4", "--temp", "0", "--engine", "onnxruntime",
+            input="hello\n")
+    assert r.returncode == 0, r.stderr
+    one = cli("run", str(artifact), "-p", "hello", "-n", "4", "--temp", "0", "--engine",
+              "onnxruntime", "--json")
+    assert r.stdout == json.loads(one.stdout)["text"] + "\n", repr(r.stdout)
+    assert "[reply cut at 4 tokens" in r.stderr

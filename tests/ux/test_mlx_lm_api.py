@@ -119,3 +119,42 @@ def test_dir_lists_the_public_names_and_import_stays_light() -> None:
             "if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "[]", r.stderr
+
+
+def test_one_stop_string_is_one_stop_string(loaded: tuple) -> None:
+    """`stop="ab"` is the one stop string "ab", as OpenAI's `stop` takes it (a string or a
+    list), never the characters "a" and "b"."""
+    model, tokenizer = loaded
+    sampled = {"temperature": 1.0, "seed": 2}  # a random model's greedy text is newlines
+    text = model.generate("Hello", max_tokens=12, **sampled).text
+    # two characters, the first seen before them: its characters would stop the reply earlier
+    at = next(k for k in range(1, len(text) - 1)
+              if text[k] in text[:k] and text.index(text[k:k + 2]) == k
+              and text[k:k + 2].isprintable() and "\ufffd" not in text[k:k + 2])
+    stop, want = text[at:at + 2], text[:at]
+    assert model.generate("Hello", max_tokens=12, stop=stop, **sampled).text == want
+    assert "".join(model.stream("Hello", max_tokens=12, stop=stop, **sampled)) == want
+    assert fuselm.generate(model, tokenizer, "Hello", max_tokens=12, stop=stop,
+                           **sampled) == want
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_max_tokens_below_one_is_refused(loaded: tuple, max_tokens: int) -> None:
+    """mlx-lm reads max_tokens=-1 as "no limit"; here a count below 1 is refused by name
+    rather than answered with an empty reply."""
+    model, tokenizer = loaded
+    for call in (lambda: model.generate("Hello", max_tokens=max_tokens),
+                 lambda: fuselm.generate(model, tokenizer, "Hello", max_tokens=max_tokens),
+                 lambda: list(model.stream("Hello", max_tokens=max_tokens))):
+        with pytest.raises(fuselm.converter.errors.UserError, match="max_tokens"):
+            call()
+
+
+@pytest.mark.parametrize("prompt", [[{"role": "user"}], [1.5, 2], [{"role": "user",
+                                                                    "content": 3}], ["hi"]])
+def test_a_malformed_prompt_is_one_user_error(loaded: tuple, prompt: list) -> None:
+    """A prompt that is neither text, token ids nor chat messages is refused saying what a
+    prompt is (not a KeyError or AttributeError from inside)."""
+    model, _ = loaded
+    with pytest.raises(fuselm.converter.errors.UserError, match="prompt"):
+        model.generate(prompt, max_tokens=2)

@@ -29,3 +29,13 @@ def test_validate_reports_its_ppl_phase(hf_dir: Path, artifact: Path) -> None:
     for rung in ("hf", "onnxruntime"):
         ppl = re.search(rf"PPL {rung}\s+(\d+\.\d+)", r.stdout).group(1)
         assert re.search(rf"PPL {rung} .* (\d+)/\1 .* {ppl}", r.stderr), r.stderr
+
+
+def test_a_job_refused_before_its_first_bar_prints_only_the_error(artifact: Path,
+                                                                  tmp_path: Path) -> None:
+    """No empty bar display before the one error line of a job that fails at its start."""
+    for args in (("convert", str(tmp_path / "missing"), "-o", str(tmp_path / "out")),
+                 ("perplexity", str(artifact), "--context", "5", "--engine", "onnxruntime")):
+        r = cli(*args)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") \
+            and r.stderr.count("\n") == 1, repr(r.stderr)

@@ -96,3 +96,17 @@ def test_mlx_on_cpu_warning_names_speed_and_alternative() -> None:
     from fuselm.converter.models.builtin import TINY
 
     assert mlx_cpu_warning(info(TINY)) is None
+
+
+def test_ppl_flags_with_no_ppl_are_refused(hf_dir: Path, artifact: Path,
+                                           tmp_path: Path) -> None:
+    """--text and --context set the PPL phase: with --no-ppl, which skips it, they are refused
+    by name before any compute, not taken and dropped."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    for flag in (["--text", str(text)], ["--context", "64"]):
+        r = cli("validate", str(hf_dir), str(artifact), "--no-ppl", *flag)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and flag[0] in lines[0] \
+            and "--no-ppl" in lines[0], r.stderr
+        assert "validating" not in r.stdout
