@@ -120,8 +120,11 @@ def report(out_dir: str, output: Path | None, measure: bool, profile_json: Path 
     target = output or Path(out_dir) / "report.html"
     if target.is_dir():
         raise UserError(f"{target} is a directory; give -o a file name such as report.html")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {target} ({e.strerror}); choose another -o") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(html)
