@@ -194,6 +194,11 @@ def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
     for command, args, flag in cases:
         line = _one_error_line(cli(command, str(artifact), *args, input="hi\n"))
         assert flag in line, (command, line)
+    # --device-sampling where the host must sample: refused, not dropped
+    for other in (["--logprobs", "2"], ["--json-object"]):
+        line = _one_error_line(cli("run", str(artifact), "-p", "Hi", "--engine", "mlx",
+                                   "--device-sampling", *other))
+        assert "--device-sampling" in line and other[0] in line, line
     # on its own engine the flag is taken, and left out it is the engine's default
     r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime",
             "--accuracy-level", "0", "--json")
