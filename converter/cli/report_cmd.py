@@ -116,6 +116,9 @@ def build(out_dir: str, measure: bool, profile_json: Path | None) -> str:
 def report(out_dir: str, output: Path | None, measure: bool, profile_json: Path | None) -> None:
     """Write a self-contained HTML report of OUT_DIR: passes, one layer before/after fusion,
     per-op time, per-tensor Q4 error."""
+    if measure and profile_json is not None:
+        raise UserError("--profile measures the op times and --profile-json reads them from a "
+                        "file; give one of them")
     html = build(out_dir, measure, profile_json)
     target = output or Path(out_dir) / "report.html"
     if target.is_dir():
