@@ -73,6 +73,12 @@ def resolve_model(path: str | Path, progress: bool = True) -> Path:
         say(f"using {entry} (converted from {path})")
         mark_used(entry, src)
         return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot make fuselm's cache folder {entry.parent} ({e.strerror}); set "
+                        "XDG_CACHE_HOME to a writable folder, or convert it yourself: "
+                        f"fuselm convert {path} -o OUT_DIR") from None
     with waiting_lock(entry):
         if (entry / MANIFEST).is_file():  # written by the process we waited for
             say(f"using {entry} (converted from {path})")

@@ -301,6 +301,8 @@ def convert(
             if progress:
                 progress("passes", 0, 1)
             report = _run_passes(raw, tmp / artifact.MODEL_FILE, opts, calib, exported)
+            if progress:
+                progress("passes", 1, 1)
             exported.model = exported.sources = None  # type: ignore[assignment]
             seconds["passes"] = time.perf_counter() - t1
             steps.append("passes")

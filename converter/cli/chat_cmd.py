@@ -109,15 +109,21 @@ class Chat:
                        "(start a message with a space to send a leading slash)")
         return True
 
-    def prompt(self, line: str) -> list[int]:
+    def prompt(self, line: str) -> list[int] | None:
         """The conversation with `line` as token ids, its oldest turns dropped (for good) when
-        it and a full reply (-n) do not fit the window."""
+        it and a full reply (-n) do not fit the window; None (nothing dropped, said on stderr)
+        when `line` and the system prompt alone leave no room for a reply."""
         from fuselm.runtime_metal.chat_window import fit
         from fuselm.runtime_metal.tokenizer import encode_prompt
 
         fitted = fit([*self.messages(), {"role": "user", "content": line}],
                      lambda m: encode_prompt(self.tok, m[-1]["content"], history=m[:-1]),
                      self.window, self.gen["max_new_tokens"])
+        if len(fitted.tokens) >= self.window:  # fit kept only this turn, and it is too long
+            click.echo(f"error: this message takes {len(fitted.tokens)} tokens with the system "
+                       f"prompt, more than the {self.window}-token window; send a shorter one",
+                       err=True)
+            return None
         if fitted.dropped_messages:
             self.turns = self.turns[fitted.dropped_messages:]
             click.echo(f"[context: dropped the oldest {fitted.dropped_turns} turn(s) "
@@ -127,6 +133,8 @@ class Chat:
 
     def reply(self, line: str) -> None:
         ids = self.prompt(line)
+        if ids is None:  # refused: the conversation stays as it was
+            return
         pieces: list[str] = []
         shape = {"constraint": self.constraint()} if self.constraint else {}
         stream = self.session.stream(ids, **self.gen, **shape)

@@ -39,6 +39,9 @@ def describe(path: Path) -> dict[str, Any]:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # onnx raises DecodeError and friends: all mean "not ONNX"
         raise UserError(f"{path} is not a readable ONNX model ({type(e).__name__})") from e
+    if not model.graph.node:  # protobuf reads an empty file as an empty model
+        raise UserError(f"{path} holds no ONNX graph (an empty or non-ONNX file); pass a .onnx "
+                        "model or a fuselm output directory")
     hist = Counter(
         f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
         for n in model.graph.node

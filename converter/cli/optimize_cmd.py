@@ -39,6 +39,9 @@ def _load(path: Path):  # noqa: ANN202 - onnx.ModelProto
         check_external(model, path.parent)  # the weights are read later, but must be there
     except (DecodeError, ValueError, OSError) as e:
         raise UserError(f"{path}: not a readable ONNX model ({type(e).__name__}: {e})") from e
+    if not model.graph.node:  # protobuf reads an empty file as an empty model
+        raise UserError(f"{path} holds no ONNX graph (an empty or non-ONNX file); pass a "
+                        "decoder .onnx model")
     return model
 
 

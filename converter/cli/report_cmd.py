@@ -116,12 +116,18 @@ def build(out_dir: str, measure: bool, profile_json: Path | None) -> str:
 def report(out_dir: str, output: Path | None, measure: bool, profile_json: Path | None) -> None:
     """Write a self-contained HTML report of OUT_DIR: passes, one layer before/after fusion,
     per-op time, per-tensor Q4 error."""
+    if measure and profile_json is not None:
+        raise UserError("--profile measures the op times and --profile-json reads them from a "
+                        "file; give one of them")
     html = build(out_dir, measure, profile_json)
     target = output or Path(out_dir) / "report.html"
     if target.is_dir():
         raise UserError(f"{target} is a directory; give -o a file name such as report.html")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise UserError(f"cannot write {target} ({e.strerror}); choose another -o") from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(html)

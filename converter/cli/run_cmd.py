@@ -212,6 +212,11 @@ def run(out_dir: str, prompt: str | None, prompt_ids: str | None, raw: bool, max
     if system is not None and (prompt is None or raw):
         raise click.UsageError("--system goes into the chat template: give it with --prompt, "
                                "without --raw")
+    host = ("--logprobs" if top_logprobs is not None else "--json-schema" if json_schema
+            else "--json-object" if json_object else None)
+    if device_sampling and host:  # generate.py samples on the host for these
+        raise RuntimeUserError(f"--device-sampling and {host} do not go together: {host} "
+                               "samples on the host, from its logits there")
     sampling = _sampling(out_dir, temperature, top_k, top_p, repetition_penalty, seed, min_p,
                          presence_penalty, frequency_penalty, logit_bias)
     grammar = reply_grammar(json_schema, json_object)

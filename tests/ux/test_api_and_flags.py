@@ -194,6 +194,11 @@ def test_a_flag_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
     for command, args, flag in cases:
         line = _one_error_line(cli(command, str(artifact), *args, input="hi\n"))
         assert flag in line, (command, line)
+    # --device-sampling where the host must sample: refused, not dropped
+    for other in (["--logprobs", "2"], ["--json-object"]):
+        line = _one_error_line(cli("run", str(artifact), "-p", "Hi", "--engine", "mlx",
+                                   "--device-sampling", *other))
+        assert "--device-sampling" in line and other[0] in line, line
     # on its own engine the flag is taken, and left out it is the engine's default
     r = cli("run", str(artifact), "-p", "Hi", "-n", "2", "--engine", "onnxruntime",
             "--accuracy-level", "0", "--json")
@@ -226,3 +231,15 @@ def test_convert_flags_that_would_be_dropped_are_refused(hf_dir: Path, tmp_path:
         line = _one_error_line(cli("convert", str(hf_dir), "-o", str(out), *args))
         assert flag in line, (args, line)
         assert not out.exists()
+
+
+def test_an_empty_or_graphless_onnx_file_is_refused(tmp_path: Path) -> None:
+    """protobuf parses an empty file as an empty model: inspect and optimize name the file as
+    no ONNX model (not an empty summary, exit 0, nor an 'optimized model fails its checks')."""
+    for content in (b"", b"\x08\x07"):  # nothing; only an ir_version
+        bad = tmp_path / "bad.onnx"
+        bad.write_bytes(content)
+        for args in (("inspect", str(bad)), ("optimize", str(bad), "-o", str(tmp_path / "o.onnx"))):
+            line = _one_error_line(cli(*args))
+            assert "bad.onnx" in line and "no ONNX graph" in line, line
+        assert not (tmp_path / "o.onnx").exists()

@@ -260,3 +260,15 @@ def test_piped_chat_writes_only_the_replies(artifact: Path) -> None:
               "onnxruntime", "--json")
     assert r.stdout == json.loads(one.stdout)["text"] + "\n", repr(r.stdout)
     assert "[reply cut at 4 tokens" in r.stderr
+
+
+def test_a_message_longer_than_the_window_is_refused_and_the_chat_goes_on(
+        artifact: Path) -> None:
+    r = cli("chat", str(artifact), "-n", "2", "--temp", "0", "--engine", "onnxruntime",
+            "--max-kv-tokens", "100", input="hello\n" + "word " * 200 + "\nhi\n/history\n")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("error: "))
+    assert "100-token window" in line and "model's context" not in line, line
+    # the refused message is not kept, and it cost the conversation nothing
+    assert "[user] hello" in r.stdout and "[user] hi" in r.stdout
+    assert "[user] word" not in r.stdout and "dropped" not in r.stderr

@@ -199,3 +199,17 @@ def test_empty_model_is_a_usage_error(command: str) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "MODEL is empty" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_unwritable_cache_folder_is_one_error_line(tiny_gguf: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache folder that cannot be made (XDG_CACHE_HOME under a file) is one error line that
+    names it and the way around it, not a traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "xdg"))
+    r = _run(str(tiny_gguf))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and str(blocker) in lines[0] \
+        and "fuselm convert" in lines[0], lines[0]

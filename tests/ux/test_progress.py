@@ -39,3 +39,10 @@ def test_a_job_refused_before_its_first_bar_prints_only_the_error(artifact: Path
         r = cli(*args)
         assert r.returncode == 2 and r.stderr.startswith("error: ") \
             and r.stderr.count("\n") == 1, repr(r.stderr)
+
+
+def test_convert_bars_end_complete(hf_dir: Path, tmp_path: Path) -> None:
+    r = cli("convert", str(hf_dir), "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    passes = next(ln for ln in r.stderr.splitlines() if ln.startswith("graph passes"))
+    assert " 1/1 " in passes, passes

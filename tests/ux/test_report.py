@@ -88,3 +88,23 @@ def test_times_read_in_human_units() -> None:
         "12.3 µs", "12.3 ms", "999 ms", "35.7 s", "4 min"]
     chart = bar_chart([("fuselm.FusedQKV", 35_700.0), ("Add", 12.5)], "ms", "profile")
     assert ">35.7 s</text>" in chart and ">12.5 ms</text>" in chart and "e+" not in chart
+
+
+def test_unwritable_output_is_one_error_line(artifact: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    r = cli("report", str(artifact), "-o", str(blocker / "sub" / "report.html"))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "-o" in lines[0]
+
+
+def test_profile_and_profile_json_are_one_or_the_other(artifact: Path, tmp_path: Path) -> None:
+    times = tmp_path / "p.json"
+    times.write_text(json.dumps({"profile": [{"op": "MatMul", "calls": 1, "total_ms": 1.0,
+                                              "percent": 100.0}]}))
+    r = cli("report", str(artifact), "-o", str(tmp_path / "r.html"), "--profile",
+            "--profile-json", str(times))
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--profile-json" in lines[0], r.stderr
+    assert not (tmp_path / "r.html").exists()
