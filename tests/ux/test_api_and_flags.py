@@ -243,3 +243,22 @@ def test_an_empty_or_graphless_onnx_file_is_refused(tmp_path: Path) -> None:
             line = _one_error_line(cli(*args))
             assert "bad.onnx" in line and "no ONNX graph" in line, line
         assert not (tmp_path / "o.onnx").exists()
+
+
+def test_optimize_refuses_to_overwrite_an_artifacts_own_model(artifact: Path, tmp_path: Path
+                                                              ) -> None:
+    """`fuselm optimize ART/model.onnx -o ART/model.onnx` would replace a file the artifact's
+    fuselm.json records (and its data file), leaving an artifact that no longer loads: refused
+    by name before any work, every file as it was; beside the artifact it writes."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    before = {p.name: p.read_bytes() for p in art.iterdir() if p.is_file()}
+    for out in ("model.onnx", "tokenizer.json"):
+        line = _one_error_line(cli("optimize", str(art / "model.onnx"), "-o", str(art / out)))
+        assert "fuselm artifact" in line and out in line, line
+    assert {p.name: p.read_bytes() for p in art.iterdir() if p.is_file()} == before
+    r = cli("optimize", str(art / "model.onnx"), "-o", str(tmp_path / "fused.onnx"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "fused.onnx").is_file()
