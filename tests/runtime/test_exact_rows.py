@@ -109,10 +109,10 @@ def test_exact_rows_default_rule() -> None:
     assert ort_options("onnxruntime", 4, None, drafting=True)["exact_rows"] is None  # if lowered
     assert ort_options("onnxruntime", 4, None, False, drafting=True)["exact_rows"] is False
     assert ort_options("onnxruntime", 4, None, True)["exact_rows"] is True
-    assert ort_options("mlx", 4, None, drafting=True) == {}
+    assert ort_options("mlx", None, None, drafting=True) == {}
     for flag, value in (("--exact-rows", True), ("--no-exact-rows", False)):
         with pytest.raises(RuntimeUserError, match=f"{flag} sets onnxruntime's"):
-            ort_options("mlx", 4, None, value)
+            ort_options("mlx", None, None, value)
 
 
 def test_run_cli_drafts_at_defaults(smol: LoadedModel, plain: list[int],
