@@ -118,6 +118,19 @@ def check_kv_options(engine: str, options: dict[str, object]) -> None:
             "cache")
 
 
+def check_engine_options(engine: str, cls: type, options: dict[str, object]) -> None:
+    """An option the chosen engine's constructor does not take is refused by name (the API's
+    load(engine="mlx", accuracy_level=0), say), never handed on to fail as a TypeError."""
+    import inspect
+
+    taken = set(inspect.signature(cls.__init__).parameters) - {"self", "out_dir", "manifest"}
+    other = [k for k in options if k not in taken]
+    if other:
+        raise RuntimeUserError(
+            f"{other[0]}: not an option of the {engine} engine (it takes "
+            f"{', '.join(sorted(taken - {'config'}))}); drop it or choose the engine it belongs to")
+
+
 def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig | None = None,
                 **options: object) -> Engine:
     """Open an artifact with engine `name`; options go to that engine (e.g. accuracy_level).
@@ -134,10 +147,12 @@ def make_engine(out_dir: str | Path, name: str = "auto", config: RuntimeConfig |
     if resolved == "mlx":
         from fuselm.runtime_metal.mlx_engine.engine import MLXEngine
 
+        check_engine_options(resolved, MLXEngine, options)
         return MLXEngine(out_dir, manifest, config=config, **options)  # type: ignore[arg-type]
     from fuselm.runtime_metal.ort_engine.engine import OrtEngine
 
     check_kv_options(resolved, options)
+    check_engine_options(resolved, OrtEngine, options)
     if config.threads is not None:
         options.setdefault("threads", config.threads)
     return OrtEngine(out_dir, manifest, **options)  # type: ignore[arg-type]

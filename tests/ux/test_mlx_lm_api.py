@@ -158,3 +158,12 @@ def test_a_malformed_prompt_is_one_user_error(loaded: tuple, prompt: list) -> No
     model, _ = loaded
     with pytest.raises(fuselm.converter.errors.UserError, match="prompt"):
         model.generate(prompt, max_tokens=2)
+
+
+def test_an_option_of_the_other_engine_is_refused_by_name(artifact: Path) -> None:
+    """fuselm.load(path, engine=E, **options): an option E's engine does not take is one
+    RuntimeUserError naming it (not a TypeError from inside the engine's constructor)."""
+    for engine, option in (("mlx", {"accuracy_level": 0}), ("onnxruntime", {"fast": False}),
+                           ("onnxruntime", {"kv_bits": 8})):
+        with pytest.raises(RuntimeUserError, match=next(iter(option)).replace("_", ".")):
+            fuselm.load(artifact, engine=engine, **option).generate("hi", max_tokens=1)
