@@ -201,9 +201,26 @@ def evict(keep: int = KEEP, spare: Path | None = None) -> list[tuple[Entry, str]
     return removed
 
 
+def drop_leftovers() -> None:
+    """Remove what a conversion that failed or was killed leaves beside no entry: its lock
+    file and its source record (unless a conversion holds that lock right now). Run by
+    `cache prune` and `cache clear`, not after every conversion: a lock file removed while a
+    conversion is opening it could let two conversions hold two files."""
+    folder = conversion_folder()
+    if not folder.is_dir():
+        return
+    for lock in folder.glob(".*.wait"):
+        entry = folder / lock.name[1:-len(".wait")]
+        if not (entry / MANIFEST).is_file():
+            remove(entry)
+
+
 def clear() -> list[Entry]:
-    """Remove every entry (not those being converted into right now)."""
-    return [e for e in entries() if remove(e.path)]
+    """Remove every entry (not those being converted into right now), and what failed
+    conversions left."""
+    removed = [e for e in entries() if remove(e.path)]
+    drop_leftovers()
+    return removed
 
 
 def age(seconds: float) -> str:

@@ -46,9 +46,11 @@ def _report(removed: list, verb: str) -> None:
 
 @cache.command("prune")
 def prune_command() -> None:
-    """Apply the eviction rule now (it runs after every conversion into the cache)."""
-    from fuselm.converter.model_cache import evict
+    """Apply the eviction rule now (it runs after every conversion into the cache), and remove
+    the lock files failed conversions left."""
+    from fuselm.converter.model_cache import drop_leftovers, evict
 
+    drop_leftovers()
     _report(evict(), "pruned")
 
 

@@ -213,3 +213,17 @@ def test_unwritable_cache_folder_is_one_error_line(tiny_gguf: Path, tmp_path: Pa
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and str(blocker) in lines[0] \
         and "fuselm convert" in lines[0], lines[0]
+
+
+def test_prune_and_clear_remove_what_failed_conversions_left(tmp_path: Path, cache: Path
+                                                             ) -> None:
+    """A GGUF whose conversion fails leaves its lock file (and no entry) in the cache: `cache
+    prune` removes it, as does `cache clear`; a complete entry's files stay with prune."""
+    for command in ("prune", "clear"):
+        bad = tmp_path / f"bad-{command}.gguf"
+        bad.write_bytes(b"GGUF" + b"\0" * 60)
+        assert _run(str(bad)).returncode != 0
+        assert list(cache.glob(".*.wait")), "the failed conversion left no lock to test"
+        r = cli("cache", command)
+        assert r.returncode == 0, r.stderr
+        assert not list(cache.glob(".*.wait")) and not list(cache.glob(".*.source"))
