@@ -357,6 +357,10 @@ def prepare(out_dir: Path, writes: Iterable[str] = ARTIFACT_NAMES) -> Build:
     name the new artifact `writes`; return the Build with a fresh temp folder beside OUT_DIR.
     Every check runs under the lock: unlocked, it could see another conversion's swap midway."""
     out = out_dir.resolve()
+    above = next((p for p in out.parents if p.exists()), None)
+    if above is not None and not above.is_dir():  # mkdir would say only "File exists"
+        raise UserError(f"output path {out_dir}: {above} is a file, not a folder; choose "
+                        "another -o")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         lock = _Lock(out)
