@@ -134,14 +134,13 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int |
     and exact rows (see --exact-rows) are on by default only with --max-batch 1: they would
     decode the rows one after another."""
     _need_serve_extra()
-    import uvicorn
-
     from fuselm.converter.serve.access import AccessRules, check_bind
 
     access = AccessRules.build(host, allowed_hosts, cors_origins, api_key)
     check_bind(host, api_key, insecure_no_auth)
 
     from fuselm.converter.serve.app import ServeState, create_app
+    from fuselm.converter.serve.http_server import serve
     from fuselm.converter.serve.scheduler import Scheduler
     from fuselm.runtime_metal.engine import resolve_engine
     from fuselm.runtime_metal.kv_budget import budget_tokens, describe_budget, kv_token_bytes
@@ -230,8 +229,7 @@ def serve(out_dir: str, host: str, port: int, engine: str, accuracy_level: int |
     if insecure_no_auth and not api_key:
         log.warning("--insecure-no-auth: anyone who reaches %s:%d can use the model", host, port)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+        serve(app, scheduler, host, port, log_level)
     finally:
         scheduler.stop()
         if leader is not None:

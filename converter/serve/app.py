@@ -95,6 +95,7 @@ class ServeState:
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self._tok_lock = threading.Lock()  # HF fast tokenizers are not safe to share
+        self._vocab: Any = None  # llguidance's vocabulary (vocab()), once built
         start_workers()  # chat templates render in worker processes (chat_template.py)
 
     def encode(self, fn: Callable[[Any], list[int]]) -> list[int]:
@@ -116,8 +117,11 @@ class ServeState:
 
     def vocab(self) -> Any:
         """llguidance's view of this model's vocabulary (its tokens' bytes), built once."""
-        with self._tok_lock:  # the vocabulary is built from the tokenizer once, on first use
-            return constraint_vocab(self.tokenizer, self.vocab_size, sorted(self.scheduler.eos))
+        if self._vocab is None:
+            with self._tok_lock:  # built from the tokenizer once, on first use
+                self._vocab = constraint_vocab(self.tokenizer, self.vocab_size,
+                                               sorted(self.scheduler.eos))
+        return self._vocab
 
     def constraint(self, grammar: str) -> TokenConstraint:
         """A request's own grammar state over this model's vocabulary."""
@@ -126,7 +130,7 @@ class ServeState:
     def token_bytes(self, token: int) -> bytes | None:
         """One token's own bytes, a piece of a UTF-8 character included (None: a tokenizer
         llguidance cannot read). Call `vocab` off the event loop first: its first build takes
-        a while."""
+        a while (afterwards no lock is taken)."""
         try:
             return bytes(self.vocab().decode_bytes([int(token)]))
         except ConstraintError:

@@ -314,7 +314,11 @@ class Scheduler:
                 continue
             self._end_exhausted()
             self._notify()
-        for job in [*self._active.values(), *self._waiting]:
+        submitted = []  # not yet taken into the wait line
+        while not self._pending.empty():
+            if (job := self._pending.get()) is not None:
+                submitted.append(job)
+        for job in [*self._active.values(), *self._waiting, *submitted]:
             self._end(job, "shutdown", (503, "the server is shutting down"))
         self._notify()
 

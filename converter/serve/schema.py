@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -44,6 +45,22 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
 NOT_IMPLEMENTED_CHAT = NOT_IMPLEMENTED
 NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "best_of": (1,), "echo": (False,),
                               "suffix": ("",)}
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's stream_options: the usage chunk; obfuscation padding is not implemented."""
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool | None = None
+    include_obfuscation: StrictBool | None = None
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("fuselm does not implement obfuscation padding; leave it out or "
+                             "send false")
+        return v
 
 
 def not_implemented(data: dict[str, Any], chat: bool) -> str | None:
@@ -85,7 +102,7 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     # Sent by clients for OpenAI's bookkeeping; nothing here to do with them.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -130,8 +147,16 @@ class _Request(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo
+                             ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):  # OpenAI's rule: an error
+            raise ValueError("only allowed with stream: true")
+        return v
+
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 # Message fields fuselm does not implement. A client that sends an earlier reply back (the

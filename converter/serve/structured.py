@@ -41,10 +41,28 @@ def _bad(message: str, param: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+# The fields of OpenAI's shapes that fuselm reads; another one is refused by name, never
+# dropped (llama.cpp's {"type": "json_object", "schema": ...} would otherwise lose its schema).
+RESPONSE_FORMAT_FIELDS = {"text": {"type"}, "json_object": {"type"},
+                          "json_schema": {"type", "json_schema"}}
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}
+TOOL_FIELDS = {"type", "function"}
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+
+
+def _known(value: dict[str, Any], fields: set[str], param: str) -> None:
+    extra = next((k for k in value if k not in fields), None)
+    if extra is not None:
+        raise _bad(f"fuselm does not read this field (it reads {', '.join(sorted(fields))})",
+                   f"{param}.{extra}")
+
+
 def _response_format(value: dict[str, Any] | None) -> str | None:
     if value is None:
         return None
     kind = value.get("type")
+    if kind in RESPONSE_FORMAT_FIELDS:
+        _known(value, RESPONSE_FORMAT_FIELDS[kind], "response_format")
     try:
         if kind == "text":
             return None
@@ -55,6 +73,7 @@ def _response_format(value: dict[str, Any] | None) -> str | None:
             if not isinstance(spec, dict) or "schema" not in spec:
                 raise _bad('json_schema needs {"name": ..., "schema": {...}}',
                            "response_format.json_schema")
+            _known(spec, JSON_SCHEMA_FIELDS, "response_format.json_schema")
             return json_schema_grammar(spec["schema"], "the JSON schema")
     except ConstraintError as e:
         raise _bad(str(e), "response_format") from None
@@ -68,6 +87,8 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
             raise _bad('each tool must be {"type": "function", "function": {...}}',
                        f"tools.{i}")
+        _known(t, TOOL_FIELDS, f"tools.{i}")
+        _known(fn, FUNCTION_FIELDS, f"tools.{i}.function")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad("a function needs a name", f"tools.{i}.function.name")
         params = fn.get("parameters")

@@ -330,9 +330,11 @@ HOSTILE_BODIES = {  # raw JSON text -> status (JSON escapes write the lone surro
     "500 deep in stream_options": (obj('"prompt": "x", "stream_options": {"a": '
                                        + deep(500) + "}"), 400),
     "70 deep": (obj('"prompt": "x", "x": ' + deep(70)), 400),
-    # (an unknown field is refused, so the nesting rides in one that holds any JSON)
-    "50 deep is fine": (obj('"prompt": "x", "max_tokens": 1, "stream_options": {"x": '
-                            + deep(49) + "}"), 200),
+    # (an unknown field is refused, so the nesting rides in one that holds any JSON: a
+    # schema's const)
+    "50 deep is fine": (obj('"prompt": "x", "max_tokens": 1, "response_format": {"type": '
+                            '"json_schema", "json_schema": {"name": "x", "schema": {"const": '
+                            + deep(46) + "}}}"), 200),
     "only brackets, 1.9 MB": ("[" * 1_900_000, 400),
     "5000-digit token id": (obj('"prompt": [' + "9" * 5000 + "]"), 400),
     "seed 2**64": (obj(f'"prompt": "x", "seed": {2**64}'), 400),

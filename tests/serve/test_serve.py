@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,7 +19,17 @@ import pytest
 from click.testing import CliRunner
 
 from fuselm.converter.cli.main import cli
-from tests.serve.conftest import MAX_BATCH, MAX_CONTEXT, MAX_QUEUE, MODEL, Server
+from tests.serve.conftest import (
+    MAX_BATCH,
+    MAX_CONTEXT,
+    MAX_QUEUE,
+    MODEL,
+    STARTUP_S,
+    Server,
+    start_server,
+    stop_server,
+    wait_up,
+)
 
 PROMPTS = [f"{w} the quick brown fox {i}" for i, w in enumerate(
     "Hello Rotary grouped metal onnx lazy dog world keys values queries fused "
@@ -254,6 +266,52 @@ def test_client_killed_mid_stream(any_server: Server) -> None:
     assert h["status"] == "ok" and h["active"] == 0
     assert "cancelled" in server.log.read_text()
     assert chat(server, PROMPTS[5], 4).usage.completion_tokens == 4
+
+
+def test_shutdown_ends_running_requests_with_a_503(smol_server: Server, tmp_path: Path
+                                                   ) -> None:
+    """SIGTERM while two requests decode (the real SmolLM2, EOS banned so they run on): they
+    get their FINISH_S to finish, then the scheduler's 503 (a stream: its error event and
+    [DONE]), before uvicorn's graceful timeout would cancel them into a bare 500 and a
+    traceback; the server exits."""
+    from fuselm.converter.serve.http_server import FINISH_S, GRACEFUL_S
+
+    proc, srv = start_server(smol_server.out_dir, tmp_path / "server.log", "onnxruntime",
+                             ["--max-context", "512", "--model-name", MODEL])
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a story."}],
+           "max_tokens": 400, "temperature": 0, "logit_bias": {"2": -100}}  # 2: <|im_end|>
+    out: dict[str, httpx.Response | str] = {}
+
+    def whole() -> None:
+        out["whole"] = httpx.post(srv.url + "/v1/chat/completions", json=ask, timeout=60)
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                          json={**ask, "stream": True}) as r:
+            out["stream"] = "".join(r.iter_text())
+
+    try:
+        wait_up(proc, srv, time.monotonic() + STARTUP_S)
+        threads = [threading.Thread(target=f) for f in (whole, stream)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while srv.health()["active"] < 2 and time.monotonic() < deadline:  # both decode
+            time.sleep(0.05)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises it
+        assert FINISH_S <= time.monotonic() - started < GRACEFUL_S + 5
+    finally:
+        stop_server(proc)
+    whole_r = out["whole"]
+    assert isinstance(whole_r, httpx.Response) and whole_r.status_code == 503, whole_r
+    assert "shutting down" in whole_r.json()["error"]["message"]
+    lines = [line for line in str(out["stream"]).split("\n") if line]
+    assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2], lines[-3:]
+    assert "Traceback" not in srv.log.read_text()
 
 
 HOSTILE = {

@@ -220,3 +220,24 @@ def test_a_malformed_earlier_tool_call_is_a_clear_400(server: Server, call: dict
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "messages.1.tool_calls"
     assert '"function": {"name"' in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}},
+     "stream_options.extra"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options.include_obfuscation"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_stream_options_checked(server: Server, body: dict, param: str) -> None:
+    """stream_options holds include_usage only (include_obfuscation: false asks for nothing),
+    and only with stream: true (OpenAI's rule); anything else is refused by name."""
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": False, "include_obfuscation": False}})
+    assert ok.status_code == 200 and ok.text.endswith("data: [DONE]\n\n")

@@ -193,6 +193,24 @@ def test_invalid_schemas_are_400(server: Server) -> None:
     assert err.param == "tools" and "tool-call format" in err.message
 
 
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"response_format": {"type": "json_object", "schema": WEATHER}}, "response_format.schema"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": WEATHER}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": WEATHER, "strcit": True}}}, "response_format.json_schema.strcit"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "paramters": WEATHER}}]},
+     "tools.0.function.paramters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}, "cache": True}]},
+     "tools.0.cache"),
+])
+def test_unknown_fields_in_shapes_are_400(server: Server, kw: dict, param: str) -> None:
+    """A field inside response_format or a tool that fuselm does not read (llama.cpp's
+    `schema` beside json_object, a misspelt `parameters`) is refused by name, not dropped."""
+    err = _bad_request(server, **kw)
+    assert err.param == param and "does not read" in err.message, err.message
+
+
 def test_json_schema_on_completions_both_engines(any_server: Server) -> None:
     """On onnxruntime's rows and MLX's pipelined batched step (its mask applied on the device),
     beside a free request decoded in the same steps."""
