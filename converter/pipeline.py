@@ -215,6 +215,20 @@ def convert(
     through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`;
     `exporter`: what writes raw.onnx, export_model's signature (default for an HF directory:
     converter/exporter_choice.py's choice), `spec` the model's, when known."""
+    with out_dir_safety.terminate_as_exit():
+        return _convert(model_dir, out_dir, options, progress, checkpoint, source, exporter, spec)
+
+
+def _convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: ConvertOptions | None,
+    progress: Progress | None,
+    checkpoint: Any,
+    source: dict[str, Any] | None,
+    exporter: Callable[..., Any] | None,
+    spec: DecoderSpec | None,
+) -> ConvertResult:
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import staged_gguf
 
@@ -225,8 +239,8 @@ def convert(
             opts = options or ConvertOptions()
             if opts.quant is None and opts.source_quant and staged.checkpoint.quantized:
                 options = replace(opts, quant=SOURCE_DEFAULT)
-            return convert(staged.meta, out_dir, options, progress, checkpoint=staged.checkpoint,
-                           source=staged.source, exporter=staged.exporter, spec=staged.spec)
+            return _convert(staged.meta, out_dir, options, progress, staged.checkpoint,
+                            staged.source, staged.exporter, staged.spec)
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     hf_dir = checkpoint is None
