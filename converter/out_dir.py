@@ -26,7 +26,9 @@ alive (or whose name carries no id) is never touched. Process ids are only meani
 host: a folder on a shared file system written by another host's process is left alone unless
 the same id happens to be dead here too (the worst case is a removed temp build, never OUT).
 Scratch folders in the system temp folder (`scratch`, e.g. a GGUF's staged metadata) carry the
-process id too, and every conversion removes those of dead processes.
+process id too, and every conversion removes those of dead processes. SIGTERM is not a kill:
+while a conversion runs it ends the process as Ctrl-C does (`terminate_as_exit`), removing its
+own folders and lock at once.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,6 +245,27 @@ def recover(out_dir: Path) -> list[str]:
             done.append(f"removed {entry.name}")
         shutil.rmtree(entry, ignore_errors=True)
     return done
+
+
+@contextlib.contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM (`kill`, `timeout`, a service stopping) raises SystemExit(143) while the block
+    runs, so a conversion's cleanup (its temp build, scratch folders, the lock) runs as on
+    Ctrl-C instead of leaving them for the next conversion onto the same OUT_DIR. Only in the
+    main thread and where SIGTERM still has its default action: a host program's handler wins."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager

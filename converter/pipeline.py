@@ -57,6 +57,10 @@ class ConvertOptions:
                             "builds one from the flags")
         if self.adapter is not None:
             self.adapter = Path(self.adapter)
+        if self.quant is not None and not self.optimize:  # else the flag would be dropped
+            name = "mixed" if self.quant.mixed else f"q{self.quant.bits}"
+            raise UserError(f"--quant {name} quantizes in the graph passes, which --no-optimize "
+                            "skips; give one of them")
 
     @classmethod
     def from_flags(cls, **options: Any) -> ConvertOptions:
@@ -215,6 +219,20 @@ def convert(
     through converter/gguf_input.py); `source`: extra facts for fuselm.json's `source`;
     `exporter`: what writes raw.onnx, export_model's signature (default for an HF directory:
     converter/exporter_choice.py's choice), `spec` the model's, when known."""
+    with out_dir_safety.terminate_as_exit():
+        return _convert(model_dir, out_dir, options, progress, checkpoint, source, exporter, spec)
+
+
+def _convert(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    options: ConvertOptions | None,
+    progress: Progress | None,
+    checkpoint: Any,
+    source: dict[str, Any] | None,
+    exporter: Callable[..., Any] | None,
+    spec: DecoderSpec | None,
+) -> ConvertResult:
     if checkpoint is None and is_gguf(model_dir):
         from fuselm.converter.gguf_input import staged_gguf
 
@@ -223,10 +241,11 @@ def convert(
                             f"{model_dir} is a GGUF file; convert the adapter's HF base model")
         with staged_gguf(model_dir, out_dir) as staged:
             opts = options or ConvertOptions()
-            if opts.quant is None and opts.source_quant and staged.checkpoint.quantized:
+            if (opts.quant is None and opts.source_quant and opts.optimize
+                    and staged.checkpoint.quantized):  # the passes keep the blocks
                 options = replace(opts, quant=SOURCE_DEFAULT)
-            return convert(staged.meta, out_dir, options, progress, checkpoint=staged.checkpoint,
-                           source=staged.source, exporter=staged.exporter, spec=staged.spec)
+            return _convert(staged.meta, out_dir, options, progress, staged.checkpoint,
+                            staged.source, staged.exporter, staged.spec)
     opts = options or ConvertOptions()
     src, out = Path(model_dir), Path(out_dir)
     hf_dir = checkpoint is None
@@ -249,7 +268,8 @@ def convert(
         if checkpoint is None:
             checkpoint = open_checkpoint(src, opts.adapter, requantize=(
                 opts.quant is not None or not opts.source_quant))
-            if opts.quant is None and opts.source_quant and getattr(checkpoint, "quantized", 0):
+            if (opts.quant is None and opts.source_quant and opts.optimize
+                    and getattr(checkpoint, "quantized", 0)):
                 # AWQ / GPTQ: the blocks kept (a packed LM head's too); float tables stay float
                 head = "lm_head.weight" in checkpoint.layers
                 opts = replace(opts, quant=replace(SOURCE_DEFAULT, lm_head=head,

@@ -41,8 +41,12 @@ PPL_INCREASE = (0.25, 0.5)
 
 
 def precision(dtype: str, quantization: dict | None) -> str:
-    """The threshold key of an artifact: q4 when its weights are quantized, else its dtype."""
-    if quantization:
+    """The threshold key of an artifact: q4 when its weights are quantized, else its dtype.
+    Blocks all kept from a quantized source (a GGUF's, an AWQ / GPTQ folder's; none rounded
+    again) are the reference's own weights, so the dtype's bound judges them: Q4's would pass a
+    wrong import."""
+    given = (quantization or {}).get("given") or {}
+    if quantization and not (given.get("kept") and given.get("quantized") == 0):
         return "q4"
     return dtype if dtype in THRESHOLDS else "float16"  # another 16-bit float: float16's bound
 

@@ -5,6 +5,7 @@ matrix beside them goes to 8-bit blocks, its error recorded."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -193,11 +194,15 @@ def test_validate_takes_the_gguf_as_its_reference(exact: dict[str, tuple[Path, P
                                                   capsys: pytest.CaptureFixture) -> None:
     """`fuselm validate model.gguf OUT`: transformers' GGUF load in float32 is the top rung;
     an artifact of another model is refused before any compute."""
-    from tests.cli_run import cli, one_error
+    from tests.cli_run import cli, one_error, run_cli
 
     path, out = exact["llama-Q4_0"]
-    code, err = cli(capsys, "validate", str(path), str(out), "-n", "4", "--no-ppl")
+    code, stdout, err = run_cli(capsys, "validate", str(path), str(out), "-n", "4", "--no-ppl",
+                                "--json")
     assert code == 0, err
+    # every block kept: the artifact computes the reference's own weights, so it is judged by
+    # its graph's float bound (float32: 1e-4), not Q4's 0.2, which would pass a wrong import
+    assert list(json.loads(stdout)["thresholds"]) == [read_manifest(out).dtype] == ["float32"]
     other = exact["qwen3-Q8_0"][1]
     line = one_error(*cli(capsys, "validate", str(path), str(other), "-n", "4", "--no-ppl"))
     assert "different models" in line

@@ -194,6 +194,11 @@ CASES: dict[str, tuple[Callable[[Path], None], list[str], list[str]]] = {
     # --passes is checked before the export (the NaN weight would be the error otherwise)
     "unknown pass first": (lambda m: edit_tensors(m, lambda t: _set(t, UP, float("nan"))),
                            ["--passes", "rmsnorm,bogus"], ["unknown pass 'bogus'"]),
+    # quantizing is a pass: without the passes the weights would stay float, the flag dropped
+    "q4 without the passes": (lambda m: None, ["--quant", "q4", "--no-optimize"],
+                              ["--quant q4", "--no-optimize"]),
+    "q8 without the passes": (lambda m: None, ["--q-bits", "8", "--no-optimize"],
+                              ["--quant q8", "--no-optimize"]),
 }
 
 

@@ -145,6 +145,36 @@ def test_killed_gguf_conversion_leaves_nothing_the_next_one_keeps(tmp_path: Path
     assert list(out.parent.iterdir()) == []
 
 
+def test_terminated_gguf_conversion_removes_its_folders_and_lock(tmp_path: Path) -> None:
+    """SIGTERM (kill, timeout, a service stopping) ends a conversion as Ctrl-C does: its temp
+    build, its staged GGUF metadata and the lock go at once, not at the next conversion onto
+    the same -o (a model-sized hidden folder until then)."""
+    from tests.export.gguf_files import write_gguf
+    from tests.export.test_safe_output import HELD_CONVERT
+
+    gguf, _ = write_gguf(tmp_path / "src" / "tiny.gguf", "llama", {})
+    scratch_root = tmp_path / "scratch"
+    scratch_root.mkdir()
+    out = tmp_path / "art" / "out"
+    signal_file = tmp_path / "held"
+    p = subprocess.Popen([sys.executable, "-c", HELD_CONVERT, str(signal_file), str(gguf),
+                          "-o", str(out), "--quiet"],
+                         env={**os.environ, "TMPDIR": str(scratch_root)},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None and not signal_file.exists():
+            time.sleep(0.05)
+        assert p.poll() is None and signal_file.exists(), "the conversion did not reach the swap"
+        p.terminate()
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert list(scratch_root.iterdir()) == [] and list(out.parent.iterdir()) == []
+
+
 def _namespace_mounts() -> bool:
     """Whether this process may mount a tmpfs in a private mount namespace (root, unshare)."""
     if not shutil.which("unshare") or not shutil.which("mount"):
