@@ -193,6 +193,16 @@ def test_rms_norm_and_attention_vs_onnxruntime() -> None:
         assert rel(g, o) <= 1e-5
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_vs_onnxruntime(approximate: str) -> None:
+    """ONNX Gelu (opset 20), exact and tanh: what a plain Gemma graph (no Gate/Up pairing)
+    computes its GeGLU gate with, on MLX as onnxruntime computes it."""
+    x = 3 * _f(2, 5, 64)
+    node = helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)
+    model = node_model(node, {"x": x}, ["y"])
+    assert rel(run_mlx(model, {"x": x})[0], run_ort(model, {"x": x})[0]) <= 1e-5
+
+
 def test_tied_q4_embedding_gather_and_lm_head() -> None:
     """DequantizeLinear(axis=1) shared by Gather (embedding) and Transpose -> MatMul (LM head)."""
     codes, scales, zps = _q4(64, 48)  # [H, V]: transpose to the [V, H] embedding layout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 
 import mlx.core as mx
@@ -62,6 +63,17 @@ _unary("Ceil", lambda xp, x: xp.ceil(x))
 _unary("Relu", lambda xp, x: xp.maximum(x, xp.zeros((), like_dtype(xp, x))))
 _unary("Sigmoid", lambda xp, x: mx.sigmoid(x), host=False)
 _unary("Erf", lambda xp, x: mx.erf(x), host=False)
+
+
+@op("", "Gelu", since=20)
+def gelu(xp: ModuleType, x, *, approximate: str = "none"):  # noqa: ANN001, ANN201
+    """ONNX Gelu: exact (erf) or approximate="tanh" (Gemma's GeGLU gate in a plain graph, where
+    the Gate/Up pairing that folds it into FusedGateUp did not run)."""
+    if approximate == "tanh":
+        return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    if approximate != "none":
+        raise ValueError(f"Gelu approximate={approximate!r} (ONNX: 'none' or 'tanh')")
+    return 0.5 * x * (1 + mx.erf(x * (1 / math.sqrt(2))))
 
 
 @op("", "Softmax", since=13)
