@@ -28,7 +28,8 @@ the same id happens to be dead here too (the worst case is a removed temp build,
 Scratch folders in the system temp folder (`scratch`, e.g. a GGUF's staged metadata) carry the
 process id too, and every conversion removes those of dead processes. SIGTERM is not a kill:
 while a conversion runs it ends the process as Ctrl-C does (`terminate_as_exit`), removing its
-own folders and lock at once.
+own folders and lock at once. The swap itself (`swap_in`) holds SIGTERM and SIGINT until its
+renames are done (`signals_deferred`), so a signal never leaves OUT missing.
 """
 
 from __future__ import annotations
@@ -269,6 +270,30 @@ def terminate_as_exit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGTERM and SIGINT arriving while the block runs are held and delivered when it ends:
+    the swap's renames run to their end, so a signal leaves the old artifact or the new one in
+    OUT_DIR, never none. Only in the main thread (where Python runs signal handlers); a handler
+    installed from C (getsignal None) is left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        if (handler := signal.getsignal(signum)) is not None:
+            previous[signum] = handler
+            signal.signal(signum, lambda s, _frame: held.append(s))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):  # each once, to the handler it was meant for
+            signal.raise_signal(signum)
+
+
+@contextlib.contextmanager
 def scratch(label: str) -> Iterator[Path]:
     """A temporary folder in the system temp folder, named with this process's id so that a
     conversion killed while it existed leaves something `remove_dead_scratch` can remove."""
@@ -436,18 +461,19 @@ def swap_in(build: Build) -> None:
         raise _clash_error(out, clash, "it changed during the conversion")
     old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
     old.rmdir()  # only the unique name is wanted: rename needs a free target
-    try:
-        os.replace(out, old)
-    except OSError as e:  # a mount point the mount table did not show (refuse_mount_point)
-        if e.errno != errno.EBUSY:
+    with signals_deferred():  # between the two renames OUT is missing: no signal ends us there
+        try:
+            os.replace(out, old)
+        except OSError as e:  # a mount point the mount table did not show (refuse_mount_point)
+            if e.errno != errno.EBUSY:
+                raise
+            raise UserError(f"-o {out} cannot be renamed ({e.strerror}): is it a mount point? "
+                            f"Convert into a folder inside it, e.g. -o {out / 'model'}") from None
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)  # put the previous artifact back before reporting the failure
             raise
-        raise UserError(f"-o {out} cannot be renamed ({e.strerror}): is it a mount point? "
-                        f"Convert into a folder inside it, e.g. -o {out / 'model'}") from None
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)  # put the previous artifact back before reporting the failure
-        raise
-    stuck = _move_users_files(old, out, owned)
-    if not stuck:  # (none can be: names were checked under the lock) else `recover` retries
-        shutil.rmtree(old, ignore_errors=True)
+        stuck = _move_users_files(old, out, owned)
+        if not stuck:  # (none can be: names were checked under the lock) else `recover` retries
+            shutil.rmtree(old, ignore_errors=True)

@@ -315,3 +315,42 @@ def test_output_created_during_the_conversion_keeps_its_files(tmp_path: Path) ->
                                                      "notes.txt"]
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# A re-conversion's swap in its own process, with a signal sent to itself from inside the
+# swap's window: right after the first rename (OUT set aside, the new artifact not yet in).
+SIGNAL_IN_SWAP = """
+import os, signal, sys
+from pathlib import Path
+from fuselm.converter.out_dir import prepare, swap_in, terminate_as_exit
+
+out, signum = Path(sys.argv[1]), int(sys.argv[2])
+out.mkdir()
+(out / "fuselm.json").write_text('{"format": "fuselm", "old": true}')
+real_replace = os.replace
+
+def replace_then_signal(src, dst):
+    real_replace(src, dst)
+    if Path(src) == out.resolve():
+        os.kill(os.getpid(), signum)
+
+with terminate_as_exit():
+    build = prepare(out)
+    try:
+        (build.tmp / "fuselm.json").write_text('{"format": "fuselm", "new": true}')
+        os.replace = replace_then_signal
+        swap_in(build)
+    finally:
+        os.replace = real_replace
+        build.close()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_inside_the_swap_leaves_the_new_artifact(tmp_path: Path, signum: int) -> None:
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-c", SIGNAL_IN_SWAP, str(out), str(int(signum))],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0, "the signal was lost"  # it still ends the process, after the swap
+    assert json.loads((out / "fuselm.json").read_text()).get("new"), p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out"]  # no old, tmp or lock left
