@@ -217,9 +217,10 @@ class QuantizeQ4:
             "symmetric": opts.symmetric,
             "zero_point": _zero_point_text(opts),
             "given": _given_record(w.tensors),
-            "scale_dtype": "float16 values (stored in the graph's float type)",
+            "scale_dtype": _scale_text(w.tensors),
             "rounding": "scale: float16 round-to-nearest-even; codes: round-half-to-even of w/s, "
-                        "+ zp",
+                        "+ zp" + ("; given blocks: the checkpoint's own scales and codes"
+                                  if any("given" in t for t in w.tensors) else ""),
             "tensors": w.tensors,
             "method": opts.method if opts.bits == 4 or opts.method != "search"
             else "minmax+grid",
@@ -505,6 +506,22 @@ def _given_record(tensors: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"kept": kept, "quantized": requantized} if kept else None
 
 
+def _scale_text(tensors: list[dict[str, Any]]) -> str:
+    """What the scales (and float biases) hold: float16 values, except the tensors whose given
+    blocks' scales float16 cannot hold (a K-quant's d*sc), counted per source type."""
+    text = "float16 values (stored in the graph's float type)"
+    wide: dict[str, int] = {}
+    for t in tensors:
+        if t["scale_values"] != "float16":
+            kind = t.get("given", "quantized")
+            wide[kind] = wide.get(kind, 0) + 1
+    if not wide:
+        return text
+    where = ", ".join(f"{k} x{n}" for k, n in sorted(wide.items()))
+    wide_text = f"float32 values (stored float32) in {where}"
+    return wide_text if sum(wide.values()) == len(tensors) else f"{text}; {wide_text}"
+
+
 def _zero_point_text(opts: QuantOptions) -> str:
     kind = "uint4/uint8" if opts.mixed else "uint4" if opts.bits == 4 else "uint8"
     # q6 stores a K that is no multiple of 4 in 8-bit blocks
@@ -676,8 +693,11 @@ class _Writer:
         data_type = weights.data_type(src)
         sdtype, cast_to = _scale_dtype(data_type)
         offsets = q.zero_points if biases is None else biases
+        floats = [a for a in (q.scales, offsets) if a.dtype.kind == "f"]
+        half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a.astype(np.float32))
+                   for a in floats)  # the values the record names (scale_values)
         if not all(np.array_equal(a.astype(sdtype).astype(np.float32), a.astype(np.float32))
-                   for a in (q.scales, offsets) if a.dtype.kind == "f"):
+                   for a in floats):
             # values the graph's float type does not hold (Q4_K's d*sc in float16): kept
             # float32, the dequantized weight cast to the graph's type
             sdtype, cast_to = np.dtype(np.float32), (None if data_type == TensorProto.FLOAT
@@ -727,6 +747,8 @@ class _Writer:
                 "scales": names[1],
                 ("biases" if biases is not None else "zero_points"): names[2],
                 "block_size": block_size,
+                "scale_values": "float16" if half else "float32",
+                "scale_stored": str(scales.dtype),
                 "partial_block": k % block_size != 0,
                 "bits_per_weight": round(8 * nbytes / size, 4),
                 "rel_rms_error": round(err, 6),

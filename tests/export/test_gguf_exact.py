@@ -79,6 +79,33 @@ def test_default_convert_keeps_the_files_blocks(exact: dict[str, tuple[Path, Pat
     assert text.count(f"(gguf {kind})") == len(q["tensors"])
 
 
+@pytest.mark.parametrize("name", ["llama-Q4_K", "llama-Q2_K", "llama-Q4_1", "llama-Q4_0"])
+def test_the_record_says_which_values_each_tensors_scales_hold(
+        exact: dict[str, tuple[Path, Path]], name: str) -> None:
+    """A K-quant's d*sc and -dmin*mn are kept float32 where float16 cannot hold them: each
+    tensor's record names the values its stored scales and biases hold, and the summary says
+    float16 only where every tensor's are."""
+    import onnx
+    from onnx import numpy_helper
+
+    _, out = exact[name]
+    q = read_manifest(out).quantization
+    model = onnx.load(str(out / "model.onnx"), load_external_data=True)
+    inits = {i.name: i for i in model.graph.initializer}
+    held = {}
+    for t in q["tensors"]:
+        parts = [numpy_helper.to_array(inits[t[k]]) for k in ("scales", "biases") if k in t]
+        f16 = all(np.array_equal(a.astype(np.float16).astype(np.float32), a.astype(np.float32))
+                  for a in parts)
+        held[t["name"]] = "float16" if f16 else "float32"
+        assert t["scale_values"] == held[t["name"]], t["name"]
+        assert t["scale_stored"] == str(parts[0].dtype)
+    wide = sorted(n for n, v in held.items() if v == "float32")
+    assert bool(wide) == (name in ("llama-Q4_K", "llama-Q2_K"))  # the K-quants' d*sc
+    assert q["scale_dtype"].startswith("float16 values") == (not wide)
+    assert ("float32 values" in q["scale_dtype"]) == bool(wide)
+
+
 def test_every_read_back_type_is_kept_beside_the_others(
         exact: dict[str, tuple[Path, Path]]) -> None:
     """IQ2_XS, IQ2_S, IQ1_S, TQ1_0, MXFP4 in one file: every tensor kept, none quantized
