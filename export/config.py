@@ -16,6 +16,7 @@ import numpy as np
 from fuselm.export.config_check import check_config
 from fuselm.export.errors import ExportError
 from fuselm.input_files import check_regular, load_file
+from fuselm.runtime_metal.model_size import decoder_parameters
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -73,6 +74,15 @@ class DecoderSpec:
     @property
     def sliding_window(self) -> int | None:
         return next((w for w in self.windows if w is not None), None)
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter of this decoder (fuselm.json's model.parameters)."""
+        return decoder_parameters(
+            self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
+            qkv_bias=self.qkv_bias, o_bias=self.o_bias, mlp_bias=self.mlp_bias,
+            qk_norm=self.qk_norm, sandwich_norms=self.sandwich_norms)
 
 
 def read_raw_config(model_dir: Path) -> dict[str, Any]:

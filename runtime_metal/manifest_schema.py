@@ -41,8 +41,9 @@ DTYPES = ("float32", "float16", "bfloat16")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 # Counts that must be >= 1; everything else numeric is only type-checked (or checked below).
-_POSITIVE = {"hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-             "intermediate_size", "vocab_size", "context_length", "sliding_window", "rotary_dim"}
+_POSITIVE = {"parameters", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+             "head_dim", "intermediate_size", "vocab_size", "context_length", "sliding_window",
+             "rotary_dim"}
 _POSITIVE_FLOAT = {"rms_norm_eps", "theta", "attention_scale"}
 
 
@@ -106,7 +107,7 @@ def _section(raw: Mapping[str, Any], name: str, cls: type, path: Path) -> None:
         value = section[f.name]
         if not _is(value, hints[f.name]):
             _fail(path, where, value, _type_name(hints[f.name]))
-        if value is not None and f.name in _POSITIVE and value < 1:
+        if isinstance(value, int) and f.name in _POSITIVE and value < 1:  # (rope.parameters: dict)
             _fail(path, where, value, "an integer >= 1")
         if f.name in _POSITIVE_FLOAT and value <= 0:
             _fail(path, where, value, "a number > 0")

@@ -32,6 +32,7 @@ class ModelInfo:
     tie_word_embeddings: bool
     context_length: int
     sliding_window: int | None = None
+    parameters: int | None = None  # every weight, as transformers' num_parameters() counts
 
 
 @dataclass

@@ -12,14 +12,30 @@ MLX_CPU_PARAMS = 50_000_000
 MLX_CPU_FLOPS = 0.75e9
 
 
+def decoder_parameters(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                       intermediate: int, vocab: int, tied: bool, *, qkv_bias: bool = False,
+                       o_bias: bool = False, mlp_bias: bool = False, qk_norm: bool = False,
+                       sandwich_norms: bool = False) -> int:
+    """Every parameter of the decoder, as transformers' num_parameters() counts them (a tied
+    table once): embeddings, attention, MLP, their biases, every norm, an untied LM head."""
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * (q + 2 * kv) + q * hidden
+    attn += (q + 2 * kv if qkv_bias else 0) + (hidden if o_bias else 0)
+    attn += 2 * head_dim if qk_norm else 0
+    mlp = 3 * hidden * intermediate + (2 * intermediate + hidden if mlp_bias else 0)
+    norms = (4 if sandwich_norms else 2) * hidden
+    embed = vocab * hidden * (1 if tied else 2)
+    return embed + layers * (attn + mlp + norms) + hidden
+
+
 def parameter_count(m: ModelInfo) -> int:
-    """Weights of the decoder: embeddings, attention, MLP, norms (and an untied LM head)."""
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    attn = m.hidden_size * (q + 2 * kv) + q * m.hidden_size
-    mlp = 3 * m.hidden_size * m.intermediate_size
-    per_layer = attn + mlp + 2 * m.hidden_size
-    embed = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return embed + m.num_layers * per_layer + m.hidden_size
+    """The model's parameter count: the one its conversion recorded (every bias and norm its
+    family has), else (an artifact from before the record) the plain decoder's."""
+    if m.parameters is not None:
+        return m.parameters
+    return decoder_parameters(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads,
+                              m.head_dim, m.intermediate_size, m.vocab_size,
+                              m.tie_word_embeddings)
 
 
 def human(n: float) -> str:

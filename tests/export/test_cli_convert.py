@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from fuselm.runtime_metal.artifact import read_manifest
+from fuselm.runtime_metal.artifact import ModelInfo, read_manifest
 
 
 def fuselm(*args: str) -> subprocess.CompletedProcess:
@@ -57,3 +58,24 @@ def test_convert_writes_artifact_and_inspect_reads_it(checkpoint, tmp_path: Path
     assert r.returncode == 0, r.stderr
     assert read_manifest(out).dtype == "float16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_the_parameter_count_is_the_models_own(tmp_path: Path) -> None:
+    """Every family's count is transformers' num_parameters() (a tied table once): Qwen2's
+    q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma 2/3's extra norms all counted."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fuselm.converter.models.builtin import FAMILIES, build_model
+    from fuselm.export.registry import decoder_spec
+    from fuselm.runtime_metal.model_size import parameter_count
+    from tests.families import TEST_CONFIGS
+
+    for family in FAMILIES:
+        folder = build_model(tmp_path / family, family, **TEST_CONFIGS.get(family, {}))
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        spec = decoder_spec(folder)
+        assert spec.parameters == hf.num_parameters(), family
+        fields = {f.name for f in dataclasses.fields(ModelInfo)}
+        info = ModelInfo(**{k: getattr(spec, k) for k in fields})
+        assert parameter_count(info) == hf.num_parameters(), family
