@@ -14,10 +14,10 @@ class Qwen2(Family):
 
     def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
                     keys: Any) -> None:
-        # transformers applies a Qwen window only with use_sliding_window, from its
-        # max_window_layers on
-        config["sliding_window"] = int(window) if window else None
-        config["use_sliding_window"] = bool(window)
+        # a window the file declares is not applied: llama.cpp's qwen2 graph reads none, and
+        # transformers' GGUF loader none either (both attend in full)
+        config["sliding_window"] = None
+        config["use_sliding_window"] = False
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         return replace(spec, qkv_bias=True)

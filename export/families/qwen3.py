@@ -18,8 +18,10 @@ class Qwen3(Family):
     def gguf_config(self, config: dict[str, Any], tensors: Any, window: int | None,
                     keys: Any) -> None:
         config["attention_bias"] = "blk.0.attn_output.bias" in tensors
-        config["sliding_window"] = int(window) if window else None
-        config["use_sliding_window"] = bool(window)
+        # a window the file declares is not applied: llama.cpp's qwen3 graph reads none, and
+        # transformers' GGUF loader none either (both attend in full)
+        config["sliding_window"] = None
+        config["use_sliding_window"] = False
 
     def configure(self, hf: Any, spec: DecoderSpec) -> DecoderSpec:
         bias = bool(getattr(hf, "attention_bias", False))

@@ -175,7 +175,8 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "pad_token_id": _token_id(gguf, "tokenizer.ggml.padding_token_id", vocab),
         "torch_dtype": "float32",
     }
-    # llama.cpp applies a sliding window only when the file declares one
+    # llama.cpp applies a sliding window only when the file declares one (and only in the
+    # architectures whose graph reads it: the family decides)
     window = _int(gguf, f"{arch}.attention.sliding_window", low=0)
     try:
         family.gguf_config(config, t, window or None, ArchKeys(gguf, arch))

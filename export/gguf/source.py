@@ -256,15 +256,12 @@ def source_record(ckpt: GGUFCheckpoint) -> dict[str, Any]:
 def builder_unsupported(ckpt: GGUFCheckpoint) -> str | None:
     """What in this file's config keeps it from the graph builder (export/graph_builder.py)
     before its spec is made (None: nothing). RoPE scaling needs transformers' own frequency
-    functions (torch); a window the config turns on with `use_sliding_window` applies from
-    transformers' `max_window_layers` on, a default this config does not restate."""
+    functions (torch)."""
     c = ckpt.config
     params = c["rope_parameters"]
     for rope in [v for v in params.values() if isinstance(v, dict)] or [params]:  # per type
         if rope.get("rope_type", "default") != "default":
             return f"RoPE scaling {rope['rope_type']}"
-    if c.get("use_sliding_window"):
-        return "a sliding window from max_window_layers on"
     return None
 
 

@@ -220,3 +220,32 @@ def test_header_reader_matches_llama_cpp_reader(gguf_cases: dict[str, tuple[Path
             assert (e.ggml_type, e.shape, e.offset, e.nbytes) == (
                 int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
                 int(t.data_offset), int(t.n_bytes)), t.name
+
+
+def test_a_qwen_files_window_is_ignored_as_llama_cpp_and_transformers_do(
+        tmp_path: Path) -> None:
+    """`qwen2.attention.sliding_window` in a file: llama.cpp's qwen2 and qwen3 graphs attend in
+    full (they read no window), and so does transformers' GGUF loader; fuselm too, where it
+    windowed the layers from transformers' max_window_layers (28) on."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    shape = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=30, vocab_size=384,
+                 num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                 sliding_window=4)
+    path, _ = write_gguf(tmp_path / "m.gguf", "qwen2", {}, seed=3, head_dim=16, **shape)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].numpy()
+    out = tmp_path / "out"
+    convert(path, out, ConvertOptions(dtype="float32"))
+    assert read_manifest(out).model.sliding_window is None
+    got = OrtEngine(out, read_manifest(out), accuracy_level=0).forward(
+        np.asarray(PROMPT)[None], all_logits=True)
+    assert rel(got, want) <= 1e-4
+    qwen3, _ = write_gguf(tmp_path / "q3.gguf", "qwen3", {}, seed=3, head_dim=16, **shape)
+    config = GGUFCheckpoint(qwen3).config
+    assert (config["sliding_window"], config["use_sliding_window"]) == (None, False)

@@ -233,9 +233,6 @@ def test_torch_path_when_the_builder_does_not_apply(gguf_files: dict[str, Path])
     assert torch_reason(ckpt) is None
     ckpt.config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     assert torch_reason(ckpt) == "RoPE scaling yarn"
-    qwen = GGUFCheckpoint(gguf_files["qwen3"])
-    qwen.config["use_sliding_window"] = True
-    assert torch_reason(qwen) == "a sliding window from max_window_layers on"
 
 
 def test_weight_screen_reads_arrays_as_it_reads_tensors() -> None:
