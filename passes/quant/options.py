@@ -170,6 +170,9 @@ def quant_options(
                               "--quant q4")
         if q_bits:
             raise PassesError("--q-bits needs quantization; drop --quant none")
+        if block_size is not None or bits_budget is not None:
+            raise PassesError("--block-size/--bits-budget shape quantized blocks; they need "
+                              "--quant q4, q6, q8 or mixed")
         return None
     bits = {"q6": 6, "q8": 8}.get(q, 4)
     if q_bits is not None and (q == "mixed" or q_bits != bits):

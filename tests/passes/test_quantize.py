@@ -375,6 +375,11 @@ def test_block_size_and_budget_are_what_was_asked() -> None:
     assert QuantOptions().blocks() == (32, None)
     assert QuantOptions(block_size=64).blocks() == (64, None)
     assert QuantOptions(bits_budget=4.5).blocks() == (32, 4.5)
+    for quant in ("none", None):  # nothing quantized: refused by name, never dropped
+        with pytest.raises(PassesError, match="--block-size/--bits-budget"):
+            quant_options(quant, block_size=64)
+        with pytest.raises(PassesError, match="--block-size/--bits-budget"):
+            quant_options(quant, bits_budget=4.5)
 
 
 # ---------------------------------------------------------------------------------------------
