@@ -38,6 +38,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "tokenizer.model",  # SentencePiece: the whole tokenizer of a checkpoint without tokenizer.json
 )
 GENERATION_CONFIG = "generation_config.json"
 INTERMEDIATE_FILES = ("raw.onnx", "raw.onnx.data")  # `convert --keep-intermediate`

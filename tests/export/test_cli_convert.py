@@ -79,3 +79,23 @@ def test_the_parameter_count_is_the_models_own(tmp_path: Path) -> None:
         fields = {f.name for f in dataclasses.fields(ModelInfo)}
         info = ModelInfo(**{k: getattr(spec, k) for k in fields})
         assert parameter_count(info) == hf.num_parameters(), family
+
+
+def test_a_sentencepiece_tokenizer_model_is_copied(checkpoint, tmp_path: Path) -> None:  # noqa: ANN001
+    """A checkpoint whose tokenizer is tokenizer.model (SentencePiece) alone: the artifact
+    carries it, recorded, as it carries tokenizer.json (it was left behind, and the artifact
+    had no tokenizer its loader could build)."""
+    import shutil
+
+    src = tmp_path / "sp"
+    shutil.copytree(checkpoint("qwen3"), src)
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.model").write_bytes(b"\x0a\x05spiece-model-bytes")
+    from fuselm.converter.pipeline import ConvertOptions, convert
+
+    out = tmp_path / "art"
+    convert(src, out, ConvertOptions(dtype="float32", optimize=False))
+    assert (out / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    m = read_manifest(out)
+    assert "tokenizer.model" in m.files["tokenizer"]
+    assert "tokenizer.model" in m.integrity["files"]
