@@ -90,7 +90,16 @@ class Checkpoint:
 
     def _find_files(self) -> list[Path]:
         if (self.root / INDEX).is_file():
-            return shard_files(self.root)  # shape checked, paths confined: export/shard_index
+            shards = shard_files(self.root)  # shape checked, paths confined: export/shard_index
+            single = self.root / "model.safetensors"
+            if single.is_file() and [p.name for p in shards] != [single.name]:
+                # transformers loads model.safetensors and never reads the index: reading the
+                # shards would convert another model than the one it runs
+                raise ExportError(
+                    f"{self.root} holds both model.safetensors and {INDEX} naming other shards; "
+                    "transformers loads model.safetensors and ignores the index, so which "
+                    "weights are meant is unclear. Remove the stale one")
+            return shards
         files = sorted(self.root.glob("*.safetensors"))
         for file in files:  # a directory or FIFO under a weight file's name: refused, not read
             check_regular(file)

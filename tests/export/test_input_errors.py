@@ -308,3 +308,26 @@ def test_tied_config_with_its_own_head_follows_transformers(good: Path, tmp_path
         want = hf(torch.tensor([ids])).logits[0].numpy()
     got = make_engine(out, "onnxruntime").forward(np.array([ids]), all_logits=True)
     assert float(np.abs(got - want).max() / np.abs(want).max()) < 1e-4
+
+
+def test_model_safetensors_beside_an_index_of_other_shards_is_refused(good: Path,
+                                                                       tmp_path: Path) -> None:
+    """transformers loads model.safetensors and ignores the index beside it; fuselm read the
+    index's shards: two different models from one folder. Refused, both named."""
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(good, tmp_path / "both")
+    tensors = load_file(str(model / "model.safetensors"))
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    for shard, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(model / shard))
+    _index({n: s for s, part in shards.items() for n in part})(model)
+    (model / "model.safetensors").unlink()
+    assert set(Checkpoint(model).tensors) == set(names)  # the shards alone: read
+    (model / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    with pytest.raises(ExportError, match="model.safetensors.index.json") as e:
+        Checkpoint(model)
+    assert "transformers loads model.safetensors" in str(e.value)
