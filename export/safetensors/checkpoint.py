@@ -7,6 +7,7 @@ unpickling a user's file runs arbitrary code. Reading needs no torch: `array` gi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,7 +101,10 @@ class Checkpoint:
                     "transformers loads model.safetensors and ignores the index, so which "
                     "weights are meant is unclear. Remove the stale one")
             return shards
-        files = sorted(self.root.glob("*.safetensors"))
+        # transformers' order: model.safetensors alone (another file beside it, such as an
+        # adapter or a consolidated copy, is not the model's), else every *.safetensors
+        single = self.root / "model.safetensors"
+        files = [single] if os.path.lexists(single) else sorted(self.root.glob("*.safetensors"))
         for file in files:  # a directory or FIFO under a weight file's name: refused, not read
             check_regular(file)
         if files:

@@ -331,3 +331,19 @@ def test_model_safetensors_beside_an_index_of_other_shards_is_refused(good: Path
     with pytest.raises(ExportError, match="model.safetensors.index.json") as e:
         Checkpoint(model)
     assert "transformers loads model.safetensors" in str(e.value)
+
+
+def test_model_safetensors_is_read_alone_as_transformers_does(good: Path,
+                                                              tmp_path: Path) -> None:
+    """Beside model.safetensors (no index), another .safetensors file (a PEFT adapter saved in
+    the same folder, a consolidated copy) is not read: transformers loads model.safetensors
+    alone, and fuselm refused the folder (unused tensors, or each one stored twice)."""
+    from safetensors.torch import save_file
+
+    model = copy_model(good, tmp_path / "extra")
+    save_file({"base_model.model.lora_A.weight": torch.zeros(2, 4)},
+              str(model / "adapter_model.safetensors"))
+    (model / "consolidated.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+    ckpt = Checkpoint(model)
+    assert set(ckpt.tensors) == set(Checkpoint(good).tensors)
+    assert {t.file.name for t in ckpt.tensors.values()} == {"model.safetensors"}
