@@ -61,6 +61,9 @@ class ConvertOptions:
             name = "mixed" if self.quant.mixed else f"q{self.quant.bits}"
             raise UserError(f"--quant {name} quantizes in the graph passes, which --no-optimize "
                             "skips; give one of them")
+        if self.keep_intermediate and not self.optimize:
+            raise UserError("--keep-intermediate keeps raw.onnx, the graph before the passes; "
+                            "with --no-optimize model.onnx is that graph. Give one of them")
 
     @classmethod
     def from_flags(cls, **options: Any) -> ConvertOptions:

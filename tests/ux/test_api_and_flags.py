@@ -225,6 +225,9 @@ def test_convert_flags_that_would_be_dropped_are_refused(hf_dir: Path, tmp_path:
         (["--no-optimize", "--passes", "qkv"], "--passes"),
         (["--quant-method", "minmax"], "--quant-method"),
         (["--no-calibration"], "--no-calibration"),
+        (["--block-size", "64"], "--block-size"),  # nothing quantized
+        (["--quant", "none", "--bits-budget", "4.5"], "--bits-budget"),
+        (["--no-optimize", "--keep-intermediate"], "--keep-intermediate"),  # model.onnx is raw
     ]
     for args, flag in cases:
         out = tmp_path / "out"
