@@ -211,6 +211,10 @@ def test_in_place_optimize_commits_with_one_rename(capsys, base: Path, tmp_path:
     art = tmp_path / "art"
     shutil.copytree(base, art)
     model = art / "model.onnx"
+    # an artifact's own model.onnx is refused as -o (its fuselm.json records it): a bare graph
+    line = one_error(*cli(capsys, "optimize", str(model), "-o", str(model)))
+    assert "part of the fuselm artifact" in line
+    (art / "fuselm.json").unlink()
     for expect, gone in (("model.onnx.alt.data", "model.onnx.data"),
                          ("model.onnx.data", "model.onnx.alt.data")):
         code, _ = cli(capsys, "optimize", str(model), "-o", str(model), "--json")
@@ -220,9 +224,6 @@ def test_in_place_optimize_commits_with_one_rename(capsys, base: Path, tmp_path:
         assert set(tensor_ranges(model)) == {expect}
         assert not (art / gone).exists()
         onnx.checker.check_model(str(model), full_check=False)
-    # fuselm.json still records the converted files: verify reports the rewritten model
-    line = one_error(*cli(capsys, "verify", str(art)))
-    assert "model.onnx" in line and "failed verification" in line
 
 
 def _edit_manifest(art: Path, edit) -> None:  # noqa: ANN001
