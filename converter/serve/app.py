@@ -240,6 +240,10 @@ async def _submit(request: Request, kind: str) -> Response:
     chat = kind == "chat"
     req = _parse(chat, data)
     _check_model(state, req)
+    if req.n > state.scheduler.max_queue:  # its choices wait together: never admitted
+        raise ApiError(400, f"n: {req.n} choices wait in the queue together, but this server "
+                            f"queues at most {state.scheduler.max_queue} (--max-queue); ask "
+                            "for fewer", param="n", code="invalid_value")
     structure = state.structure(req)
     if chat:
         ids, dropped = await run_in_threadpool(_chat_ids, state, req, structure)
@@ -264,7 +268,8 @@ async def _submit(request: Request, kind: str) -> Response:
     for opts, constraint in zip(sampling, constraints, strict=True):
         jobs.append(Job(rid, ids, opts, max_tokens, req.stop_list(), loop,
                         top_logprobs=req.alternatives(), fork_of=jobs[0] if jobs else None,
-                        constraint=constraint))
+                        constraint=constraint, tool_format=structure.fmt,
+                        tool_names=structure.names))
     try:
         state.scheduler.submit(*jobs)
     except QueueFull as e:

@@ -34,10 +34,11 @@ MAX_N = 16
 
 
 # OpenAI parameters fuselm does not implement, with the values that ask for nothing (clients
-# such as LangChain send n=1 or logprobs=false by default): any other value is refused by name
+# such as LangChain send n=1 or logprobs=false by default; parallel_tool_calls=true: a reply may
+# make several calls, as every one is parsed): any other value is refused by name
 # (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True,), "functions": ([],), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
