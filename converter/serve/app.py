@@ -148,17 +148,50 @@ def _parse(chat: bool, data: dict[str, Any]) -> Any:
         return (ChatRequest if chat else CompletionRequest).model_validate(
             without_no_ops(data, chat))
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = e.errors()
+        at = [_where(data, x["loc"], x["type"] == "missing") for x in errors]
+        # a union's branches fail apart: the one that got furthest into the value says most
+        # (["a", 5] as `stop`: item 1, rather than "not a string")
+        deepest = max(range(len(errors)), key=lambda i: at[i].count(".") + bool(at[i]))
+        first, param = errors[deepest], at[deepest] or None
         if first["type"] == "not_implemented":  # a message field (schema.Message)
             param = f"{param}.{first['ctx']['name']}"
             raise ApiError(400, f"{param}: fuselm does not implement this message field; leave "
                                 "it out", param=param, code="unsupported_parameter") from None
+        if first["type"] == "missing_call_id":
+            param = f"{param}.{first['ctx']['name']}"
+            raise ApiError(400, f"{param}: {first['msg']}", param=param,
+                           code="missing_required_parameter") from None
+        if first["type"] == "content_part":  # the message names the part
+            at = f"{param}.{first['ctx']['at']}"
+            raise ApiError(400, first["msg"].replace(first["ctx"]["at"], at, 1), param=at,
+                           code="unsupported_content" if at.endswith(".type") else None
+                           ) from None
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             raise ApiError(400, f"{param}: unknown parameter; fuselm does not implement it",
                            param=param, code="unknown_parameter") from None
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ApiError(400, f"{param}: {first['msg']}{more}", param=param) from None
+        # a union's branches each fail at the same parameter: one message names them all
+        alike = [x["msg"] for x, where in zip(errors, at, strict=True) if where == at[deepest]]
+        message = " or ".join(dict.fromkeys(
+            m if i == 0 else m.removeprefix("Input should be ") for i, m in enumerate(alike)))
+        others = e.error_count() - len(alike)
+        more = f" (and {others} more)" if others else ""
+        raise ApiError(400, f"{param}: {message}{more}", param=param) from None
+
+
+def _where(data: Any, loc: tuple[str | int, ...], missing: bool) -> str:
+    """The parameter an error's location names, without pydantic's union branches
+    ("stop.str"): the longest part of `loc` that is a path in the body (a missing field's
+    name added)."""
+    path: list[str] = []
+    for key in loc:
+        if isinstance(data, dict) and key in data or (
+                isinstance(data, list) and isinstance(key, int) and key < len(data)):
+            data = data[key]  # type: ignore[index]
+            path.append(str(key))
+    if missing and loc and (not path or path[-1] != str(loc[-1])):
+        path.append(str(loc[-1]))
+    return ".".join(path)
 
 
 def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -48,9 +49,15 @@ NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "best_of": (1,), "echo": (False
                               "suffix": ("",)}
 
 
+# OpenAI checks a parameter's JSON type: "stream": "yes", "n": 2.0 or "temperature": "0.5" is
+# a 400 naming the parameter, never read as true, 2 or 0.5 (strict=True; an integer is still a
+# number). Every model of a request body below is strict.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
     """OpenAI's stream_options: the usage chunk; obfuscation padding is not implemented."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None
@@ -84,7 +91,7 @@ def without_no_ops(data: dict[str, Any], chat: bool) -> dict[str, Any]:
 class _Request(BaseModel):
     # Unknown fields are refused (extra="forbid"); the parameters in NOT_IMPLEMENTED are
     # checked before this model and, holding no-op values there, dropped here.
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -100,7 +107,8 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # {"token id": -100..100}
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
+    # OpenAI's: any 64-bit signed integer (taken modulo 2**63, the sampler's range)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -166,8 +174,11 @@ class _Request(BaseModel):
 MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "function_call", "audio", "annotations")
 
 
+CONTENT_PART_FIELDS = {"type", "text"}  # a text part's; this model reads no other part
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
@@ -189,7 +200,34 @@ class Message(BaseModel):
                 raise PydanticCustomError(
                     "not_implemented", "{name}: fuselm does not implement this message field",
                     {"name": name})
+        if data.get("role") == "tool" and data.get("tool_call_id") in (None, ""):
+            raise PydanticCustomError(  # OpenAI's rule: the answer names the call it answers
+                "missing_call_id", "a tool message needs the tool_call_id of the call it "
+                "answers", {"name": "tool_call_id"})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # A text model: a part of another type (image_url, input_audio, file) is refused by its
+        # type, a field a text part does not have by its name; neither is dropped.
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            if not isinstance(part, dict):
+                continue  # the list[dict] type says what is wrong
+            if part.get("type") != "text":
+                raise PydanticCustomError(
+                    "content_part", "{at}: {kind} content parts are not supported; this model "
+                    "reads text parts only", {"at": f"{i}.type",
+                                              "kind": json.dumps(part.get("type"))})
+            extra = next((k for k in part if k not in CONTENT_PART_FIELDS), None)
+            if extra is not None:
+                raise PydanticCustomError(
+                    "content_part", "{at}: a text content part has no such field (it has "
+                    "type and text)", {"at": f"{i}.{extra}"})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("content_part", "{at}: a text part's text must be "
+                                          "a string", {"at": f"{i}.text"})
+        return v
 
     @field_validator("tool_calls")
     @classmethod
@@ -205,17 +243,12 @@ class Message(BaseModel):
         return v
 
     def text(self) -> str:
-        """Plain text; a content-part list may only hold text parts."""
+        """Plain text (a content-part list holds only text parts: _parts)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        out = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            out.append(part["text"])
-        return "".join(out)
+        return "".join(part["text"] for part in self.content)  # checked by _parts
 
 
 class ChatRequest(_Request):
