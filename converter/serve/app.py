@@ -36,6 +36,7 @@ from fuselm.converter.serve.schema import (
     ChatRequest,
     Choice,
     CompletionRequest,
+    TextOffsets,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -289,7 +290,7 @@ async def _submit(request: Request, kind: str) -> Response:
         sampling[0].check_vocab(state.vocab_size)
     except RuntimeUserError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
-    if chat and req.alternatives() is not None:
+    if req.alternatives() is not None:
         await run_in_threadpool(_prepare_bytes, state)
     constraints: list[TokenConstraint | None] = [None] * req.n
     if structure.grammar is not None:  # each choice follows the grammar with its own state
@@ -354,7 +355,7 @@ def _token_text(state: ServeState) -> Callable[[int], str]:
 
 
 def _prepare_bytes(state: ServeState) -> None:
-    """Build the vocabulary chat logprobs' `bytes` read (state.token_bytes) now, off the event
+    """Build the vocabulary logprobs' token bytes read (state.token_bytes) now, off the event
     loop; a tokenizer llguidance cannot read leaves them the token text's."""
     try:
         state.vocab()
@@ -404,7 +405,8 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
             lp = None
             if job.top_logprobs is not None:
                 lp = (chat_logprobs(records, token_text, state.token_bytes) if chat else
-                      completion_logprobs(records, token_text, 0))
+                      completion_logprobs(records, token_text, state.token_bytes,
+                                          TextOffsets()))
             content: str | None = text
             found = None
             if chat and structure.fmt is not None:
@@ -444,7 +446,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
     rid, created, model = jobs[0].rid, int(time.time()), state.model_id
     obj = "chat.completion.chunk" if chat else "text_completion"
     token_text = _token_text(state)
-    offsets = [0] * len(jobs)  # completions' text_offset: characters of token text sent
+    offsets = [TextOffsets() for _ in jobs]  # completions' text_offset: text sent
     tools = [ToolStream(structure.fmt, structure.names) for _ in jobs] if (
         chat and structure.fmt is not None) else None
     held: list[list[TokenLogprobs]] = [[] for _ in jobs]  # logprobs of text held back
@@ -454,9 +456,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
             return None
         if chat:
             return chat_logprobs(records, token_text, state.token_bytes)
-        out = completion_logprobs(records, token_text, offsets[i])
-        offsets[i] += sum(len(t) for t in out["tokens"])
-        return out
+        return completion_logprobs(records, token_text, state.token_bytes, offsets[i])
 
     def chunk(i: int, text: str | None, finish: str | None = None,
               records: list[TokenLogprobs] | None = None) -> dict[str, Any]:

@@ -347,18 +347,47 @@ def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
                         for r in records], "refusal": None}
 
 
+class TextOffsets:
+    """Where each token's text starts in a completion (characters), from the tokens' bytes:
+    a token holding the rest of a character starts where that character does."""
+
+    def __init__(self) -> None:
+        self.chars = 0  # characters begun so far: UTF-8 bytes that are no continuation byte
+
+    def add(self, raw: bytes) -> int:
+        continues = bool(raw) and 0x80 <= raw[0] < 0xC0
+        start = self.chars - continues if self.chars else 0
+        self.chars += sum(1 for b in raw if not 0x80 <= b < 0xC0)
+        return start
+
+
+def _legacy_name(raw: bytes) -> str:
+    # OpenAI's name for a token that is not whole UTF-8 text: its bytes, escaped
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def completion_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
-                        offset: int) -> dict[str, Any]:
-    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob},
-    likeliest first) and text_offset (where each token's text starts in the reply, counting
-    from `offset`: the characters sent before)."""
-    tokens = [token_text(r.token) for r in records]
-    starts = []
-    for text in tokens:
-        starts.append(offset)
-        offset += len(text)
+                        token_bytes: TokenBytes, offsets: TextOffsets) -> dict[str, Any]:
+    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({token:
+    logprob}, likeliest first) and text_offset (where each token's text starts in the reply;
+    `offsets` holds the choice's tokens sent before). A token is named by its text; one holding
+    part of a UTF-8 character by its bytes ("bytes:\\xe6\\x97", OpenAI's), so that two such
+    alternatives keep two keys and the tokens' texts joined make the reply's text."""
+    def name(token: int) -> tuple[str, bytes]:
+        entry = _entry(token_text, token_bytes, token, 0.0)
+        raw = bytes(entry["bytes"])
+        return _legacy_name(raw), raw
+
+    tokens, starts = [], []
+    for r in records:
+        text, raw = name(r.token)
+        tokens.append(text)
+        starts.append(offsets.add(raw))
     return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{token_text(t): lp for t, lp in r.top} for r in records],
+            "top_logprobs": [{name(t)[0]: lp for t, lp in r.top} for r in records],
             "text_offset": starts}
 
 
