@@ -159,7 +159,7 @@ def _parse(chat: bool, data: dict[str, Any]) -> Any:
             param = f"{param}.{first['ctx']['name']}"
             raise ApiError(400, f"{param}: fuselm does not implement this message field; leave "
                                 "it out", param=param, code="unsupported_parameter") from None
-        if first["type"] == "missing_call_id":
+        if first["type"] == "missing_field":  # a message's (schema.Message)
             param = f"{param}.{first['ctx']['name']}"
             raise ApiError(400, f"{param}: {first['msg']}", param=param,
                            code="missing_required_parameter") from None

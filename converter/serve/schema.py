@@ -120,6 +120,12 @@ class _Request(BaseModel):
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
     response_format: dict[str, Any] | None = None
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI's optional parameters are nullable: null asks for the default
+        return cls.model_fields[info.field_name or ""].default if v is None else v
+
     def sampling(self, defaults: SamplingOptions, choice: int = 0) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter. Choice i
         of n draws with seed + i: a seeded request with n > 1 is reproducible, its choices
@@ -202,8 +208,13 @@ class Message(BaseModel):
                     {"name": name})
         if data.get("role") == "tool" and data.get("tool_call_id") in (None, ""):
             raise PydanticCustomError(  # OpenAI's rule: the answer names the call it answers
-                "missing_call_id", "a tool message needs the tool_call_id of the call it "
+                "missing_field", "a tool message needs the tool_call_id of the call it "
                 "answers", {"name": "tool_call_id"})
+        if data.get("content") is None and not (data.get("role") == "assistant"
+                                                and data.get("tool_calls")):
+            raise PydanticCustomError(  # OpenAI's rule, where a template would write ""
+                "missing_field", "a message needs its content (an assistant's may be null "
+                "beside tool_calls)", {"name": "content"})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
     @field_validator("content", mode="before")

@@ -319,3 +319,27 @@ def test_a_negative_seed_is_a_seed(server: Server) -> None:
     r = httpx.post(server.url + "/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": -2**63 - 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_null_asks_for_the_default(server: Server) -> None:
+    """OpenAI's optional parameters are nullable: "stream": null and "n": null are the
+    defaults (one choice, not streamed), as any other null."""
+    want = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "user", "content": "hi"}]}).json()
+    got = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0, "stream": None, "n": None,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None},
+                                     {"role": "assistant", "content": None}])
+def test_a_message_without_content_is_400(server: Server, message: dict) -> None:
+    """OpenAI's rule: content is required but for an assistant's message of tool calls; a
+    message without it was rendered as empty text."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": [message, {"role": "user", "content": "hi"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages.0.content", r.text
