@@ -35,8 +35,8 @@ class ContentStops:
     """TextStream's face (push, finish, stopped) for a reply that may make tool calls: stop
     strings are matched in the text before a call only, as OpenAI's and vLLM's apply `stop` to
     content. From a call's marker on, the text is held until the end: if it parses as calls of
-    `names` it is handed out whole (the calls are parsed from it), else it was content after
-    all and the stop strings apply to it then."""
+    `names`, or max_tokens cut it (a call in progress), it is handed out whole; else it was
+    content after all and the stop strings apply to it then."""
 
     def __init__(self, decode: Decode, stop: list[str], fmt: ToolFormat,
                  names: list[str]) -> None:
@@ -63,11 +63,12 @@ class ContentStops:
             at = call_start(self.full, self.fmt)
         return self._feed(len(self.full) if at is None else at)
 
-    def finish(self) -> str:
+    def finish(self, truncated: bool = False) -> str:
+        """The text still held; `truncated`: max_tokens ended the reply."""
         if self.stopped:
             return ""
         self.full += self._text.finish()
-        if self.opened and parse_reply(self.full, self.fmt, self.names).calls:
+        if self.opened and (truncated or parse_reply(self.full, self.fmt, self.names).calls):
             out, self.fed = self._stops.flush() + self.full[self.fed:], len(self.full)
             return out
         out = self._feed(len(self.full))
@@ -114,7 +115,8 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
             yield ("error", *job.error)
             return
         if finish is not None:
-            parts.append(text.finish())
+            parts.append(text.finish() if isinstance(text, TextStream) else
+                         text.finish(truncated=finish == "length"))
         if (piece := "".join(parts)) or records:
             yield ("delta", piece, records)
             not_before = loop.time() + interval

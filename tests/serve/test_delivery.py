@@ -151,7 +151,7 @@ def test_a_client_that_leaves_frees_its_row_at_once(smol_server: Server) -> None
     assert reply.usage.completion_tokens == 4
 
 
-def _content_stops(reply: str, stop: list[str]) -> tuple[str, bool]:
+def _content_stops(reply: str, stop: list[str], truncated: bool = False) -> tuple[str, bool]:
     """`reply` through ContentStops (Qwen's <tool_call> format, one function "f"), a character
     a token: the text handed out, and whether a stop string ended it."""
     from fuselm.converter.serve.delivery import ContentStops
@@ -160,7 +160,7 @@ def _content_stops(reply: str, stop: list[str]) -> tuple[str, bool]:
     hermes = next(f for f in FORMATS if f.name == "hermes")
     text = ContentStops(lambda ids: "".join(map(chr, ids)), stop, hermes, ["f"])
     out = "".join(text.push(ord(c)) for c in reply if not text.stopped)
-    return out + text.finish(), text.stopped
+    return out + text.finish(truncated), text.stopped
 
 
 def test_stop_strings_apply_to_content_not_to_a_call() -> None:
@@ -175,3 +175,6 @@ def test_stop_strings_apply_to_content_not_to_a_call() -> None:
     assert _content_stops("<tool_call>\nnot a stop call", ["stop"]) == ("<tool_call>\nnot a ",
                                                                        True)
     assert _content_stops("plain text", ["xyz"]) == ("plain text", False)
+    # a call cut by max_tokens is a call in progress still: handed out whole (finish "length")
+    cut = call[:30]
+    assert _content_stops(cut, ["name"], truncated=True) == (cut, False)
