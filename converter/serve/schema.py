@@ -210,11 +210,11 @@ class Message(BaseModel):
             raise PydanticCustomError(  # OpenAI's rule: the answer names the call it answers
                 "missing_field", "a tool message needs the tool_call_id of the call it "
                 "answers", {"name": "tool_call_id"})
-        if data.get("content") is None and not (data.get("role") == "assistant"
-                                                and data.get("tool_calls")):
+        if data.get("content") in (None, []) and not (data.get("role") == "assistant"
+                                                      and data.get("tool_calls")):
             raise PydanticCustomError(  # OpenAI's rule, where a template would write ""
-                "missing_field", "a message needs its content (an assistant's may be null "
-                "beside tool_calls)", {"name": "content"})
+                "missing_field", "a message needs its content, a text or at least one part "
+                "(an assistant's may be null beside tool_calls)", {"name": "content"})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
 
     @field_validator("content", mode="before")

@@ -335,7 +335,8 @@ def test_null_asks_for_the_default(server: Server) -> None:
 
 
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None},
-                                     {"role": "assistant", "content": None}])
+                                     {"role": "assistant", "content": None},
+                                     {"role": "user", "content": []}])
 def test_a_message_without_content_is_400(server: Server, message: dict) -> None:
     """OpenAI's rule: content is required but for an assistant's message of tool calls; a
     message without it was rendered as empty text."""
