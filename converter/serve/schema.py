@@ -299,6 +299,11 @@ class CompletionRequest(_Request):
     def alternatives(self) -> int | None:
         return self.logprobs
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_16(cls, v: Any) -> Any:
+        return 16 if v is None else v  # null asks for the default, as left out
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:

@@ -332,6 +332,10 @@ def test_null_asks_for_the_default(server: Server) -> None:
         "messages": [{"role": "user", "content": "hi"}]})
     assert got.status_code == 200, got.text
     assert got.json()["choices"] == want["choices"]
+    # completions' max_tokens: 16 (OpenAI's default there), not the server's
+    done = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": IDS, "max_tokens": None, "temperature": 0}).json()
+    assert done["usage"]["completion_tokens"] == 16, done  # this greedy reply has no EOS
 
 
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None},
