@@ -164,3 +164,14 @@ def call_start(text: str, fmt: ToolFormat) -> int | None:
         if text.endswith(marker[:k]):
             return len(text) - k
     return None
+
+
+def call_opened(text: str, fmt: ToolFormat) -> int | None:
+    """Where in `text` a tool call certainly begins (its whole marker, or a reply opening with
+    JSON); None while none has. Unlike `call_start`, a tail that may yet grow into the marker
+    does not count."""
+    if text.lstrip()[:1] in ("{", "["):
+        return 0
+    marker = fmt.start.strip()
+    at = text.find(marker) if marker else -1
+    return at if at >= 0 else None

@@ -36,6 +36,7 @@ from fuselm.converter.serve.schema import (
     ChatRequest,
     Choice,
     CompletionRequest,
+    TextOffsets,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -148,17 +149,50 @@ def _parse(chat: bool, data: dict[str, Any]) -> Any:
         return (ChatRequest if chat else CompletionRequest).model_validate(
             without_no_ops(data, chat))
     except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = e.errors()
+        at = [_where(data, x["loc"], x["type"] == "missing") for x in errors]
+        # a union's branches fail apart: the one that got furthest into the value says most
+        # (["a", 5] as `stop`: item 1, rather than "not a string")
+        deepest = max(range(len(errors)), key=lambda i: at[i].count(".") + bool(at[i]))
+        first, param = errors[deepest], at[deepest] or None
         if first["type"] == "not_implemented":  # a message field (schema.Message)
             param = f"{param}.{first['ctx']['name']}"
             raise ApiError(400, f"{param}: fuselm does not implement this message field; leave "
                                 "it out", param=param, code="unsupported_parameter") from None
+        if first["type"] == "missing_field":  # a message's (schema.Message)
+            param = f"{param}.{first['ctx']['name']}"
+            raise ApiError(400, f"{param}: {first['msg']}", param=param,
+                           code="missing_required_parameter") from None
+        if first["type"] == "content_part":  # the message names the part
+            at = f"{param}.{first['ctx']['at']}"
+            raise ApiError(400, first["msg"].replace(first["ctx"]["at"], at, 1), param=at,
+                           code="unsupported_content" if at.endswith(".type") else None
+                           ) from None
         if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
             raise ApiError(400, f"{param}: unknown parameter; fuselm does not implement it",
                            param=param, code="unknown_parameter") from None
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ApiError(400, f"{param}: {first['msg']}{more}", param=param) from None
+        # a union's branches each fail at the same parameter: one message names them all
+        alike = [x["msg"] for x, where in zip(errors, at, strict=True) if where == at[deepest]]
+        message = " or ".join(dict.fromkeys(
+            m if i == 0 else m.removeprefix("Input should be ") for i, m in enumerate(alike)))
+        others = e.error_count() - len(alike)
+        more = f" (and {others} more)" if others else ""
+        raise ApiError(400, f"{param}: {message}{more}", param=param) from None
+
+
+def _where(data: Any, loc: tuple[str | int, ...], missing: bool) -> str:
+    """The parameter an error's location names, without pydantic's union branches
+    ("stop.str"): the longest part of `loc` that is a path in the body (a missing field's
+    name added)."""
+    path: list[str] = []
+    for key in loc:
+        if isinstance(data, dict) and key in data or (
+                isinstance(data, list) and isinstance(key, int) and key < len(data)):
+            data = data[key]  # type: ignore[index]
+            path.append(str(key))
+    if missing and loc and (not path or path[-1] != str(loc[-1])):
+        path.append(str(loc[-1]))
+    return ".".join(path)
 
 
 def _check_model(state: ServeState, req: ChatRequest | CompletionRequest) -> None:
@@ -240,6 +274,10 @@ async def _submit(request: Request, kind: str) -> Response:
     chat = kind == "chat"
     req = _parse(chat, data)
     _check_model(state, req)
+    if req.n > state.scheduler.max_queue:  # its choices wait together: never admitted
+        raise ApiError(400, f"n: {req.n} choices wait in the queue together, but this server "
+                            f"queues at most {state.scheduler.max_queue} (--max-queue); ask "
+                            "for fewer", param="n", code="invalid_value")
     structure = state.structure(req)
     if chat:
         ids, dropped = await run_in_threadpool(_chat_ids, state, req, structure)
@@ -252,7 +290,7 @@ async def _submit(request: Request, kind: str) -> Response:
         sampling[0].check_vocab(state.vocab_size)
     except RuntimeUserError as e:
         raise ApiError(400, str(e), param="logit_bias") from None
-    if chat and req.alternatives() is not None:
+    if req.alternatives() is not None:
         await run_in_threadpool(_prepare_bytes, state)
     constraints: list[TokenConstraint | None] = [None] * req.n
     if structure.grammar is not None:  # each choice follows the grammar with its own state
@@ -264,7 +302,8 @@ async def _submit(request: Request, kind: str) -> Response:
     for opts, constraint in zip(sampling, constraints, strict=True):
         jobs.append(Job(rid, ids, opts, max_tokens, req.stop_list(), loop,
                         top_logprobs=req.alternatives(), fork_of=jobs[0] if jobs else None,
-                        constraint=constraint))
+                        constraint=constraint, tool_format=structure.fmt,
+                        tool_names=structure.names))
     try:
         state.scheduler.submit(*jobs)
     except QueueFull as e:
@@ -316,7 +355,7 @@ def _token_text(state: ServeState) -> Callable[[int], str]:
 
 
 def _prepare_bytes(state: ServeState) -> None:
-    """Build the vocabulary chat logprobs' `bytes` read (state.token_bytes) now, off the event
+    """Build the vocabulary logprobs' token bytes read (state.token_bytes) now, off the event
     loop; a tokenizer llguidance cannot read leaves them the token text's."""
     try:
         state.vocab()
@@ -366,7 +405,8 @@ async def _collect(request: Request, state: ServeState, jobs: list[Job], chat: b
             lp = None
             if job.top_logprobs is not None:
                 lp = (chat_logprobs(records, token_text, state.token_bytes) if chat else
-                      completion_logprobs(records, token_text, 0))
+                      completion_logprobs(records, token_text, state.token_bytes,
+                                          TextOffsets()))
             content: str | None = text
             found = None
             if chat and structure.fmt is not None:
@@ -406,7 +446,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
     rid, created, model = jobs[0].rid, int(time.time()), state.model_id
     obj = "chat.completion.chunk" if chat else "text_completion"
     token_text = _token_text(state)
-    offsets = [0] * len(jobs)  # completions' text_offset: characters of token text sent
+    offsets = [TextOffsets() for _ in jobs]  # completions' text_offset: text sent
     tools = [ToolStream(structure.fmt, structure.names) for _ in jobs] if (
         chat and structure.fmt is not None) else None
     held: list[list[TokenLogprobs]] = [[] for _ in jobs]  # logprobs of text held back
@@ -416,9 +456,7 @@ async def _stream(state: ServeState, jobs: list[Job], chat: bool, include_usage:
             return None
         if chat:
             return chat_logprobs(records, token_text, state.token_bytes)
-        out = completion_logprobs(records, token_text, offsets[i])
-        offsets[i] += sum(len(t) for t in out["tokens"])
-        return out
+        return completion_logprobs(records, token_text, state.token_bytes, offsets[i])
 
     def chunk(i: int, text: str | None, finish: str | None = None,
               records: list[TokenLogprobs] | None = None) -> dict[str, Any]:

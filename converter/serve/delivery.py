@@ -8,7 +8,8 @@ request still wakes it at once): a fast engine would otherwise wake the event lo
 token, and each wake-up is a GIL hand-over the engine thread waits on (the loop's Python runs
 between the engine's steps). The first text goes out at once (time to first token). A stop
 string ends the request here: the job is cancelled and the engine drops its row before the
-next step.
+next step. With tools, stop strings apply to the reply's text outside a tool call
+(ContentStops): a call is never cut into content by a stop string its arguments hold.
 
 Events: ("delta", text, logprobs), ("done", finish_reason, usage) or ("error", status,
 message). A delta's logprobs are those of the tokens it took (sampling.TokenLogprobs; empty
@@ -22,11 +23,60 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fuselm.converter.serve.scheduler import Job
-from fuselm.runtime_metal.text_stream import Decode, TextStream
+from fuselm.runtime_metal.text_stream import Decode, StopMatcher, TextStream
+from fuselm.runtime_metal.tool_calls import ToolFormat, call_opened, call_start, parse_reply
 
 # Chunks per stream at most ~100/s: below what a reader notices, far above any engine's pace
 # on a slow CPU (one token per chunk there), ~10 tokens per chunk at 1 ms a token.
 CHUNK_INTERVAL_S = 0.01
+
+
+class ContentStops:
+    """TextStream's face (push, finish, stopped) for a reply that may make tool calls: stop
+    strings are matched in the text before a call only, as OpenAI's and vLLM's apply `stop` to
+    content. From a call's marker on, the text is held until the end: if it parses as calls of
+    `names`, or max_tokens cut it (a call in progress), it is handed out whole; else it was
+    content after all and the stop strings apply to it then."""
+
+    def __init__(self, decode: Decode, stop: list[str], fmt: ToolFormat,
+                 names: list[str]) -> None:
+        self._text = TextStream(decode)
+        self._stops = StopMatcher(stop)
+        self.fmt, self.names = fmt, names
+        self.full = ""  # the reply's text so far
+        self.fed = 0  # how much of it the stop matcher has seen
+        self.opened = False  # a call's marker has shown: the rest is held
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.hit is not None
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.full += self._text.push(token)
+        if self.opened:
+            return ""
+        at = call_opened(self.full, self.fmt)
+        self.opened = at is not None
+        if at is None:  # a tail that may grow into the marker waits
+            at = call_start(self.full, self.fmt)
+        return self._feed(len(self.full) if at is None else at)
+
+    def finish(self, truncated: bool = False) -> str:
+        """The text still held; `truncated`: max_tokens ended the reply."""
+        if self.stopped:
+            return ""
+        self.full += self._text.finish()
+        if self.opened and (truncated or parse_reply(self.full, self.fmt, self.names).calls):
+            out, self.fed = self._stops.flush() + self.full[self.fed:], len(self.full)
+            return out
+        out = self._feed(len(self.full))
+        return out if self.stopped else out + self._stops.flush()
+
+    def _feed(self, upto: int) -> str:
+        piece, self.fed = self.full[self.fed:upto], max(self.fed, upto)
+        return self._stops.feed(piece)
 
 
 def _usage(job: Job, completion: int) -> dict[str, int]:
@@ -36,7 +86,8 @@ def _usage(job: Job, completion: int) -> dict[str, int]:
 
 async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
                   ) -> AsyncIterator[tuple[Any, ...]]:
-    text = TextStream(decode, job.stop)
+    text: TextStream | ContentStops = TextStream(decode, job.stop) if job.tool_format is None \
+        else ContentStops(decode, job.stop, job.tool_format, job.tool_names)
     consumed = 0
     not_before = 0.0
     loop = asyncio.get_running_loop()
@@ -64,7 +115,8 @@ async def deliver(job: Job, decode: Decode, interval: float = CHUNK_INTERVAL_S
             yield ("error", *job.error)
             return
         if finish is not None:
-            parts.append(text.finish())
+            parts.append(text.finish() if isinstance(text, TextStream) else
+                         text.finish(truncated=finish == "length"))
         if (piece := "".join(parts)) or records:
             yield ("delta", piece, records)
             not_before = loop.time() + interval

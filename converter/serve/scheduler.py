@@ -36,6 +36,7 @@ from typing import Protocol
 from fuselm.runtime_metal.constraint import TokenConstraint
 from fuselm.runtime_metal.errors import RuntimeUserError
 from fuselm.runtime_metal.sampling import SamplingOptions, TokenLogprobs
+from fuselm.runtime_metal.tool_calls import ToolFormat
 
 log = logging.getLogger("fuselm.serve")
 
@@ -113,6 +114,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     top_logprobs: int | None = None
     fork_of: Job | None = None
+    # The request's tool calls' format and functions: stop strings apply outside a call only
+    # (delivery.ContentStops). None: no tools, the stop strings apply to all the text.
+    tool_format: ToolFormat | None = None
+    tool_names: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     slot: int | None = None  # the engine thread's: the batch row it decodes in

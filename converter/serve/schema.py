@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,10 +35,11 @@ MAX_N = 16
 
 
 # OpenAI parameters fuselm does not implement, with the values that ask for nothing (clients
-# such as LangChain send n=1 or logprobs=false by default): any other value is refused by name
+# such as LangChain send n=1 or logprobs=false by default; parallel_tool_calls=true: a reply may
+# make several calls, as every one is parsed): any other value is refused by name
 # (HTTP 400), never accepted and ignored. None (JSON null) always asks for nothing.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True,), "functions": ([],), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
@@ -47,9 +49,15 @@ NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "best_of": (1,), "echo": (False
                               "suffix": ("",)}
 
 
+# OpenAI checks a parameter's JSON type: "stream": "yes", "n": 2.0 or "temperature": "0.5" is
+# a 400 naming the parameter, never read as true, 2 or 0.5 (strict=True; an integer is still a
+# number). Every model of a request body below is strict.
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
     """OpenAI's stream_options: the usage chunk; obfuscation padding is not implemented."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: StrictBool | None = None
     include_obfuscation: StrictBool | None = None
@@ -83,7 +91,7 @@ def without_no_ops(data: dict[str, Any], chat: bool) -> dict[str, Any]:
 class _Request(BaseModel):
     # Unknown fields are refused (extra="forbid"); the parameters in NOT_IMPLEMENTED are
     # checked before this model and, holding no-op values there, dropped here.
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -99,7 +107,8 @@ class _Request(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # {"token id": -100..100}
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=0, lt=2**63)  # the sampler's range
+    # OpenAI's: any 64-bit signed integer (taken modulo 2**63, the sampler's range)
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -110,6 +119,12 @@ class _Request(BaseModel):
     service_tier: str | None = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
     response_format: dict[str, Any] | None = None
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI's optional parameters are nullable: null asks for the default
+        return cls.model_fields[info.field_name or ""].default if v is None else v
 
     def sampling(self, defaults: SamplingOptions, choice: int = 0) -> SamplingOptions:
         """The request's sampling over the server's defaults, parameter by parameter. Choice i
@@ -165,8 +180,11 @@ class _Request(BaseModel):
 MESSAGE_NOT_IMPLEMENTED = ("name", "refusal", "function_call", "audio", "annotations")
 
 
+CONTENT_PART_FIELDS = {"type", "text"}  # a text part's; this model reads no other part
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
@@ -188,7 +206,39 @@ class Message(BaseModel):
                 raise PydanticCustomError(
                     "not_implemented", "{name}: fuselm does not implement this message field",
                     {"name": name})
+        if data.get("role") == "tool" and data.get("tool_call_id") in (None, ""):
+            raise PydanticCustomError(  # OpenAI's rule: the answer names the call it answers
+                "missing_field", "a tool message needs the tool_call_id of the call it "
+                "answers", {"name": "tool_call_id"})
+        if data.get("content") in (None, []) and not (data.get("role") == "assistant"
+                                                      and data.get("tool_calls")):
+            raise PydanticCustomError(  # OpenAI's rule, where a template would write ""
+                "missing_field", "a message needs its content, a text or at least one part "
+                "(an assistant's may be null beside tool_calls)", {"name": "content"})
         return {k: v for k, v in data.items() if k not in MESSAGE_NOT_IMPLEMENTED}
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # A text model: a part of another type (image_url, input_audio, file) is refused by its
+        # type, a field a text part does not have by its name; neither is dropped.
+        for i, part in enumerate(v if isinstance(v, list) else []):
+            if not isinstance(part, dict):
+                continue  # the list[dict] type says what is wrong
+            if part.get("type") != "text":
+                raise PydanticCustomError(
+                    "content_part", "{at}: {kind} content parts are not supported; this model "
+                    "reads text parts only", {"at": f"{i}.type",
+                                              "kind": json.dumps(part.get("type"))})
+            extra = next((k for k in part if k not in CONTENT_PART_FIELDS), None)
+            if extra is not None:
+                raise PydanticCustomError(
+                    "content_part", "{at}: a text content part has no such field (it has "
+                    "type and text)", {"at": f"{i}.{extra}"})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("content_part", "{at}: a text part's text must be "
+                                          "a string", {"at": f"{i}.text"})
+        return v
 
     @field_validator("tool_calls")
     @classmethod
@@ -204,17 +254,12 @@ class Message(BaseModel):
         return v
 
     def text(self) -> str:
-        """Plain text; a content-part list may only hold text parts."""
+        """Plain text (a content-part list holds only text parts: _parts)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        out = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            out.append(part["text"])
-        return "".join(out)
+        return "".join(part["text"] for part in self.content)  # checked by _parts
 
 
 class ChatRequest(_Request):
@@ -253,6 +298,11 @@ class CompletionRequest(_Request):
 
     def alternatives(self) -> int | None:
         return self.logprobs
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_16(cls, v: Any) -> Any:
+        return 16 if v is None else v  # null asks for the default, as left out
 
     @field_validator("prompt")
     @classmethod
@@ -313,18 +363,47 @@ def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
                         for r in records], "refusal": None}
 
 
+class TextOffsets:
+    """Where each token's text starts in a completion (characters), from the tokens' bytes:
+    a token holding the rest of a character starts where that character does."""
+
+    def __init__(self) -> None:
+        self.chars = 0  # characters begun so far: UTF-8 bytes that are no continuation byte
+
+    def add(self, raw: bytes) -> int:
+        continues = bool(raw) and 0x80 <= raw[0] < 0xC0
+        start = self.chars - continues if self.chars else 0
+        self.chars += sum(1 for b in raw if not 0x80 <= b < 0xC0)
+        return start
+
+
+def _legacy_name(raw: bytes) -> str:
+    # OpenAI's name for a token that is not whole UTF-8 text: its bytes, escaped
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 def completion_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
-                        offset: int) -> dict[str, Any]:
-    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({text: logprob},
-    likeliest first) and text_offset (where each token's text starts in the reply, counting
-    from `offset`: the characters sent before)."""
-    tokens = [token_text(r.token) for r in records]
-    starts = []
-    for text in tokens:
-        starts.append(offset)
-        offset += len(text)
+                        token_bytes: TokenBytes, offsets: TextOffsets) -> dict[str, Any]:
+    """A completion choice's `logprobs`: tokens, token_logprobs, top_logprobs ({token:
+    logprob}, likeliest first) and text_offset (where each token's text starts in the reply;
+    `offsets` holds the choice's tokens sent before). A token is named by its text; one holding
+    part of a UTF-8 character by its bytes ("bytes:\\xe6\\x97", OpenAI's), so that two such
+    alternatives keep two keys and the tokens' texts joined make the reply's text."""
+    def name(token: int) -> tuple[str, bytes]:
+        entry = _entry(token_text, token_bytes, token, 0.0)
+        raw = bytes(entry["bytes"])
+        return _legacy_name(raw), raw
+
+    tokens, starts = [], []
+    for r in records:
+        text, raw = name(r.token)
+        tokens.append(text)
+        starts.append(offsets.add(raw))
     return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
-            "top_logprobs": [{token_text(t): lp for t, lp in r.top} for r in records],
+            "top_logprobs": [{name(t)[0]: lp for t, lp in r.top} for r in records],
             "text_offset": starts}
 
 

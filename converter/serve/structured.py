@@ -91,6 +91,9 @@ def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         _known(fn, FUNCTION_FIELDS, f"tools.{i}.function")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad("a function needs a name", f"tools.{i}.function.name")
+        if fn["name"] in function_names(tools[:i]):  # a call could not say which it means
+            raise _bad(f"another tool is named {fn['name']!r} too; function names must be "
+                       "unique", f"tools.{i}.function.name")
         params = fn.get("parameters")
         if params is not None:
             try:

@@ -149,3 +149,32 @@ def test_a_client_that_leaves_frees_its_row_at_once(smol_server: Server) -> None
     reply = srv.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
     assert reply.usage.completion_tokens == 4
+
+
+def _content_stops(reply: str, stop: list[str], truncated: bool = False) -> tuple[str, bool]:
+    """`reply` through ContentStops (Qwen's <tool_call> format, one function "f"), a character
+    a token: the text handed out, and whether a stop string ended it."""
+    from fuselm.converter.serve.delivery import ContentStops
+    from fuselm.runtime_metal.tool_calls import FORMATS
+
+    hermes = next(f for f in FORMATS if f.name == "hermes")
+    text = ContentStops(lambda ids: "".join(map(chr, ids)), stop, hermes, ["f"])
+    out = "".join(text.push(ord(c)) for c in reply if not text.stopped)
+    return out + text.finish(truncated), text.stopped
+
+
+def test_stop_strings_apply_to_content_not_to_a_call() -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"stop": 1}}\n</tool_call>'
+    # in the content before a call: cut there, as without tools
+    assert _content_stops("Sure, stop. " + call, ["stop"]) == ("Sure, ", True)
+    # inside the call: the call is handed out whole (the server parses it into tool_calls)
+    assert _content_stops("Sure. " + call, ["stop", "call>"]) == ("Sure. " + call, False)
+    # a stop string that is part of the marker is not matched across it
+    assert _content_stops(call, ["<tool"]) == (call, False)
+    # a marker followed by no call was content after all: the stop string applies
+    assert _content_stops("<tool_call>\nnot a stop call", ["stop"]) == ("<tool_call>\nnot a ",
+                                                                       True)
+    assert _content_stops("plain text", ["xyz"]) == ("plain text", False)
+    # a call cut by max_tokens is a call in progress still: handed out whole (finish "length")
+    cut = call[:30]
+    assert _content_stops(cut, ["name"], truncated=True) == (cut, False)

@@ -338,7 +338,7 @@ HOSTILE_BODIES = {  # raw JSON text -> status (JSON escapes write the lone surro
     "only brackets, 1.9 MB": ("[" * 1_900_000, 400),
     "5000-digit token id": (obj('"prompt": [' + "9" * 5000 + "]"), 400),
     "seed 2**64": (obj(f'"prompt": "x", "seed": {2**64}'), 400),
-    "seed -1": (obj('"prompt": "x", "seed": -1'), 400),
+    "seed -2**63-1": (obj(f'"prompt": "x", "seed": {-2**63 - 1}'), 400),
     "NaN temperature": (obj('"prompt": "x", "temperature": NaN'), 400),
     "1e999 max_tokens": (obj('"prompt": "x", "max_tokens": 1e999'), 400),
 }

@@ -241,3 +241,110 @@ def test_stream_options_checked(server: Server, body: dict, param: str) -> None:
         "model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True,
         "stream_options": {"include_usage": False, "include_obfuscation": False}})
     assert ok.status_code == 200 and ok.text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("chat", {"stream": "yes"}, "stream"),
+    ("chat", {"stream": 1}, "stream"),
+    ("chat", {"max_tokens": 2.0}, "max_tokens"),
+    ("chat", {"max_tokens": "2"}, "max_tokens"),
+    ("chat", {"temperature": "0.5"}, "temperature"),
+    ("chat", {"temperature": True}, "temperature"),
+    ("chat", {"logprobs": "true"}, "logprobs"),
+    ("chat", {"n": 1.0}, "n"),
+    ("chat", {"stop": 5}, "stop"),
+    ("chat", {"stop": ["a", 5]}, "stop.1"),
+    ("completions", {"seed": "1"}, "seed"),
+    ("completions", {"logprobs": 1.0}, "logprobs"),
+    ("completions", {"logit_bias": {"5": "1"}}, "logit_bias.5"),
+])
+def test_types_are_strict(server: Server, path: str, body: dict, param: str) -> None:
+    """As OpenAI's API: a value of the wrong JSON type is a 400 naming the parameter, never
+    read as another (a string as a boolean or a number, 2.0 as an integer)."""
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if path == "chat" else
+            {"prompt": "hi"})
+    r = httpx.post(f"{server.url}/v1/{path.replace('chat', 'chat/completions')}", timeout=30,
+                   json={"model": MODEL, "max_tokens": 2, **base, **body})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, r.text
+    assert error["message"].startswith(f"{param}: Input should be"), error["message"]
+    # an integer is a number: temperature 0 is as good as 0.0
+    ok = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                    json={"model": MODEL, "max_tokens": 2, "prompt": "hi", "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_a_tool_message_names_its_call(server: Server) -> None:
+    """OpenAI's rule: a tool message's tool_call_id is required (the answer names its call)."""
+    for msg in ({"role": "tool", "content": "21"}, {"role": "tool", "content": "21",
+                                                     "tool_call_id": ""}):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
+                                                          msg]})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "messages.1.tool_call_id", r.text
+
+
+@pytest.mark.parametrize(("part", "param", "word"), [
+    ({"type": "text", "text": "hi", "foo": 1}, "messages.0.content.1.foo", "no such field"),
+    ({"type": "image_url", "image_url": {"url": "data:,"}}, "messages.0.content.1.type",
+     '"image_url" content parts are not supported'),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+     "messages.0.content.1.type", '"input_audio" content parts'),
+    ({"type": "text", "text": 5}, "messages.0.content.1.text", "must be a string"),
+])
+def test_content_parts_are_text_only(server: Server, part: dict, param: str, word: str
+                                     ) -> None:
+    """The model reads text: a part of another type is refused by its type, a field a text
+    part does not have by its name (never dropped); text parts are joined."""
+    def ask(parts: list[dict]) -> httpx.Response:
+        return httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": parts}]})
+
+    r = ask([{"type": "text", "text": "hi"}, part])
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param and word in error["message"], r.text
+    joined = ask([{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]).json()
+    whole = ask([{"type": "text", "text": "hi"}]).json()
+    assert joined["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    assert joined["choices"][0]["message"] == whole["choices"][0]["message"]
+
+
+def test_a_negative_seed_is_a_seed(server: Server) -> None:
+    """OpenAI's seed is any 64-bit signed integer: a negative one seeds as any other (the same
+    reply twice), it is not refused."""
+    replies = {completion(server, temperature=1.0, seed=-7) for _ in range(2)}
+    assert len(replies) == 1
+    r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": -2**63 - 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_null_asks_for_the_default(server: Server) -> None:
+    """OpenAI's optional parameters are nullable: "stream": null and "n": null are the
+    defaults (one choice, not streamed), as any other null."""
+    want = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "user", "content": "hi"}]}).json()
+    got = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0, "stream": None, "n": None,
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+    # completions' max_tokens: 16 (OpenAI's default there), not the server's
+    done = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": IDS, "max_tokens": None, "temperature": 0}).json()
+    assert done["usage"]["completion_tokens"] == 16, done  # this greedy reply has no EOS
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "system", "content": None},
+                                     {"role": "assistant", "content": None},
+                                     {"role": "user", "content": []}])
+def test_a_message_without_content_is_400(server: Server, message: dict) -> None:
+    """OpenAI's rule: content is required but for an assistant's message of tool calls; a
+    message without it was rendered as empty text."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": [message, {"role": "user", "content": "hi"}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages.0.content", r.text

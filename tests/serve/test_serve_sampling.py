@@ -178,3 +178,35 @@ def test_logprob_bytes_are_the_tokens_own(smol_server: Server) -> None:
     for item in items:
         for alt in item.top_logprobs:
             assert alt.bytes != list("\ufffd".encode()) or alt.token != "\ufffd"
+
+
+def _legacy_bytes(token: str) -> bytes:
+    """A legacy completions token's bytes: its text, or "bytes:\\xe3\\x82" (OpenAI's)."""
+    if token.startswith("bytes:"):
+        return bytes.fromhex(token.removeprefix("bytes:").replace("\\x", ""))
+    return token.encode()
+
+
+def test_completion_logprob_tokens_and_offsets_are_exact(smol_server: Server) -> None:
+    """A token holding part of a UTF-8 character is named by its bytes (OpenAI's
+    "bytes:\\xe3\\x82"), not U+FFFD: the tokens joined are the reply's text, each text_offset
+    is where its token's character starts, two such alternatives keep two keys; streamed the
+    same."""
+    client = smol_server.client()
+    kw = dict(model=MODEL, prompt="日本の首都は", max_tokens=12, temperature=0, logprobs=2)
+    r = client.completions.create(**kw)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens)  # the case this is about
+    assert "\ufffd" not in "".join(lp.tokens) + "".join(k for d in lp.top_logprobs for k in d)
+    raw = b"".join(_legacy_bytes(t) for t in lp.tokens)
+    assert raw.decode("utf-8", "replace") == text
+    for k, token in enumerate(lp.tokens):
+        before = b"".join(_legacy_bytes(t) for t in lp.tokens[:k])
+        assert lp.text_offset[k] == len(before.decode("utf-8", "ignore"))
+        assert text[lp.text_offset[k]:].encode().startswith(_legacy_bytes(token)) or (
+            token.startswith("bytes:"))
+        assert all(len(d) == 2 for d in lp.top_logprobs)
+    parts = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+             if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset

@@ -84,6 +84,7 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEAT
 SCHEMA_OF = {"weather": WEATHER, "clock": CLOCK}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 CONTEXT = 2048
+QUEUE = 8  # the tool servers' --max-queue: below the most choices a request may ask for
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,8 @@ def tool_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         shutil.copytree(base, art)
         (art / "chat_template.jinja").write_text(template)
         started.append(start_server(art, root / f"{name}.log", "onnxruntime",
-                                    ["--max-context", str(CONTEXT), "--model-name", MODEL]))
+                                    ["--max-context", str(CONTEXT), "--model-name", MODEL,
+                                     "--max-queue", str(QUEUE)]))
     try:
         deadline = time.monotonic() + STARTUP_S
         for proc, srv in started:
@@ -159,6 +161,53 @@ def test_named_call_streams_as_tool_call_deltas(tool_servers: dict[str, Server],
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_does_not_cut_a_call(tool_servers: dict[str, Server], stream: bool
+                                          ) -> None:
+    """`stop` applies to the reply's content (OpenAI's, vLLM's): a stop string that the call's
+    own text holds ("zone", its argument's name) leaves the call whole, parsed into
+    tool_calls, rather than its raw opening cut into content."""
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200,
+                              temperature=0, stop=["zone", "</tool_call>"],
+                              tool_choice={"type": "function", "function": {"name": "clock"}})
+    client = tool_servers["qwen3"].client()
+    if stream:
+        chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        deltas = [c.choices[0].delta for c in chunks]
+        assert not any(d.content for d in deltas)
+        parts = [tc for d in deltas for tc in d.tool_calls or []]
+        assert parts[0].function.name == "clock"
+        jsonschema.validate(json.loads("".join(p.function.arguments or "" for p in parts)),
+                            CLOCK)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        return
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert "zone" in _check_call(call, "clock")
+
+
+def test_parallel_tool_calls_true_asks_for_nothing(tool_servers: dict[str, Server]) -> None:
+    """OpenAI's default, true (a reply may make several calls: fuselm parses every one), is
+    accepted; false, at most one call, is refused by name."""
+    client = tool_servers["qwen3"].client()
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=2,
+                                       parallel_tool_calls=True)
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    err = _bad_request(tool_servers["qwen3"], tools=TOOLS, parallel_tool_calls=False)
+    assert err.param == "parallel_tool_calls" and err.code == "unsupported_parameter"
+
+
+def test_n_past_the_queue_is_400(tool_servers: dict[str, Server]) -> None:
+    """n choices wait together: more than --max-queue could never be admitted, a 400 naming n
+    and the limit (not a 503 asking to retry)."""
+    err = _bad_request(tool_servers["qwen3"], n=QUEUE + 1)
+    assert err.param == "n" and f"at most {QUEUE} (--max-queue)" in err.message, err.message
+    ok = tool_servers["qwen3"].client().chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=1, n=QUEUE)
+    assert len(ok.choices) == QUEUE
+
+
 def test_tools_reach_the_template() -> None:
     text = render_chat(QWEN3, ASK, tools=TOOLS)
     assert '"name": "weather"' in text and text.index("<tools>") < text.index("Weather in")
@@ -174,6 +223,13 @@ def test_unknown_tool_name_is_400(tool_servers: dict[str, Server]) -> None:
     err = _bad_request(tool_servers["qwen3"], tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "nope"}})
     assert err.param == "tool_choice" and "'nope'" in err.message and "weather" in err.message
+
+
+def test_duplicate_function_names_are_400(server: Server) -> None:
+    """As OpenAI: two tools of one name are refused (a call could not say which it means)."""
+    err = _bad_request(server, tools=[TOOLS[0], TOOLS[1], {
+        "type": "function", "function": {"name": "weather"}}])
+    assert err.param == "tools.2.function.name" and "'weather'" in err.message, err.message
 
 
 def test_invalid_schemas_are_400(server: Server) -> None:
