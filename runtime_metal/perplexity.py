@@ -7,9 +7,10 @@ transformers, mlx-lm):
 - the tokens are cut into consecutive, non-overlapping chunks of `context` tokens; a last
   partial chunk is dropped;
 - each chunk is evaluated on its own, from an empty KV cache;
-- only the second half of each chunk is scored: the tokens at positions context/2 .. context-1,
-  each predicted from every token before it in the chunk, so every scored token sees at least
-  context/2 tokens of context;
+- only the second half of each chunk is scored: the tokens at positions context/2 + 1 ..
+  context-1 (context/2 - 1 of them: llama-perplexity's `first = n_ctx/2` and its
+  `n_ctx - 1 - first` tokens, so the same logits give its number), each predicted from every
+  token before it in the chunk, so every scored token sees more than context/2 tokens;
 - PPL = exp(mean NLL) over all scored tokens; its ± is the standard error of the mean NLL
   carried through exp (delta method: PPL · SE), as llama-perplexity prints it.
 """
@@ -84,15 +85,16 @@ def chunks(tokens: Sequence[int], context: int) -> list[list[int]]:
 
 
 def chunk_nll(logits: np.ndarray, ids: Sequence[int]) -> np.ndarray:
-    """NLL of the second half of one chunk: tokens ids[c/2:], from logits at positions before."""
+    """NLL of the second half of one chunk: tokens ids[c/2 + 1:], from the logits at positions
+    c/2 .. c-2 (llama-perplexity's count, the module's rule)."""
     c = len(ids)
     first = c // 2
     if logits.shape[0] != c:
         raise ValueError(f"logits for {logits.shape[0]} positions, chunk has {c}")
-    z = np.asarray(logits[first - 1:c - 1], dtype=np.float64)
+    z = np.asarray(logits[first:c - 1], dtype=np.float64)
     z = z - z.max(axis=-1, keepdims=True)
     log_norm = np.log(np.exp(z).sum(axis=-1))
-    targets = np.asarray(ids[first:], dtype=np.int64)
+    targets = np.asarray(ids[first + 1:], dtype=np.int64)
     return log_norm - z[np.arange(len(targets)), targets]
 
 

@@ -506,3 +506,33 @@ def test_key_blocks_equal_a_sequence_keys_per_channel() -> None:
                         codes, want, strict=True))
                 else:
                     assert not any(a.any() for a in codes)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sliding_window_family_over_a_quantized_cache(tmp_path: Path, bits: int) -> None:
+    """Gemma 2 (every other layer a sliding window of 8, attention soft-cap) with head_dim 32
+    over a quantized cache: a 50-token prompt prefilled in chunks of 7 (each crossing window
+    and group edges mid-chunk), of 16 and whole give the same 40 greedy tokens (decode crosses
+    the 4-bit key group ending at position 64), as the batch decoder's row does beside another
+    that joins later."""
+    from fuselm.converter.models.builtin import build_model
+    from tests.families import TEST_CONFIGS
+    from tests.runtime.conftest import convert
+
+    hf = build_model(tmp_path / "hf", "gemma2", **{**TEST_CONFIGS["gemma2"], "head_dim": 32})
+    engine = make_engine(convert(hf, tmp_path / "out"), "mlx", kv_bits=bits, kv_group_size=32)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(4, 384, n)] for n in (50, 21)]
+    n = 40
+    want = generate(engine, prompts[0], max_new_tokens=n, prefill_chunk=16).tokens
+    for chunk in (7, 512):
+        assert generate(engine, prompts[0], max_new_tokens=n, prefill_chunk=chunk).tokens == want
+    other = generate(engine, prompts[1], max_new_tokens=n).tokens
+    dec = BatchDecoder(engine, max_batch=2, max_context=128)
+    got: dict[int, list[int]] = {}
+    for step in range(n + 3):
+        if step in (0, 3):
+            got[dec.add(prompts[step // 3])] = []
+        for slot, token in dec.step().items():
+            got[slot].append(token)
+    assert [got[s][:n] for s in sorted(got)] == [want, other]

@@ -26,11 +26,14 @@ from fuselm.runtime_metal.validate import hf_logits, hf_model
 
 
 def test_chunk_nll_is_torch_cross_entropy_on_the_second_half() -> None:
+    """llama-perplexity's count: of a chunk of c tokens, the c/2 - 1 after position c/2 are
+    scored (llama.cpp's `first = n_ctx/2`, `n_ctx - 1 - first` tokens from the logits at
+    first .. c-2), so its PPL of the same logits is ours."""
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(8, 11)).astype(np.float32) * 3
     ids = rng.integers(0, 11, size=8).tolist()
     want = torch.nn.functional.cross_entropy(
-        torch.tensor(logits[3:7], dtype=torch.float64), torch.tensor(ids[4:]), reduction="none")
+        torch.tensor(logits[4:7], dtype=torch.float64), torch.tensor(ids[5:]), reduction="none")
     np.testing.assert_allclose(chunk_nll(logits, ids), want.numpy(), rtol=1e-12)
 
 
@@ -45,7 +48,7 @@ def test_chunks_drop_the_partial_tail_and_check_context() -> None:
 def test_uniform_model_has_vocab_perplexity() -> None:
     r = perplexity_of(lambda ids: np.zeros((len(ids), 50)), list(range(40)), context=8)
     assert math.isclose(r.ppl, 50.0) and r.ppl_stderr < 1e-9
-    assert (r.chunks, r.scored_tokens, r.evaluated_tokens) == (5, 20, 40)
+    assert (r.chunks, r.scored_tokens, r.evaluated_tokens) == (5, 15, 40)
 
 
 @pytest.mark.parametrize("engine", ["onnxruntime", "mlx"])
@@ -68,7 +71,7 @@ def test_cli_json_and_errors(qwen3_artifact: Path, tmp_path: Path) -> None:
                                    "--engine", "onnxruntime", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["context"] == 128 and out["scored_tokens"] == out["chunks"] * 64
+    assert out["context"] == 128 and out["scored_tokens"] == out["chunks"] * 63
     assert out["ppl"] > 1 and out["tokens_per_s"] > 0
     short = tmp_path / "short.txt"
     short.write_text("too short")
