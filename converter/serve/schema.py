@@ -43,6 +43,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
     "safety_identifier": (),
+    "store": (False,),  # store: true asks OpenAI to keep the completion for later retrieval
 }
 NOT_IMPLEMENTED_CHAT = NOT_IMPLEMENTED
 NOT_IMPLEMENTED_COMPLETION = {**NOT_IMPLEMENTED, "best_of": (1,), "echo": (False,),
@@ -115,7 +116,6 @@ class _Request(BaseModel):
     # Sent by clients for OpenAI's bookkeeping; nothing here to do with them.
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
     service_tier: str | None = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
     response_format: dict[str, Any] | None = None

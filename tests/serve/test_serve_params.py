@@ -28,6 +28,7 @@ CHAT_REFUSED = {
     "functions": [TOOL["function"]], "function_call": "auto", "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
+    "store": True,
 }
 COMPLETION_REFUSED = {"best_of": 2, "echo": True, "suffix": "end"}
 
