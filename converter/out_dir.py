@@ -170,6 +170,20 @@ def _manifest_record(folder: Path) -> dict | None:
     return raw if isinstance(raw, dict) and raw.get("format") == artifact.FORMAT else None
 
 
+def recorded_files(folder: Path) -> set[str]:
+    """The names of the files the fuselm artifact in `folder` records (its fuselm.json's
+    integrity and files sections; none where there is no fuselm manifest), unhashed."""
+    raw = _manifest_record(folder)
+    if raw is None:
+        return set()
+    integrity = raw.get("integrity")
+    records = integrity.get("files") if isinstance(integrity, dict) else None
+    files = raw.get("files")
+    return {*(records if isinstance(records, dict) else ()),
+            *(v for v in (files.values() if isinstance(files, dict) else ())
+              if isinstance(v, str))}
+
+
 def owned_files(folder: Path) -> dict[str, Fingerprint]:
     """The files of an artifact folder that are fuselm's, with their fingerprints: fuselm.json
     itself (a fuselm manifest), and each file it records in `integrity.files` that bears a name a

@@ -176,6 +176,8 @@ class BatchDecoder:
             raise RuntimeUserError(f"the number of drafted tokens must be >= 1, got {num_draft}")
         self.drafter = drafter
         self.num_draft = num_draft if drafter is not None else 0
+        # positions a row's step may write past its length: the token fed ahead, the drafts
+        self.overhang = 1 + self.num_draft
         self.drafted = self.accepted = 0  # drafted tokens checked, and those kept
         self.engine = engine
         self.max_context = max_context
@@ -184,7 +186,7 @@ class BatchDecoder:
         self.reused_tokens = 0  # prompt tokens not prefilled again (prefix reuse)
         # Room for max_context positions plus the write of a token fed ahead at max_context,
         # and a speculative step's drafts and dummies past a row's length.
-        room = max_context + 1 + self.num_draft
+        room = max_context + self.overhang
         self.capacity = -(-room // KVCache.step) * KVCache.step
         self.row_blocks = -(-room // BLOCK)  # the most blocks one table holds
         program = engine.batch_program()
@@ -256,7 +258,7 @@ class BatchDecoder:
         its whole blocks, with one position more for a token fed ahead (batched mode), or a
         slot's whole row (the other modes)."""
         if self.mode == "batched":  # a speculative step writes its drafts past the length
-            return -(-(tokens + 1 + self.num_draft) // BLOCK) * BLOCK
+            return -(-(tokens + self.overhang) // BLOCK) * BLOCK
         return self.capacity
 
     @property
@@ -269,10 +271,10 @@ class BatchDecoder:
     @property
     def kv_window(self) -> int:
         """The longest sequence (prompt + completion) the whole budget holds: max_context, or
-        less when the block pool is smaller than one sequence of max_context (kv_cost: one
-        position fed ahead and a speculative step's drafts)."""
+        less when the block pool is smaller than one sequence of max_context (less `overhang`,
+        as kv_cost counts it)."""
         if self.mode == "batched":
-            return min(self.max_context, self.kv_budget - 1 - self.num_draft)
+            return min(self.max_context, self.kv_budget - self.overhang)
         return self.max_context
 
     def kv_held(self) -> int:

@@ -152,14 +152,9 @@ def call_start(text: str, fmt: ToolFormat) -> int | None:
     """Where in `text` (a reply so far) a tool call may begin: 0 when the reply opens with JSON,
     else at its marker or at a tail that may grow into the marker; None when no part may. A
     stream holds the text from there back until it knows."""
-    if text.lstrip()[:1] in ("{", "["):
-        return 0
-    marker = fmt.start.strip()
-    if not marker:
-        return None
-    at = text.find(marker)
-    if at >= 0:
+    if (at := call_opened(text, fmt)) is not None:
         return at
+    marker = fmt.start.strip()
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
             return len(text) - k

@@ -45,18 +45,6 @@ def _load(path: Path):  # noqa: ANN202 - onnx.ModelProto
     return model
 
 
-def _artifact_files(out: Path) -> set[str]:
-    """The files a fuselm artifact in out's folder records (none where there is no readable
-    fuselm.json): writing one of them would leave the artifact's record naming files that are
-    gone or changed, an artifact that no longer loads."""
-    try:
-        raw = json.loads((out.parent / "fuselm.json").read_text())
-        recorded = (raw.get("integrity") or {}).get("files") or {}
-        return set(recorded) | {v for v in (raw.get("files") or {}).values() if isinstance(v, str)}
-    except (OSError, ValueError, AttributeError):
-        return set()
-
-
 def _weight_bytes(model) -> int:  # noqa: ANN001
     return sum(len(t.raw_data) for t in model.graph.initializer)
 
@@ -145,7 +133,9 @@ def optimize(input_path: Path, output_path: Path, pass_list: str | None, as_json
         raise UserError(f"-o {output_path} is a directory; give the output model's file name, "
                         f"e.g. -o {output_path / 'model.onnx'}")
     taken = {output_path.name, output_path.name + ".data", output_path.name + ".alt.data"}
-    if taken & _artifact_files(output_path):
+    from fuselm.converter.out_dir import recorded_files
+
+    if taken & recorded_files(output_path.parent):
         raise UserError(f"-o {output_path} is part of the fuselm artifact in "
                         f"{output_path.parent} (its fuselm.json records it): overwriting it would "
                         "break that artifact; write the optimized model elsewhere")

@@ -120,10 +120,11 @@ class _Request(BaseModel):
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by structured.py
     response_format: dict[str, Any] | None = None
 
-    @field_validator("n", "stream", mode="before")
+    @field_validator("n", "stream", "max_tokens", mode="before")
     @classmethod
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
-        # OpenAI's optional parameters are nullable: null asks for the default
+        # OpenAI's optional parameters are nullable: null asks for the default (the model's:
+        # a completion's max_tokens 16)
         return cls.model_fields[info.field_name or ""].default if v is None else v
 
     def sampling(self, defaults: SamplingOptions, choice: int = 0) -> SamplingOptions:
@@ -299,11 +300,6 @@ class CompletionRequest(_Request):
     def alternatives(self) -> int | None:
         return self.logprobs
 
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _null_is_16(cls, v: Any) -> Any:
-        return 16 if v is None else v  # null asks for the default, as left out
-
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
@@ -341,12 +337,19 @@ TokenText = Callable[[int], str]  # one token id's text
 TokenBytes = Callable[[int], bytes | None]  # one token id's own bytes (None: not known)
 
 
-def _entry(token_text: TokenText, token_bytes: TokenBytes, token: int, logprob: float
-           ) -> dict[str, Any]:
+def _text_and_bytes(token_text: TokenText, token_bytes: TokenBytes, token: int
+                    ) -> tuple[str, bytes]:
+    """A token's text as it decodes alone, and its bytes: that text's UTF-8, or for a token
+    holding part of a UTF-8 character (decoding alone to U+FFFD) its own bytes."""
     text = token_text(token)
     raw = token_bytes(token) if REPLACEMENT in text else None
-    return {"token": text, "logprob": logprob,
-            "bytes": list(text.encode("utf-8") if raw is None else raw)}
+    return text, text.encode("utf-8") if raw is None else raw
+
+
+def _entry(token_text: TokenText, token_bytes: TokenBytes, token: int, logprob: float
+           ) -> dict[str, Any]:
+    text, raw = _text_and_bytes(token_text, token_bytes, token)
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
 
 def chat_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
@@ -393,8 +396,7 @@ def completion_logprobs(records: Sequence[TokenLogprobs], token_text: TokenText,
     part of a UTF-8 character by its bytes ("bytes:\\xe6\\x97", OpenAI's), so that two such
     alternatives keep two keys and the tokens' texts joined make the reply's text."""
     def name(token: int) -> tuple[str, bytes]:
-        entry = _entry(token_text, token_bytes, token, 0.0)
-        raw = bytes(entry["bytes"])
+        raw = _text_and_bytes(token_text, token_bytes, token)[1]
         return _legacy_name(raw), raw
 
     tokens, starts = [], []

@@ -90,9 +90,9 @@ class Checkpoint:
                 )
 
     def _find_files(self) -> list[Path]:
+        single = self.root / "model.safetensors"
         if (self.root / INDEX).is_file():
             shards = shard_files(self.root)  # shape checked, paths confined: export/shard_index
-            single = self.root / "model.safetensors"
             if single.is_file() and [p.name for p in shards] != [single.name]:
                 # transformers loads model.safetensors and never reads the index: reading the
                 # shards would convert another model than the one it runs
@@ -103,7 +103,6 @@ class Checkpoint:
             return shards
         # transformers' order: model.safetensors alone (another file beside it, such as an
         # adapter or a consolidated copy, is not the model's), else every *.safetensors
-        single = self.root / "model.safetensors"
         files = [single] if os.path.lexists(single) else sorted(self.root.glob("*.safetensors"))
         for file in files:  # a directory or FIFO under a weight file's name: refused, not read
             check_regular(file)

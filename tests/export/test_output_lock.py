@@ -108,9 +108,10 @@ def test_two_processes_swapping_into_one_output(tmp_path: Path) -> None:
     assert any(data == f"{tag} {i}".encode() * 4096 for tag in "ab" for i in range(20))
 
 
-def test_killed_gguf_conversion_leaves_nothing_the_next_one_keeps(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch
-                                                                  ) -> None:
+def _held_gguf_conversion(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A tiny GGUF's conversion in a process of its own, held just before its swap (test_safe_
+    output.HELD_CONVERT), its system temp folder `scratch`: (the process, its -o, that folder).
+    Its stderr is a pipe (text)."""
     from tests.export.gguf_files import write_gguf
     from tests.export.test_safe_output import HELD_CONVERT
 
@@ -122,16 +123,26 @@ def test_killed_gguf_conversion_leaves_nothing_the_next_one_keeps(tmp_path: Path
     p = subprocess.Popen([sys.executable, "-c", HELD_CONVERT, str(signal_file), str(gguf),
                           "-o", str(out), "--quiet"],
                          env={**os.environ, "TMPDIR": str(scratch_root)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None and not signal_file.exists():
+        time.sleep(0.05)
+    if p.poll() is not None or not signal_file.exists():
+        p.kill()
+        _, err = p.communicate(timeout=60)
+        pytest.fail(f"the conversion did not reach the swap: {err}")
+    return p, out, scratch_root
+
+
+def test_killed_gguf_conversion_leaves_nothing_the_next_one_keeps(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    p, out, scratch_root = _held_gguf_conversion(tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and p.poll() is None and not signal_file.exists():
-            time.sleep(0.05)
-        assert p.poll() is None and signal_file.exists(), "the conversion did not reach the swap"
         os.kill(p.pid, signal.SIGKILL)
     finally:
         p.kill()
-        p.wait(timeout=60)
+        p.communicate(timeout=60)
     staged = list(scratch_root.iterdir())
     assert [s.name.startswith(f"fuselm-gguf-{p.pid}-") for s in staged] == [True]
     assert any(staged[0].iterdir())  # the staged metadata and tokenizer files
@@ -149,23 +160,8 @@ def test_terminated_gguf_conversion_removes_its_folders_and_lock(tmp_path: Path)
     """SIGTERM (kill, timeout, a service stopping) ends a conversion as Ctrl-C does: its temp
     build, its staged GGUF metadata and the lock go at once, not at the next conversion onto
     the same -o (a model-sized hidden folder until then)."""
-    from tests.export.gguf_files import write_gguf
-    from tests.export.test_safe_output import HELD_CONVERT
-
-    gguf, _ = write_gguf(tmp_path / "src" / "tiny.gguf", "llama", {})
-    scratch_root = tmp_path / "scratch"
-    scratch_root.mkdir()
-    out = tmp_path / "art" / "out"
-    signal_file = tmp_path / "held"
-    p = subprocess.Popen([sys.executable, "-c", HELD_CONVERT, str(signal_file), str(gguf),
-                          "-o", str(out), "--quiet"],
-                         env={**os.environ, "TMPDIR": str(scratch_root)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p, out, scratch_root = _held_gguf_conversion(tmp_path)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and p.poll() is None and not signal_file.exists():
-            time.sleep(0.05)
-        assert p.poll() is None and signal_file.exists(), "the conversion did not reach the swap"
         p.terminate()
         _, err = p.communicate(timeout=60)
     finally:
